@@ -77,24 +77,25 @@ def test_logits_and_every_hidden_state_match_hf(hf_pair, padding):
     assert np.allclose(np.linalg.norm(np.asarray(out.fingerprint), axis=-1), 1.0, atol=1e-6)
 
 
-@pytest.mark.parametrize("layer", [0, 1, -2])
-def test_fingerprint_layer_selects_hf_hidden_state(hf_pair, layer):
+def test_fingerprint_layer_selects_hf_hidden_state(hf_pair):
     model, _, path = hf_pair
-    actor = load_hf_checkpoint(path, fingerprint_layer=layer)
     ids, mask = random_batch(3, 9, model.config.vocab_size, padding="left", seed=4)
     _, ref_hidden = hf_forward(model, ids, mask)
     rows = np.arange(len(ids))
-    out = actor(ids, mask)
-    np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, last_real(mask)]),
-                               atol=1e-5)
-    # An explicit column per row picks that column instead.
     cols = np.array([8, 5, 7], np.int32)
-    out = actor(ids, mask, fingerprint_index=cols)
-    np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, cols]), atol=1e-5)
+    for layer in (0, 1, -2):
+        actor = load_hf_checkpoint(path, fingerprint_layer=layer)
+        out = actor(ids, mask)
+        np.testing.assert_allclose(np.asarray(out.fingerprint),
+                                   normalise(ref_hidden[layer][rows, last_real(mask)]), atol=1e-5)
+        # An explicit column per row picks that column instead.
+        out = actor(ids, mask, fingerprint_index=cols)
+        np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, cols]),
+                                   atol=1e-5)
 
 
-def test_left_and_right_padding_give_the_same_outputs_at_real_tokens(hf_pair):
-    _, actor, _ = hf_pair
+def test_left_and_right_padding_give_the_same_outputs_at_real_tokens():
+    actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(3))
     ids_l, mask_l = random_batch(3, 8, 300, padding="left", seed=5, min_real=3)
     # Move each row's real tokens to the front (right padding).
     ids_r = np.zeros_like(ids_l)
@@ -110,8 +111,8 @@ def test_left_and_right_padding_give_the_same_outputs_at_real_tokens(hf_pair):
         np.testing.assert_allclose(np.asarray(out_l.logits[b, -n:]), np.asarray(out_r.logits[b, :n]), atol=1e-4)
 
 
-def test_jitted_split_state_forward_equals_eager(hf_pair):
-    _, actor, _ = hf_pair
+def test_jitted_split_state_forward_equals_eager():
+    actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(4))
     ids, mask = random_batch(2, 7, 300, padding="left", seed=6)
     graphdef, state = nnx.split(actor)
 
@@ -126,8 +127,10 @@ def test_jitted_split_state_forward_equals_eager(hf_pair):
     np.testing.assert_allclose(np.asarray(fp), np.asarray(eager.fingerprint), atol=1e-6)
 
 
-def test_bf16_activations_keep_fp32_logits_and_stay_close(hf_pair):
-    model, _, path = hf_pair
+def test_bf16_activations_keep_fp32_logits_and_stay_close(tmp_path):
+    model = build_hf_model(seed=11, tie_word_embeddings=False)
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
     actor = load_hf_checkpoint(path, dtype=jnp.bfloat16)
     assert actor.embed.embedding[...].dtype == jnp.bfloat16
     ids, mask = random_batch(2, 8, model.config.vocab_size, padding="left", seed=7)
@@ -148,8 +151,7 @@ def _extend(ids, mask, new_tokens):
             np.concatenate([mask, np.ones_like(new_tokens, dtype=mask.dtype)], axis=1))
 
 
-@pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("layer", [-1, 1])
+@pytest.mark.parametrize("padding,layer", [("left", -1), ("right", 1)])
 def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     cfg = Qwen2Config.tiny(tie_word_embeddings=False, num_key_value_heads=1, num_hidden_layers=3)
     actor = Qwen2Actor(cfg, fingerprint_layer=layer, rngs=nnx.Rngs(1))
