@@ -241,3 +241,15 @@ def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_token():
     ids[0, 2] = 600
     logits = nnx.jit(lambda m, i, k: m(i, k).logits)(actor, jnp.asarray(ids), jnp.asarray(mask))
     assert np.isnan(np.asarray(logits[0, 2:])).all() and np.isfinite(np.asarray(logits[1])).all()
+
+
+def test_forward_hidden_and_lm_logits_compose_to_the_forward():
+    actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), fingerprint_layer=1, rngs=nnx.Rngs(8))
+    ids, mask = random_batch(2, 6, 512, padding="left", seed=12)
+    h, fp = actor.forward_hidden(ids, mask)
+    full = actor(ids, mask)
+    assert h.shape == (2, 6, 64)
+    np.testing.assert_allclose(np.asarray(fp), np.asarray(full.fingerprint), atol=1e-6)
+    # Chunked over T, as a trainer would do for a large vocabulary.
+    chunks = [actor.lm_logits(h[:, i:i + 2]) for i in range(0, 6, 2)]
+    np.testing.assert_allclose(np.concatenate(chunks, axis=1), np.asarray(full.logits), atol=1e-6)
