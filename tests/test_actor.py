@@ -225,7 +225,7 @@ def test_forward_rejects_bad_inputs_with_the_field_named():
         actor(ids, mask[:, :5])
     with pytest.raises(ValueError, match=r"input_ids must be int32\[B, T\]"):
         actor(ids[0], mask[0])
-    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"input_ids at real tokens must lie in \[0, 512\)"):
         actor(ids + 512, mask)
     with pytest.raises(ValueError, match="attention_mask row 1 has no real token"):
         actor(ids, np.array([[1] * 6, [0] * 6], np.int32))
@@ -241,6 +241,14 @@ def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_token():
     ids[0, 2] = 600
     logits = nnx.jit(lambda m, i, k: m(i, k).logits)(actor, jnp.asarray(ids), jnp.asarray(mask))
     assert np.isnan(np.asarray(logits[0, 2:])).all() and np.isfinite(np.asarray(logits[1])).all()
+
+
+def test_padding_columns_may_hold_any_id():
+    actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
+    ids, mask = random_batch(3, 5, 512, padding="left", seed=13, min_real=2)
+    odd = np.where(mask == 1, ids, -1).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(actor(odd, mask).logits)[mask == 1],
+                                  np.asarray(actor(ids, mask).logits)[mask == 1])
 
 
 def test_forward_hidden_and_lm_logits_compose_to_the_forward():

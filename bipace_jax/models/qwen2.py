@@ -320,10 +320,11 @@ class Qwen2Actor(nnx.Module):
         mdt = jnp.result_type(attention_mask)
         if not (jnp.issubdtype(mdt, jnp.integer) or mdt == jnp.bool_):
             raise ValueError(f"{where}: attention_mask must be int or bool, got {mdt}")
-        if isinstance(input_ids, np.ndarray) and input_ids.size:
-            if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-                raise ValueError(f"{where}: input_ids must lie in [0, {self.config.vocab_size}), got "
-                                 f"[{input_ids.min()}, {input_ids.max()}]")
+        if isinstance(input_ids, np.ndarray) and isinstance(attention_mask, np.ndarray) and input_ids.size:
+            real = input_ids[attention_mask.astype(bool)]
+            if real.size and (real.min() < 0 or real.max() >= self.config.vocab_size):
+                raise ValueError(f"{where}: input_ids at real tokens must lie in [0, {self.config.vocab_size}), "
+                                 f"got [{real.min()}, {real.max()}]")
         if isinstance(attention_mask, np.ndarray) and attention_mask.size:
             if not np.all(attention_mask.astype(bool).any(axis=1)):
                 bad = int(np.flatnonzero(~attention_mask.astype(bool).any(axis=1))[0])
@@ -347,7 +348,8 @@ class Qwen2Actor(nnx.Module):
         attn_mask = causal[None] & mask[:, None, :]
         fp_at = self.fingerprint_hidden_index
         n_layers = self.config.num_hidden_layers
-        x = self._embed(input_ids)
+        # Padding columns may hold any id (e.g. -1): they are read as token 0 and masked out.
+        x = self._embed(jnp.where(mask, input_ids, 0))
         hidden = [x] if output_hidden_states else None
         fingerprint = self._fingerprint(x, fingerprint_index) if fp_at == 0 else None
         ks, vs = [], []
@@ -384,8 +386,9 @@ class Qwen2Actor(nnx.Module):
         """Full causal forward: logits for every column and the fingerprint, from one pass.
 
         Args:
-          input_ids: int32 [B, T], token ids in [0, V) (out-of-range ids give NaN logits under jit;
-            a concrete NumPy input is checked and raises).
+          input_ids: int32 [B, T], token ids in [0, V) at real tokens (padding columns may hold
+            any id). An out-of-range id at a real token gives NaN outputs for its row under jit
+            (never a silently clamped token); a concrete NumPy input is checked and raises.
           attention_mask: int32 or bool [B, T], 1 for real tokens; padding on either side.
           fingerprint_index: int32 [B], the column of each row's fingerprint; default each row's
             last real token.
