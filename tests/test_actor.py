@@ -261,3 +261,22 @@ def test_forward_hidden_and_lm_logits_compose_to_the_forward():
     # Chunked over T, as a trainer would do for a large vocabulary.
     chunks = [actor.lm_logits(h[:, i:i + 2]) for i in range(0, 6, 2)]
     np.testing.assert_allclose(np.concatenate(chunks, axis=1), np.asarray(full.logits), atol=1e-6)
+
+
+def test_remat_leaves_outputs_and_gradients_unchanged():
+    actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(9))
+    ids, mask = random_batch(2, 6, 512, padding="left", seed=14)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+
+    def loss(model):
+        out = model(ids, mask)
+        return jnp.sum(jax.nn.log_softmax(out.logits)[..., 7] * mask) + jnp.sum(out.fingerprint[:, :3])
+
+    grad = nnx.jit(nnx.value_and_grad(loss))
+    value, grads = grad(actor)
+    actor.remat = True
+    value_r, grads_r = grad(actor)
+    np.testing.assert_allclose(float(value_r), float(value), rtol=1e-6)
+    for (path, g), (_, g_r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_r)):
+        np.testing.assert_allclose(np.asarray(g_r.get_value()), np.asarray(g.get_value()), rtol=1e-4, atol=1e-5,
+                                   err_msg=str(path))

@@ -252,6 +252,9 @@ class Qwen2Actor(nnx.Module):
       dtype: activation/matmul dtype (jnp.bfloat16 on accelerators).
       param_dtype: parameter storage dtype.
       rngs: initialiser keys (weights ~ N(0, initializer_range), biases 0, norm scales 1).
+      remat: rematerialise each decoder layer in the backward pass of `__call__` /
+        `forward_hidden` (`nnx.remat`): activation memory of one layer instead of L, at the cost of
+        a second forward; outputs and gradients are unchanged. Settable later (`actor.remat = True`).
 
     Params: embed.embedding [V, D]; layers[i] (see `DecoderLayer`); final_norm.scale [D];
     lm_head.kernel [D, V] only when the head is untied.
@@ -261,7 +264,7 @@ class Qwen2Actor(nnx.Module):
     """
 
     def __init__(self, config: Qwen2Config, *, fingerprint_layer: int = -1, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = False):
         if not isinstance(config, Qwen2Config):
             raise ValueError(f"Qwen2Actor: config must be a Qwen2Config, got {type(config).__name__}")
         n_layers = config.num_hidden_layers
@@ -273,6 +276,7 @@ class Qwen2Actor(nnx.Module):
         self.fingerprint_layer = int(fingerprint_layer)
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
+        self.remat = bool(remat)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed = _Embed(_normal(config.initializer_range)(
             rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype))
@@ -353,8 +357,9 @@ class Qwen2Actor(nnx.Module):
         hidden = [x] if output_hidden_states else None
         fingerprint = self._fingerprint(x, fingerprint_index) if fp_at == 0 else None
         ks, vs = [], []
+        call = nnx.remat(_call_layer) if self.remat else _call_layer
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, attn_mask)
+            x, k, v = call(layer, x, cos, sin, attn_mask)
             ks.append(k)
             vs.append(v)
             if i + 1 < n_layers:
@@ -524,6 +529,10 @@ class Qwen2Actor(nnx.Module):
         new_cache = KVCache(k=constrain(k_all, "cache_kv"), v=constrain(v_all, "cache_kv"),
                             slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
+
+
+def _call_layer(layer: DecoderLayer, x: Array, cos: Array, sin: Array, mask: Array):
+    return layer(x, cos, sin, mask)
 
 
 class _Embed(nnx.Module):
