@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from bipace_jax.models.config import Qwen2Config
-from bipace_jax.sharding import constrain
+from bipace_jax.sharding import constrain, gather_param
 
 __all__ = ["ActorOutput", "KVCache", "Qwen2Actor"]
 
@@ -161,9 +161,12 @@ class Attention(nnx.Module):
     def qkv(self, h: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """h [B, T, D] -> q [B, T, N, Hd], k, v [B, T, K, Hd] (q and k rotated), in `dtype`."""
         dt = self.dtype
-        q = jnp.einsum("btd,dnh->btnh", h, self.q_proj.kernel[...].astype(dt)) + self.q_proj.bias[...].astype(dt)
-        k = jnp.einsum("btd,dkh->btkh", h, self.k_proj.kernel[...].astype(dt)) + self.k_proj.bias[...].astype(dt)
-        v = jnp.einsum("btd,dkh->btkh", h, self.v_proj.kernel[...].astype(dt)) + self.v_proj.bias[...].astype(dt)
+        wq = gather_param(self.q_proj.kernel[...].astype(dt), ("embed", "heads", "head_dim"))
+        wk = gather_param(self.k_proj.kernel[...].astype(dt), ("embed", "kv_heads", "head_dim"))
+        wv = gather_param(self.v_proj.kernel[...].astype(dt), ("embed", "kv_heads", "head_dim"))
+        q = jnp.einsum("btd,dnh->btnh", h, wq) + self.q_proj.bias[...].astype(dt)
+        k = jnp.einsum("btd,dkh->btkh", h, wk) + self.k_proj.bias[...].astype(dt)
+        v = jnp.einsum("btd,dkh->btkh", h, wv) + self.v_proj.bias[...].astype(dt)
         q = constrain(apply_rope(q, cos, sin), "q")
         k = constrain(apply_rope(k, cos, sin), "kv")
         v = constrain(v, "kv")
@@ -182,7 +185,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, hd)
         out = constrain(out, "q")
-        return jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(self.dtype))
+        wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
+        return jnp.einsum("btnh,nhd->btd", out, wo)
 
 
 class _Proj(nnx.Module):
@@ -210,10 +214,10 @@ class MLP(nnx.Module):
 
     def __call__(self, h: Array) -> Array:
         dt = self.dtype
-        gate = h @ self.gate_proj.kernel[...].astype(dt)
-        up = h @ self.up_proj.kernel[...].astype(dt)
+        gate = h @ gather_param(self.gate_proj.kernel[...].astype(dt), ("embed", "mlp"))
+        up = h @ gather_param(self.up_proj.kernel[...].astype(dt), ("embed", "mlp"))
         act = constrain(jax.nn.silu(gate) * up, "mlp")
-        return act @ self.down_proj.kernel[...].astype(dt)
+        return act @ gather_param(self.down_proj.kernel[...].astype(dt), ("mlp", "embed"))
 
 
 class DecoderLayer(nnx.Module):
@@ -295,7 +299,7 @@ class Qwen2Actor(nnx.Module):
 
     def _embed(self, ids: Array) -> Array:
         # Out-of-range ids give NaN rows (mode="fill"), never a silently clamped token.
-        table = self.embed.embedding[...]
+        table = gather_param(self.embed.embedding[...], ("vocab", "embed"))
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
         return constrain(x.astype(self.dtype), "hidden")
 
@@ -307,9 +311,9 @@ class Qwen2Actor(nnx.Module):
         """
         h = h.astype(self.dtype)
         if self.config.tie_word_embeddings:
-            w = self.embed.embedding[...].astype(self.dtype)
+            w = gather_param(self.embed.embedding[...].astype(self.dtype), ("vocab", "embed"))
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-        w = self.lm_head.kernel[...].astype(self.dtype)
+        w = gather_param(self.lm_head.kernel[...].astype(self.dtype), ("embed", "vocab"))
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
     def _check_tokens(self, input_ids: Any, attention_mask: Any, where: str):
