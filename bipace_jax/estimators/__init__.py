@@ -10,11 +10,12 @@
 
 from bipace_jax.estimators.batch import StepBatch, assign_ids
 from bipace_jax.estimators.config import CLUSTERING_ESTIMATORS, ESTIMATORS, EstimatorConfig
-from bipace_jax.estimators.core import compute_advantages
+from bipace_jax.estimators.core import compute_advantages, step_group_labels
 from bipace_jax.estimators.diagnostics import DIAGNOSTIC_KEYS
 from bipace_jax.estimators.epsilon import EpsilonController, calibrate_epsilon
 
 __all__ = [
     "CLUSTERING_ESTIMATORS", "DIAGNOSTIC_KEYS", "ESTIMATORS", "EpsilonController", "EstimatorConfig",
     "StepBatch", "assign_ids", "calibrate_epsilon", "compute_advantages",
+    "step_group_labels",
 ]

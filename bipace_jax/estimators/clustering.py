@@ -42,13 +42,13 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def slot_layout(capacity: int, chunk: int = 64) -> tuple[int, int]:
+def slot_layout(capacity: int, chunk: int = 32) -> tuple[int, int]:
   """(slots per matmul chunk, padded number of cluster slots Kp >= capacity)."""
   kc = min(chunk, _round_up(capacity, 8))
   return kc, _round_up(capacity, kc)
 
 
-def _block_size(r: int, limit: int = 64) -> int:
+def _block_size(r: int, limit: int = 50) -> int:
   return max(d for d in range(1, min(r, limit) + 1) if r % d == 0)
 
 
@@ -70,7 +70,7 @@ def normalise_fingerprints(f):
 
 
 def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "mean",
-                           block: int | None = None, chunk: int = 64):
+                           block: int | None = None, chunk: int = 32):
   """Greedy nearest-cluster cosine clustering of each task group's rows, in layout order.
 
   Args:
@@ -79,7 +79,7 @@ def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "
     threshold: float32 scalar, `1 - epsilon - 1e-6` (traced: changing epsilon does not recompile).
     capacity: K, the fixed number of clusters per task group.
     centroid: "mean" (re-normalised running sum) or "leader" (first member).
-    block: rows per block (B, divides R; default the largest divisor of R up to 64).
+    block: rows per block (B, divides R; default the largest divisor of R up to 50).
     chunk: cluster slots per matmul chunk.
   Returns:
     slot: int32[Gc, R], the cluster (0..K-1, in order of creation) of each row, -1 when the row is
@@ -120,8 +120,10 @@ def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "
       x = x0[:, j, :].at[gidx, slot_b].add(jnp.where(contrib_b, gj, 0.0), mode="drop")
       cos = x / jnp.sqrt(n2) if mean else x
       cos = jnp.where(slots_range < n[:, None], cos, -jnp.inf)
-      best = jnp.argmax(cos, axis=1).astype(jnp.int32)              # first max: earliest cluster
+      # First maximum = the earliest cluster on an exact tie (argmax without its slow CPU lowering).
       best_cos = jnp.max(cos, axis=1)
+      best = jnp.min(jnp.where(cos == best_cos[:, None], slots_range, kp), axis=1).astype(jnp.int32)
+      best = jnp.minimum(best, kp - 1)
       okj = okb[:, j]
       join = okj & (best_cos >= threshold)
       can_open = n < capacity

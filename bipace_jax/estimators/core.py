@@ -34,15 +34,18 @@ def _advantages(batch: StepBatch, gamma, omega, threshold, *, name: str, norm: s
   over_rows = deg_rows = jnp.int32(0)
   if name == "grpo":
     a_step = grpo.step_advantage(returns)
+    step_label = jnp.full((n,), -1, jnp.int32)
     diag.update(diagnostics.empty_size_stats())
   elif name == "gigpo":
     a_step = gigpo.step_advantage(returns, hash_lab, include, n, norm)
+    step_label = hash_lab
     diag.update(diagnostics.partition_stats(hash_lab, include, n))
   else:
     label, deg, over, m = clustering.cluster_rows(
         rows, batch.fingerprint, threshold, group_capacity=batch.group_capacity,
         row_capacity=batch.row_capacity, capacity=capacity, centroid=centroid, mesh=mesh,
         data_axis=data_axis)
+    step_label = label
     deg_rows = jnp.sum(deg, dtype=jnp.int32)
     over_rows = jnp.sum(over, dtype=jnp.int32)
     diag.update(diagnostics.partition_stats(label, include, m))
@@ -57,13 +60,38 @@ def _advantages(batch: StepBatch, gamma, omega, threshold, *, name: str, norm: s
               degenerate_rows=deg_rows, invalid_rows=rows.invalid_rows)
   a = jnp.where(include, a_ep + jnp.asarray(omega, jnp.float32) * a_step, 0.0)
   adv = jnp.zeros((n,), jnp.float32).at[rows.perm].set(a)
-  return adv, {k: diag[k] for k in diagnostics.DIAGNOSTIC_KEYS}
+  labels = jnp.zeros((n,), jnp.int32).at[rows.perm].set(jnp.where(include, step_label, -1))
+  return adv, {k: diag[k] for k in diagnostics.DIAGNOSTIC_KEYS}, labels
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted(name, norm, centroid, capacity, mesh, data_axis):
   return jax.jit(functools.partial(_advantages, name=name, norm=norm, centroid=centroid,
                                    capacity=capacity, mesh=mesh, data_axis=data_axis))
+
+
+def _run(batch, cfg, mesh, data_axis):
+  if not isinstance(batch, StepBatch):
+    raise TypeError(f"compute_advantages: batch must be a StepBatch, got {type(batch).__name__}")
+  if not isinstance(cfg, EstimatorConfig):
+    raise TypeError(f"compute_advantages: cfg must be an EstimatorConfig, got {type(cfg).__name__}")
+  if cfg.clusters and (batch.group_capacity is None or batch.row_capacity is None):
+    raise ValueError("StepBatch.group_capacity/row_capacity: required by the clustering estimator "
+                     f"{cfg.name!r}; build the batch with StepBatch.from_numpy or set them")
+  if mesh is not None and data_axis not in mesh.axis_names:
+    raise ValueError(f"compute_advantages: mesh has no axis {data_axis!r} (axes {mesh.axis_names})")
+  fn = _jitted(cfg.name, cfg.norm, cfg.centroid, cfg.capacity, mesh if cfg.clusters else None, data_axis)
+  return fn(batch, jnp.float32(cfg.gamma), jnp.float32(cfg.omega),
+            clustering.join_threshold(cfg.epsilon))
+
+
+def step_group_labels(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
+  """The step group of every row: int32[N] in batch order, -1 for padding, invalid rows and grpo.
+
+  Two rows share a label iff they are in the same step group of `cfg` (the values themselves are
+  arbitrary). Shares the compiled function of `compute_advantages` (same arguments, same raises).
+  """
+  return _run(batch, cfg, mesh, data_axis)[2]
 
 
 def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
@@ -89,52 +117,5 @@ def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, dat
     ValueError: when a clustering estimator gets a batch without capacities, or `mesh` lacks
       `data_axis`.
   """
-  if not isinstance(batch, StepBatch):
-    raise TypeError(f"compute_advantages: batch must be a StepBatch, got {type(batch).__name__}")
-  if not isinstance(cfg, EstimatorConfig):
-    raise TypeError(f"compute_advantages: cfg must be an EstimatorConfig, got {type(cfg).__name__}")
-  if cfg.clusters and (batch.group_capacity is None or batch.row_capacity is None):
-    raise ValueError("StepBatch.group_capacity/row_capacity: required by the clustering estimator "
-                     f"{cfg.name!r}; build the batch with StepBatch.from_numpy or set them")
-  if mesh is not None and data_axis not in mesh.axis_names:
-    raise ValueError(f"compute_advantages: mesh has no axis {data_axis!r} (axes {mesh.axis_names})")
-  fn = _jitted(cfg.name, cfg.norm, cfg.centroid, cfg.capacity, mesh if cfg.clusters else None, data_axis)
-  return fn(batch, jnp.float32(cfg.gamma), jnp.float32(cfg.omega),
-            clustering.join_threshold(cfg.epsilon))
-
-
-def _labels(batch: StepBatch, threshold, *, name, centroid, capacity, mesh, data_axis):
-  from bipace_jax.estimators.episodes import canonical_rows as _cr
-  clusters = name in ("bigpo", "bipace_q", "bipace_diff")
-  rows = _cr(batch, *((batch.group_capacity, batch.row_capacity) if clusters else (None, None)))
-  n = rows.reward.shape[0]
-  if name == "grpo":
-    lab = jnp.full((n,), -1, jnp.int32)
-  elif name == "gigpo":
-    lab = gigpo.hash_labels(rows)
-  else:
-    lab, _, _, _ = clustering.cluster_rows(
-        rows, batch.fingerprint, threshold, group_capacity=batch.group_capacity,
-        row_capacity=batch.row_capacity, capacity=capacity, centroid=centroid, mesh=mesh,
-        data_axis=data_axis)
-  lab = jnp.where(rows.valid, lab, -1)
-  return jnp.zeros((n,), jnp.int32).at[rows.perm].set(lab)
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_labels(name, centroid, capacity, mesh, data_axis):
-  return jax.jit(functools.partial(_labels, name=name, centroid=centroid, capacity=capacity,
-                                   mesh=mesh, data_axis=data_axis))
-
-
-def step_group_labels(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
-  """The step group of every row: int32[N] in batch order, -1 for padding, invalid rows and grpo.
-
-  Two rows share a label iff they are in the same step group of `cfg` (label values themselves
-  are arbitrary). Same compile rules as `compute_advantages`.
-  """
-  if cfg.clusters and (batch.group_capacity is None or batch.row_capacity is None):
-    raise ValueError("StepBatch.group_capacity/row_capacity: required by the clustering estimator "
-                     f"{cfg.name!r}; build the batch with StepBatch.from_numpy or set them")
-  fn = _jitted_labels(cfg.name, cfg.centroid, cfg.capacity, mesh if cfg.clusters else None, data_axis)
-  return fn(batch, clustering.join_threshold(cfg.epsilon))
+  adv, diag, _ = _run(batch, cfg, mesh, data_axis)
+  return adv, diag
