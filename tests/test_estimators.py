@@ -19,9 +19,13 @@ from bipace_jax.estimators.synthetic import random_step_arrays
 E = np.eye(8, dtype=np.float32)
 
 
-def _rows(spec, fingerprints=None, pad=0, dim=8):
+ROWS_TOTAL = 16   # hand-computed batches are padded to 16 rows x D=8, 2 task groups x 16 rows,
+                  # so they share compiled functions
+
+
+def _rows(spec, fingerprints=None, pad=None, dim=8):
   """spec: list of (group, traj, step, reward, obs, key). Padding rows hold garbage."""
-  n = len(spec) + pad
+  n = len(spec) + (max(0, ROWS_TOTAL - len(spec)) if pad is None else pad)
   a = {k: np.zeros(n, np.int32) for k in ("group_id", "traj_id", "step", "obs_hash", "action_key")}
   a["reward"] = np.full(n, np.nan, np.float32)
   a["fingerprint"] = np.full((n, dim), np.nan, np.float32)
@@ -49,8 +53,8 @@ A_EP_STD = np.array([-1, -1, 0, 1, 1, 1, 0]) / (1.0 + 1e-6)      # (G - 2) / (st
 A_EP_MEAN = np.array([-1, -1, 0, 1, 1, 1, 0], float)
 
 
-def _batch(spec=SPEC, pad=3, **kw):
-  return StepBatch.from_numpy(**_rows(spec, pad=pad, **kw))
+def _batch(spec=SPEC, **kw):
+  return StepBatch.from_numpy(**_rows(spec, **kw), group_capacity=2, row_capacity=16)
 
 
 def _run(name, batch=None, **cfg):
@@ -159,7 +163,7 @@ def test_clustering_nearest_cluster_ties_leader_vs_mean_overflow_and_degenerate_
   # cos to the running mean direction (8 deg) 0.982: mean joins, leader opens a second cluster.
   fps = [unit(0), unit(16), unit(19)]
   spec = [(0, 1, t, 0.0, t, 0) for t in range(3)]
-  b = StepBatch.from_numpy(**_rows(spec, fingerprints=fps))
+  b = _batch(spec, fingerprints=fps)
   mean = np.asarray(step_group_labels(b, EstimatorConfig(name="bigpo", epsilon=0.05)))
   leader = np.asarray(step_group_labels(b, EstimatorConfig(name="bigpo", epsilon=0.05, centroid="leader")))
   assert mean[0] == mean[1] == mean[2]
@@ -170,17 +174,18 @@ def test_clustering_nearest_cluster_ties_leader_vs_mean_overflow_and_degenerate_
   spec = [(0, 1, 0, 0.0, 0, 0), (0, 2, 0, 0.0, 1, 0), (0, 3, 0, 0.0, 2, 0)]
   for order in ([0, 1, 2], [2, 1, 0]):
     arrays = {k: v[order] for k, v in _rows(spec, fingerprints=fps).items()}
-    lab = np.asarray(step_group_labels(StepBatch.from_numpy(**arrays), EstimatorConfig(name="bigpo", epsilon=0.3)))
+    lab = np.asarray(step_group_labels(StepBatch.from_numpy(**arrays, group_capacity=2, row_capacity=16),
+                                      EstimatorConfig(name="bigpo", epsilon=0.3)))
     inv = {o: i for i, o in enumerate(order)}
     assert lab[inv[2]] == lab[inv[0]] != lab[inv[1]]
   # Capacity 1: e0 opens, e1 overflows (singleton), e0 joins; zero and NaN rows are degenerate.
   fps = [E[0], E[1], E[0], np.zeros(8, np.float32), np.full(8, np.nan, np.float32)]
   spec = [(0, 1, t, float(t), t, 0) for t in range(5)]
-  b = StepBatch.from_numpy(**_rows(spec, fingerprints=fps))
+  b = _batch(spec, fingerprints=fps)
   cfg = EstimatorConfig(name="bipace_q", epsilon=0.05, capacity=1)
   lab = np.asarray(step_group_labels(b, cfg))
   _, diag = compute_advantages(b, cfg)
-  assert lab[0] == lab[2] and len(set(lab.tolist())) == 4
+  assert lab[0] == lab[2] and len(set(lab[:5].tolist())) == 4 and (lab[5:] == -1).all()
   assert int(diag["overflow_rows"]) == 1 and int(diag["degenerate_rows"]) == 2
   assert float(diag["loo_row_rate"]) == pytest.approx(2 / 5)
 
@@ -199,9 +204,9 @@ def test_epsilon_zero_with_one_hot_obs_fingerprints_equals_gigpo_exactly():
         assert float(g_diag[k]) == float(c_diag[k]), k
 
 
-@pytest.mark.parametrize("name", ["gigpo", "bipace_q", "bipace_diff"])
-def test_row_permutation_and_extra_padding_change_nothing(name):
-  cfg = EstimatorConfig(name=name, epsilon=0.1)
+@pytest.mark.parametrize("name,norm", [("gigpo", "mean_std"), ("bipace_q", "mean")])
+def test_row_permutation_and_extra_padding_change_nothing(name, norm):
+  cfg = EstimatorConfig(name=name, epsilon=0.1, norm=norm)
   for seed in range(4):
     rng = np.random.default_rng(100 + seed)
     a = random_step_arrays(rng, num_rows=64, dim=8)
@@ -271,7 +276,7 @@ def test_bfloat16_fingerprints_cluster_like_their_float32_values():
 
 
 def _good():
-  return _rows(SPEC, pad=2)
+  return _rows(SPEC, pad=2)         # 9 rows
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -370,7 +375,7 @@ def test_calibrate_epsilon_returns_the_smallest_grid_value_under_the_target():
     for t, ang in enumerate((0, 10, 25)):
       spec.append((g, 10 * g + t, 0, 0.0, t, 0))
       fps.append(unit(ang))
-  b = StepBatch.from_numpy(**_rows(spec, fingerprints=fps))
+  b = _batch(spec, fingerprints=fps)
   grid = (0.0, 0.01, 0.02, 0.05, 0.1)
   eps, rates = calibrate_epsilon(b, target_singleton_rate=0.5, grid=grid, return_rates=True)
   # cos 10 deg = 0.985 joins from epsilon 0.02; cos 25 deg = 0.906 (to e0), 0.96 to the mean.
