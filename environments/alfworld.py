@@ -11,7 +11,7 @@ Game data, in this order:
 
 1. ``data_path=...`` passed to ``make("alfworld", data_path=...)``: any folder holding
    ``<game>/traj_data.json`` + ``<game>/game.tw-pddl`` pairs.
-2. ``$ALFWORLD_DATA``, when set: the real ALFWorld games, ``$ALFWORLD_DATA/json_2.1.1/train``
+2. ``$ALFWORLD_DATA`` (default ``~/.cache/alfworld``), when it holds them: the real ALFWorld games, ``$ALFWORLD_DATA/json_2.1.1/train``
    (3,553 games), ``valid_seen`` (140, split ``"eval_in_distribution"``) and ``valid_unseen``
    (134, split ``"eval_out_of_distribution"``). A user fetches them once with the download script
    the ``alfworld`` package installs::
@@ -20,9 +20,10 @@ Game data, in this order:
        export ALFWORLD_DATA=~/.cache/alfworld   # the script's default target
        alfworld-download                        # ~1 GB from GitHub releases; -f to re-download
 
-3. Otherwise the small games committed in ``environments/data/alfworld_fixtures`` (all six task
-   types; generated offline from the wheel by ``python -m launch.make_alfworld_fixtures``), for
-   every split. ``env.data_source`` says which one is in use.
+3. Otherwise the small games committed in ``environments/data/alfworld_fixtures`` (12 games, two
+   of each of the six task types; generated offline from the wheel by
+   ``python -m launch.make_alfworld_fixtures``), for every split, with a warning;
+   ``require_real_data=True`` raises instead. ``env.data_source`` says which one is in use.
 
 Task ids: ``task_id`` indexes the collected game files sorted by their path relative to the data
 folder (a fixed order, independent of the file system's listing order). ``num_tasks`` is the number
@@ -54,6 +55,7 @@ import io
 import json
 import os
 import random
+import warnings
 from typing import Any
 
 from environments.base import Observation, TextEnv, register
@@ -88,25 +90,37 @@ def _import_engine():
     return alfred_tw_env
 
 
-def resolve_data_path(split: str, data_path: str | None = None) -> tuple[str, str]:
+def resolve_data_path(split: str, data_path: str | None = None,
+                      require_real_data: bool = False) -> tuple[str, str]:
     """The folder holding the games of ``split`` and where it comes from.
 
+    Order: ``data_path`` if given; else ``$ALFWORLD_DATA/json_2.1.1/<train|valid_seen|valid_unseen>``
+    if that folder exists; else the bundled fixtures (a warning names the missing folder), unless
+    ``require_real_data``, which raises instead. (Importing ``alfworld`` sets $ALFWORLD_DATA to
+    ``~/.cache/alfworld`` when unset, so the variable alone does not mean the data is there.)
+
     Returns (path, source) with source one of "data_path", "ALFWORLD_DATA", "fixtures".
-    Raises ValueError for an unknown split and FileNotFoundError for a missing folder.
+    Raises ValueError for an unknown split, FileNotFoundError for a missing ``data_path`` or,
+    with ``require_real_data``, missing real data.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     if data_path is not None:
-        path, source = os.path.expanduser(data_path), "data_path"
-    elif os.environ.get("ALFWORLD_DATA"):
-        path = os.path.join(os.path.expanduser(os.environ["ALFWORLD_DATA"]), "json_2.1.1", SPLITS[split])
-        source = "ALFWORLD_DATA"
-    else:
-        path, source = FIXTURES_DIR, "fixtures"
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"ALFWorld games folder {path!r} ({source}) does not exist; "
-                                "run `alfworld-download` with $ALFWORLD_DATA set, or pass data_path=")
-    return path, source
+        path = os.path.expanduser(data_path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"ALFWorld games folder data_path={path!r} does not exist")
+        return path, "data_path"
+    root = os.path.expanduser(os.environ.get("ALFWORLD_DATA") or "~/.cache/alfworld")
+    real = os.path.join(root, "json_2.1.1", SPLITS[split])
+    if os.path.isdir(real):
+        return real, "ALFWORLD_DATA"
+    if require_real_data:
+        raise FileNotFoundError(f"ALFWorld data folder {real!r} does not exist: set $ALFWORLD_DATA and run "
+                                "`alfworld-download` (see environments/alfworld.py)")
+    warnings.warn(f"ALFWorld data folder {real!r} does not exist: playing the {split!r} split on the bundled "
+                  f"fixture games in {FIXTURES_DIR} (run `alfworld-download` with $ALFWORLD_DATA set for the "
+                  "real games)", stacklevel=2)
+    return FIXTURES_DIR, "fixtures"
 
 
 def task_sentence(intro: str) -> str:
@@ -139,6 +153,8 @@ class AlfWorldEnv(TextEnv):
       split: "train", "eval_in_distribution" (valid_seen) or "eval_out_of_distribution"
         (valid_unseen); selects the folder under $ALFWORLD_DATA.
       data_path: a folder of games overriding $ALFWORLD_DATA and the fixtures.
+      require_real_data: raise FileNotFoundError instead of falling back to the fixtures when
+        $ALFWORLD_DATA holds no games for ``split`` (for real training runs).
       task_types: subset of 1..6 (ALFWorld's numbering, ``TASK_TYPES``) to keep.
       expert_type: "handcoded", "planner" or None (no oracle).
       domain_randomization: shuffle the object numbering at each reset (ALFWorld's option; off in
@@ -151,7 +167,7 @@ class AlfWorldEnv(TextEnv):
 
     def __init__(self, max_steps: int = 50, split: str = "train", data_path: str | None = None,
                  task_types=(1, 2, 3, 4, 5, 6), expert_type: str | None = "planner",
-                 domain_randomization: bool = False, num_games: int = -1):
+                 domain_randomization: bool = False, num_games: int = -1, require_real_data: bool = False):
         super().__init__(max_steps)
         if expert_type not in EXPERT_TYPES:
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {expert_type!r}")
@@ -162,7 +178,7 @@ class AlfWorldEnv(TextEnv):
             raise ValueError(f"num_games must be -1 (all) or an int >= 1, got {num_games!r}")
         alfred_tw_env = _import_engine()
         self._alfred = alfred_tw_env
-        self.data_path, self.data_source = resolve_data_path(split, data_path)
+        self.data_path, self.data_source = resolve_data_path(split, data_path, require_real_data)
         self.split = split
         self.expert_type = expert_type
         self.domain_randomization = bool(domain_randomization)
