@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import sys
 
 import pytest
 
@@ -119,6 +120,17 @@ def test_step_cap_truncates_the_episode(planner_env):
             env.step("look")
     finally:
         env.max_steps = 50
+
+
+def test_engine_side_effects_on_the_process_are_undone(planner_env, monkeypatch):
+    argv = ["train.py", "--config=x"]
+    monkeypatch.setattr("sys.argv", argv)
+    state = random.getstate()
+    env = planner_env
+    env.reset(3, seed=0)
+    env.step(env.oracle_action())
+    assert sys.argv is argv and sys.argv == ["train.py", "--config=x"]  # fast-downward rewrites it
+    assert random.getstate() == state
 
 
 def test_same_task_and_seed_give_the_same_initial_observation():
