@@ -244,14 +244,20 @@ class AlfWorldEnv(TextEnv):
             sys.argv = argv
 
     def _load(self, game_file: str) -> None:
-        import textworld
+        if self._env is None:
+            # One engine for the env's lifetime, wrapped as AlfredTWEnv.init_env wraps it; games are
+            # switched with load() (each PddlEnv holds its own copy of fast-downward's 33 MB
+            # library, which TextWorld never unloads: a new engine per game would leak it).
+            import textworld
+            from textworld.envs.pddl import PddlEnv
 
-        if self._env is not None:
-            self._env.close()
-        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"],
-                                   facts=self.expert_type == "handcoded")
-        wrappers = [self._alfred.AlfredDemangler(shuffle=self.domain_randomization), self._alfred.AlfredInfos]
-        self._env = textworld.start(game_file, infos, wrappers=wrappers)
+            infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"],
+                                       facts=self.expert_type == "handcoded")
+            env = PddlEnv(infos)
+            for wrapper in (self._alfred.AlfredDemangler(shuffle=self.domain_randomization), self._alfred.AlfredInfos):
+                env = wrapper(env)
+            self._env = env
+        self._env.load(game_file)
         self._loaded = game_file
 
     def _reset(self, task_id: int, seed: int) -> Observation:
@@ -325,9 +331,13 @@ class AlfWorldEnv(TextEnv):
                            admissible_actions=list(state["admissible_commands"]), won=bool(state["won"]))
 
     def close(self) -> None:
-        """Release the engine (its fast-downward library copy)."""
+        """Release the engine (fast-downward's cleanup + dlclose of its library copy); a later reset starts a new one."""
         if self._env is not None:
+            import fast_downward
+
+            lib = self._env.unwrapped.downward_lib
             self._env.close()
+            fast_downward.close_lib(lib)
             self._env = None
             self._loaded = None
 

@@ -133,6 +133,24 @@ def test_engine_side_effects_on_the_process_are_undone(planner_env, monkeypatch)
     assert random.getstate() == state
 
 
+def _downward_copies():
+    with open("/proc/self/maps") as f:
+        return len({line.split()[-1] for line in f if "libdownward" in line})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_switching_games_reuses_one_engine_instead_of_loading_fast_downward_again():
+    env = alf.AlfWorldEnv(data_path=alf.FIXTURES_DIR, expert_type=None, task_types=(1, 2))
+    env.reset(0, seed=0)
+    before = _downward_copies()
+    for task_id in (1, 2, 3, 0):
+        env.reset(task_id, seed=0)
+    assert _downward_copies() == before
+    env.close()
+    assert env.reset(2, seed=0).task == "put a book in sidetable"  # a closed env starts a new engine
+    env.close()
+
+
 def test_same_task_and_seed_give_the_same_initial_observation():
     a = alf.AlfWorldEnv(data_path=alf.FIXTURES_DIR, expert_type=None, task_types=(6,))
     b = alf.AlfWorldEnv(data_path=alf.FIXTURES_DIR, expert_type=None, task_types=(6,))
