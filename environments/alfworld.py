@@ -331,13 +331,10 @@ class AlfWorldEnv(TextEnv):
                            admissible_actions=list(state["admissible_commands"]), won=bool(state["won"]))
 
     def close(self) -> None:
-        """Release the engine (fast-downward's cleanup + dlclose of its library copy); a later reset starts a new one."""
+        """Drop the engine; a later reset starts a new one. (TextWorld offers no way to unload the
+        engine's fast-downward library copy: unloading it by hand crashes the process.)"""
         if self._env is not None:
-            import fast_downward
-
-            lib = self._env.unwrapped.downward_lib
             self._env.close()
-            fast_downward.close_lib(lib)
             self._env = None
             self._loaded = None
 
