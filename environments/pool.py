@@ -7,7 +7,8 @@ is unsafe in a process running JAX threads), started with ``subprocess`` so that
   dict-of-str order are deterministic across workers and runs;
 * the parent's ``__main__`` (e.g. the trainer, with JAX loaded) is not re-imported in workers,
   as multiprocessing's spawn and forkserver would do;
-* each worker leads its own process group, so a kill also ends anything it started.
+* each worker leads its own process group (in the parent's session), so a kill also ends
+  anything it started.
 
 They talk to the parent over a socket pair with ``multiprocessing.connection.Connection``
 (pickled messages). Environment ``i`` lives on worker ``i % num_workers``. One call sends one
@@ -243,7 +244,7 @@ class EnvPool:
                 pass_fds=(child_sock.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                process_group=0,  # own process group (killpg), same session (fair CPU share)
             )
         finally:
             child_sock.close()
@@ -485,9 +486,13 @@ class EnvPool:
         self._check_open()
         return [w.hash_probe for w in self._workers]
 
-    def close(self) -> None:
-        """Stop every worker (a polite "close", then SIGKILL to each process group after 5 s). Idempotent."""
-        self._finalizer()
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: a polite "close", then SIGKILL to each process group after ``grace_s`` seconds.
+
+        Idempotent; also runs when the pool is garbage-collected or the interpreter exits.
+        """
+        if self._finalizer.detach() is not None:
+            _shutdown(self._workers, grace_s)
 
     def __enter__(self) -> "EnvPool":
         return self

@@ -147,7 +147,7 @@ def test_close_stops_every_worker_even_a_hung_one():
     pids = pool.worker_pids()
     # leave worker 1 busy in a hang that no call waits for: send the command directly
     pool._workers[1].conn.send(("step", [(1, "hang")]))
-    pool.close()
+    pool.close(grace_s=0.5)
     assert not any(_alive(p) for p in pids)
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="EnvPool is closed"):
