@@ -126,7 +126,11 @@ def _worker_main() -> None:
                     raise ValueError(f"unknown command {cmd!r}")
             except Exception as e:  # noqa: BLE001  (reported to the parent, never kills the worker)
                 out.append(("error", _portable(e), traceback.format_exc()))
-        conn.send(out)
+        try:
+            conn.send(out)  # pickles fully before writing: a pickling error leaves the stream intact
+        except (TypeError, AttributeError, pickle.PicklingError) as e:
+            err = RuntimeError(f"{cmd} result could not be sent to the parent: {_describe(e)}")
+            conn.send([("error", err, "")] * len(payload))
 
 
 def _kill(worker: _Worker) -> None:

@@ -100,6 +100,15 @@ def test_game_exception_ends_only_that_episode_and_keeps_the_worker(faulty_pool)
     assert pool.worker_pids() == pids
 
 
+def test_unpicklable_step_result_is_an_env_error_not_a_dead_worker(faulty_pool):
+    pool = faulty_pool
+    pool.reset([1], [2], [3])
+    pids = pool.worker_pids()
+    (r,) = pool.step([1], ["unpicklable"])
+    assert r.done and "step result could not be sent to the parent" in r.info["env_error"]
+    assert pool.worker_pids() == pids
+
+
 def test_hung_worker_is_killed_after_the_call_timeout():
     with EnvPool(FaultyEnv, 2, num_workers=2, timeout_s=2.0) as pool:
         pool.reset([0, 1], [1, 1], [0, 0])
