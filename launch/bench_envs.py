@@ -32,7 +32,11 @@ flags.DEFINE_integer("num_envs", 8, "games stepped together")
 flags.DEFINE_integer("turns", 300, "turns per mode for TextCraft (each steps every game once)")
 flags.DEFINE_integer("slow_turns", 8, "turns per mode for the 36 ms synthetic game and ALFWorld")
 flags.DEFINE_integer("repeats", 3, "runs per mode; the best (highest steps/s) is reported, all are kept")
-flags.DEFINE_string("alfworld_options", "{}", "JSON options for make('alfworld')")
+flags.DEFINE_string(
+    "alfworld_options", '{"expert_type": null}',
+    "JSON options for make('alfworld'); without data_path and $ALFWORLD_DATA the committed "
+    "fixture games (environments/data/alfworld_fixtures) are used",
+)
 flags.DEFINE_string("out", "benchmarks/envs.json", "where to write the JSON")
 
 
@@ -145,6 +149,9 @@ def main(argv):
     )
 
     alf_options = json.loads(FLAGS.alfworld_options)
+    fixtures = os.path.join(os.path.dirname(os.path.abspath(environments.__file__)), "data", "alfworld_fixtures")
+    if "data_path" not in alf_options and not os.environ.get("ALFWORLD_DATA") and os.path.isdir(fixtures):
+        alf_options["data_path"] = fixtures
     try:
         probe = environments.make("alfworld", **alf_options)
         num_tasks = probe.num_tasks
@@ -160,6 +167,8 @@ def main(argv):
             "alfworld", "alfworld", alf_options, lambda **o: environments.make("alfworld", **o),
             num_tasks, FLAGS.slow_turns, alfworld_policy, num_envs,
         )
+        results["alfworld"]["options"] = alf_options
+        results["alfworld"]["policy"] = "uniform over admissible actions except help, seeded"
 
     results["machine"]["load_avg_at_end"] = os.getloadavg()
     load = max(results["machine"]["load_avg_at_start"][0], results["machine"]["load_avg_at_end"][0])
