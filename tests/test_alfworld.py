@@ -250,3 +250,23 @@ def test_generator_reproduces_the_committed_fixture_games():
         assert game["grammar"] == committed["grammar"] and committed["solvable"] is True
         assert new_traj["pddl_params"] == traj["pddl_params"] and new_traj["task_desc"] == traj["task_desc"]
         assert f"Your task is to: {traj['task_desc']}." in game["grammar"]
+
+
+def test_task_group_plays_in_pool_workers_and_the_oracle_wins():
+    from environments.pool import EnvPool
+
+    options = {"data_path": alf.FIXTURES_DIR, "expert_type": "planner", "task_types": [4]}
+    with EnvPool("alfworld", 2, env_options=options, num_workers=2, timeout_s=60.0) as pool:
+        first = pool.reset([0, 1], [1, 1], [0, 0])  # one task group: the pool checks they agree
+        assert first[0] == first[1] and first[0].task
+        assert [info["task_type"] for info in pool.task_info([0, 1])] == ["pick_heat_then_place_in_recep"] * 2
+        won = [False, False]
+        for _ in range(10):
+            live = [i for i in (0, 1) if not won[i]]
+            if not live:
+                break
+            results = pool.step(live, pool.oracle_actions(live))
+            for i, res in zip(live, results):
+                assert "env_error" not in res.info
+                won[i] = res.done and res.obs.won and res.reward == 1.0
+        assert won == [True, True]
