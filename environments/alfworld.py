@@ -58,8 +58,11 @@ shuffle) draws from a private generator seeded by ``reset``'s ``seed``; Python's
 ``random`` state is left as it was, and so is ``sys.argv`` (fast-downward's translator overwrites
 it whenever it parses a game; the adapter restores it).
 
-Cost (engine CPU time, measured on the fixtures / on generated games of real-data size): reset
-0.2 s / 1.0 s, step 31 ms / 86 ms; the planner oracle adds one fast-downward search per call.
+Cost (engine CPU time per call, random admissible commands, oracle off): on the fixtures (7-16
+receptacles, 9-23 objects) a reset takes 0.2 s and a step 31 ms; on larger generated games (random
+rooms, up to 2 copies of each object: 7-52 receptacles, 9-42 objects) 1.0 s and 86 ms. Switching
+to another game adds a parse of its file (about one more reset). The planner oracle adds one
+fast-downward search per state asked (tens of ms in small rooms, seconds in big kitchens).
 """
 
 from __future__ import annotations
