@@ -4,21 +4,25 @@ Engine: ``alfworld==0.4.2``'s ``AlfredTWEnv`` collects the games (same config ke
 task types 1-6, no ``movable``/``Sliced`` paths, only games marked solvable), and each game is
 played by TextWorld's PDDL engine (fast-downward) with ALFWorld's own wrappers
 (``AlfredDemangler`` for the "countertop 1" names, ``AlfredInfos``), exactly as
-``AlfredTWEnv.init_env`` builds them, minus the gym batching (one game per ``TextEnv``; the
-``EnvPool`` runs many in worker processes). Nothing of the engine is modified.
+``AlfredTWEnv.init_env`` builds them, minus the gym batching and its step limit (one game per
+``TextEnv``, which enforces the cap; the ``EnvPool`` runs many in worker processes). Nothing of
+the engine is modified.
 
 Game data, in this order:
 
 1. ``data_path=...`` passed to ``make("alfworld", data_path=...)``: any folder holding
    ``<game>/traj_data.json`` + ``<game>/game.tw-pddl`` pairs.
-2. ``$ALFWORLD_DATA`` (default ``~/.cache/alfworld``), when it holds them: the real ALFWorld games, ``$ALFWORLD_DATA/json_2.1.1/train``
-   (3,553 games), ``valid_seen`` (140, split ``"eval_in_distribution"``) and ``valid_unseen``
-   (134, split ``"eval_out_of_distribution"``). A user fetches them once with the download script
-   the ``alfworld`` package installs::
+2. ``$ALFWORLD_DATA`` (default ``~/.cache/alfworld``), when it holds them: the real ALFWorld
+   games in the layout ALFWorld's own configs use, ``$ALFWORLD_DATA/json_2.1.1/train`` (3,553
+   games), ``valid_seen`` (140, split ``"eval_in_distribution"``) and ``valid_unseen`` (134, split
+   ``"eval_out_of_distribution"``). A user fetches them once, on a machine with internet access,
+   with the download script the ``alfworld`` package installs (GitHub release archives of the
+   trajectories, PDDL and TextWorld game files, plus a detector checkpoint the text games do
+   not use)::
 
        pip install alfworld==0.4.2
-       export ALFWORLD_DATA=~/.cache/alfworld   # the script's default target
-       alfworld-download                        # ~1 GB from GitHub releases; -f to re-download
+       export ALFWORLD_DATA=~/.cache/alfworld   # where the script writes (or --data-dir DIR)
+       alfworld-download                        # -f overwrites, -ff downloads again
 
 3. Otherwise the small games committed in ``environments/data/alfworld_fixtures`` (12 games, two
    of each of the six task types; generated offline from the wheel by
@@ -34,22 +38,31 @@ the whole intro: the room's receptacles and "Your task is to: ..."); ``task`` = 
 without "Your task is to: " (e.g. "put a clean mug in coffeemachine"); ``admissible_actions`` = the
 engine's admissible commands (sorted, as TextWorld returns them). Reward: 1.0 on the step that
 solves the task (the episode then ends), else 0.0. ``max_steps`` (default 50, verl-agent's) is
-enforced by ``TextEnv``; ``info["truncated"]`` marks a capped episode.
+enforced by ``TextEnv``; ``info["truncated"]`` marks a capped episode. ``info`` also has
+``won`` and ``admissible`` (whether the command was among the admissible ones; an inadmissible
+command leaves the game unchanged and reads "Nothing happens.").
 
 Oracle: ``oracle_action()`` returns the expert's next command from the current state.
-``expert_type="handcoded"`` (ALFWorld's default) runs ALFWorld's ``HandCodedTWAgent`` alongside
-the game the way ``AlfredExpert`` does (it observes every step, so it keeps up after the agent's
-own moves; its command is "look" where it has none admissible); if it gives up (it raises on some
-states) the oracle returns None for the rest of the episode and ``info["oracle_error"]`` says why.
-``expert_type="planner"`` asks fast-downward for a fresh plan from the current state each step
-(slower; it re-plans after any mistake). ``expert_type=None`` turns the oracle off (fastest).
+``expert_type="planner"`` (default) asks fast-downward for a plan from the current state, so it
+re-plans after any mistake; it is computed only when ``oracle_action()`` is called (one search per
+state; seconds on large kitchens) and solves all 12 fixture games. ``expert_type="handcoded"`` runs
+ALFWorld's own ``HandCodedTWAgent`` alongside the game the way ``AlfredExpert`` does (it observes
+every step, so it keeps up after the agent's own moves; its command is "look" where it has none
+admissible); if it gives up (it raises on some states) the oracle returns None for the rest of the
+episode and ``info["oracle_error"]`` says why. In ``alfworld==0.4.2`` it loses track of what it
+holds after a "move" command (its bookkeeping looks for "put", the grammar says "move"), so it
+fails pick-two tasks (0 of 2 fixture games; the other 10 solved). ``expert_type=None`` turns the
+oracle off (fastest: no facts are computed).
 Randomness (the handcoded expert's tie-breaks, the optional ``domain_randomization`` name
 shuffle) draws from a private generator seeded by ``reset``'s ``seed``; Python's global
 ``random`` state is left as it was, and so is ``sys.argv`` (fast-downward's translator overwrites
 it whenever it parses a game; the adapter restores it).
 
-Cost (engine CPU time, measured on the fixtures / on generated games of real-data size): reset
-0.2 s / 1.0 s, step 31 ms / 86 ms; the planner oracle adds one fast-downward search per call.
+Cost (engine CPU time per call, random admissible commands, oracle off): on the fixtures (7-16
+receptacles, 9-23 objects) a reset takes 0.2 s and a step 31 ms; on larger generated games (random
+rooms, up to 2 copies of each object: 7-52 receptacles, 9-42 objects) 1.0 s and 86 ms. Switching
+to another game adds a parse of its file (about one more reset). The planner oracle adds one
+fast-downward search per state asked (tens of ms in small rooms, seconds in big kitchens).
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ def format_available_actions(available: Mapping[str, Any]) -> list[str]:
 def parse_action(action: str) -> tuple[str, str] | None:
     """("search", query) or ("click", target) for a WebShop command, None if malformed.
 
-    A command is ``search[...]`` or ``click[...]`` with a non-empty argument (surrounding
-    whitespace ignored); never raises.
+    A command is exactly ``search[...]`` or ``click[...]`` with a non-blank argument (whitespace
+    around the command and the argument is ignored; anything else, e.g. text after the closing
+    bracket, makes it malformed, where the engine's own looser parser would guess); never raises.
     """
     m = _ACTION_RE.match(str(action).strip())
     if m is None or not m.group(2).strip():
@@ -106,10 +107,10 @@ def parse_action(action: str) -> tuple[str, str] | None:
 
 
 def is_available(action: str, available: Mapping[str, Any]) -> bool:
-    """Whether the engine would act on ``action`` on a page with ``available`` actions.
+    """Whether ``action`` is one of the actions the page lists (``format_available_actions``).
 
-    A search needs the search bar; a click needs its target among the clickables (the engine
-    matches them exactly, lower-cased as it lists them).
+    A search needs the page's search bar; a click needs its target among the clickables,
+    compared lower-cased (the engine lower-cases click and search arguments before matching).
     """
     parsed = parse_action(action)
     if parsed is None:
@@ -117,7 +118,7 @@ def is_available(action: str, available: Mapping[str, Any]) -> bool:
     kind, arg = parsed
     if kind == "search":
         return bool(available["has_search_bar"])
-    return arg in available["clickables"]
+    return arg.lower() in available["clickables"]
 
 
 def score_outcome(score: float, done: bool) -> tuple[float, bool]:
@@ -199,6 +200,7 @@ class WebShopEnv(TextEnv):
         else:
             page, score, done, _ = self._engine.step(action)
         reward, won = score_outcome(score, done)
+        # info["admissible"]: the command was among the page's listed actions (is_available).
         info = {"won": won, "task_score": reward, "admissible": valid}
         return self._observation(page, won), reward, bool(done), info
 
