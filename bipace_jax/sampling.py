@@ -26,6 +26,7 @@ is found exactly: the response ends with the token whose text completes the stop
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -556,8 +557,10 @@ class Sampler:
         chunk = self.config.batch_buckets[-1]
         graphdef, state = nnx.split(actor)
         parts = []
-        for start in range(0, len(arrays), chunk):
-            parts.append(self._generate_chunk(graphdef, state, arrays[start:start + chunk], start, t_bucket, key, temp))
+        with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
+            for start in range(0, len(arrays), chunk):
+                parts.append(self._generate_chunk(graphdef, state, arrays[start:start + chunk], start, t_bucket,
+                                                  key, temp))
         return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
 
     def _actor_vocab(self, actor) -> int:
