@@ -122,8 +122,9 @@ class RolloutResult:
         (undiscounted sum of step rewards), ``invalid_count``, ``env_error`` (str or None),
         ``truncated`` (ended by ``max_steps``), ``task_id``, ``seed``, ``group_id``, ``traj_id``, plus
         the game's ``task_info``.
-      timing: seconds spent in ``sampling_s`` (sampler calls), ``env_s`` (pool reset/step) and
-        ``host_s`` (prompts, tokenization, parsing, assembling), and ``total_s``.
+      timing: seconds spent in ``sampling_s`` (sampler calls; of which ``prefill_s`` and ``decode_s`` as the
+        sampler reports them), ``env_s`` (pool reset/step) and ``host_s`` (prompts, tokenization, parsing,
+        assembling), and ``total_s``.
       stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
         ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``budget_hits`` (responses that
         used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate``, ``env_errors``.
@@ -243,7 +244,7 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     env_idx = list(range(n))
     env_task = [int(task_ids[i // g_size]) for i in env_idx]
     env_seed = [int(seeds[i // g_size]) for i in env_idx]
-    timing = {"sampling_s": 0.0, "env_s": 0.0}
+    timing = {"sampling_s": 0.0, "env_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
     stop_strings = tuple(getattr(sampler.config, "stop_strings", ()))
     max_new = int(sampler.config.max_new_tokens)
     eos = set(getattr(sampler, "eos_token_ids", ()))
@@ -280,6 +281,8 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
             out = sampler.generate(actor, prompts, jax.random.fold_in(key, turn))
             dt_sample = time.perf_counter() - t0
             timing["sampling_s"] += dt_sample
+            for k in ("prefill_s", "decode_s"):
+                timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
             lengths = np.asarray(out.lengths)
             texts = tokenizer.batch_decode([out.tokens[r, :lengths[r]].tolist() for r in range(len(live))],
                                            skip_special_tokens=True)
@@ -336,7 +339,8 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
             bar.close()
 
     # Assemble in canonical order (group, traj, step): rows of one traj were appended in step order.
-    t0 = time.perf_counter()
+    if not rows:
+        raise RuntimeError(f"collect: every {rcfg.game} game was already over at reset; no step was played")
     order = sorted(range(len(rows)), key=lambda k: (rows[k]["group"], rows[k]["traj"], rows[k]["step"]))
     rows = [rows[k] for k in order]
     n_rows = len(rows)

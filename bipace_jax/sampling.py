@@ -338,13 +338,14 @@ def _row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
 
 
-def _padded_table(table: jax.Array, vocab: int) -> jax.Array:
-    """Pads/slices the [S, Q, V_tok] table to the model's vocabulary; extra ids have no text."""
+def _padded_table(table: np.ndarray, vocab: int) -> np.ndarray:
+    """The [S, Q, V_tok] table fitted to the model's vocabulary V: ids the tokenizer lacks have no text
+    (the state stays); ids beyond V are dropped."""
     s, q, v_tok = table.shape
     if v_tok >= vocab:
         return table[:, :, :vocab]
-    keep_state = jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32)[None, :, None], (s, q, vocab - v_tok))
-    return jnp.concatenate([table, keep_state], axis=-1)
+    keep_state = np.broadcast_to(np.arange(q, dtype=np.int32)[None, :, None], (s, q, vocab - v_tok))
+    return np.concatenate([table, keep_state], axis=-1)
 
 
 def _advance_stop(table: jax.Array, stop_lens: jax.Array, state: jax.Array, token: jax.Array):
@@ -366,7 +367,6 @@ def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_ma
     cache = actor.init_cache(b, static.cache_length)
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     logits = out.logits
-    table = _padded_table(table, logits.shape[-1])
     keys = _row_keys(key, row_ids)
     token, logp = sample_tokens(logits, keys, 0, temperature, greedy=static.greedy, top_k=static.top_k,
                                 top_p=static.top_p)
@@ -397,7 +397,6 @@ def _decode_program(graphdef, state, cache, first_token, first_logp, done, stop_
     def body(carry):
         i, cache, tokens, logps, lengths, done, stop_state, last = carry
         logits, cache = actor.decode_step(last, cache)
-        padded = _padded_table(table, logits.shape[-1])
         token, logp = sample_tokens(logits, keys, i, temperature, greedy=static.greedy, top_k=static.top_k,
                                     top_p=static.top_p)
         token = jnp.where(done, static.pad_id, token)
@@ -405,7 +404,7 @@ def _decode_program(graphdef, state, cache, first_token, first_logp, done, stop_
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
         logps = jax.lax.dynamic_update_slice_in_dim(logps, logp[:, None], i, axis=1)
         lengths = lengths + (~done).astype(jnp.int32)
-        new_state, hit = _advance_stop(padded, stop_lens, stop_state, token)
+        new_state, hit = _advance_stop(table, stop_lens, stop_state, token)
         is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
         stop_state = jnp.where(done[:, None], stop_state, new_state)
         done = done | is_eos | hit
@@ -478,7 +477,7 @@ class Sampler:
         else:
             self.batch_axes = ()
             self._dp = 1
-        self._device_consts = None
+        self._device_consts: dict[int, tuple] = {}
         #: Seconds and token counts of the last ``generate`` call (prefill and decode timed apart).
         self.last_timing: dict[str, float] = {}
 
@@ -506,12 +505,14 @@ class Sampler:
             return jnp.asarray(x)
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-    def _consts(self):
-        if self._device_consts is None:
+    def _consts(self, vocab: int):
+        """Device copies of (stop table [S, Q, V], stop lengths [S], EOS ids), per model vocabulary V."""
+        if vocab not in self._device_consts:
             rep = P()
-            self._device_consts = (self._put(self._table, rep), self._put(self._stop_lens, rep),
-                                   self._put(np.asarray(self.eos_token_ids, np.int32), rep))
-        return self._device_consts
+            self._device_consts[vocab] = (self._put(_padded_table(self._table, vocab), rep),
+                                          self._put(self._stop_lens, rep),
+                                          self._put(np.asarray(self.eos_token_ids, np.int32), rep))
+        return self._device_consts[vocab]
 
     def _validate(self, prompts, vocab: int):
         if isinstance(prompts, np.ndarray) or not isinstance(prompts, (list, tuple)):
@@ -565,15 +566,16 @@ class Sampler:
         with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
             for start in range(0, len(arrays), chunk):
                 parts.append(self._generate_chunk(graphdef, state, arrays[start:start + chunk], start, t_bucket,
-                                                  key, temp))
+                                                  key, temp, vocab))
         return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
 
-    def _actor_vocab(self, actor) -> int:
-        for name in ("config", "cfg"):
-            c = getattr(actor, name, None)
-            if c is not None and hasattr(c, "vocab_size"):
-                return int(c.vocab_size)
-        return self.vocab_size
+    @staticmethod
+    def _actor_vocab(actor) -> int:
+        """V, the width of the actor's logits (``actor.config.vocab_size``)."""
+        vocab = getattr(getattr(actor, "config", None), "vocab_size", None)
+        if not isinstance(vocab, (int, np.integer)) or vocab < 1:
+            raise ValueError(f"actor.config.vocab_size must be a positive int (the logits width), got {vocab!r}")
+        return int(vocab)
 
     def prepare_batch(self, arrays: Sequence[np.ndarray], t_bucket: int):
         """Left-pads prompts into the bucket: (input_ids int32[Bb, T], attention_mask int32[Bb, T],
@@ -589,7 +591,7 @@ class Sampler:
         row_mask = np.arange(b_bucket) < n
         return ids, mask, row_mask
 
-    def _generate_chunk(self, graphdef, state, arrays, offset, t_bucket, key, temp):
+    def _generate_chunk(self, graphdef, state, arrays, offset, t_bucket, key, temp, vocab):
         cfg = self.config
         n = len(arrays)
         ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
@@ -599,7 +601,7 @@ class Sampler:
                          cache_length=t_bucket + cfg.max_new_tokens, pad_id=self.pad_id)
         spec2 = P(self.batch_axes or None, None)
         spec1 = P(self.batch_axes or None)
-        table, stop_lens, eos_ids = self._consts()
+        table, stop_lens, eos_ids = self._consts(vocab)
         ids, mask, row_ids_d, row_mask_d = (self._put(ids, spec2), self._put(mask, spec2),
                                             self._put(row_ids, spec1), self._put(row_mask, spec1))
         temp_d = jnp.float32(temp)

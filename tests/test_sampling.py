@@ -263,6 +263,37 @@ def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top
     np.testing.assert_allclose(np.asarray(logp), ref[toks], rtol=1e-5, atol=1e-5)
 
 
+class ConstLM(FakeLM):
+    """Next-token logits are the same vector at every step of every row."""
+
+    def __init__(self, logits: np.ndarray):
+        super().__init__(vocab=logits.shape[0], dim=2)
+        self.const = nnx.Variable(jnp.asarray(logits, jnp.float32))
+
+    def _out(self, summed, count, pos):
+        h = jnp.tanh(summed / jnp.maximum(count, 1)[..., None])
+        return jnp.broadcast_to(self.const[...], h.shape[:-1] + self.const.shape), h
+
+
+def test_generate_draws_independently_per_row_and_step_from_the_filtered_distribution():
+    from scipy import stats
+
+    tok = small_tokenizer()
+    logits = np.full(len(tok), -8.0, np.float32)
+    logits[[10, 20, 30, 40, 50, 60]] = [2.0, 1.6, 1.2, 0.8, 0.4, 0.0]
+    cfg = _cfg(max_new_tokens=24, temperature=0.8, top_k=5, top_p=0.9, batch_buckets=(64,), eos_token_ids=(2,))
+    out = Sampler(tok, cfg).generate(ConstLM(logits), [[5]] * 64, jax.random.key(99))
+    assert (out.lengths == 24).all()
+    probs = _filtered_probs_oracle(logits.astype(np.float64), 0.8, 5, 0.9)
+    counts = np.bincount(out.tokens.ravel(), minlength=len(tok))
+    assert counts[probs == 0].sum() == 0
+    support = probs > 0
+    assert support.sum() == 4  # top-k 5, then top-p 0.9 keeps 4
+    _, pval = stats.chisquare(counts[support], probs[support] * out.tokens.size)
+    assert pval > 1e-3, (counts[support], probs[support] * out.tokens.size)
+    assert len({tuple(r) for r in out.tokens}) == 64  # no two rows share their draws
+
+
 def test_greedy_picks_argmax_with_lowest_id_on_ties():
     logits = jnp.asarray([[0.0, 2.0, 2.0, 1.0], [5.0, 0.0, 5.0, 0.0]])
     toks, logp = sample_tokens(logits, jax.random.split(jax.random.key(0), 2), 0, 1.0, greedy=True)
