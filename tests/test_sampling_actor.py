@@ -78,34 +78,34 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from bipace_jax.sampling import Sampler, SamplerConfig
     from tests.test_sampling import small_tokenizer
 
-    n_dev = len(jax.devices())
     tok = small_tokenizer()
     cfg = SamplerConfig(max_new_tokens=8, temperature=1.3, top_k=50, top_p=0.95, stop_strings=("</action>",),
                         batch_buckets=(8,), length_buckets=(16,))
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(3))
-    mesh = None
-    if n_dev > 1:
-        mesh = make_mesh(data=2, fsdp=2, tensor=2)
-        shard_params(actor, mesh)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, len(tok), size=int(rng.integers(1, 16))).tolist() for _ in range(6)]
+    result = {"n_dev": len(jax.devices())}
+    # One device (mesh=None: everything on device 0), then the mesh data=2 x fsdp=2 x tensor=2.
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(3))
+    out = Sampler(tok, cfg).generate(actor, prompts, jax.random.key(11))
+    result["one"] = {k: np.asarray(v).tolist() for k, v in out._asdict().items()}
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    shard_params(actor, mesh)
+    result["devices_per_param"] = len(actor.embed.embedding[...].sharding.device_set)
     out = Sampler(tok, cfg, mesh=mesh).generate(actor, prompts, jax.random.key(11))
-    json.dump({"n_dev": n_dev, **{k: np.asarray(v).tolist() for k, v in out._asdict().items()}}, sys.stdout)
+    result["eight"] = {k: np.asarray(v).tolist() for k, v in out._asdict().items()}
+    json.dump(result, sys.stdout)
 """)
 
 
-def _run_devices(n):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES=str(n), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-    res = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def test_sharded_over_8_cpu_devices_equals_one_device():
-    one, eight = _run_devices(1), _run_devices(8)
-    assert one["n_dev"] == 1 and eight["n_dev"] == 8
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    res = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    one, eight = result["one"], result["eight"]
+    assert result["n_dev"] == 8 and result["devices_per_param"] == 8
     np.testing.assert_array_equal(eight["tokens"], one["tokens"])
     np.testing.assert_array_equal(eight["lengths"], one["lengths"])
     np.testing.assert_allclose(eight["logprobs"], one["logprobs"], atol=1e-4)
