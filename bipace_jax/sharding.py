@@ -20,6 +20,7 @@ the parameter shardings anchor it. No pmap; `jax.jit` with `NamedSharding` throu
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -31,7 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = [
     "MESH_AXES", "LOGICAL_TO_MESH", "PARAM_RULES", "ACTIVATION_AXES",
-    "make_mesh", "mesh_from_config", "logical_to_spec", "param_logical_axes", "param_spec",
+    "make_mesh", "mesh_from_config", "logical_to_spec", "gather_param", "param_logical_axes", "param_spec",
     "param_shardings", "shard_params", "constrain", "batch_sharding", "cache_shardings",
     "count_params", "per_device_bytes",
 ]
@@ -234,6 +235,21 @@ def constrain(x: jax.Array, kind_or_axes: str | Sequence[str | None]) -> jax.Arr
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def gather_param(w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """FSDP all-gather of a parameter at its point of use, when a mesh is set.
+
+    Constrains `w` to its logical axes with "embed" (the FSDP-split dimension) replicated, so XLA
+    gathers the weight over "fsdp" and keeps activations split over the batch, instead of
+    resharding activations to follow the weight. Tensor-parallel splits are kept. No-op without
+    a mesh.
+    """
+    mesh = _current_mesh()
+    if mesh is None:
+        return w
+    axes = tuple(None if a == "embed" else a for a in logical)
+    return jax.lax.with_sharding_constraint(w, logical_to_spec(axes, w.shape, mesh))
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """`NamedSharding` splitting dim 0 (the batch) over ("data", "fsdp"), other dims replicated.
 
@@ -254,7 +270,9 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
 
 # --------------------------------------------------------------------------------------------------
 # Abstract sizes (nnx.eval_shape: nothing is allocated).
+@functools.lru_cache(maxsize=8)
 def _abstract_params(config: Any, param_dtype: Any):
+    """nnx.State of `jax.ShapeDtypeStruct`s of the actor's parameters (cached per config and dtype)."""
     from flax import nnx
     from bipace_jax.models.qwen2 import Qwen2Actor
     abstract = nnx.eval_shape(lambda: Qwen2Actor(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))

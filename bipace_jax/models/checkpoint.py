@@ -218,7 +218,7 @@ def _read(full: str, name: str) -> np.ndarray:
 
 def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
                        dtype: Any = jnp.float32, param_dtype: Any | None = None,
-                       fingerprint_layer: int = -1) -> Qwen2Actor:
+                       fingerprint_layer: int = -1, remat: bool = False) -> Qwen2Actor:
     """Loads a HF Qwen2/Qwen2.5 folder into a `Qwen2Actor`.
 
     Args:
@@ -228,6 +228,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | Non
       dtype: activation dtype of the actor (and parameter dtype unless `param_dtype` is given).
       param_dtype: parameter storage dtype (default: `dtype`).
       fingerprint_layer: HF hidden-state index of the fingerprint (see `Qwen2Actor`).
+      remat: rematerialise decoder layers in the backward pass (see `Qwen2Actor`).
 
     Returns:
       The actor with the checkpoint's weights (cast to `param_dtype`).
@@ -249,7 +250,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | Non
     _check_names_and_shapes(files, specs, config, path)
 
     abstract = nnx.eval_shape(lambda: Qwen2Actor(config, fingerprint_layer=fingerprint_layer, dtype=dtype,
-                                                 param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+                                                 param_dtype=param_dtype, rngs=nnx.Rngs(0), remat=remat))
     graphdef, state = nnx.split(abstract)
     flat = {tuple(k): v for k, v in nnx.to_flat_state(state)}
 

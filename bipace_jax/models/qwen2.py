@@ -24,7 +24,7 @@ Dtypes: parameters are stored in `param_dtype`, matmuls and the residual stream 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from bipace_jax.models.config import Qwen2Config
-from bipace_jax.sharding import constrain
+from bipace_jax.sharding import constrain, gather_param
 
 __all__ = ["ActorOutput", "KVCache", "Qwen2Actor"]
 
@@ -161,9 +161,12 @@ class Attention(nnx.Module):
     def qkv(self, h: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """h [B, T, D] -> q [B, T, N, Hd], k, v [B, T, K, Hd] (q and k rotated), in `dtype`."""
         dt = self.dtype
-        q = jnp.einsum("btd,dnh->btnh", h, self.q_proj.kernel[...].astype(dt)) + self.q_proj.bias[...].astype(dt)
-        k = jnp.einsum("btd,dkh->btkh", h, self.k_proj.kernel[...].astype(dt)) + self.k_proj.bias[...].astype(dt)
-        v = jnp.einsum("btd,dkh->btkh", h, self.v_proj.kernel[...].astype(dt)) + self.v_proj.bias[...].astype(dt)
+        wq = gather_param(self.q_proj.kernel[...].astype(dt), ("embed", "heads", "head_dim"))
+        wk = gather_param(self.k_proj.kernel[...].astype(dt), ("embed", "kv_heads", "head_dim"))
+        wv = gather_param(self.v_proj.kernel[...].astype(dt), ("embed", "kv_heads", "head_dim"))
+        q = jnp.einsum("btd,dnh->btnh", h, wq) + self.q_proj.bias[...].astype(dt)
+        k = jnp.einsum("btd,dkh->btkh", h, wk) + self.k_proj.bias[...].astype(dt)
+        v = jnp.einsum("btd,dkh->btkh", h, wv) + self.v_proj.bias[...].astype(dt)
         q = constrain(apply_rope(q, cos, sin), "q")
         k = constrain(apply_rope(k, cos, sin), "kv")
         v = constrain(v, "kv")
@@ -182,7 +185,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, hd)
         out = constrain(out, "q")
-        return jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(self.dtype))
+        wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
+        return jnp.einsum("btnh,nhd->btd", out, wo)
 
 
 class _Proj(nnx.Module):
@@ -210,10 +214,10 @@ class MLP(nnx.Module):
 
     def __call__(self, h: Array) -> Array:
         dt = self.dtype
-        gate = h @ self.gate_proj.kernel[...].astype(dt)
-        up = h @ self.up_proj.kernel[...].astype(dt)
+        gate = h @ gather_param(self.gate_proj.kernel[...].astype(dt), ("embed", "mlp"))
+        up = h @ gather_param(self.up_proj.kernel[...].astype(dt), ("embed", "mlp"))
         act = constrain(jax.nn.silu(gate) * up, "mlp")
-        return act @ self.down_proj.kernel[...].astype(dt)
+        return act @ gather_param(self.down_proj.kernel[...].astype(dt), ("mlp", "embed"))
 
 
 class DecoderLayer(nnx.Module):
@@ -227,19 +231,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
-                 kv_cache: tuple[Array, Array] | None = None, write_index: Array | None = None):
-        """One layer. Returns (x [B, T, D], k [B, T|S, K, Hd], v [B, T|S, K, Hd]).
+                 kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None):
+        """One layer over x [B, T, D]. Returns (x [B, T, D], k [B, T, K, Hd], v [B, T, K, Hd]).
 
-        Without `kv_cache` the layer attends over its own T keys. With `kv_cache` = (k_cache, v_cache)
-        [B, S, K, Hd] the new keys/values are written at slot `write_index` and attention runs over
-        all S slots (mask [B, T, S]); the updated caches are returned.
+        Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
+        new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
+        attend over, [B, S, K, Hd] (mask [B, T, S]): that is how `decode_step` reads the cache.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
-        if kv_cache is not None:
-            k_cache, v_cache = kv_cache
-            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
-        x = x + self.attn.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
+        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask)
         x = constrain(x, "hidden")
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, "hidden"), k, v
@@ -255,6 +256,9 @@ class Qwen2Actor(nnx.Module):
       dtype: activation/matmul dtype (jnp.bfloat16 on accelerators).
       param_dtype: parameter storage dtype.
       rngs: initialiser keys (weights ~ N(0, initializer_range), biases 0, norm scales 1).
+      remat: rematerialise each decoder layer in the backward pass of `__call__` /
+        `forward_hidden` (`nnx.remat`): activation memory of one layer instead of L, at the cost of
+        a second forward; outputs and gradients are unchanged. Settable later (`actor.remat = True`).
 
     Params: embed.embedding [V, D]; layers[i] (see `DecoderLayer`); final_norm.scale [D];
     lm_head.kernel [D, V] only when the head is untied.
@@ -264,7 +268,7 @@ class Qwen2Actor(nnx.Module):
     """
 
     def __init__(self, config: Qwen2Config, *, fingerprint_layer: int = -1, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = False):
         if not isinstance(config, Qwen2Config):
             raise ValueError(f"Qwen2Actor: config must be a Qwen2Config, got {type(config).__name__}")
         n_layers = config.num_hidden_layers
@@ -276,6 +280,7 @@ class Qwen2Actor(nnx.Module):
         self.fingerprint_layer = int(fingerprint_layer)
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
+        self.remat = bool(remat)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed = _Embed(_normal(config.initializer_range)(
             rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype))
@@ -294,16 +299,21 @@ class Qwen2Actor(nnx.Module):
 
     def _embed(self, ids: Array) -> Array:
         # Out-of-range ids give NaN rows (mode="fill"), never a silently clamped token.
-        table = self.embed.embedding[...]
+        table = gather_param(self.embed.embedding[...], ("vocab", "embed"))
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
         return constrain(x.astype(self.dtype), "hidden")
 
-    def _logits(self, h: Array) -> Array:
-        """Final normed h [..., D] in `dtype` -> fp32 logits [..., V]."""
+    def lm_logits(self, h: Array) -> Array:
+        """LM head: final normed hidden states h [..., D] (any float dtype) -> fp32 logits [..., V].
+
+        Use with `forward_hidden` to compute logits (or log-probabilities) chunk by chunk over T
+        when [B, T, V] in fp32 would not fit.
+        """
+        h = h.astype(self.dtype)
         if self.config.tie_word_embeddings:
-            w = self.embed.embedding[...].astype(self.dtype)
+            w = gather_param(self.embed.embedding[...].astype(self.dtype), ("vocab", "embed"))
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-        w = self.lm_head.kernel[...].astype(self.dtype)
+        w = gather_param(self.lm_head.kernel[...].astype(self.dtype), ("embed", "vocab"))
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
     def _check_tokens(self, input_ids: Any, attention_mask: Any, where: str):
@@ -318,10 +328,11 @@ class Qwen2Actor(nnx.Module):
         mdt = jnp.result_type(attention_mask)
         if not (jnp.issubdtype(mdt, jnp.integer) or mdt == jnp.bool_):
             raise ValueError(f"{where}: attention_mask must be int or bool, got {mdt}")
-        if isinstance(input_ids, np.ndarray) and input_ids.size:
-            if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-                raise ValueError(f"{where}: input_ids must lie in [0, {self.config.vocab_size}), got "
-                                 f"[{input_ids.min()}, {input_ids.max()}]")
+        if isinstance(input_ids, np.ndarray) and isinstance(attention_mask, np.ndarray) and input_ids.size:
+            real = input_ids[attention_mask.astype(bool)]
+            if real.size and (real.min() < 0 or real.max() >= self.config.vocab_size):
+                raise ValueError(f"{where}: input_ids at real tokens must lie in [0, {self.config.vocab_size}), "
+                                 f"got [{real.min()}, {real.max()}]")
         if isinstance(attention_mask, np.ndarray) and attention_mask.size:
             if not np.all(attention_mask.astype(bool).any(axis=1)):
                 bad = int(np.flatnonzero(~attention_mask.astype(bool).any(axis=1))[0])
@@ -345,12 +356,14 @@ class Qwen2Actor(nnx.Module):
         attn_mask = causal[None] & mask[:, None, :]
         fp_at = self.fingerprint_hidden_index
         n_layers = self.config.num_hidden_layers
-        x = self._embed(input_ids)
+        # Padding columns may hold any id (e.g. -1): they are read as token 0 and masked out.
+        x = self._embed(jnp.where(mask, input_ids, 0))
         hidden = [x] if output_hidden_states else None
         fingerprint = self._fingerprint(x, fingerprint_index) if fp_at == 0 else None
         ks, vs = [], []
+        call = nnx.remat(_call_layer) if self.remat else _call_layer
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, attn_mask)
+            x, k, v = call(layer, x, cos, sin, attn_mask)
             ks.append(k)
             vs.append(v)
             if i + 1 < n_layers:
@@ -366,13 +379,25 @@ class Qwen2Actor(nnx.Module):
         return h, fingerprint, hidden, ks, vs
 
     # ----------------------------------------------------------------------------------------------
+    def _prepare(self, input_ids, attention_mask, fingerprint_index, where):
+        self._check_tokens(input_ids, attention_mask, where)
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        attention_mask = jnp.asarray(attention_mask)
+        if fingerprint_index is None:
+            fingerprint_index = last_real_index(attention_mask)
+        elif np.shape(fingerprint_index) != (input_ids.shape[0],):
+            raise ValueError(f"{where}: fingerprint_index must be int32[B={input_ids.shape[0]}], "
+                             f"got shape {np.shape(fingerprint_index)}")
+        return input_ids, attention_mask, jnp.asarray(fingerprint_index, jnp.int32)
+
     def __call__(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None,
                  *, output_hidden_states: bool = False) -> ActorOutput:
         """Full causal forward: logits for every column and the fingerprint, from one pass.
 
         Args:
-          input_ids: int32 [B, T], token ids in [0, V) (out-of-range ids give NaN logits under jit;
-            a concrete NumPy input is checked and raises).
+          input_ids: int32 [B, T], token ids in [0, V) at real tokens (padding columns may hold
+            any id). An out-of-range id at a real token gives NaN outputs for its row under jit
+            (never a silently clamped token); a concrete NumPy input is checked and raises.
           attention_mask: int32 or bool [B, T], 1 for real tokens; padding on either side.
           fingerprint_index: int32 [B], the column of each row's fingerprint; default each row's
             last real token.
@@ -385,20 +410,25 @@ class Qwen2Actor(nnx.Module):
           ValueError: wrong ranks/shapes/dtypes; for NumPy inputs also ids out of range or a row
             without real tokens.
         """
-        self._check_tokens(input_ids, attention_mask, "Qwen2Actor.__call__")
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        attention_mask = jnp.asarray(attention_mask)
-        if fingerprint_index is None:
-            fingerprint_index = last_real_index(attention_mask)
-        elif np.shape(fingerprint_index) != (input_ids.shape[0],):
-            raise ValueError(f"Qwen2Actor.__call__: fingerprint_index must be int32[B={input_ids.shape[0]}], "
-                             f"got shape {np.shape(fingerprint_index)}")
-        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, jnp.asarray(fingerprint_index),
+        input_ids, attention_mask, fingerprint_index = self._prepare(
+            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.__call__")
+        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, fingerprint_index,
                                                  output_hidden_states)
-        logits = constrain(self._logits(h), "logits")
+        logits = constrain(self.lm_logits(h), "logits")
         if output_hidden_states:
             hidden = tuple(a.astype(jnp.float32) for a in hidden)
         return ActorOutput(logits=logits, fingerprint=fingerprint, hidden_states=hidden)
+
+    def forward_hidden(self, input_ids: Array, attention_mask: Array,
+                       fingerprint_index: Array | None = None) -> tuple[Array, Array]:
+        """The forward without the LM head: (final normed hidden [B, T, D] in `dtype`, fingerprint [B, D]).
+
+        `lm_logits(h)` gives the logits; same arguments and errors as `__call__`.
+        """
+        input_ids, attention_mask, fingerprint_index = self._prepare(
+            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.forward_hidden")
+        h, fingerprint, _, _, _ = self._run(input_ids, attention_mask, fingerprint_index, False)
+        return h, fingerprint
 
     # ----------------------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -450,7 +480,7 @@ class Qwen2Actor(nnx.Module):
         last = last_real_index(mask)
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False)
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        logits = constrain(self._logits(h_last), "last_logits")
+        logits = constrain(self.lm_logits(h_last), "last_logits")
         k_new = jnp.stack(ks).astype(cache.k.dtype)
         v_new = jnp.stack(vs).astype(cache.v.dtype)
         zeros = jnp.zeros_like(cache.k)
@@ -491,14 +521,22 @@ class Qwen2Actor(nnx.Module):
         x = self._embed(token_ids[:, None])
         k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.layers):
-            x, k_l, v_l = layer(x, cos, sin, attn_mask, kv_cache=(k_all[i], v_all[i]), write_index=index)
-            k_all = k_all.at[i].set(k_l)
-            v_all = v_all.at[i].set(v_l)
+            def kv_update(k, v, i=i):
+                # Write the new token's k/v at (layer i, slot index) in place; attend over layer i.
+                nonlocal k_all, v_all
+                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, index, 0, 0))
+                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, index, 0, 0))
+                return k_all[i], v_all[i]
+            x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
-        logits = constrain(self._logits(h), "last_logits")
+        logits = constrain(self.lm_logits(h), "last_logits")
         new_cache = KVCache(k=constrain(k_all, "cache_kv"), v=constrain(v_all, "cache_kv"),
                             slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
+
+
+def _call_layer(layer: DecoderLayer, x: Array, cos: Array, sin: Array, mask: Array):
+    return layer(x, cos, sin, mask)
 
 
 class _Embed(nnx.Module):
