@@ -1,24 +1,30 @@
 """Sampler throughput: our jitted KV-cache sampler vs Hugging Face ``generate()`` (torch, CPU).
 
     python -m launch.bench_sampler                      # CPU: writes benchmarks/sampler.json
-    python -m launch.bench_sampler --batches=16,64 --new_tokens=64 --reps=3
+    python -m launch.bench_sampler --models=tiny --batches=16,64 --new_tokens=64 --reps=5
 
-Both sides run the same random tiny Qwen2 checkpoint (written here with ``transformers`` and loaded
-by ``load_hf_checkpoint``), the same left-padded prompts, greedy decoding and the same new-token
-budget, so they produce the same tokens (checked: ``tokens_match_hf``). Measured per batch size:
+Both sides run the same random Qwen2 checkpoint (written here with ``transformers``, loaded by
+``load_hf_checkpoint``), the same left-padded prompts (96-128 tokens), greedy decoding and the same
+new-token budget, so they produce the same tokens (checked: ``tokens_match_hf``). Models: ``tiny``
+(the tests' tiny Qwen2: V 512, D 64, 2 layers; the headline) and ``small`` (V 2048, D 256, 4 layers).
+Measured per model and batch size (16 and 64):
 
-* prefill tokens/s: real prompt tokens / time of the prompt pass (ours: the jitted prefill program
-  incl. the first token; HF: one ``model(...)`` forward with ``use_cache=True``, what ``generate``
+* prefill tokens/s: real prompt tokens / time of the prompt pass (ours: the jitted prefill program,
+  first token included; HF: one ``model(...)`` forward with ``use_cache=True``, what ``generate``
   runs first);
-* decode tokens/s: generated tokens / (whole call - prefill);
-* end to end: generated tokens / whole call. ``speedup_vs_hf`` is the smallest end-to-end ratio over
-  the batch sizes (HF time / our time); the target is >= 3 on CPU.
+* decode tokens/s: generated tokens / (whole call - prefill) (ours: the on-device decode loop);
+* end to end: generated tokens / whole call.
 
-Times are the median of ``--reps`` runs after one warm-up (compilation excluded, as for a training
-run that reuses the compiled bucket every turn). On a GPU backend the script instead (or also, with
-``--gpu_presets``) measures the Qwen2.5 0.5B and 1.5B presets with random bf16 weights against the
-memory-bandwidth roofline: each decode step must read every parameter and the KV cache written so
-far, so ``roofline tok/s = B * HBM bandwidth / (parameter bytes + mean KV bytes per step)``.
+``speedup_vs_hf`` is the smallest end-to-end ratio (HF time / our time) over the batch sizes on the
+first model of ``--models`` (target: >= 3 on CPU). Each measurement is the median of ``--reps`` runs,
+ours and HF alternating so that both see the same machine load, after warm-up (compilation is
+reported as ``compile_s`` and excluded, as in a training run that reuses each compiled bucket). torch
+runs with its faster thread count (1 or all cores, chosen by one timed call each).
+
+On a GPU backend the script measures the Qwen2.5 0.5B and 1.5B presets with random bf16 weights
+against the memory-bandwidth roofline and writes ``benchmarks/sampler_gpu.json``: each decode step
+must read every parameter and the KV cache written so far, so
+``roofline tok/s = B * HBM bandwidth / (parameter bytes + B * mean context * KV bytes per token)``.
 """
 
 from __future__ import annotations
