@@ -245,7 +245,7 @@ def run_gpu() -> dict:
         param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
         out["presets"][name] = {"param_bytes": int(param_bytes), "batches": {}}
         for b in [int(x) for x in FLAGS.batches.split(",")]:
-            prompts = _prompts(b, 600, FLAGS.gpu_prompt, FLAGS.gpu_prompt, seed=b)
+            prompts = _prompts(b, min(600, cfg.vocab_size), FLAGS.gpu_prompt, FLAGS.gpu_prompt, seed=b)
             from bipace_jax.sampling import Sampler, SamplerConfig
             scfg = SamplerConfig(max_new_tokens=FLAGS.gpu_new_tokens, greedy=True, stop_strings=(),
                                  eos_token_ids=(cfg.vocab_size - 1,), batch_buckets=(b,),
