@@ -15,7 +15,11 @@ The kernel gets the same numbers without a matrix-vector product per row:
 - inside the block, a row that joined (or, for leaders, opened) cluster c adds its column of the
   block's Gram matrix to the later rows' `f . s_c`, and `||s_c + f||^2 = ||s_c||^2 + 2 f.s_c + f.f`;
 - the sums S are updated with one scatter-add per block.
-This is the same greedy algorithm (nearest cluster, ties to the cluster created first via argmax,
+Work: about N * (B + K_used) * D multiply-adds (K_used: cluster slots in use, rounded up to the
+16-slot chunk) plus R sequential row steps (R = row capacity per task group), each O(Kp + B)
+vector work over all task groups at once.
+
+This is the same greedy algorithm (nearest cluster, ties to the cluster created first via the first maximum,
 join when `cos >= 1 - epsilon - 1e-6`, fixed capacity K, overflow rows become singletons); only the
 order of fp32 additions differs from the oracle, at the level of rounding.
 """
