@@ -276,7 +276,7 @@ def test_bfloat16_fingerprints_cluster_like_their_float32_values():
 
 
 def _good():
-  return _rows(SPEC, pad=2)         # 9 rows
+  return _rows(SPEC)                # 16 rows
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -314,8 +314,8 @@ def test_jitted_path_counts_invalid_trajectories_and_never_returns_nan(name):
   a = _good()
   a["reward"][4] = np.nan          # traj 12 (3 rows): non-finite reward
   a["group_id"][0] = 3             # traj 10 (2 rows) in two task groups
-  batch = StepBatch(**{k: jnp.asarray(v) for k, v in a.items()}, group_capacity=3, row_capacity=8)
-  cfg = EstimatorConfig(name=name, gamma=GAMMA)
+  batch = StepBatch(**{k: jnp.asarray(v) for k, v in a.items()}, group_capacity=2, row_capacity=16)
+  cfg = EstimatorConfig(name=name, gamma=GAMMA, norm="mean")
   adv, diag = compute_advantages(batch, cfg)
   adv = np.asarray(adv)
   assert not np.isnan(adv).any()
@@ -356,7 +356,7 @@ def test_clustering_estimator_without_capacities_raises_before_compiling():
   with pytest.raises(ValueError, match="row_capacity"):
     compute_advantages(batch, EstimatorConfig(name="bipace_q"))
   adv, _ = compute_advantages(batch, EstimatorConfig(name="gigpo"))   # no layout needed
-  assert adv.shape == (9,)
+  assert adv.shape == (16,)
 
 
 def test_assign_ids_equal_values_equal_ids_and_none_is_minus_one():

@@ -15,7 +15,11 @@ The kernel gets the same numbers without a matrix-vector product per row:
 - inside the block, a row that joined (or, for leaders, opened) cluster c adds its column of the
   block's Gram matrix to the later rows' `f . s_c`, and `||s_c + f||^2 = ||s_c||^2 + 2 f.s_c + f.f`;
 - the sums S are updated with one scatter-add per block.
-This is the same greedy algorithm (nearest cluster, ties to the cluster created first via argmax,
+Work: about N * (B + K_used) * D multiply-adds (K_used: cluster slots in use, rounded up to the
+16-slot chunk) plus R sequential row steps (R = row capacity per task group), each O(Kp + B)
+vector work over all task groups at once.
+
+This is the same greedy algorithm (nearest cluster, ties to the cluster created first via the first maximum,
 join when `cos >= 1 - epsilon - 1e-6`, fixed capacity K, overflow rows become singletons); only the
 order of fp32 additions differs from the oracle, at the level of rounding.
 """
@@ -42,13 +46,13 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def slot_layout(capacity: int, chunk: int = 32) -> tuple[int, int]:
+def slot_layout(capacity: int, chunk: int = 16) -> tuple[int, int]:
   """(slots per matmul chunk, padded number of cluster slots Kp >= capacity)."""
   kc = min(chunk, _round_up(capacity, 8))
   return kc, _round_up(capacity, kc)
 
 
-def _block_size(r: int, limit: int = 50) -> int:
+def _block_size(r: int, limit: int = 16) -> int:
   return max(d for d in range(1, min(r, limit) + 1) if r % d == 0)
 
 
@@ -70,7 +74,7 @@ def normalise_fingerprints(f):
 
 
 def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "mean",
-                           block: int | None = None, chunk: int = 32):
+                           block: int | None = None, chunk: int = 16):
   """Greedy nearest-cluster cosine clustering of each task group's rows, in layout order.
 
   Args:
@@ -79,7 +83,7 @@ def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "
     threshold: float32 scalar, `1 - epsilon - 1e-6` (traced: changing epsilon does not recompile).
     capacity: K, the fixed number of clusters per task group.
     centroid: "mean" (re-normalised running sum) or "leader" (first member).
-    block: rows per block (B, divides R; default the largest divisor of R up to 50).
+    block: rows per block (B, divides R; default the largest divisor of R up to 16).
     chunk: cluster slots per matmul chunk.
   Returns:
     slot: int32[Gc, R], the cluster (0..K-1, in order of creation) of each row, -1 when the row is

@@ -1,7 +1,10 @@
 """Step-group size statistics and row rates (spec: estimators.md, section "Diagnostics").
 
-All statistics are over valid real rows, pooled over the step groups of the whole batch; an empty
-denominator gives 0.0. Counts are int32 scalars, rates and sizes float32 scalars.
+All statistics are over valid real rows (mask True and not counted in `invalid_rows`), pooled over
+the step groups of the whole batch; an empty denominator gives 0.0. Counts are int32 scalars
+(`pairs` overflows int32 only beyond ~65,000 rows in one step group), rates and sizes float32
+scalars. `overflow_rows` and `degenerate_rows` are 0 for grpo and gigpo, which read no
+fingerprints; `pace_row_rate` and `loo_row_rate` are 0.0 except for bipace_q and bipace_diff.
 """
 
 from __future__ import annotations
