@@ -95,10 +95,16 @@ class MetricsLogger:
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(updates completed, value): the record of iteration i is measured after i + 1 updates;
+    ``val_before/*`` (the validation before any update) sits at 0."""
     xs, ys = [], []
+    before = "val_before/" + key.split("/", 1)[1] if key.startswith("val/") else None
     for r in rows:
+        if before and r.get(before) is not None:
+            xs.append(0)
+            ys.append(r[before])
         if r.get(key) is not None:
-            xs.append(r["iteration"])
+            xs.append(r["iteration"] + 1)
             ys.append(r[key])
     return xs, ys
 
@@ -124,7 +130,7 @@ def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
         xs, ys = _series(rows, key)
         if xs:
             ax.plot(xs, ys, marker="o" if key.startswith("val") else None, label=label)
-    ax.set_xlabel("iteration")
+    ax.set_xlabel("PPO iterations completed")
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Success")
