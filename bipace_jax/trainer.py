@@ -30,6 +30,7 @@ gradient all-reduce is XLA's. Host metrics are summed with ``process_allgather``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -282,6 +283,174 @@ class Batch:
         return self.input_ids.shape[0]
 
 
+@functools.lru_cache(maxsize=16)
+def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransformation):
+    """The jitted programs of a learner, shared by learners of the same model, loss and optimizer."""
+
+    def response_logits(params, rest, input_ids, attention_mask, prompt_len):
+        model = nnx.merge(graphdef, params, rest)
+        out = model(input_ids, attention_mask)
+        return out.logits[:, prompt_len - 1: -1]  # [B, M, V]: column t predicts token t + 1
+
+    @jax.jit
+    def logprobs_fn(params, rest, input_ids, attention_mask, response_ids):
+        prompt_len = input_ids.shape[1] - response_ids.shape[1]
+        logits = response_logits(params, rest, input_ids, attention_mask, prompt_len)
+        return losses.token_logprobs(logits, response_ids)
+
+    def loss_fn(params, rest, mb, denom):
+        prompt_len = mb["input_ids"].shape[1] - mb["response_ids"].shape[1]
+        logits = response_logits(params, rest, mb["input_ids"], mb["attention_mask"], prompt_len)
+        ref = mb["ref_logprobs"] if cfg.kl_coef > 0 else None
+        return losses.ppo_loss(logits, mb["response_ids"], mb["response_mask"], mb["old_logprobs"], ref,
+                               mb["advantages"], cfg, denom)
+
+    @jax.jit
+    def grad_fn(params, rest, grads_acc, stats_acc, mb, denom):
+        (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, mb, denom)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        stats_acc = jax.tree.map(jnp.add, stats_acc, dict(m, loss=loss))
+        return grads_acc, stats_acc
+
+    def apply_fn(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
+    return logprobs_fn, grad_fn, jax.jit(apply_fn, donate_argnums=(0, 1)), zeros, jax.jit(optax.tree.norm)
+
+
+class PPOLearner:
+    """Parameters, optimizer and the jitted PPO programs of a run (no games, no files).
+
+    Args:
+      actor: the (host-local) actor; its parameters become the learner's global parameters.
+      mesh: the global mesh (axes data, fsdp, tensor); parameters follow ``sharding.param_shardings``,
+        micro-batches are split over ("data", "fsdp").
+      loss_cfg: PPO coefficients.
+      tx: the optax transformation (``make_optimizer``).
+      micro_batch_rows: B, rows per forward/backward on this process (fixed shape).
+      mini_batch_rows: rows per optimizer step on this process (0: all rows, one step per epoch).
+      epochs: passes over the rows per ``update``.
+
+    ``params`` are global arrays; ``params_local`` a host-local copy that the sampler and the
+    log-prob forwards use (the same arrays on one process). ``ref_params_local``: the frozen initial
+    parameters (None when ``loss_cfg.kl_coef == 0``).
+    """
+
+    STAT_KEYS = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "loss")
+
+    def __init__(self, actor: nnx.Module, mesh, loss_cfg: losses.PPOLossConfig, tx: optax.GradientTransformation,
+                 *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1):
+        from bipace_jax import sharding as sharding_lib
+
+        self.actor, self.mesh, self.loss_cfg, self.tx = actor, mesh, loss_cfg, tx
+        self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
+        self.graphdef, params, self._rest = nnx.split(actor, nnx.Param, ...)
+        self.param_shardings = sharding_lib.param_shardings(params, mesh)
+        self.params = _to_global(params, self.param_shardings)
+        self.opt_state = jax.jit(tx.init)(self.params)
+        self.ref_params_local = None
+        if loss_cfg.kl_coef > 0:
+            self.ref_params_local = jax.tree.map(jnp.copy, _host_local(self.params))
+        self._build_programs()
+        self.sync_local()
+
+    def sync_local(self) -> None:
+        """Refresh the host-local parameters and point the actor at them (after an update/restore)."""
+        self.params_local = _host_local(self.params)
+        nnx.update(self.actor, self.params_local)
+
+    def _build_programs(self):
+        (self._logprobs_fn, self._grad_fn, self._apply_fn, self._zeros,
+         self._global_norm) = _ppo_programs(self.graphdef, self.loss_cfg, self.tx)
+
+    def logprobs(self, params_local: Any, batch: Batch) -> np.ndarray:
+        """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched).
+
+        The same forward also yields fingerprints, but the run never needs them from here: they come
+        from the rollout's prefill.
+        """
+        B = self.micro_batch_rows
+        out = np.zeros(batch.response_ids.shape, np.float32)
+        for s in range(0, batch.rows, B):
+            ids, att, resp = (_pad_rows(x[s:s + B], B) for x in (batch.input_ids, batch.attention_mask, batch.response_ids))
+            att[:, -1] |= (att.sum(1) == 0)  # padding rows get one real token (no empty softmax)
+            lp = self._logprobs_fn(params_local, self._rest, jnp.asarray(ids), jnp.asarray(att), jnp.asarray(resp))
+            out[s:s + B] = np.asarray(lp)[: min(B, batch.rows - s)]
+        return out
+
+    def update(self, batch: Batch, old_lp: np.ndarray, ref_lp: np.ndarray | None, adv: np.ndarray,
+               key: jax.Array, where: str = "") -> dict[str, float]:
+        """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.
+
+        Every process must call it (with its own rows); the number of mini- and micro-batches is
+        agreed over processes, a process short of rows contributes all-padding micro-batches. The
+        token-mean denominator of a mini-batch is its real-token count summed over processes.
+
+        Args:
+          batch: this process's rows (N).
+          old_lp, ref_lp: float32[N, M] (ref may be None when kl_coef == 0).
+          adv: float32[N] row advantages.
+          key: shuffling key.
+          where: text naming the iteration, for the error message.
+
+        Returns:
+          metrics ``loss/*`` averaged over the optimizer steps, ``loss/grad_norm`` (before clipping).
+
+        Raises:
+          NonFiniteError: NaN/Inf loss or gradient; that step is not applied.
+        """
+        B = self.micro_batch_rows
+        n_local = batch.rows
+        counts = _allgather(np.array([n_local], np.int64))[:, 0]
+        mb_rows = self.mini_batch_rows or int(max(counts.max(), 1))
+        n_mini = max(int(math.ceil(counts.max() / mb_rows)), 1)
+        totals = {k: 0.0 for k in self.STAT_KEYS}
+        gnorms = []
+        for epoch in range(self.epochs):
+            perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local)) if n_local else np.zeros(0, int)
+            minis = [perm[j * mb_rows:(j + 1) * mb_rows] for j in range(n_mini)]
+            info = _allgather(np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64))
+            for j, rows in enumerate(minis):
+                denom = float(max(info[:, j, 1].sum(), 1))
+                k_micro = max(int(math.ceil(info[:, j, 0].max() / B)), 1)
+                grads = self._zeros(self.params)
+                stats = {k: jnp.zeros((), jnp.float32) for k in self.STAT_KEYS}
+                for m in range(k_micro):
+                    r = rows[m * B:(m + 1) * B]
+                    mb = {
+                        "input_ids": _pad_rows(batch.input_ids[r], B),
+                        "attention_mask": _pad_rows(batch.attention_mask[r], B),
+                        "response_ids": _pad_rows(batch.response_ids[r], B),
+                        "response_mask": _pad_rows(batch.response_mask[r], B),
+                        "old_logprobs": _pad_rows(old_lp[r], B),
+                        "ref_logprobs": _pad_rows(ref_lp[r] if ref_lp is not None else np.zeros_like(old_lp[r]), B),
+                        "advantages": _pad_rows(adv[r], B),
+                    }
+                    mb["attention_mask"][:, -1] |= (mb["attention_mask"].sum(1) == 0)
+                    mb = {k: jax.make_array_from_process_local_data(
+                        NamedSharding(self.mesh, P(("data", "fsdp"), *([None] * (v.ndim - 1)))), v)
+                        for k, v in mb.items()}
+                    grads, stats = self._grad_fn(self.params, self._rest, grads, stats, mb, jnp.float32(denom))
+                stats = {k: float(v) for k, v in stats.items()}
+                gnorm = float(self._global_norm(grads))
+                if not (math.isfinite(stats["loss"]) and math.isfinite(gnorm)):
+                    raise NonFiniteError(
+                        f"non-finite PPO update ({where}epoch {epoch}, mini-batch {j}): loss={stats['loss']}, "
+                        f"grad_norm={gnorm}; the update was not applied")
+                self.params, self.opt_state = self._apply_fn(self.params, self.opt_state, grads)
+                for k in totals:
+                    totals[k] += stats[k]
+                gnorms.append(gnorm)
+        out = {f"loss/{k}": v / len(gnorms) for k, v in totals.items()}
+        out["loss/grad_norm"] = float(np.mean(gnorms))
+        out["loss/grad_norm_max"] = float(np.max(gnorms))
+        out["loss/updates"] = len(gnorms)
+        self.sync_local()
+        return out
+
+
 class Trainer:
     """Owns the actor, optimizer, env pools, sampler, checkpoints and metrics of one run.
 
@@ -326,17 +495,12 @@ class Trainer:
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         actor = actor if actor is not None else build_actor(c, self.tokenizer)
         self.actor = actor
-        self.graphdef, params, self._rest = nnx.split(actor, nnx.Param, ...)
-        self.param_shardings = sharding_lib.param_shardings(params, self.mesh)
-        self.params = _to_global(params, self.param_shardings)
-        self.tx = make_optimizer(c.optim)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
-        self.ref_params_local = None
-        if c.ppo.kl_coef > 0:  # frozen initial policy, host-local (it only runs forwards)
-            self.ref_params_local = jax.tree.map(jnp.copy, _host_local(self.params))
-        self.loss_cfg = losses.PPOLossConfig(
+        loss_cfg = losses.PPOLossConfig(
             clip_eps=c.ppo.clip_eps, dual_clip=c.ppo.dual_clip or None, kl_coef=c.ppo.kl_coef,
             entropy_coef=c.ppo.entropy_coef, kl_bound=c.ppo.kl_bound)
+        self.learner = PPOLearner(actor, self.mesh, loss_cfg, make_optimizer(c.optim),
+                                  micro_batch_rows=c.ppo.micro_batch_rows, mini_batch_rows=c.ppo.mini_batch_rows,
+                                  epochs=c.ppo.epochs)
 
         # --- run state (restored below) --------------------------------------------------------
         self.iteration = 0
@@ -351,7 +515,6 @@ class Trainer:
                 raise FileExistsError(f"{workdir} already holds checkpoints (latest step {latest}); "
                                       f"pass --resume or use a new --workdir")
             self._restore(latest)
-        self._sync_local_actor()
 
         # --- tasks -----------------------------------------------------------------------------
         import environments
@@ -399,7 +562,6 @@ class Trainer:
         self.rollout_cfg = RolloutConfig(group_size=c.rollout.group_size, sampler=scfg, **rkw)
         self.val_rollout_cfg = RolloutConfig(group_size=c.val.group_size, sampler=vcfg, **rkw)
 
-        self._build_programs()
         self.metrics = MetricsLogger(workdir, start_iteration=self.iteration, enabled=self.is_primary)
         if self.is_primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -430,62 +592,11 @@ class Trainer:
         return EpsilonController(epsilon=self.epsilon, target=cc.target_singleton_rate, step=cc.step,
                                  min_epsilon=cc.min_epsilon, max_epsilon=cc.max_epsilon)
 
-    def _sync_local_actor(self):
-        """Point the (host-local) actor used by the sampler and the log-prob passes at the params."""
-        self.params_local = _host_local(self.params)
-        nnx.update(self.actor, self.params_local)
-
-    # ------------------------------------------------------------------------------------------
-    def _build_programs(self):
-        graphdef, rest, cfg = self.graphdef, self._rest, self.loss_cfg
-
-        def response_logits(params, input_ids, attention_mask, prompt_len):
-            model = nnx.merge(graphdef, params, rest)
-            out = model(input_ids, attention_mask)
-            return out.logits[:, prompt_len - 1: -1]  # [B, M, V] predicting the response tokens
-
-        @jax.jit
-        def logprobs_fn(params, input_ids, attention_mask, response_ids):
-            prompt_len = input_ids.shape[1] - response_ids.shape[1]
-            logits = response_logits(params, input_ids, attention_mask, prompt_len)
-            return losses.token_logprobs(logits, response_ids)
-
-        def loss_fn(params, mb, denom):
-            prompt_len = mb["input_ids"].shape[1] - mb["response_ids"].shape[1]
-            logits = response_logits(params, mb["input_ids"], mb["attention_mask"], prompt_len)
-            ref = mb["ref_logprobs"] if cfg.kl_coef > 0 else None
-            return losses.ppo_loss(logits, mb["response_ids"], mb["response_mask"], mb["old_logprobs"], ref,
-                                   mb["advantages"], cfg, denom)
-
-        replicated = NamedSharding(self.mesh, P())
-
-        @jax.jit
-        def grad_fn(params, grads_acc, stats_acc, mb, denom):
-            (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, denom)
-            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-            stats = dict(m, loss=loss)
-            stats_acc = jax.tree.map(jnp.add, stats_acc, stats)
-            return grads_acc, stats_acc
-
-        tx = self.tx
-
-        @jax.jit
-        def apply_fn(params, opt_state, grads):
-            gnorm = optax.global_norm(grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, gnorm
-
-        self._logprobs_fn = logprobs_fn
-        self._grad_fn = grad_fn
-        self._apply_fn = jax.jit(apply_fn, donate_argnums=(0, 1))
-        self._zeros_like_params = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
-        self._replicated = replicated
-        self._stat_keys = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "loss")
-
     # ------------------------------------------------------------------------------------------
     def _restore(self, step: int) -> None:
-        params, opt_state, rng, meta = self.checkpointer.restore(step, self.params, self.opt_state)
-        self.params, self.opt_state = params, opt_state
+        L = self.learner
+        L.params, L.opt_state, rng, meta = self.checkpointer.restore(step, L.params, L.opt_state)
+        L.sync_local()
         self.rng = rng
         self.iteration = int(meta["iteration"])
         self.task_cursor = int(meta["task_cursor"])
@@ -499,7 +610,7 @@ class Trainer:
         meta = {"iteration": self.iteration, "task_cursor": self.task_cursor, "epsilon": self.epsilon,
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "estimator": self.config.estimator.name, "seed": self.config.seed}
-        self.checkpointer.save(self.iteration, self.params, self.opt_state, self.rng, meta)
+        self.checkpointer.save(self.iteration, self.learner.params, self.learner.opt_state, self.rng, meta)
 
     # ------------------------------------------------------------------------------------------
     def _estimator_config(self):
@@ -530,72 +641,6 @@ class Trainer:
         return Batch(np.concatenate([pid, rid], 1), np.concatenate([pmask, rmask.astype(np.int32)], 1),
                      rid, rmask, P_)
 
-    def _forward_logprobs(self, params_local, batch: Batch) -> np.ndarray:
-        """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched)."""
-        B = self.config.ppo.micro_batch_rows
-        out = np.zeros(batch.response_ids.shape, np.float32)
-        for s in range(0, batch.rows, B):
-            ids, att, resp = (_pad_rows(x[s:s + B], B) for x in (batch.input_ids, batch.attention_mask, batch.response_ids))
-            att[:, -1] |= (att.sum(1) == 0)  # padding rows get one real token (no empty softmax)
-            lp = self._logprobs_fn(params_local, jnp.asarray(ids), jnp.asarray(att), jnp.asarray(resp))
-            out[s:s + B] = np.asarray(lp)[: min(B, batch.rows - s)]
-        return out
-
-    def _ppo_update(self, batch: Batch, old_lp: np.ndarray, ref_lp: np.ndarray | None, adv: np.ndarray,
-                    key: jax.Array) -> dict[str, float]:
-        """Mini-batch PPO with gradient accumulation; returns token-mean stats over the epoch(s)."""
-        c = self.config.ppo
-        B = c.micro_batch_rows
-        n_local = batch.rows
-        counts = _allgather(np.array([n_local], np.int64))[:, 0]
-        mb_rows = c.mini_batch_rows or int(max(counts.max(), 1))
-        n_mini = max(int(math.ceil(counts.max() / mb_rows)), 1)
-        data_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
-        totals = {k: 0.0 for k in self._stat_keys}
-        gnorms, n_updates = [], 0
-        for epoch in range(c.epochs):
-            perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local)) if n_local else np.zeros(0, int)
-            minis = [perm[j * mb_rows:(j + 1) * mb_rows] for j in range(n_mini)]
-            info = _allgather(np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64))
-            for j, rows in enumerate(minis):
-                denom = float(max(info[:, j, 1].sum(), 1))
-                k_micro = max(int(math.ceil(info[:, j, 0].max() / B)), 1)
-                grads = self._zeros_like_params(self.params)
-                stats = {k: jnp.zeros((), jnp.float32) for k in self._stat_keys}
-                for m in range(k_micro):
-                    r = rows[m * B:(m + 1) * B]
-                    mb = {
-                        "input_ids": _pad_rows(batch.input_ids[r], B),
-                        "attention_mask": _pad_rows(batch.attention_mask[r], B),
-                        "response_ids": _pad_rows(batch.response_ids[r], B),
-                        "response_mask": _pad_rows(batch.response_mask[r], B),
-                        "old_logprobs": _pad_rows(old_lp[r], B),
-                        "ref_logprobs": _pad_rows(ref_lp[r] if ref_lp is not None else np.zeros_like(old_lp[r]), B),
-                        "advantages": _pad_rows(adv[r], B),
-                    }
-                    mb["attention_mask"][:, -1] |= (mb["attention_mask"].sum(1) == 0)
-                    mb = {k: jax.make_array_from_process_local_data(
-                        NamedSharding(self.mesh, P(("data", "fsdp"), *([None] * (v.ndim - 1)))), v) for k, v in mb.items()}
-                    grads, stats = self._grad_fn(self.params, grads, stats, mb, jnp.float32(denom))
-                stats = {k: float(v) for k, v in stats.items()}
-                gnorm = float(optax.global_norm(grads))
-                if not (math.isfinite(stats["loss"]) and math.isfinite(gnorm)):
-                    last = self.checkpointer.latest_step()
-                    raise NonFiniteError(
-                        f"non-finite PPO update at iteration {self.iteration}, epoch {epoch}, mini-batch {j}: "
-                        f"loss={stats['loss']}, grad_norm={gnorm}; the update was not applied; the last good "
-                        f"checkpoint is step {last} in {self.checkpointer.directory}")
-                self.params, self.opt_state, _ = self._apply_fn(self.params, self.opt_state, grads)
-                for k in totals:
-                    totals[k] += stats[k]
-                gnorms.append(gnorm)
-                n_updates += 1
-        out = {f"loss/{k}": v / n_updates for k, v in totals.items()}
-        out["loss/grad_norm"] = float(np.mean(gnorms))
-        out["loss/grad_norm_max"] = float(np.max(gnorms))
-        out["loss/updates"] = n_updates
-        return out
-
     # ------------------------------------------------------------------------------------------
     def _local_groups(self, start: int) -> list[tuple[int, int]]:
         g = self.groups_per_host
@@ -620,9 +665,10 @@ class Trainer:
         if c.ppo.old_logprobs == "sampler":
             old_lp = _pad_cols(np.asarray(res.sample_logprobs, np.float32), batch.response_ids.shape[1])
         else:
-            old_lp = self._forward_logprobs(self.params_local, batch)
+            old_lp = self.learner.logprobs(self.learner.params_local, batch)
         t_old = time.perf_counter()
-        ref_lp = self._forward_logprobs(self.ref_params_local, batch) if self.ref_params_local is not None else None
+        ref = self.learner.ref_params_local
+        ref_lp = self.learner.logprobs(ref, batch) if ref is not None else None
         t_ref = time.perf_counter()
 
         adv, diag = compute_advantages(res.steps, self._estimator_config())
@@ -632,8 +678,11 @@ class Trainer:
             raise NonFiniteError(f"non-finite advantages at iteration {self.iteration} from estimator "
                                  f"{c.estimator.name}; no update applied")
 
-        upd = self._ppo_update(batch, old_lp, ref_lp, adv, k_ppo)
-        self._sync_local_actor()
+        try:
+            upd = self.learner.update(batch, old_lp, ref_lp, adv, k_ppo, where=f"iteration {self.iteration}, ")
+        except NonFiniteError as e:
+            raise NonFiniteError(f"{e}; the last good checkpoint is step {self.checkpointer.latest_step()} "
+                                 f"in {self.checkpointer.directory}") from None
         t_upd = time.perf_counter()
 
         rec = self._episode_metrics(res.episodes, "train")
