@@ -222,7 +222,6 @@ class RecipeBook:
         goals = [g for g in goals if g[1] >= 2]
         goals.sort(key=lambda g: -g[1])  # stable: load order within a depth
         self.goals: tuple[tuple[str, int], ...] = tuple(goals)
-        self._cost: dict[str, float] = {}
 
     @staticmethod
     def _parse_inputs(spec, fname, items, tags) -> list[list] | None:
@@ -320,27 +319,6 @@ class RecipeBook:
             return out
 
         return list(visit(goal, frozenset()))
-
-    # -- oracle support ----------------------------------------------------------------------
-    def cost(self, name: str) -> float:
-        """Actions to obtain ``name`` from nothing (one per get or craft, counts ignored); inf if impossible."""
-        if name in self._cost:
-            return self._cost[name]
-        if self.is_gettable(name):
-            self._cost[name] = 1.0
-            return 1.0
-        self._cost[name] = math.inf  # cycle guard
-        best = math.inf
-        for recipe in self.item_recipes.get(name, ()):
-            total = 1.0
-            for ing in recipe.inputs:
-                if ing.is_tag:
-                    total += min((self.cost(m) for m in self.tag_members(ing.name)), default=math.inf)
-                else:
-                    total += self.cost(ing.name)
-            best = min(best, total)
-        self._cost[name] = best
-        return best
 
 
 @functools.lru_cache(maxsize=4)
@@ -539,9 +517,10 @@ class TextCraftEnv(TextEnv):
 
         Efficient: one ``get`` per base item with the full missing count, then the crafts
         bottom-up (one ``craft`` per recipe application). Items already in the inventory are
-        used first; for a tag ingredient the item of the tag held in the largest amount is used,
-        else the cheapest to obtain; among an item's recipes the one needing the fewest actions
-        given the inventory. Returns [] when the episode is over or the goal cannot be reached.
+        used first, then the surplus of crafts planned earlier. Among an item's recipes, and
+        among the items that can stand for a tag ingredient, it takes the one needing the fewest
+        actions for the quantity needed given the inventory and the planned surplus (a get
+        counts once, a craft once per application; first in load order on ties). Returns [] when the episode is over or the goal cannot be reached.
         """
         if self.goal is None or self._done or self._won:
             return []
@@ -550,28 +529,40 @@ class TextCraftEnv(TextEnv):
         stock = dict(held)
         gets: dict[str, int] = {}
         crafts: list[str] = []
+        memo: dict[tuple[str, int], float] = {}
 
-        def resolve(ing: Ingredient) -> str | None:
-            if not ing.is_tag:
-                return ing.name if book.cost(ing.name) < math.inf else None
-            members = [m for m in book.tag_members(ing.name) if book.cost(m) < math.inf]
-            if not members:
-                return None
-            owned = [m for m in members if held.get(m, 0) > 0]
-            if owned:
-                return max(owned, key=lambda m: held[m])  # max keeps the first on ties
-            return min(members, key=book.cost)
+        def cost(item: str, qty: int) -> float:
+            """Actions to have ``qty`` more of ``item`` than planned so far (a get counts once; inf if impossible)."""
+            qty -= max(stock.get(item, 0), 0)
+            if qty <= 0:
+                return 0.0
+            if book.is_gettable(item):
+                return 1.0
+            key = (item, qty)
+            if key not in memo:
+                memo[key] = math.inf  # cycle guard
+                memo[key] = min((c for c, _, _ in options(item, qty)), default=math.inf)
+            return memo[key]
 
-        def choose(item: str) -> tuple[Recipe, list[str]] | None:
-            best, best_cost = None, math.inf
+        def options(item: str, qty: int):
             for recipe in book.item_recipes.get(item, ()):
-                names = [resolve(ing) for ing in recipe.inputs]
-                if any(n is None for n in names):
-                    continue
-                c = sum(0.0 if held.get(n, 0) > 0 else book.cost(n) for n in names)
-                if c < best_cost:
-                    best, best_cost = (recipe, names), c
-            return best
+                batches = -(-qty // recipe.output_count)
+                total, names = float(batches), []
+                for ing in recipe.inputs:
+                    members = book.tag_members(ing.name) if ing.is_tag else [ing.name]
+                    costs = [cost(m, batches * ing.count) for m in members]
+                    best = min(range(len(members)), key=costs.__getitem__, default=None)
+                    if best is None or costs[best] == math.inf:
+                        break
+                    total += costs[best]
+                    names.append(members[best])
+                else:
+                    yield total, recipe, names
+
+        def choose(item: str, qty: int) -> tuple[Recipe, list[str]] | None:
+            memo.clear()  # costs depend on the planned stock, which changes as the plan grows
+            best = min(options(item, qty), key=lambda o: o[0], default=None)
+            return None if best is None or best[0] == math.inf else (best[1], best[2])
 
         def need(item: str, qty: int, path: frozenset, use_stock: bool = True) -> bool:
             if use_stock:
@@ -585,7 +576,7 @@ class TextCraftEnv(TextEnv):
                 return True
             if item in path:
                 return False
-            chosen = choose(item)
+            chosen = choose(item, qty)
             if chosen is None:
                 return False
             recipe, names = chosen

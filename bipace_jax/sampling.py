@@ -1,0 +1,612 @@
+"""Batched KV-cache sampler: one compiled prefill and one on-device decode loop per call.
+
+Every turn of a rollout, every live game needs one response. ``Sampler.generate`` serves them all in
+one call: the prompts are left-padded into a fixed bucket (batch size and prompt length rounded up to
+a few configured sizes, so a whole run compiles a handful of programs), the actor's ``prefill`` fills
+the KV cache and yields the first token and the prompt fingerprints, and a ``lax.while_loop`` on the
+device runs ``decode_step`` until every row has stopped (EOS, a stop string, or ``max_new_tokens``).
+Nothing inside the loop calls back to Python.
+
+Shape letters (spec ``architecture.md``): B batch (rows), T prompt tokens, M new tokens, V vocabulary,
+D hidden width, S stop strings, Q stop-string states.
+
+Sampling (per row, per step), in the order Hugging Face's logits processors apply them:
+``logits / temperature`` -> keep the ``top_k`` largest -> keep the smallest set of most likely tokens
+whose probability mass reaches ``top_p`` -> draw with the Gumbel-max trick. Each row draws from its
+own key ``fold_in(fold_in(key, row), step)`` where ``row`` is the prompt's index in the call, so a
+row's tokens do not depend on the bucket it landed in, on the other rows, or on the device mesh.
+
+Stop strings are matched on bytes of the decoded text, on the device: for each stop string a
+Knuth-Morris-Pratt automaton is run over the byte text of every token id once, on the host, giving a
+table ``next_state[S, Q, V]`` (the matched-prefix length after a token, ``len(stop)`` when the stop
+text completes anywhere inside that token). The decode loop carries one state per row and stop
+string, so a stop text spread over several tokens, or merged with other characters into one token,
+is found exactly: the response ends with the token whose text completes the stop text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+__all__ = [
+    "SamplerConfig",
+    "SampleOutput",
+    "Sampler",
+    "filter_logits",
+    "sample_tokens",
+    "token_byte_texts",
+    "stop_string_table",
+    "truncate_at_stop",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """How responses are sampled.
+
+    Attributes:
+      max_new_tokens: M, the most tokens generated per response (EOS and stop text included).
+      temperature: softmax temperature (> 0) used when ``greedy`` is False; ``generate`` may override it.
+      top_p: nucleus mass in (0, 1]; 1.0 disables the filter.
+      top_k: keep the k most likely tokens; 0 disables the filter.
+      greedy: take the argmax (ties: lowest token id); temperature, top-k, top-p are then ignored.
+      stop_strings: texts that end a response right after the token that completes them.
+      batch_buckets: allowed padded batch sizes, ascending. A call with more prompts than the largest
+        bucket is served in chunks of the largest bucket.
+      length_buckets: allowed padded prompt lengths T, ascending. A prompt longer than the largest
+        bucket is an error.
+      eos_token_ids: token ids that end a response (the EOS token is kept in the response); ``None``
+        takes the tokenizer's ``eos_token_id`` plus ``<|im_end|>`` and ``<|endoftext|>`` when the
+        tokenizer has them.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop_strings: tuple[str, ...] = ("</action>",)
+    batch_buckets: tuple[int, ...] = (8, 16, 32, 64, 128)
+    length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        # Accept lists from ml_collections configs; store tuples so the config stays hashable.
+        for name in ("stop_strings", "batch_buckets", "length_buckets", "eos_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise ValueError(f"SamplerConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"SamplerConfig.temperature must be finite and > 0 (use greedy=True for argmax), "
+                             f"got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplerConfig.top_p must lie in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"SamplerConfig.top_k must be an int >= 0, got {self.top_k!r}")
+        for name in ("batch_buckets", "length_buckets"):
+            b = getattr(self, name)
+            if not b or any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
+                raise ValueError(f"SamplerConfig.{name} must be a non-empty strictly ascending tuple of ints >= 1, got {b!r}")
+        if any((not isinstance(s, str)) or not s for s in self.stop_strings):
+            raise ValueError(f"SamplerConfig.stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.eos_token_ids is not None and any((not isinstance(t, int)) or t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"SamplerConfig.eos_token_ids must be ints >= 0, got {self.eos_token_ids!r}")
+
+
+class SampleOutput(NamedTuple):
+    """One ``Sampler.generate`` call's results, as NumPy arrays, one row per prompt (in order).
+
+    Attributes:
+      tokens: int32[B, M] response token ids; positions ``>= lengths[b]`` hold the pad id.
+      lengths: int32[B] response lengths in tokens (1..M), EOS and stop-text tokens included.
+      logprobs: float32[B, M] log-probability of each response token under the policy at the sampling
+        temperature, before top-k/top-p truncation: ``log_softmax(logits / temperature)[token]``
+        (temperature 1 when greedy); 0 past ``lengths``.
+      fingerprints: float32[B, D] the actor's prompt fingerprints from the prefill (hidden state at the
+        last prompt token, L2-normalised; spec ``estimators.md``).
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    logprobs: np.ndarray
+    fingerprints: np.ndarray
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure pieces: filtering and drawing.
+
+
+def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array = 1.0) -> jax.Array:
+    """Masks the logits outside the top-k / top-p (nucleus) set with ``-inf``.
+
+    Args:
+      logits: float32[..., V], already divided by the temperature.
+      top_k: static; keep the ``top_k`` largest logits (ties with the k-th are kept too); 0 keeps all.
+      top_p: keep the most likely tokens, in descending order, while the probability mass of the tokens
+        before them is ``< top_p`` (so at least one token survives); renormalised over the top-k set
+        first, as Hugging Face's ``TopKLogitsWarper`` then ``TopPLogitsWarper`` do. Ties with the
+        last kept logit are kept. 1.0 keeps all.
+
+    Returns:
+      float32[..., V]: ``logits`` where kept, ``-inf`` elsewhere.
+    """
+    v = logits.shape[-1]
+    apply_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
+    if top_k <= 0 and not apply_p:
+        return logits
+    k = v if top_k <= 0 or top_k >= v else top_k
+    if k < v:
+        top_vals, _ = jax.lax.top_k(logits, k)  # [..., k] descending
+    else:
+        top_vals = -jnp.sort(-logits, axis=-1)
+    threshold = top_vals[..., -1:]
+    if apply_p:
+        probs = jax.nn.softmax(top_vals, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p
+        keep = keep.at[..., 0].set(True)
+        n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+        threshold = jnp.take_along_axis(top_vals, n_keep - 1, axis=-1)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, row_keys: jax.Array, step: jax.Array | int, temperature: jax.Array | float,
+                  *, greedy: bool, top_k: int = 0, top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row.
+
+    Args:
+      logits: float32[B, V] raw next-token logits.
+      row_keys: [B] typed PRNG keys (or uint32[B, 2]), one per row.
+      step: the response position being drawn (folded into each row's key).
+      temperature: scalar > 0 (ignored when ``greedy``).
+      greedy / top_k / top_p: static, see ``SamplerConfig``.
+
+    Returns:
+      (int32[B] tokens, float32[B] ``log_softmax(logits / temperature)`` of the drawn tokens; temperature
+      1 when greedy).
+    """
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / jnp.asarray(temperature, jnp.float32)
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+        filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(step_keys)
+        tokens = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+    token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logp
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stop strings: byte texts of tokens and the per-token automaton table (host side, once per tokenizer).
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of the byte-level BPE alphabet (GPT-2 / Qwen): printable unicode char -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_byte_texts(tokenizer: Any) -> list[bytes]:
+    """The text of every token id as UTF-8 bytes, as the tokenizer's decoder would emit it.
+
+    Byte-level BPE tokenizers (Qwen2, GPT-2): the token's bytes exactly, so concatenating them gives the
+    decoded text's bytes. Special tokens give ``b""`` (``decode(..., skip_special_tokens=True)``
+    drops them). Other tokenizers: ``tokenizer.decode([id])`` encoded as UTF-8 (an approximation where
+    the decoder adds or removes spaces between tokens).
+
+    Returns:
+      list of ``len(tokenizer)`` byte strings, indexed by token id.
+    """
+    n = len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None) if backend is not None else None
+    byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
+    added = {}
+    if hasattr(tokenizer, "added_tokens_decoder"):
+        added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
+    out: list[bytes] = []
+    if byte_level:
+        inv = _byte_decoder()
+        pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+        for i, piece in enumerate(pieces):
+            if i in special or piece is None:
+                out.append(b"")
+            elif i in added:
+                out.append(b"" if getattr(added[i], "special", False) else str(added[i].content).encode("utf-8"))
+            else:
+                try:
+                    out.append(bytes(inv[c] for c in piece))
+                except KeyError:  # not in the byte alphabet: take it as literal text
+                    out.append(piece.encode("utf-8"))
+    else:
+        for i in range(n):
+            out.append(b"" if i in special else tokenizer.decode([i], skip_special_tokens=True).encode("utf-8"))
+    return out
+
+
+def _kmp_dfa(pattern: bytes) -> np.ndarray:
+    """int32[L + 1, 256]: the KMP automaton of ``pattern`` (state = length of the matched prefix)."""
+    length = len(pattern)
+    dfa = np.zeros((length + 1, 256), np.int32)
+    dfa[0, pattern[0]] = 1
+    restart = 0
+    for q in range(1, length + 1):
+        dfa[q] = dfa[restart]
+        if q < length:
+            dfa[q, pattern[q]] = q + 1
+            restart = dfa[restart, pattern[q]]
+    return dfa
+
+
+def stop_string_table(token_texts: Sequence[bytes], stop_strings: Sequence[str]) -> np.ndarray:
+    """The stop-string automaton over whole tokens.
+
+    ``table[s, q, v]`` is the number of bytes of stop string ``s`` matched (as a suffix of the text so
+    far) after the text of token ``v`` is appended to a text whose matched prefix length was ``q``;
+    it equals ``len(stop_strings[s])`` (in UTF-8 bytes) when the stop text completes anywhere inside
+    token ``v``'s text, which ends the response. Rows ``q >= len(stop_strings[s])`` are unused.
+
+    Args:
+      token_texts: V byte strings (``token_byte_texts``).
+      stop_strings: S non-empty strings.
+
+    Returns:
+      int32[S, Q, V] with Q = the longest stop string's length in bytes (Q = 1, S = 0 when none).
+    """
+    patterns = [s.encode("utf-8") for s in stop_strings]
+    v = len(token_texts)
+    q_max = max([len(p) for p in patterns], default=1)
+    table = np.zeros((len(patterns), q_max, v), np.int32)
+    if not patterns:
+        return table
+    lens = np.array([len(t) for t in token_texts], np.int64)
+    width = int(lens.max(initial=0))
+    mat = np.zeros((v, max(width, 1)), np.uint8)
+    for i, t in enumerate(token_texts):
+        if t:
+            mat[i, :len(t)] = np.frombuffer(t, np.uint8)
+    for s, pat in enumerate(patterns):
+        dfa = _kmp_dfa(pat)
+        length = len(pat)
+        for q in range(length):
+            state = np.full(v, q, np.int32)
+            for j in range(width):
+                live = (j < lens) & (state < length)
+                if not live.any():
+                    break
+                state = np.where(live, dfa[state, mat[:, j]], state)
+            table[s, q] = state
+    return table
+
+
+def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> str:
+    """``text`` cut right after the earliest-ending occurrence of any stop string (unchanged if none).
+
+    The sampler stops at the token that completes a stop text; that token may carry characters after
+    it (tokenizers merge characters), which this removes from the decoded text.
+    """
+    best = None
+    for stop in stop_strings:
+        i = text.find(stop)
+        if i >= 0 and (best is None or i + len(stop) < best):
+            best = i + len(stop)
+    return text if best is None else text[:best]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled programs.
+
+
+class _Static(NamedTuple):
+    """Hashable compile-time settings of one program."""
+
+    greedy: bool
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    cache_length: int
+    pad_id: int
+
+
+def _row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+
+
+def _padded_table(table: jax.Array, vocab: int) -> jax.Array:
+    """Pads/slices the [S, Q, V_tok] table to the model's vocabulary; extra ids have no text."""
+    s, q, v_tok = table.shape
+    if v_tok >= vocab:
+        return table[:, :, :vocab]
+    keep_state = jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32)[None, :, None], (s, q, vocab - v_tok))
+    return jnp.concatenate([table, keep_state], axis=-1)
+
+
+def _advance_stop(table: jax.Array, stop_lens: jax.Array, state: jax.Array, token: jax.Array):
+    """state int32[B, S], token int32[B] -> (new state int32[B, S], completed bool[B])."""
+    if table.shape[0] == 0:
+        return state, jnp.zeros(token.shape, bool)
+    s_idx = jnp.arange(table.shape[0])[None, :]
+    new = table[s_idx, jnp.minimum(state, table.shape[1] - 1), token[:, None]]
+    hit = jnp.any(new >= stop_lens[None, :], axis=-1)
+    return new, hit
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
+def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_mask, key, temperature,
+                     table, stop_lens, eos_ids, *, static: _Static):
+    """Prefill + the first token. Returns the first-step carry and the filled KV cache."""
+    actor = nnx.merge(graphdef, state)
+    b = input_ids.shape[0]
+    cache = actor.init_cache(b, static.cache_length)
+    out, cache = actor.prefill(input_ids, attention_mask, cache)
+    logits = out.logits
+    table = _padded_table(table, logits.shape[-1])
+    keys = _row_keys(key, row_ids)
+    token, logp = sample_tokens(logits, keys, 0, temperature, greedy=static.greedy, top_k=static.top_k,
+                                top_p=static.top_p)
+    stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
+    is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
+    token = jnp.where(row_mask, token, static.pad_id)
+    logp = jnp.where(row_mask, logp, 0.0)
+    done = is_eos | hit | ~row_mask
+    return token, logp, done, stop_state, out.fingerprint.astype(jnp.float32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("cache",))
+def _decode_program(graphdef, state, cache, first_token, first_logp, done, stop_state, row_ids,
+                    row_mask, key, temperature, table, stop_lens, eos_ids, *, static: _Static):
+    """The decode loop (``lax.while_loop``) from the prefilled cache (donated: updated in place)."""
+    actor = nnx.merge(graphdef, state)
+    b = first_token.shape[0]
+    m = static.max_new_tokens
+    keys = _row_keys(key, row_ids)
+    tokens = jnp.full((b, m), static.pad_id, jnp.int32).at[:, 0].set(first_token)
+    logps = jnp.zeros((b, m), jnp.float32).at[:, 0].set(first_logp)
+    lengths = row_mask.astype(jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, _, done, _, _ = carry
+        return (i < m) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, tokens, logps, lengths, done, stop_state, last = carry
+        logits, cache = actor.decode_step(last, cache)
+        padded = _padded_table(table, logits.shape[-1])
+        token, logp = sample_tokens(logits, keys, i, temperature, greedy=static.greedy, top_k=static.top_k,
+                                    top_p=static.top_p)
+        token = jnp.where(done, static.pad_id, token)
+        logp = jnp.where(done, 0.0, logp)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
+        logps = jax.lax.dynamic_update_slice_in_dim(logps, logp[:, None], i, axis=1)
+        lengths = lengths + (~done).astype(jnp.int32)
+        new_state, hit = _advance_stop(padded, stop_lens, stop_state, token)
+        is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
+        stop_state = jnp.where(done[:, None], stop_state, new_state)
+        done = done | is_eos | hit
+        return i + 1, cache, tokens, logps, lengths, done, stop_state, token
+
+    carry = (jnp.int32(1), cache, tokens, logps, lengths, done, stop_state, first_token)
+    _, cache, tokens, logps, lengths, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return tokens, logps, lengths, cache
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sampler.
+
+
+def _default_eos_ids(tokenizer) -> tuple[int, ...]:
+    ids = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.extend(int(e) for e in eos)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        if name in vocab:
+            ids.append(int(vocab[name]))
+    return tuple(sorted(set(ids)))
+
+
+class Sampler:
+    """Samples responses for a batch of prompts from the actor's KV cache, compiled per bucket.
+
+    Args:
+      tokenizer: a ``transformers`` tokenizer (or any object with ``len()``, ``convert_ids_to_tokens``
+        / ``decode``, ``eos_token_id``, ``pad_token_id``); used on the host only, once, for the EOS ids
+        and the stop-string table.
+      config: ``SamplerConfig``.
+      mesh: optional ``jax.sharding.Mesh``; the batch is sharded over its ``batch_axes`` and the padded
+        batch is rounded up to a multiple of their total size. ``None``: default device placement.
+      batch_axes: mesh axis names the batch is split over; default: those of ``("data", "fsdp")`` the
+        mesh has, else all of its axes.
+
+    Raises:
+      ValueError: no EOS id can be found (tokenizer without ``eos_token_id`` and none configured).
+    """
+
+    def __init__(self, tokenizer, config: SamplerConfig, mesh: jax.sharding.Mesh | None = None,
+                 batch_axes: tuple[str, ...] | None = None):
+        if not isinstance(config, SamplerConfig):
+            raise TypeError(f"Sampler config must be a SamplerConfig, got {type(config).__name__}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.mesh = mesh
+        eos = config.eos_token_ids if config.eos_token_ids is not None else _default_eos_ids(tokenizer)
+        if not eos:
+            raise ValueError("Sampler: no EOS token id: the tokenizer has no eos_token_id; set SamplerConfig.eos_token_ids")
+        self.eos_token_ids = tuple(int(e) for e in eos)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad) if isinstance(pad, int) else self.eos_token_ids[0]
+        self.vocab_size = len(tokenizer)
+        self._table = stop_string_table(token_byte_texts(tokenizer), config.stop_strings)
+        self._stop_lens = np.array([len(s.encode("utf-8")) for s in config.stop_strings], np.int32)
+        if mesh is not None:
+            if batch_axes is None:
+                batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names) or tuple(mesh.axis_names)
+            unknown = [a for a in batch_axes if a not in mesh.axis_names]
+            if unknown:
+                raise ValueError(f"Sampler batch_axes {unknown} are not axes of the mesh {mesh.axis_names}")
+            self.batch_axes = tuple(batch_axes)
+            self._dp = int(np.prod([mesh.shape[a] for a in self.batch_axes]))
+        else:
+            self.batch_axes = ()
+            self._dp = 1
+        self._device_consts = None
+
+    # -- host helpers ---------------------------------------------------------------------------
+    def batch_bucket(self, n: int) -> int:
+        """The padded batch size for ``n`` prompts (n <= the largest bucket), a multiple of the mesh's
+        batch size."""
+        b = next((x for x in self.config.batch_buckets if x >= n), self.config.batch_buckets[-1])
+        return -(-b // self._dp) * self._dp
+
+    def length_bucket(self, t: int) -> int:
+        """The padded prompt length for a longest prompt of ``t`` tokens.
+
+        Raises:
+          ValueError: ``t`` exceeds the largest length bucket.
+        """
+        for x in self.config.length_buckets:
+            if x >= t:
+                return x
+        raise ValueError(f"prompt length {t} exceeds the largest SamplerConfig.length_buckets entry "
+                         f"{self.config.length_buckets[-1]}")
+
+    def _put(self, x, spec):
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def _consts(self):
+        if self._device_consts is None:
+            rep = P()
+            self._device_consts = (self._put(self._table, rep), self._put(self._stop_lens, rep),
+                                   self._put(np.asarray(self.eos_token_ids, np.int32), rep))
+        return self._device_consts
+
+    def _validate(self, prompts, vocab: int):
+        if isinstance(prompts, np.ndarray) or not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt, got an empty list")
+        arrays = []
+        for i, p in enumerate(prompts):
+            a = np.asarray(p)
+            if a.ndim != 1 or a.size == 0:
+                raise ValueError(f"prompts[{i}] must be a non-empty 1-D list of token ids, got shape {a.shape}")
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {a.dtype}")
+            if a.min() < 0 or a.max() >= vocab:
+                raise ValueError(f"prompts[{i}] holds token id {int(a.min() if a.min() < 0 else a.max())} "
+                                 f"outside [0, {vocab})")
+            arrays.append(a.astype(np.int32))
+        return arrays
+
+    # -- the call ---------------------------------------------------------------------------------
+    def generate(self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array,
+                 temperature: float | None = None) -> SampleOutput:
+        """Samples one response per prompt.
+
+        Args:
+          actor: the current policy (a ``Qwen2Actor`` or any module with ``init_cache``, ``prefill``,
+            ``decode_step`` of the same contract); passed each call because its parameters change.
+          prompts: B token-id lists (any lengths up to the largest length bucket).
+          key: a ``jax.random`` key; row b draws from ``fold_in(fold_in(key, b), step)``.
+          temperature: overrides ``config.temperature`` for this call (must be > 0; ignored if greedy).
+
+        Returns:
+          ``SampleOutput`` of NumPy arrays with B rows in prompt order.
+
+        Raises:
+          TypeError / ValueError: malformed prompts (empty, not 1-D, ids outside the vocabulary),
+            a prompt longer than the largest length bucket, a temperature <= 0.
+        """
+        cfg = self.config
+        temp = cfg.temperature if temperature is None else float(temperature)
+        if not cfg.greedy and not (temp > 0 and math.isfinite(temp)):
+            raise ValueError(f"temperature must be finite and > 0 (use greedy=True for argmax), got {temperature!r}")
+        vocab = self._actor_vocab(actor)
+        arrays = self._validate(prompts, vocab)
+        t_bucket = self.length_bucket(max(a.size for a in arrays))
+        chunk = self.config.batch_buckets[-1]
+        graphdef, state = nnx.split(actor)
+        parts = []
+        with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
+            for start in range(0, len(arrays), chunk):
+                parts.append(self._generate_chunk(graphdef, state, arrays[start:start + chunk], start, t_bucket,
+                                                  key, temp))
+        return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
+
+    def _actor_vocab(self, actor) -> int:
+        for name in ("config", "cfg"):
+            c = getattr(actor, name, None)
+            if c is not None and hasattr(c, "vocab_size"):
+                return int(c.vocab_size)
+        return self.vocab_size
+
+    def prepare_batch(self, arrays: Sequence[np.ndarray], t_bucket: int):
+        """Left-pads prompts into the bucket: (input_ids int32[Bb, T], attention_mask int32[Bb, T],
+        row_mask bool[Bb]). Padding rows hold one pad token so no attention row is empty."""
+        n = len(arrays)
+        b_bucket = self.batch_bucket(n)
+        ids = np.full((b_bucket, t_bucket), self.pad_id, np.int32)
+        mask = np.zeros((b_bucket, t_bucket), np.int32)
+        for i, a in enumerate(arrays):
+            ids[i, t_bucket - a.size:] = a
+            mask[i, t_bucket - a.size:] = 1
+        mask[n:, -1] = 1
+        row_mask = np.arange(b_bucket) < n
+        return ids, mask, row_mask
+
+    def _generate_chunk(self, graphdef, state, arrays, offset, t_bucket, key, temp):
+        cfg = self.config
+        n = len(arrays)
+        ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
+        b_bucket = ids.shape[0]
+        row_ids = np.arange(offset, offset + b_bucket, dtype=np.int32)
+        static = _Static(greedy=cfg.greedy, top_k=cfg.top_k, top_p=float(cfg.top_p), max_new_tokens=cfg.max_new_tokens,
+                         cache_length=t_bucket + cfg.max_new_tokens, pad_id=self.pad_id)
+        spec2 = P(self.batch_axes or None, None)
+        spec1 = P(self.batch_axes or None)
+        table, stop_lens, eos_ids = self._consts()
+        ids, mask, row_ids_d, row_mask_d = (self._put(ids, spec2), self._put(mask, spec2),
+                                            self._put(row_ids, spec1), self._put(row_mask, spec1))
+        temp_d = jnp.float32(temp)
+        token, logp, done, stop_state, fingerprint, cache = _prefill_program(
+            graphdef, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, table, stop_lens, eos_ids, static=static)
+        if cfg.max_new_tokens > 1:
+            tokens, logps, lengths, cache = _decode_program(
+                graphdef, state, cache, token, logp, done, stop_state, row_ids_d, row_mask_d, key, temp_d,
+                table, stop_lens, eos_ids, static=static)
+        else:
+            tokens, logps, lengths = token[:, None], logp[:, None], row_mask_d.astype(jnp.int32)
+        del cache
+        tokens, logps, lengths, fingerprint = jax.device_get((tokens, logps, lengths, fingerprint))
+        return (np.asarray(tokens[:n], np.int32), np.asarray(lengths[:n], np.int32),
+                np.asarray(logps[:n], np.float32), np.asarray(fingerprint[:n], np.float32))
