@@ -584,13 +584,15 @@ class Trainer:
         return build_game_tokenizer(self.config, path)
 
     def _make_controller(self):
+        """The online epsilon controller (state saved in checkpoints); None when disabled (paper: fixed)."""
         cc = self.config.estimator.controller
         if not cc.enabled:
             return None
         from bipace_jax.estimators import EpsilonController
 
-        return EpsilonController(epsilon=self.epsilon, target=cc.target_singleton_rate, step=cc.step,
-                                 min_epsilon=cc.min_epsilon, max_epsilon=cc.max_epsilon)
+        return EpsilonController(epsilon=self.epsilon, target_singleton_rate=cc.target_singleton_rate,
+                                 gain=cc.gain, max_step=cc.max_step, min_epsilon=cc.min_epsilon,
+                                 max_epsilon=cc.max_epsilon, enabled=True)
 
     # ------------------------------------------------------------------------------------------
     def _restore(self, step: int) -> None:

@@ -83,8 +83,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Online epsilon controller (the paper keeps epsilon fixed: off by default).
     c.estimator.controller = ml_collections.ConfigDict()
     c.estimator.controller.enabled = False
-    c.estimator.controller.target_singleton_rate = 0.2
-    c.estimator.controller.step = 0.01
+    c.estimator.controller.target_singleton_rate = 0.25
+    c.estimator.controller.gain = 0.05      # epsilon += clip(gain * (rate - target), -max_step, max_step)
+    c.estimator.controller.max_step = 0.01
     c.estimator.controller.min_epsilon = 0.0
     c.estimator.controller.max_epsilon = 0.3
 

@@ -144,9 +144,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "estimator.capacity", 0)
     if c.estimator.controller.enabled:
         _float(c, "estimator.controller.target_singleton_rate", 0, 1)
-        _float(c, "estimator.controller.step", 0, lo_open=True)
+        _float(c, "estimator.controller.gain", 0)
+        _float(c, "estimator.controller.max_step", 0)
         _float(c, "estimator.controller.min_epsilon", 0, 1, hi_open=True)
         _float(c, "estimator.controller.max_epsilon", c.estimator.controller.min_epsilon, 1, hi_open=True)
+        if not c.estimator.controller.min_epsilon <= c.estimator.epsilon <= c.estimator.controller.max_epsilon:
+            _fail("estimator.epsilon", "lie in [controller.min_epsilon, controller.max_epsilon] when the controller is enabled", c.estimator.epsilon)
     # ppo / optim
     _float(c, "ppo.clip_eps", 0, 1, lo_open=True, hi_open=True)
     dc = _get(c, "ppo.dual_clip")
