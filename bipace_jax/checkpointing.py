@@ -3,11 +3,11 @@
 Layout: ``<workdir>/checkpoints/<step>/`` where ``step`` is the number of *completed* iterations
 (so resuming from step s starts iteration s). Each step holds
 
-- ``state``: a PyTree of arrays ``{"params": ..., "opt_state": ..., "rng": uint32[2] key data}``
-  saved with ``ocp.args.StandardSave`` (works for sharded, multi-host global arrays: every process
-  calls ``save``/``restore``; orbax writes each shard once);
-- ``meta``: JSON ``{"iteration", "task_cursor", "epsilon", "controller", ...}`` written by the primary
-  process.
+- ``state``: a PyTree of arrays ``{"params": ..., "opt_state": ...}`` saved with
+  ``ocp.args.StandardSave`` (works for sharded, multi-host global arrays: every process calls
+  ``save``/``restore``; orbax writes each shard once);
+- ``meta``: JSON ``{"iteration", "task_cursor", "epsilon", "controller", "rng": [uint32 key data], ...}``
+  written by the primary process (the RNG key is identical on every process).
 
 Atomicity is orbax's: a step is written to a temporary folder and renamed only when complete, so a
 process killed mid-save (SIGKILL included) leaves the previous step as the latest; unfinished
@@ -56,8 +56,8 @@ class Checkpointer:
 
     def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, meta: dict) -> None:
         """Commit checkpoint ``step`` (blocking; atomic). ``rng`` is a typed or raw uint32 key."""
-        state = {"params": params, "opt_state": opt_state, "rng": _key_data(rng)}
-        meta = dict(meta, step=int(step))
+        state = {"params": params, "opt_state": opt_state}
+        meta = dict(meta, step=int(step), rng=[int(x) for x in np.asarray(_key_data(rng)).ravel()])
         self._manager.save(
             int(step),
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -76,16 +76,13 @@ class Checkpointer:
         """
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory} (have {self.all_steps()})")
-        abstract = jax.tree.map(
-            _abstract,
-            {"params": params_like, "opt_state": opt_state_like, "rng": _key_data(jax.random.PRNGKey(0))},
-        )
+        abstract = jax.tree.map(_abstract, {"params": params_like, "opt_state": opt_state_like})
         out = self._manager.restore(
             int(step),
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
         )
-        st = out["state"]
-        return st["params"], st["opt_state"], jnp.asarray(st["rng"], jnp.uint32), dict(out["meta"])
+        st, meta = out["state"], dict(out["meta"])
+        return st["params"], st["opt_state"], jnp.asarray(meta["rng"], jnp.uint32), meta
 
     def close(self) -> None:
         self._manager.close()

@@ -693,6 +693,8 @@ class Trainer:
         for k, v in _mean_over_hosts(diag).items():
             rec[f"estimator/{k}"] = v
         rec["estimator/epsilon"] = self.epsilon
+        rec["train/task_cursor"] = self.task_cursor  # global index of this iteration's first task group
+        rec["train/hosts"] = self.num_hosts
         rec["advantage/mean"] = float(adv.mean()) if adv.size else 0.0
         rec["advantage/std"] = float(adv.std()) if adv.size else 0.0
         rec["advantage/abs_max"] = float(np.abs(adv).max()) if adv.size else 0.0

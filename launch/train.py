@@ -77,6 +77,9 @@ def main(argv):
     del argv
     import configs
 
+    if not flags.FLAGS["verbosity"].present:  # orbax/absl INFO lines drown the progress bars
+        logging.set_verbosity(logging.WARNING)
+
     config = _CONFIG.value
     try:  # every field is checked before JAX starts or anything compiles
         configs.validate(config)
