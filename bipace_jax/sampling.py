@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import time
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -478,6 +479,8 @@ class Sampler:
             self.batch_axes = ()
             self._dp = 1
         self._device_consts = None
+        #: Seconds and token counts of the last ``generate`` call (prefill and decode timed apart).
+        self.last_timing: dict[str, float] = {}
 
     # -- host helpers ---------------------------------------------------------------------------
     def batch_bucket(self, n: int) -> int:
@@ -556,6 +559,8 @@ class Sampler:
         t_bucket = self.length_bucket(max(a.size for a in arrays))
         chunk = self.config.batch_buckets[-1]
         graphdef, state = nnx.split(actor)
+        self.last_timing = dict(prefill_s=0.0, decode_s=0.0, prompt_tokens=float(sum(a.size for a in arrays)),
+                                new_tokens=0.0)
         parts = []
         with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
             for start in range(0, len(arrays), chunk):
@@ -598,8 +603,11 @@ class Sampler:
         ids, mask, row_ids_d, row_mask_d = (self._put(ids, spec2), self._put(mask, spec2),
                                             self._put(row_ids, spec1), self._put(row_mask, spec1))
         temp_d = jnp.float32(temp)
+        t0 = time.perf_counter()
         token, logp, done, stop_state, fingerprint, cache = _prefill_program(
             graphdef, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, table, stop_lens, eos_ids, static=static)
+        token.block_until_ready()
+        t1 = time.perf_counter()
         if cfg.max_new_tokens > 1:
             tokens, logps, lengths, cache = _decode_program(
                 graphdef, state, cache, token, logp, done, stop_state, row_ids_d, row_mask_d, key, temp_d,
@@ -608,5 +616,9 @@ class Sampler:
             tokens, logps, lengths = token[:, None], logp[:, None], row_mask_d.astype(jnp.int32)
         del cache
         tokens, logps, lengths, fingerprint = jax.device_get((tokens, logps, lengths, fingerprint))
+        t2 = time.perf_counter()
+        self.last_timing["prefill_s"] += t1 - t0
+        self.last_timing["decode_s"] += t2 - t1
+        self.last_timing["new_tokens"] += float(lengths[:n].sum())
         return (np.asarray(tokens[:n], np.int32), np.asarray(lengths[:n], np.int32),
                 np.asarray(logps[:n], np.float32), np.asarray(fingerprint[:n], np.float32))

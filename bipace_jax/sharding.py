@@ -20,6 +20,7 @@ the parameter shardings anchor it. No pmap; `jax.jit` with `NamedSharding` throu
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -254,7 +255,9 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
 
 # --------------------------------------------------------------------------------------------------
 # Abstract sizes (nnx.eval_shape: nothing is allocated).
+@functools.lru_cache(maxsize=8)
 def _abstract_params(config: Any, param_dtype: Any):
+    """nnx.State of `jax.ShapeDtypeStruct`s of the actor's parameters (cached per config and dtype)."""
     from flax import nnx
     from bipace_jax.models.qwen2 import Qwen2Actor
     abstract = nnx.eval_shape(lambda: Qwen2Actor(config, param_dtype=param_dtype, rngs=nnx.Rngs(0)))

@@ -18,7 +18,9 @@ class Observation:
       text: what the game shows the agent this turn (feedback or page), without history or template.
       anchor: the raw current observation used for GiGPO's exact step grouping (equal text, same
         state); for most games equal to ``text``; WebShop drops the instruction from it.
-      task: the task description (e.g. "craft stone pickaxe").
+      task: the task description, shown in every prompt (ALFWorld: "put a clean mug on desk";
+        TextCraft: its whole first observation, the crafting commands and the goal, since the
+        agent needs the recipes at every step).
       admissible_actions: the commands the game accepts now, or None when the game lists none.
       won: True once the task is solved.
       inventory: what the agent carries, as the game's own inventory command prints it

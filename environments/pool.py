@@ -7,16 +7,19 @@ is unsafe in a process running JAX threads), started with ``subprocess`` so that
   dict-of-str order are deterministic across workers and runs;
 * the parent's ``__main__`` (e.g. the trainer, with JAX loaded) is not re-imported in workers,
   as multiprocessing's spawn and forkserver would do;
-* each worker leads its own process group, so a kill also ends anything it started.
+* each worker leads its own process group (in the parent's session), so a kill also ends
+  anything it started.
 
 They talk to the parent over a socket pair with ``multiprocessing.connection.Connection``
 (pickled messages). Environment ``i`` lives on worker ``i % num_workers``. One call sends one
-message per involved worker and waits for all of them up to ``timeout_s``.
+message per involved worker; each worker answers env by env, and must answer each within
+``timeout_s``.
 
 Faults: a worker that dies (crash, OOM kill) or does not answer within ``timeout_s`` is killed
-(its whole process group) and replaced by a fresh one; the envs it ran in that call end their
-episodes with ``done=True``, reward 0 and ``info["env_error"]`` set; its other envs lost their
-episodes too and report the same on their next ``step``. A Python exception inside a game's
+(its whole process group) and replaced by a fresh one; the env it was serving and those queued
+after it in that call end their episodes with ``done=True``, reward 0 and ``info["env_error"]``
+set; its other envs (answered before the fault, or not in the call) lost their episodes too and
+report the same on their next ``step``. A Python exception inside a game's
 ``step`` ends that env's episode the same way, without replacing the worker. Nothing is
 silently dropped: every requested env gets a result, and ``env_error`` marks every faulted one.
 
@@ -105,27 +108,30 @@ def _worker_main() -> None:
             return  # the parent is gone
         if cmd == "close":
             return
-        out: list[tuple] = []
         for item in payload:
             try:
                 if cmd == "step":
                     i, action = item
                     obs, reward, done, info = envs[i].step(action)
-                    out.append(("ok", (obs, float(reward), bool(done), dict(info))))
+                    reply = ("ok", (obs, float(reward), bool(done), dict(info)))
                 elif cmd == "reset":
                     i, task_id, seed = item
-                    out.append(("ok", envs[i].reset(task_id, seed)))
+                    reply = ("ok", envs[i].reset(task_id, seed))
                 elif cmd == "oracle":
                     fn = getattr(envs[item], "oracle_action", None)
-                    out.append(("ok", fn() if fn is not None else None))
+                    reply = ("ok", fn() if fn is not None else None)
                 elif cmd == "task_info":
                     i, task_id = item
-                    out.append(("ok", envs[i].task_info(task_id)))
+                    reply = ("ok", envs[i].task_info(task_id))
                 else:
                     raise ValueError(f"unknown command {cmd!r}")
             except Exception as e:  # noqa: BLE001  (reported to the parent, never kills the worker)
-                out.append(("error", _portable(e), traceback.format_exc()))
-        conn.send(out)
+                reply = ("error", _portable(e), traceback.format_exc())
+            try:
+                conn.send(reply)  # pickles fully before writing: a pickling error leaves the stream intact
+            except (TypeError, AttributeError, pickle.PicklingError) as e:
+                err = RuntimeError(f"{cmd} result could not be sent to the parent: {_describe(e)}")
+                conn.send(("error", err, ""))
 
 
 def _kill(worker: _Worker) -> None:
@@ -168,7 +174,9 @@ class EnvPool:
       num_envs: number of environments (>= 1).
       env_options: keyword options for every environment (e.g. ``{"max_steps": 50}``).
       num_workers: worker processes (1..num_envs); default ``min(num_envs, os.cpu_count())``.
-      timeout_s: deadline of one call (reset, step, oracle_actions, task_info), in seconds.
+      timeout_s: the longest one environment operation (a reset, a step, an oracle call) may
+        take, in seconds: a worker that gives no answer for ``timeout_s`` is declared hung (so a
+        call over k envs of one worker may last up to k * timeout_s when each is slow).
       start_timeout_s: deadline for a worker to build its environments, in seconds.
       hash_seed: ``PYTHONHASHSEED`` of every worker (an int in [0, 4294967295]).
 
@@ -243,7 +251,7 @@ class EnvPool:
                 pass_fds=(child_sock.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                process_group=0,  # own process group (killpg), same session (fair CPU share)
             )
         finally:
             child_sock.close()
@@ -281,35 +289,58 @@ class EnvPool:
 
     # -- the call protocol -------------------------------------------------------------------
     def _call(self, cmd: str, items: dict[int, list]) -> tuple[dict[int, list], dict[int, str]]:
-        """Send ``items`` (worker -> payload) and collect replies; returns (replies, faults)."""
+        """Send ``items`` (worker -> payload list) and collect one reply per payload entry.
+
+        Workers answer entry by entry; a worker is declared hung when ``timeout_s`` passes
+        without its next answer, dead when its connection closes. Returns (replies, faults):
+        ``replies[w]`` holds the answers received (all of them unless ``w`` is in ``faults``,
+        then the answers before the fault). Faulted workers are NOT replaced here: the caller
+        records the answers, then calls ``_replace_faulted``.
+        """
         self._check_open()
-        replies: dict[int, list] = {}
+        replies: dict[int, list] = {w: [] for w in items}
         faults: dict[int, str] = {}
         pending: dict[Connection, int] = {}
+        deadline: dict[int, float] = {}
         for w, payload in items.items():
             worker = self._workers[w]
             try:
                 worker.conn.send((cmd, payload))
-                pending[worker.conn] = w
             except (OSError, ValueError) as e:
                 faults[w] = f"worker {w} unreachable ({_describe(e)})"
-        deadline = time.monotonic() + self.timeout_s
+                continue
+            if payload:
+                pending[worker.conn] = w
+                deadline[w] = time.monotonic() + self.timeout_s
         while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            for conn, w in list(pending.items()):
+                if deadline[w] <= now:
+                    del pending[conn]
+                    faults[w] = f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}"
+            if not pending:
                 break
-            for conn in wait(list(pending), timeout=remaining):
-                w = pending.pop(conn)
+            wake = min(deadline[w] for w in pending.values()) - now
+            for conn in wait(list(pending), timeout=max(wake, 0.0)):
+                w = pending[conn]
                 try:
-                    replies[w] = conn.recv()
+                    while True:  # drain what is already there
+                        replies[w].append(conn.recv())
+                        if len(replies[w]) == len(items[w]) or not conn.poll():
+                            break
                 except (EOFError, OSError):
                     code = self._workers[w].proc.poll()
                     faults[w] = f"worker {w} died during {cmd} (exit code {code})"
-        for w in pending.values():
-            faults[w] = f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}"
+                    del pending[conn]
+                    continue
+                deadline[w] = time.monotonic() + self.timeout_s
+                if len(replies[w]) == len(items[w]):
+                    del pending[conn]
+        return replies, faults
+
+    def _replace_faulted(self, faults: dict[int, str]) -> None:
         for w, reason in faults.items():
             self._replace(w, reason)
-        return replies, faults
 
     def _group(self, env_indices: Sequence[int], what: str) -> list[int]:
         idx = [int(i) for i in env_indices]
@@ -353,6 +384,7 @@ class EnvPool:
             for i in todo:
                 by_worker.setdefault(i % self.num_workers, []).append(jobs[i])
             replies, faults = self._call("reset", by_worker)
+            self._replace_faulted(faults)  # a reset retries on the fresh worker
             todo = []
             for w, payload in by_worker.items():
                 if w in faults:
@@ -414,20 +446,20 @@ class EnvPool:
                 by_worker.setdefault(i % self.num_workers, []).append((i, a))
         replies, faults = self._call("step", by_worker)
         for w, payload in by_worker.items():
-            if w in faults:
-                for i, _ in payload:
-                    self._lost.pop(i, None)
-                    out[i] = self._error_result(i, faults[w])
-                continue
-            for (i, _), (status, value, *tb) in zip(payload, replies[w]):
+            answered = replies[w]
+            for (i, _), (status, value, *tb) in zip(payload, answered):
                 if status == "error":
-                    self._running[i] = False
                     out[i] = self._error_result(i, f"env {i} raised {_describe(value)}")
                     continue
                 obs, reward, done, info = value
                 self._last_obs[i] = obs
                 self._running[i] = not done
                 out[i] = StepResult(obs, reward, done, info)
+            for i, _ in payload[len(answered):]:  # the env that hung or crashed, and those after it
+                out[i] = self._error_result(i, faults[w])
+        # envs whose step completed on a faulted worker lost their episode with it: their next
+        # step reports env_error (marked by _replace)
+        self._replace_faulted(faults)
         return [out[i] for i in idx]
 
     def _error_result(self, i: int, why: str) -> StepResult:
@@ -445,10 +477,11 @@ class EnvPool:
             if self._running[i]:
                 by_worker.setdefault(i % self.num_workers, []).append(i)
         replies, faults = self._call("oracle", by_worker)
+        self._replace_faulted(faults)
         out: dict[int, str | None] = {i: None for i in idx}
         for w, payload in by_worker.items():
             if w in faults:
-                continue
+                continue  # its envs lost their episodes: no expert action
             for i, (status, value, *_) in zip(payload, replies[w]):
                 out[i] = value if status == "ok" else None
         return [out[i] for i in idx]
@@ -465,6 +498,7 @@ class EnvPool:
                 raise RuntimeError(f"task_info: env {i} was never reset")
             by_worker.setdefault(i % self.num_workers, []).append((i, self._task[i][0]))
         replies, faults = self._call("task_info", by_worker)
+        self._replace_faulted(faults)
         if faults:
             raise EnvPoolError(f"task_info failed: {faults}")
         out: dict[int, dict] = {}
@@ -485,9 +519,13 @@ class EnvPool:
         self._check_open()
         return [w.hash_probe for w in self._workers]
 
-    def close(self) -> None:
-        """Stop every worker (a polite "close", then SIGKILL to each process group after 5 s). Idempotent."""
-        self._finalizer()
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: a polite "close", then SIGKILL to each process group after ``grace_s`` seconds.
+
+        Idempotent; also runs when the pool is garbage-collected or the interpreter exits.
+        """
+        if self._finalizer.detach() is not None:
+            _shutdown(self._workers, grace_s)
 
     def __enter__(self) -> "EnvPool":
         return self

@@ -18,16 +18,19 @@ class FaultyEnv(TextEnv):
     ``reset(task_id, seed)`` shows ``"task {task_id} seed {seed} step 0"``. Actions:
     ``"win"`` ends with reward 1.0; ``"crash"`` kills the process (``os._exit``); ``"hang"``
     sleeps for an hour; ``"raise"`` raises RuntimeError; ``"hash"`` shows ``hash("bipace")``
-    (to check PYTHONHASHSEED); ``"pid"`` shows the process id; any other action advances the
+    (to check PYTHONHASHSEED); ``"pid"`` shows the process id; ``"unpicklable"`` returns an
+    info dict holding a lambda; ``"nap"`` sleeps 0.8 s, then counts like any other action; any other action advances the
     counter: ``"task T seed S step N: <action>"``. Seeds with special meaning in ``reset``:
     -1 hangs, -2 crashes, -3 crashes once per ``marker_dir`` (the first reset creates the marker,
     then crashes), -4 gives a per-process observation (breaks task-group equality), -5 raises
-    ValueError.
+    ValueError. ``step_cost_ms`` makes every step busy the CPU that long (a synthetic slow game
+    for benchmarks, e.g. 36 ms like an ALFWorld step).
     """
 
-    def __init__(self, max_steps: int = 20, marker_dir: str | None = None):
+    def __init__(self, max_steps: int = 20, marker_dir: str | None = None, step_cost_ms: float = 0.0):
         super().__init__(max_steps)
         self.marker_dir = marker_dir
+        self.step_cost_ms = float(step_cost_ms)
         self._task = (0, 0)
         self._count = 0
 
@@ -60,12 +63,20 @@ class FaultyEnv(TextEnv):
         return self._obs(f"task {task_id} seed {seed} step 0")
 
     def _step(self, action: str):
+        if self.step_cost_ms > 0:
+            end = time.process_time() + self.step_cost_ms / 1000.0
+            while time.process_time() < end:
+                pass
         if action == "crash":
             os._exit(1)
         if action == "hang":
             time.sleep(3600)
         if action == "raise":
             raise RuntimeError("injected step error")
+        if action == "nap":
+            time.sleep(0.8)
+        if action == "unpicklable":
+            return self._obs("returns a lambda"), 0.0, False, {"f": lambda: 0}
         if action == "win":
             return self._obs("you win", won=True), 1.0, True, {}
         if action == "hash":

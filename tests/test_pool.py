@@ -90,6 +90,17 @@ def test_crashed_worker_is_replaced_and_its_episodes_end_with_env_error(faulty_p
     assert pool.step([1], ["h"])[0].obs.text == "task 7 seed 2 step 1: h"
 
 
+def test_envs_answered_before_a_crash_keep_their_result_then_report_the_lost_episode(faulty_pool):
+    pool = faulty_pool
+    pool.reset([0, 2], [1, 2], [0, 0])  # both on worker 0
+    r0, r2 = pool.step([0, 2], ["x", "crash"])
+    assert not r0.done and r0.obs.text == "task 1 seed 0 step 1: x"
+    assert r2.done and "worker 0 died during step" in r2.info["env_error"]
+    (again,) = pool.step([0], ["y"])
+    assert again.done and "worker 0 died during step" in again.info["env_error"]
+    assert again.obs.text == "task 1 seed 0 step 1: x"
+
+
 def test_game_exception_ends_only_that_episode_and_keeps_the_worker(faulty_pool):
     pool = faulty_pool
     pool.reset([0, 2], [5, 6], [1, 1])  # both on worker 0
@@ -97,6 +108,15 @@ def test_game_exception_ends_only_that_episode_and_keeps_the_worker(faulty_pool)
     r0, r2 = pool.step([0, 2], ["raise", "x"])
     assert r0.done and r0.info == {"env_error": "env 0 raised RuntimeError: injected step error"}
     assert not r2.done and r2.obs.text == "task 6 seed 1 step 1: x"
+    assert pool.worker_pids() == pids
+
+
+def test_unpicklable_step_result_is_an_env_error_not_a_dead_worker(faulty_pool):
+    pool = faulty_pool
+    pool.reset([1], [2], [3])
+    pids = pool.worker_pids()
+    (r,) = pool.step([1], ["unpicklable"])
+    assert r.done and "step result could not be sent to the parent" in r.info["env_error"]
     assert pool.worker_pids() == pids
 
 
@@ -111,6 +131,16 @@ def test_hung_worker_is_killed_after_the_call_timeout():
         # the replacement works; a hang inside oracle-free calls is recovered the same way
         assert pool.reset([0], [2], [0])[0].text == "task 2 seed 0 step 0"
         assert pool.step([0], ["y"])[0].obs.text == "task 2 seed 0 step 1: y"
+
+
+def test_timeout_applies_per_env_answer_not_to_the_whole_batch():
+    # three 0.8 s steps on one worker take 2.4 s in all, more than timeout_s, but each answer
+    # comes within it: no fault
+    with EnvPool(FaultyEnv, 3, num_workers=1, timeout_s=2.0) as pool:
+        pool.reset([0, 1, 2], [0, 0, 0], [0, 0, 0])
+        results = pool.step([0, 1, 2], ["nap", "nap", "nap"])
+        assert [r.obs.text for r in results] == ["task 0 seed 0 step 1: nap"] * 3
+        assert pool.fault_count == 0
 
 
 def test_reset_fault_is_retried_once_on_a_fresh_worker(tmp_path):
@@ -147,7 +177,7 @@ def test_close_stops_every_worker_even_a_hung_one():
     pids = pool.worker_pids()
     # leave worker 1 busy in a hang that no call waits for: send the command directly
     pool._workers[1].conn.send(("step", [(1, "hang")]))
-    pool.close()
+    pool.close(grace_s=0.5)
     assert not any(_alive(p) for p in pids)
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="EnvPool is closed"):

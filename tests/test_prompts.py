@@ -231,3 +231,22 @@ def test_every_default_template_is_valid_and_uses_the_tags():
             assert "<think> </think>" in text and "<action> </action>" in text
             assert "{task}" in text and "{current_step}" in text and "{observation}" in text
         assert "{history}" in tpl.later
+
+
+def test_oracle_action_round_trips_through_the_response_format():
+    env = environments.make("textcraft")
+    obs = env.reset(0, 11)
+    history, step = [], 0
+    while True:
+        prompt = build_prompt("textcraft", obs, history, step, show_inventory=True)
+        assert obs.inventory.strip() in prompt
+        expert = env.oracle_action()
+        response = f"<think>follow the recipe</think>\n<action> {expert.upper()} </action>"
+        action, valid = parse_action(response, require_think=True)
+        assert valid and action == expert == action_tag(response)
+        history.append((obs.text, action))
+        obs, reward, done, _ = env.step(action)
+        step += 1
+        if done:
+            break
+    assert reward == 1.0 and obs.won

@@ -41,30 +41,32 @@ def test_greedy_equals_full_forward_argmax_and_hf_generate(tiny_folder):
     out = sampler.generate(actor, prompts, jax.random.key(0))
     hf = transformers.Qwen2ForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
     eos = set(sampler.eos_token_ids)
+    # Oracle 1: argmax of our actor's full forward (no cache) at every response position, teacher-forced
+    # on the sampled tokens: if every position matches, step-by-step argmax decoding gives the same tokens.
+    seqs = [p + out.tokens[i, :out.lengths[i]].tolist() for i, p in enumerate(prompts)]
+    width = max(map(len, seqs))
+    ids = np.array([s + [0] * (width - len(s)) for s in seqs], np.int32)
+    mask = np.array([[1] * len(s) + [0] * (width - len(s)) for s in seqs], np.int32)  # right padding
+    last_prompt = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
+    full = nnx.jit(lambda a, i, m, f: a(i, m, fingerprint_index=f))(actor, jnp.asarray(ids), jnp.asarray(mask),
+                                                                     last_prompt)
+    logits = np.asarray(full.logits)
     for i, p in enumerate(prompts):
-        # Oracle 1: step-by-step argmax over our actor's full forward (no cache).
-        seq, ref = list(p), []
-        for _ in range(m):
-            ids = jnp.asarray([seq], jnp.int32)
-            full = actor(ids, jnp.ones_like(ids))
-            ref.append(int(jnp.argmax(full.logits[0, -1])))
-            seq.append(ref[-1])
-            if ref[-1] in eos:
-                break
-        assert out.lengths[i] == len(ref)
-        np.testing.assert_array_equal(out.tokens[i, :len(ref)], ref)
-        logp = np.asarray(jax.nn.log_softmax(actor(jnp.asarray([seq[:-1]]), jnp.ones((1, len(seq) - 1), jnp.int32))
-                                             .logits[0, len(p) - 1:], axis=-1))
-        np.testing.assert_allclose(out.logprobs[i, :len(ref)], logp[np.arange(len(ref)), ref], atol=1e-4)
+        n = int(out.lengths[i])
+        resp = out.tokens[i, :n]
+        assert n == m or resp[-1] in eos
+        assert not set(resp[:-1].tolist()) & eos
+        pos = np.arange(len(p) - 1, len(p) - 1 + n)
+        np.testing.assert_array_equal(resp, logits[i, pos].argmax(-1))
+        logp = jax.nn.log_softmax(jnp.asarray(logits[i, pos]), axis=-1)
+        np.testing.assert_allclose(out.logprobs[i, :n], np.asarray(logp)[np.arange(n), resp], atol=1e-4)
         # The fingerprint is the prompt's (read at the last prompt token, before the response).
-        fp = actor(jnp.asarray([p]), jnp.ones((1, len(p)), jnp.int32)).fingerprint[0]
-        np.testing.assert_allclose(out.fingerprints[i], np.asarray(fp), atol=1e-5)
+        np.testing.assert_allclose(out.fingerprints[i], np.asarray(full.fingerprint)[i], atol=1e-5)
         # Oracle 2: Hugging Face greedy generate on the same checkpoint.
         with torch.no_grad():
             gen = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=m, do_sample=False, eos_token_id=sorted(eos), pad_token_id=tok.pad_token_id)
-        hf_new = gen[0, len(p):].tolist()
-        np.testing.assert_array_equal(out.tokens[i, :len(ref)], hf_new[:len(ref)])
+        np.testing.assert_array_equal(gen[0, len(p):].numpy(), resp)
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

@@ -10,10 +10,12 @@ import pytest
 
 import environments
 from environments.textcraft import (
+    GOAL_TABLE_PATH,
     MAX_DISTRACTORS,
     TextCraftEnv,
     default_recipe_book,
     goal_table,
+    goal_table_tsv,
     task_ids_by_depth,
 )
 
@@ -33,6 +35,11 @@ def test_goal_table_has_291_117_11_goals_depth_descending():
     assert len(task_ids_by_depth(2)) == 291 and len(task_ids_by_depth(3, 4)) == 128
     with pytest.raises(ValueError, match="depth must be 2, 3 or 4"):
         task_ids_by_depth(1)
+
+
+def test_packaged_goal_table_file_matches_the_engine():
+    with open(GOAL_TABLE_PATH, encoding="utf-8") as fp:
+        assert fp.read() == goal_table_tsv()
 
 
 def test_make_builds_textcraft_with_contract_metadata():

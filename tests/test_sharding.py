@@ -1,0 +1,172 @@
+"""Mesh, partition rules, abstract sizes, and the actor sharded on 8 emulated CPU devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from bipace_jax import sharding as shd
+from bipace_jax.models import Qwen2Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_logical_axes_map_to_mesh_axes_and_drop_what_does_not_divide():
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    assert shd.logical_to_spec(("batch", "seq", "act_embed"), (8, 12, 64), mesh) == P(("data", "fsdp"), None, None)
+    # 6 rows: data=4 does not divide them, fsdp=2 does.
+    assert shd.logical_to_spec(("batch", None), (6, 3), {"data": 4, "fsdp": 2}) == P("fsdp", None)
+    # 2 kv heads cannot be split 4 ways: replicated along tensor.
+    assert shd.logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), {"fsdp": 4, "tensor": 4}) == P("fsdp", None, None)
+    with pytest.raises(ValueError, match="unknown logical axis 'nope'"):
+        shd.logical_to_spec(("nope",), (4,), mesh)
+    with pytest.raises(ValueError, match="do not match the array rank"):
+        shd.logical_to_spec(("batch",), (4, 4), mesh)
+
+
+def test_every_actor_parameter_has_a_rule_of_its_rank():
+    cfg = Qwen2Config.tiny(tie_word_embeddings=False)
+    state = shd._abstract_params(cfg, jnp.float32)
+    expected = {
+        "embed/embedding": P("tensor", "fsdp"),
+        "layers/0/attn/q_proj/kernel": P("fsdp", "tensor", None),
+        "layers/0/attn/q_proj/bias": P("tensor", None),
+        "layers/1/attn/k_proj/kernel": P("fsdp", "tensor", None),
+        "layers/1/attn/o_proj/kernel": P("tensor", None, "fsdp"),
+        "layers/0/mlp/gate_proj/kernel": P("fsdp", "tensor"),
+        "layers/0/mlp/down_proj/kernel": P("tensor", "fsdp"),
+        "layers/0/input_norm/scale": P(None),
+        "final_norm/scale": P(None),
+        "lm_head/kernel": P("fsdp", "tensor"),
+    }
+    seen = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        name = shd._path_str(path)
+        seen[name] = shd.param_spec(path, leaf.shape, {"fsdp": 4, "tensor": 2})
+        assert len(shd.param_logical_axes(name)) == leaf.ndim, name
+    for name, spec in expected.items():
+        assert seen[name] == spec, name
+    with pytest.raises(KeyError, match="no partition rule for parameter 'layers/0/attn/rotary'"):
+        shd.param_logical_axes("layers/0/attn/rotary")
+
+
+def test_make_mesh_checks_sizes_against_the_device_count():
+    n = len(jax.devices())
+    mesh = shd.make_mesh(data=-1)
+    assert mesh.axis_names == ("data", "fsdp", "tensor") and mesh.devices.size == n
+    with pytest.raises(ValueError, match="expected the device count"):
+        shd.make_mesh(data=n + 1)
+    with pytest.raises(ValueError, match="at most one mesh axis size may be -1"):
+        shd.make_mesh(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="'tensor' size must be a positive int or -1"):
+        shd.make_mesh(tensor=0)
+    assert shd.mesh_from_config({"data": n}).axis_sizes == (n, 1, 1)
+
+
+def test_parameter_counts_of_the_qwen2_5_presets():
+    # Exact counts of the published checkpoints (tied heads counted once).
+    assert shd.count_params(Qwen2Config.qwen2_5_0_5b()) == 494_032_768
+    assert shd.count_params(Qwen2Config.qwen2_5_1_5b()) == 1_543_714_304
+    assert shd.count_params(Qwen2Config.qwen2_5_3b()) == 3_085_938_688
+    assert shd.count_params(Qwen2Config.qwen2_5_7b()) == 7_615_616_512
+
+
+def test_per_device_bytes_hand_computed_for_tiny_and_7b():
+    cfg = Qwen2Config.tiny()  # V 512, D 64, F 128, L 2, N 4, K 2, Hd 16, tied
+    # Unsharded: per layer q 4096+64, k,v 2*(2048+32), o 4096, mlp 3*8192, norms 128 -> 37120;
+    # 2 layers + embedding 32768 + final norm 64 = 107072 floats.
+    assert shd.count_params(cfg) == 107_072
+    assert shd.per_device_bytes(cfg, {}, jnp.float32) == 107_072 * 4
+    # fsdp=4 x tensor=2: per layer q 16*2*16 + 2*16, k,v 2*(16*1*16 + 16), o 2*16*16, gate/up 2*16*64,
+    # down 64*16, norms 128 (replicated) -> 4800; embedding 256*16; final norm 64 -> 13760 floats.
+    assert shd.per_device_bytes(cfg, {"fsdp": 4, "tensor": 2}, jnp.float32) == 13_760 * 4
+    # 7B in bf16 over fsdp=8 x tensor=4: every big matrix divides by 32, the norms do not shrink.
+    seven = Qwen2Config.qwen2_5_7b()
+    norms = (2 * 28 + 1) * 3584
+    biases = 28 * (28 + 4 + 4) * 128  # split over tensor only
+    big = 7_615_616_512 - norms - biases
+    assert shd.per_device_bytes(seven, {"fsdp": 8, "tensor": 4}) == 2 * (big // 32 + norms + biases // 4)
+
+
+def test_constrain_is_identity_without_a_mesh():
+    x = jnp.ones((4, 3, 8))
+    assert shd.constrain(x, "hidden") is x
+
+
+SCRIPT = textwrap.dedent(r"""
+    import json, sys, tempfile
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from bipace_jax import sharding as shd
+    from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, save_hf_checkpoint
+
+    assert len(jax.devices()) == 8, jax.devices()
+    cfg = Qwen2Config.tiny(tie_word_embeddings=False)
+    actor = Qwen2Actor(cfg, fingerprint_layer=-2, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (8, 10)).astype(np.int32)
+    mask = np.ones((8, 10), np.int32)
+    for b in range(1, 8):
+        mask[b, : b] = 0
+    new = rng.integers(0, cfg.vocab_size, (8, 2)).astype(np.int32)
+    graphdef, state = nnx.split(actor)
+
+    def run(state, ids, mask, new):
+        model = nnx.merge(graphdef, state)
+        out = model(ids, mask)
+        first, cache = model.prefill(ids, mask, model.init_cache(ids.shape[0], 12))
+        step1, cache = model.decode_step(new[:, 0], cache)
+        step2, cache = model.decode_step(new[:, 1], cache)
+        return out.logits, out.fingerprint, first.logits, step1, step2
+
+    ref = [np.asarray(x) for x in jax.jit(run)(state, ids, mask, new)]
+    ckpt = save_hf_checkpoint(actor, tempfile.mkdtemp())
+    results = {}
+    for shape in [(1, 4, 2), (8, 1, 1)]:
+        mesh = shd.make_mesh(*shape)
+        sharded = jax.device_put(state, shd.param_shardings(state, mesh))
+        loaded = load_hf_checkpoint(ckpt, mesh=mesh, fingerprint_layer=-2)
+        loaded_state = nnx.state(loaded)
+        with jax.set_mesh(mesh):
+            put = lambda x: jax.device_put(x, shd.batch_sharding(mesh, x.ndim))
+            outs = jax.jit(run)(sharded, put(ids), put(mask), put(new))
+            outs_loaded = jax.jit(run)(loaded_state, put(ids), put(mask), put(new))
+        q = sharded["layers"][0]["attn"]["q_proj"]["kernel"][...]
+        lq = loaded.layers[0].attn.q_proj.kernel[...]
+        results[str(shape)] = {
+            "max_err": max(float(np.abs(np.asarray(o) - r).max()) for o, r in zip(outs, ref)),
+            "max_err_loaded": max(float(np.abs(np.asarray(o) - r).max()) for o, r in zip(outs_loaded, ref)),
+            "q_spec": str(q.sharding.spec), "q_shard": list(q.addressable_shards[0].data.shape),
+            "loaded_q_spec": str(lq.sharding.spec), "loaded_q_shard": list(lq.addressable_shards[0].data.shape),
+            "logits_spec": str(outs[0].sharding.spec),
+        }
+    print("RESULT" + json.dumps(results))
+""")
+
+
+def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    results = json.loads(line[len("RESULT"):])
+    fsdp_tp, data = results["(1, 4, 2)"], results["(8, 1, 1)"]
+    for r in (fsdp_tp, data):
+        assert r["max_err"] <= 1e-5 and r["max_err_loaded"] <= 1e-5, r
+    # fsdp=4 x tensor=2: q kernel [D=64, N=4, Hd=16] is split 4 x 2 on every device, also when streamed.
+    assert fsdp_tp["q_spec"] == fsdp_tp["loaded_q_spec"] == "P('fsdp', 'tensor', None)"
+    assert fsdp_tp["q_shard"] == fsdp_tp["loaded_q_shard"] == [16, 2, 16]
+    assert fsdp_tp["logits_spec"].startswith("P('fsdp', None, 'tensor')")
+    # data=8: parameters replicated, the batch split 8 ways.
+    assert data["q_shard"] == data["loaded_q_shard"] == [64, 4, 16]
+    assert data["logits_spec"].startswith("P('data',")
