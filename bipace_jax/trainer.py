@@ -669,6 +669,10 @@ class Trainer:
         else:
             old_lp = self.learner.logprobs(self.learner.params_local, batch)
         t_old = time.perf_counter()
+        # Sampler vs trainer log-probs of the same tokens: ~0 at temperature 1 (top-p/k off); a
+        # large value means the sampling and training forwards disagree (positions, padding, dtype).
+        sample_lp = _pad_cols(np.asarray(res.sample_logprobs, np.float32), batch.response_ids.shape[1])
+        lp_gap = float(np.abs(sample_lp - old_lp)[batch.response_mask].mean()) if batch.response_mask.any() else 0.0
         ref = self.learner.ref_params_local
         ref_lp = self.learner.logprobs(ref, batch) if ref is not None else None
         t_ref = time.perf_counter()
@@ -693,6 +697,7 @@ class Trainer:
         for k, v in _mean_over_hosts(diag).items():
             rec[f"estimator/{k}"] = v
         rec["estimator/epsilon"] = self.epsilon
+        rec["rollout/logprob_gap"] = float(_allgather(np.array([lp_gap]))[:, 0].mean())
         rec["train/task_cursor"] = self.task_cursor  # global index of this iteration's first task group
         rec["train/hosts"] = self.num_hosts
         rec["advantage/mean"] = float(adv.mean()) if adv.size else 0.0

@@ -80,6 +80,8 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
             assert k in r and r[k] is not None and math.isfinite(r[k]), k
         assert r["train/episodes"] == 4 and r["train/rows"] >= 4  # 2 groups x 2 rollouts, >= 1 step each
         assert 0 <= r["train/success_rate"] <= 1 and r["estimator/epsilon"] == 0.05
+        # the trainer's recomputed old log-probs equal the sampler's (temperature 1): same tokens, same policy
+        assert r["rollout/logprob_gap"] < 1e-3
     assert rows[0]["train/task_cursor"] == 0 and rows[1]["train/task_cursor"] == 2
     assert "val_before/success_rate" in rows[0]
 
