@@ -808,9 +808,16 @@ class Trainer:
         summary: dict[str, Any] = {"workdir": self.workdir, "first_val": None, "last_val": None,
                                    "last_train": None, "iterations_run": 0, "start_iteration": self.iteration}
         pending_val = None
+        self._last_checkpoint_s = None
         if c.val.at_start and self.iteration == 0 and c.num_iterations > 0:
             pending_val = self.validate()
             summary["first_val"] = pending_val
+        elif self.iteration > 0:  # resumed: the before-RL validation is in the kept metrics
+            from bipace_jax.metrics import read_metrics
+
+            first = next((r for r in read_metrics(self.workdir) if r.get("iteration") == 0), {})
+            before = {"val/" + k.split("/", 1)[1]: v for k, v in first.items() if k.startswith("val_before/")}
+            summary["first_val"] = before or None
         bar = tqdm(total=c.num_iterations, initial=self.iteration, desc="RL iterations",
                    disable=not (c.log.progress and self.is_primary), dynamic_ncols=True)
         try:
@@ -827,9 +834,15 @@ class Trainer:
                     summary["last_val"] = v
                     if summary["first_val"] is None:
                         summary["first_val"] = v
+                if self._last_checkpoint_s is not None:
+                    rec["time/previous_checkpoint_s"] = self._last_checkpoint_s
+                # The line goes first: a kill between line and checkpoint re-runs the iteration, and
+                # the re-run replaces the line (MetricsLogger drops lines past the restored step).
                 self.metrics.write(it, rec)
                 if self.iteration % c.checkpoint.every == 0 or last:
+                    t0 = time.perf_counter()
                     self.save_checkpoint()
+                    self._last_checkpoint_s = time.perf_counter() - t0
                 summary["last_train"] = rec
                 summary["iterations_run"] += 1
                 bar.update(1)

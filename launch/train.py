@@ -97,6 +97,8 @@ def main(argv):
         sys.exit(f"error: {e}")
     try:
         summary = tr.run()
+    except trainer_lib.NonFiniteError as e:
+        sys.exit(f"error: {e}")
     finally:
         tr.close()
     if jax.process_index() == 0:
