@@ -134,7 +134,8 @@ def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Success")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     ax.grid(alpha=0.3)
     paths.append(os.path.join(out_dir, "success.png"))
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
@@ -149,7 +150,8 @@ def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
     ax.set_xlabel("iteration")
     ax.set_ylabel("singleton step-group rate")
     ax.set_title("Singleton rate: hash vs clusters")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     ax.grid(alpha=0.3)
     paths.append(os.path.join(out_dir, "singleton_rate.png"))
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
