@@ -185,7 +185,7 @@ def build_actor(config: ml_collections.ConfigDict, tokenizer: Any) -> nnx.Module
 
     m = config.model
     if m.checkpoint:
-        return load_hf_checkpoint(m.checkpoint, dtype=_dtype(m.dtype), fingerprint_layer=m.fingerprint_layer)
+        return load_hf_checkpoint(configs_lib.resolve_path(m.checkpoint), dtype=_dtype(m.dtype), fingerprint_layer=m.fingerprint_layer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if m.preset == "tiny":
         cfg = Qwen2Config.tiny(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
@@ -573,9 +573,9 @@ class Trainer:
 
         m = self.config.model
         if m.tokenizer:
-            return load_tokenizer(m.tokenizer)
+            return load_tokenizer(configs_lib.resolve_path(m.tokenizer))
         if m.checkpoint:
-            return load_tokenizer(m.checkpoint)
+            return load_tokenizer(configs_lib.resolve_path(m.checkpoint))
         path = os.path.join(self.workdir, "tokenizer")
         if os.path.exists(os.path.join(path, "tokenizer.json")):
             return load_tokenizer(path)

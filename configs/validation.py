@@ -19,6 +19,19 @@ DTYPES = ("float32", "bfloat16")
 _SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
 
 
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+    """A config path as given when it exists (absolute, or relative to the working directory), else
+    relative to the project root (so ``bipace_jax/data/...`` in a config works from any directory);
+    "" stays "". Remote paths (``gs://...``) are returned unchanged."""
+    if not path or "://" in path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = os.path.join(PROJECT_ROOT, path)
+    return candidate if os.path.exists(candidate) else path
+
+
 class ConfigError(ValueError):
     """A config field holds a value the trainer cannot use."""
 
@@ -90,14 +103,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
         _fail("model.checkpoint", "be a path string ('' = random init)", ckpt)
     _choice(c, "model.preset", PRESETS)
     if ckpt:
-        if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
             _fail("model.checkpoint", "be a Hugging Face folder holding config.json", ckpt)
     elif _get(c, "model.preset") != "tiny":
         _fail("model.checkpoint", f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)", ckpt)
     tok = _get(c, "model.tokenizer")
     if not isinstance(tok, str):
         _fail("model.tokenizer", "be a path string ('' = the checkpoint's)", tok)
-    if tok and not os.path.isdir(tok):
+    if tok and not os.path.isdir(resolve_path(tok)):
         _fail("model.tokenizer", "be an existing tokenizer folder", tok)
     for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
         _int(c, f"model.{f}", 1)
