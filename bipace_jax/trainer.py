@@ -481,7 +481,6 @@ class Trainer:
             raise configs_lib.ConfigError(
                 f"config.rollout.num_groups must be a multiple of the process count {self.num_hosts}, got {c.rollout.num_groups}")
         os.makedirs(workdir, exist_ok=True)
-        self.timing_log: list[dict] = []
 
         # --- mesh ------------------------------------------------------------------------------
         data, fsdp, tensor = configs_lib.mesh_shape(c, jax.device_count())
@@ -602,9 +601,10 @@ class Trainer:
         self.rng = rng
         self.iteration = int(meta["iteration"])
         self.task_cursor = int(meta["task_cursor"])
-        self.epsilon = float(meta["epsilon"])
         if self.controller is not None and meta.get("controller") is not None:
+            # the controller's epsilon continues; a fixed epsilon comes from the config (overridable)
             self.controller.load_state_dict(meta["controller"])
+            self.epsilon = float(self.controller.epsilon)
         if self.is_primary:
             log.info("resumed from %s step %d (iteration %d)", self.checkpointer.directory, step, self.iteration)
 
