@@ -289,8 +289,10 @@ def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransfo
 
     def response_logits(params, rest, input_ids, attention_mask, prompt_len):
         model = nnx.merge(graphdef, params, rest)
-        out = model(input_ids, attention_mask)
-        return out.logits[:, prompt_len - 1: -1]  # [B, M, V]: column t predicts token t + 1
+        h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
+        # The LM head runs on the M positions that predict response tokens only (position t predicts
+        # token t + 1), not on [B, T, V]: with a 152k vocabulary that is most of the memory.
+        return model.lm_logits(h[:, prompt_len - 1: -1])  # [B, M, V] fp32
 
     @jax.jit
     def logprobs_fn(params, rest, input_ids, attention_mask, response_ids):
