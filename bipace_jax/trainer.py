@@ -53,7 +53,7 @@ from bipace_jax.metrics import MetricsLogger, make_plots
 
 log = logging.getLogger(__name__)
 
-TRAIN_SEED_RANGE = 2**30  # training game seeds lie in [0, 2^30); validation seeds in [2^30, 2^31)
+TRAIN_SEED_RANGE = 1_000_000  # training game seeds lie in [0, 10^6); validation seeds at or above it
 
 
 class NonFiniteError(FloatingPointError):
@@ -102,7 +102,8 @@ def train_task(train_ids: list[int], seed: int, index: int) -> tuple[int, int]:
     """(task_id, game_seed) of global task group number ``index`` of a run.
 
     The train ids are visited in epochs, each a fresh permutation seeded by ``(seed, epoch)``; the game
-    seed of every group is drawn from ``(seed, index)`` in ``[0, 2^30)`` (validation uses ``[2^30, 2^31)``).
+    seed of every group is drawn from ``(seed, index)`` in ``[0, TRAIN_SEED_RANGE)`` (validation seeds
+    are ``>= TRAIN_SEED_RANGE``: never a training game).
     """
     epoch, k = divmod(index, len(train_ids))
     perm = np.random.default_rng([seed, epoch, 7]).permutation(len(train_ids))
@@ -110,14 +111,65 @@ def train_task(train_ids: list[int], seed: int, index: int) -> tuple[int, int]:
     return train_ids[int(perm[k])], game_seed
 
 
-def validation_panel(ids: list[int], size: int, seed: int, salt: int) -> list[tuple[int, int]]:
-    """A fixed panel of ``min(size, len(ids))`` distinct tasks with unseen game seeds in ``[2^30, 2^31)``."""
-    if size == 0 or not ids:
-        return []
-    rng = np.random.default_rng([seed, salt])
-    chosen = rng.permutation(len(ids))[: min(size, len(ids))]
-    seeds = rng.integers(TRAIN_SEED_RANGE, 2 * TRAIN_SEED_RANGE, size=len(chosen))
-    return [(ids[int(i)], int(s)) for i, s in zip(chosen, seeds)]
+def split_holdout(ids: list[int], holdout: list[int], every: int) -> tuple[list[int], list[int]]:
+    """(training ids, held-out ids): ``holdout`` plus every ``every``-th id of ``ids`` (ascending;
+    positions every-1, 2*every-1, ...; 0 = none) are held out and removed from training."""
+    ids = sorted(ids)
+    held = set(holdout) | (set(ids[every - 1::every]) if every else set())
+    return [t for t in ids if t not in held], sorted(held)
+
+
+def validation_panel(seen: list[int], heldout: list[int], num_seen: int, num_heldout: int, seed_base: int,
+                     mode: str = "spread") -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The fixed validation panels ``(seen goals, held-out goals)`` of ``(task_id, game_seed)`` pairs.
+
+    ``mode="spread"``: ``num_seen`` goals evenly spaced over ``seen`` (``linspace`` indices, rounded)
+    and ``num_heldout`` over ``heldout`` (all when fewer); game seeds ``seed_base + k`` with k running
+    over both panels in that order. ``mode="random"``: distinct goals drawn with ``seed_base`` and
+    seeds drawn in ``[seed_base, 2^31)``. ``seed_base >= TRAIN_SEED_RANGE`` keeps every panel game
+    unseen in training (new distractors).
+    """
+    if mode == "spread":
+        def pick(ids, n):
+            if n >= len(ids):
+                return list(ids)
+            return [ids[int(i)] for i in np.linspace(0, len(ids) - 1, n).round()] if n else []
+
+        goals = pick(list(seen), num_seen), pick(list(heldout), num_heldout)
+        seeds = iter(range(seed_base, seed_base + len(goals[0]) + len(goals[1])))
+        return tuple([(t, next(seeds)) for t in g] for g in goals)
+    if mode != "random":
+        raise ValueError(f"validation panel mode must be 'spread' or 'random', got {mode!r}")
+    rng = np.random.default_rng(seed_base)
+    out = []
+    for ids, n in ((seen, num_seen), (heldout, num_heldout)):
+        chosen = rng.permutation(len(ids))[: min(n, len(ids))]
+        seeds = rng.integers(seed_base, 2**31 - 1, size=len(chosen))
+        out.append([(ids[int(i)], int(s)) for i, s in zip(chosen, seeds)])
+    return out[0], out[1]
+
+
+def resolve_template(spec: str) -> Any:
+    """A prompt template from a config string: "" (the game's default), a JSON object of
+    ``PromptTemplate`` field overrides, or ``"module:ATTR"`` naming such a mapping.
+
+    Raises:
+      configs.ConfigError: a reference that does not import or a malformed JSON object.
+    """
+    if not spec:
+        return None
+    if spec.lstrip().startswith("{"):
+        try:
+            return json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise configs_lib.ConfigError(f"config.rollout.template must be valid JSON, got {spec!r} ({e})") from None
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise configs_lib.ConfigError(f"config.rollout.template must name 'module:ATTR', got {spec!r} ({e})") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -522,13 +574,14 @@ class Trainer:
 
         probe = environments.make(c.env.name, max_steps=c.env.max_steps)
         self._task_info = probe.task_info
-        holdout = select_tasks(c.tasks.holdout, probe.num_tasks, probe.task_info)
-        train = [t for t in select_tasks(c.tasks.train, probe.num_tasks, probe.task_info) if t not in set(holdout)]
+        train, holdout = split_holdout(select_tasks(c.tasks.train, probe.num_tasks, probe.task_info),
+                                       select_tasks(c.tasks.holdout, probe.num_tasks, probe.task_info),
+                                       c.tasks.holdout_every)
         if not train:
-            raise configs_lib.ConfigError(f"config.tasks.train selects no task outside tasks.holdout, got {c.tasks.train!r}")
+            raise configs_lib.ConfigError(f"config.tasks.train selects no task outside the held-out goals, got {c.tasks.train!r}")
         self.train_ids, self.holdout_ids = train, holdout
-        self.val_panel = validation_panel(train, c.val.num_tasks, c.val.seed, 0)
-        self.holdout_panel = validation_panel(holdout, c.val.num_holdout_tasks, c.val.seed, 1)
+        self.val_panel, self.holdout_panel = validation_panel(
+            train, holdout, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed, c.val.panel)
 
         # --- rollout machinery ------------------------------------------------------------------
         from environments.pool import EnvPool
@@ -557,7 +610,8 @@ class Trainer:
                    max_prompt_length=c.rollout.max_prompt_length, invalid_penalty=c.rollout.invalid_penalty,
                    success_reward=c.rollout.success_reward, require_think=c.rollout.require_think,
                    action_key=c.estimator.key, show_inventory=c.rollout.show_inventory,
-                   system_prompt=c.rollout.system_prompt or None)
+                   system_prompt=None if c.rollout.system_prompt == "default" else c.rollout.system_prompt,
+                   template=resolve_template(c.rollout.template))
         if c.rollout.fallback_action:
             rkw["fallback_action"] = c.rollout.fallback_action
         self.rollout_cfg = RolloutConfig(group_size=c.rollout.group_size, sampler=scfg, **rkw)

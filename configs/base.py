@@ -47,6 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.tasks = ml_collections.ConfigDict()
     c.tasks.train = "all"           # goals RL trains on
     c.tasks.holdout = ""            # goals never trained on, validated separately ("" = none); removed from train
+    c.tasks.holdout_every = 0       # also hold out every k-th goal of tasks.train (ascending ids); 0 = none
 
     # --- rollout ---------------------------------------------------------------------------
     c.rollout = ml_collections.ConfigDict()
@@ -59,7 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.fallback_action = ""  # action sent to the game for an unparsable response ("" = the game's default)
     c.rollout.require_think = False
     c.rollout.show_inventory = False
-    c.rollout.system_prompt = ""    # "" = the template's default
+    c.rollout.system_prompt = "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)
+    c.rollout.template = ""         # prompt template: "" = the game's; a JSON object of PromptTemplate fields; or "module:ATTR"
 
     c.sampler = ml_collections.ConfigDict()
     c.sampler.max_new_tokens = 512  # response budget (paper 512)
@@ -114,11 +116,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.val = ml_collections.ConfigDict()
     c.val.every = 10                # validate every k iterations (and before the first, after the last); 0 = never
     c.val.at_start = True
-    c.val.num_tasks = 64            # panel size drawn from tasks.train (with unseen seeds)
-    c.val.num_holdout_tasks = 64    # panel size drawn from tasks.holdout (all when fewer)
+    c.val.num_tasks = 64            # panel goals from the training goals (with unseen game seeds)
+    c.val.num_holdout_tasks = 64    # panel goals from the held-out goals (all when fewer)
+    c.val.panel = "spread"          # spread: goals evenly spaced over the sets, seeds val.seed + k; random: drawn with val.seed
     c.val.group_size = 1            # plays per panel task
     c.val.temperature = 0.4
-    c.val.seed = 1_000_003          # panel draw and its game seeds (distinct from training seeds)
+    c.val.seed = 1_000_000          # seed base of the panel; >= 1e6, so never a training game seed (those are < 1e6)
 
     # --- bookkeeping -----------------------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()

@@ -129,11 +129,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _float(c, "env.timeout_s", 0, lo_open=True)
     validate_selector("tasks.train", c.tasks.train, allow_empty=False)
     validate_selector("tasks.holdout", c.tasks.holdout, allow_empty=True)
+    _int(c, "tasks.holdout_every", 0)
     # rollout / sampler
     _int(c, "rollout.num_groups", 1)
     _int(c, "rollout.group_size", 1)
     _int(c, "rollout.history_length", 0)
     _int(c, "rollout.max_prompt_length", 16)
+    for f in ("system_prompt", "template", "fallback_action"):
+        if not isinstance(_get(c, f"rollout.{f}"), str):
+            _fail(f"rollout.{f}", "be a string", _get(c, f"rollout.{f}"))
+    tpl = c.rollout.template
+    if tpl and not (tpl.lstrip().startswith("{") or re.match(r"^[\w.]+:\w+$", tpl)):
+        _fail("rollout.template", "be '', a JSON object of PromptTemplate fields, or 'module:ATTR'", tpl)
     _float(c, "rollout.invalid_penalty", 0)
     _float(c, "rollout.success_reward", 0, lo_open=True)
     _int(c, "sampler.max_new_tokens", 1)
@@ -192,7 +199,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "val.num_holdout_tasks", 0)
     _int(c, "val.group_size", 1)
     _float(c, "val.temperature", 0, lo_open=True)
-    _int(c, "val.seed", 0)
+    _int(c, "val.seed", 1_000_000)
+    _choice(c, "val.panel", ("spread", "random"))
     _int(c, "checkpoint.every", 1)
     _int(c, "checkpoint.keep", 1)
     # mesh

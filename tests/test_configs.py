@@ -117,3 +117,12 @@ def test_paper_config_without_checkpoint_fails_before_anything_runs():
         "error: config.model.checkpoint must point at a Hugging Face qwen2_5_7b folder "
         "(a qwen2_5_7b random init trains nothing useful), got ''")
     assert not os.path.exists("/tmp/never_used_bipace")
+
+
+def test_prompt_template_field_accepts_json_or_reference_only():
+    c = _load("textcraft_tiny")
+    c.rollout.template = "not a template"
+    with pytest.raises(configs.ConfigError, match="config.rollout.template must be '', a JSON object"):
+        configs.validate(c)
+    c.rollout.template = '{"task_echo": "start"}'
+    configs.validate(c)

@@ -11,7 +11,8 @@ import pytest
 
 from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
-from bipace_jax.trainer import select_tasks, train_task, validation_panel, TRAIN_SEED_RANGE
+from bipace_jax.trainer import (TRAIN_SEED_RANGE, resolve_template, select_tasks, split_holdout, train_task,
+                                validation_panel)
 
 
 def _tree():
@@ -90,10 +91,32 @@ def test_training_task_order_visits_every_task_once_per_epoch_and_is_reproducibl
     assert all(0 <= s < TRAIN_SEED_RANGE for _, s in first)
 
 
-def test_validation_panel_is_fixed_with_unseen_seeds():
+def test_holdout_every_kth_goal_of_the_set():
+    train, held = split_holdout(list(range(10, 30)), [11], 8)
+    assert held == [11, 17, 25] and train == [t for t in range(10, 30) if t not in (11, 17, 25)]
+    assert split_holdout([3, 1, 2], [], 0) == ([1, 2, 3], [])
+
+
+def test_spread_validation_panel_is_evenly_spaced_with_consecutive_unseen_seeds():
+    seen, held = validation_panel(list(range(100, 170)), [7, 8, 9], 5, 16, 1_000_000, "spread")
+    # linspace(0, 69, 5) = 0, 17.25, 34.5, 51.75, 69 -> rounded half to even: 0, 17, 34, 52, 69
+    assert seen == [(100, 1_000_000), (117, 1_000_001), (134, 1_000_002), (152, 1_000_003), (169, 1_000_004)]
+    assert held == [(7, 1_000_005), (8, 1_000_006), (9, 1_000_007)]  # all of them when fewer
+
+
+def test_random_validation_panel_is_fixed_with_unseen_seeds():
     ids = list(range(40))
-    panel = validation_panel(ids, 8, 1_000_003, 0)
-    assert panel == validation_panel(ids, 8, 1_000_003, 0)
-    assert len({t for t, _ in panel}) == 8
-    assert all(TRAIN_SEED_RANGE <= s < 2 * TRAIN_SEED_RANGE for _, s in panel)
-    assert len(validation_panel(ids[:3], 8, 1, 0)) == 3 and validation_panel(ids, 0, 1, 0) == []
+    seen, held = validation_panel(ids, [50, 51], 8, 1, 1_000_003, "random")
+    assert (seen, held) == validation_panel(ids, [50, 51], 8, 1, 1_000_003, "random")
+    assert len({t for t, _ in seen}) == 8 and len(held) == 1 and held[0][0] in (50, 51)
+    assert all(s >= TRAIN_SEED_RANGE for _, s in seen + held)
+    assert validation_panel(ids, [], 0, 4, 1_000_000, "random") == ([], [])
+
+
+def test_prompt_template_from_json_or_reference():
+    assert resolve_template("") is None
+    assert resolve_template('{"task_echo": "start"}') == {"task_echo": "start"}
+    assert resolve_template("configs.validation:GAMES") == ("textcraft", "alfworld", "webshop")
+    import configs
+    with pytest.raises(configs.ConfigError, match="config.rollout.template must name"):
+        resolve_template("configs.validation:NOPE")
