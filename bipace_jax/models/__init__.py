@@ -1,0 +1,11 @@
+"""Qwen2 / Qwen2.5 actor in Flax NNX: logits + BiPACE fingerprints, KV cache, HF checkpoint I/O.
+
+Public API (COMMON interface):
+  Qwen2Config, Qwen2Actor, ActorOutput, KVCache,
+  load_hf_checkpoint, save_hf_checkpoint, load_tokenizer.
+"""
+
+from bipace_jax.models.config import Qwen2Config
+from bipace_jax.models.qwen2 import ActorOutput, KVCache, Qwen2Actor
+
+__all__ = ["Qwen2Config", "Qwen2Actor", "ActorOutput", "KVCache"]

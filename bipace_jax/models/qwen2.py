@@ -1,0 +1,508 @@
+"""The Qwen2 / Qwen2.5 decoder in Flax NNX: logits and BiPACE fingerprints from one forward pass.
+
+Architecture (the HF `Qwen2ForCausalLM` computation, spec facts.md):
+  x_0 = E[ids]                                         token embedding                [B, T, D]
+  for l in 1..L:   h = RMSNorm(x)                       (fp32 statistics)
+                   x = x + Attn(h)                       GQA, RoPE, q/k/v bias, no o bias
+                   x = x + W_down(silu(W_gate h) * W_up h)   SwiGLU, no bias
+  logits = RMSNorm(x_L) @ E^T  (tied)  or  @ W_head    computed and returned in fp32  [B, T, V]
+
+Grouped-query attention never repeats K/V: queries are viewed as [B, T, K, G, Hd] (G = N // K
+query heads share one key/value head) and contracted against K/V of shape [B, S, K, Hd].
+
+Positions come from the attention mask, as HF `generate()` computes them: a token's position is
+the number of real tokens before it in its row, so left and right padding give the same result.
+
+Hidden states follow HF's `output_hidden_states` convention: index 0 is the embedding output,
+index i (1 <= i < L) the residual stream after layer i, index L (= -1) the final normed state.
+The fingerprint (BiPACE) is hidden state `fingerprint_layer` at one column per row (default: the
+row's last real token), L2-normalised in fp32.
+
+Dtypes: parameters are stored in `param_dtype`, matmuls and the residual stream run in `dtype`
+(bf16 on accelerators); RMSNorm statistics, attention softmax and the logits are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bipace_jax.models.config import Qwen2Config
+from bipace_jax.sharding import constrain
+
+__all__ = ["ActorOutput", "KVCache", "Qwen2Actor"]
+
+Array = jax.Array
+_NEG_INF = -1e30  # finite, so fully masked (padding) query rows give a uniform softmax, not NaN
+
+
+@flax.struct.dataclass
+class ActorOutput:
+    """Output of `Qwen2Actor`.
+
+    Attributes:
+      logits: float32 [B, T, V] from `__call__`; float32 [B, V] (at each row's last real prompt
+        token) from `prefill`.
+      fingerprint: float32 [B, D], hidden state `fingerprint_layer` at `fingerprint_index`,
+        L2-normalised.
+      hidden_states: only with `output_hidden_states=True`: tuple of L+1 float32 [B, T, D] in HF's
+        convention (0 = embeddings, L = final normed state); None otherwise.
+    """
+
+    logits: Array
+    fingerprint: Array
+    hidden_states: tuple[Array, ...] | None = None
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Key/value cache for incremental decoding (a pytree; every field is an array).
+
+    Attributes:
+      k, v: [L, B, S, K, Hd] in the actor's `dtype`: keys (after RoPE) and values per layer and slot.
+      slot_mask: bool [B, S], True where a slot holds a real token of that row.
+      lengths: int32 [B], real tokens so far per row = the position id of the row's next token.
+      index: int32 [], the next slot to write, shared by all rows (prompt padding keeps rows aligned).
+    """
+
+    k: Array
+    v: Array
+    slot_mask: Array
+    lengths: Array
+    index: Array
+
+    @property
+    def max_length(self) -> int:
+        """S, the number of slots."""
+        return self.k.shape[2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Small pieces.
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """RoPE tables for integer `positions` [B, T]: cos, sin float32 [B, T, Hd].
+
+    Frequencies theta^(-2i/Hd), i < Hd/2, duplicated over both halves (HF's rotate-half layout).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotates x [B, T, H, Hd] by the tables [B, T, Hd] (computed in fp32, returned in x.dtype)."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def last_real_index(attention_mask: Array) -> Array:
+    """int32 [B]: column of each row's last real (mask=1) token; T-1 for a row with none."""
+    mask = attention_mask.astype(bool)
+    t = mask.shape[1]
+    return (t - 1 - jnp.argmax(mask[:, ::-1], axis=1)).astype(jnp.int32)
+
+
+def positions_from_mask(attention_mask: Array) -> Array:
+    """int32 [B, T]: number of real tokens before each column (padding columns get 0)."""
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
+
+
+def _normal(stddev: float):
+    return jax.nn.initializers.normal(stddev)
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules.
+class RMSNorm(nnx.Module):
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * scale, statistics in fp32 (HF `Qwen2RMSNorm`).
+
+    Param `scale` [D] (init 1). Input any float dtype [..., D]; output in `dtype`.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: Array) -> Array:
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        normed = (xf * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+        return self.scale[...].astype(self.dtype) * normed
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and q/k/v bias (no o bias), without repeating K/V.
+
+    Params: q_proj.kernel [D, N, Hd], q_proj.bias [N, Hd]; k_proj/v_proj.kernel [D, K, Hd],
+    bias [K, Hd]; o_proj.kernel [N, Hd, D].
+    """
+
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        d, n, k, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        init = _normal(cfg.initializer_range)
+        self.q_proj = _Proj(init(rngs.params(), (d, n, hd), param_dtype), jnp.zeros((n, hd), param_dtype))
+        self.k_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), jnp.zeros((k, hd), param_dtype))
+        self.v_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), jnp.zeros((k, hd), param_dtype))
+        self.o_proj = _Proj(init(rngs.params(), (n, hd, d), param_dtype), None)
+        self.num_kv_heads, self.num_groups, self.head_dim = k, cfg.num_groups, hd
+        self.dtype = dtype
+
+    def qkv(self, h: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """h [B, T, D] -> q [B, T, N, Hd], k, v [B, T, K, Hd] (q and k rotated), in `dtype`."""
+        dt = self.dtype
+        q = jnp.einsum("btd,dnh->btnh", h, self.q_proj.kernel[...].astype(dt)) + self.q_proj.bias[...].astype(dt)
+        k = jnp.einsum("btd,dkh->btkh", h, self.k_proj.kernel[...].astype(dt)) + self.k_proj.bias[...].astype(dt)
+        v = jnp.einsum("btd,dkh->btkh", h, self.v_proj.kernel[...].astype(dt)) + self.v_proj.bias[...].astype(dt)
+        q = constrain(apply_rope(q, cos, sin), "q")
+        k = constrain(apply_rope(k, cos, sin), "kv")
+        v = constrain(v, "kv")
+        return q, k, v
+
+    def attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
+        """q [B, T, N, Hd] over keys/values [B, S, K, Hd] where mask bool [B, T, S]; -> [B, T, D].
+
+        Scores and softmax in fp32; probabilities cast to `dtype` before the value contraction.
+        """
+        b, t, n, hd = q.shape
+        qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, hd)
+        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+        scores = scores * (hd ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, hd)
+        out = constrain(out, "q")
+        return jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(self.dtype))
+
+
+class _Proj(nnx.Module):
+    """A projection's parameters: `kernel` and optional `bias` (applied by the owner's einsum)."""
+
+    def __init__(self, kernel: Array, bias: Array | None):
+        self.kernel = nnx.Param(kernel)
+        if bias is not None:
+            self.bias = nnx.Param(bias)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP without bias: down(silu(gate(h)) * up(h)).
+
+    Params: gate_proj.kernel [D, F], up_proj.kernel [D, F], down_proj.kernel [F, D].
+    """
+
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        init = _normal(cfg.initializer_range)
+        self.gate_proj = _Proj(init(rngs.params(), (d, f), param_dtype), None)
+        self.up_proj = _Proj(init(rngs.params(), (d, f), param_dtype), None)
+        self.down_proj = _Proj(init(rngs.params(), (f, d), param_dtype), None)
+        self.dtype = dtype
+
+    def __call__(self, h: Array) -> Array:
+        dt = self.dtype
+        gate = h @ self.gate_proj.kernel[...].astype(dt)
+        up = h @ self.up_proj.kernel[...].astype(dt)
+        act = constrain(jax.nn.silu(gate) * up, "mlp")
+        return act @ self.down_proj.kernel[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.attn = Attention(cfg, rngs=rngs, **kw)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs, **kw)
+
+    def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
+                 kv_cache: tuple[Array, Array] | None = None, write_index: Array | None = None):
+        """One layer. Returns (x [B, T, D], k [B, T|S, K, Hd], v [B, T|S, K, Hd]).
+
+        Without `kv_cache` the layer attends over its own T keys. With `kv_cache` = (k_cache, v_cache)
+        [B, S, K, Hd] the new keys/values are written at slot `write_index` and attention runs over
+        all S slots (mask [B, T, S]); the updated caches are returned.
+        """
+        q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
+        if kv_cache is not None:
+            k_cache, v_cache = kv_cache
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+        x = x + self.attn.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        x = constrain(x, "hidden")
+        x = x + self.mlp(self.post_attn_norm(x))
+        return constrain(x, "hidden"), k, v
+
+
+class Qwen2Actor(nnx.Module):
+    """Qwen2 / Qwen2.5 causal LM that returns logits and a BiPACE fingerprint from one forward.
+
+    Args:
+      config: the `Qwen2Config`.
+      fingerprint_layer: HF hidden-state index of the fingerprint, in [-(L+1), L] (0 = embeddings,
+        -1 = final normed state; the paper uses -8 for 7B and -12 for 1.5B).
+      dtype: activation/matmul dtype (jnp.bfloat16 on accelerators).
+      param_dtype: parameter storage dtype.
+      rngs: initialiser keys (weights ~ N(0, initializer_range), biases 0, norm scales 1).
+
+    Params: embed.embedding [V, D]; layers[i] (see `DecoderLayer`); final_norm.scale [D];
+    lm_head.kernel [D, V] only when the head is untied.
+
+    Raises:
+      ValueError: fingerprint_layer out of range, or config not a Qwen2Config.
+    """
+
+    def __init__(self, config: Qwen2Config, *, fingerprint_layer: int = -1, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        if not isinstance(config, Qwen2Config):
+            raise ValueError(f"Qwen2Actor: config must be a Qwen2Config, got {type(config).__name__}")
+        n_layers = config.num_hidden_layers
+        if not isinstance(fingerprint_layer, (int, np.integer)) or not -(n_layers + 1) <= fingerprint_layer <= n_layers:
+            raise ValueError(f"Qwen2Actor: fingerprint_layer must be an int in [{-(n_layers + 1)}, {n_layers}] "
+                             f"(HF hidden_states index, L={n_layers}), got {fingerprint_layer!r}")
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = config
+        self.fingerprint_layer = int(fingerprint_layer)
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        self.embed = _Embed(_normal(config.initializer_range)(
+            rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype))
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw) for _ in range(n_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        if not config.tie_word_embeddings:
+            self.lm_head = _Proj(_normal(config.initializer_range)(
+                rngs.params(), (config.hidden_size, config.vocab_size), self.param_dtype), None)
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def fingerprint_hidden_index(self) -> int:
+        """The fingerprint's hidden-state index as a non-negative int in [0, L]."""
+        n = self.config.num_hidden_layers
+        return self.fingerprint_layer % (n + 1)
+
+    def _embed(self, ids: Array) -> Array:
+        # Out-of-range ids give NaN rows (mode="fill"), never a silently clamped token.
+        table = self.embed.embedding[...]
+        x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
+        return constrain(x.astype(self.dtype), "hidden")
+
+    def _logits(self, h: Array) -> Array:
+        """Final normed h [..., D] in `dtype` -> fp32 logits [..., V]."""
+        if self.config.tie_word_embeddings:
+            w = self.embed.embedding[...].astype(self.dtype)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...].astype(self.dtype)
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+    def _check_tokens(self, input_ids: Any, attention_mask: Any, where: str):
+        ids_shape = np.shape(input_ids)
+        mask_shape = np.shape(attention_mask)
+        if len(ids_shape) != 2:
+            raise ValueError(f"{where}: input_ids must be int32[B, T], got shape {ids_shape}")
+        if mask_shape != ids_shape:
+            raise ValueError(f"{where}: attention_mask shape {mask_shape} must equal input_ids shape {ids_shape}")
+        if not jnp.issubdtype(jnp.result_type(input_ids), jnp.integer):
+            raise ValueError(f"{where}: input_ids must be an integer array, got {jnp.result_type(input_ids)}")
+        mdt = jnp.result_type(attention_mask)
+        if not (jnp.issubdtype(mdt, jnp.integer) or mdt == jnp.bool_):
+            raise ValueError(f"{where}: attention_mask must be int or bool, got {mdt}")
+        if isinstance(input_ids, np.ndarray) and input_ids.size:
+            if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+                raise ValueError(f"{where}: input_ids must lie in [0, {self.config.vocab_size}), got "
+                                 f"[{input_ids.min()}, {input_ids.max()}]")
+        if isinstance(attention_mask, np.ndarray) and attention_mask.size:
+            if not np.all(attention_mask.astype(bool).any(axis=1)):
+                bad = int(np.flatnonzero(~attention_mask.astype(bool).any(axis=1))[0])
+                raise ValueError(f"{where}: attention_mask row {bad} has no real token")
+
+    def _fingerprint(self, h: Array, index: Array) -> Array:
+        """h [B, T, D] at column index [B] -> L2-normalised fp32 [B, D]."""
+        rows = jnp.take_along_axis(h, index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        rows = rows.astype(jnp.float32)
+        norm = jnp.sqrt(jnp.sum(rows * rows, axis=-1, keepdims=True))
+        return rows / jnp.maximum(norm, 1e-12)
+
+    def _run(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array,
+             output_hidden_states: bool):
+        """Full causal forward over [B, T]; returns (final normed h, fingerprint, hidden, ks, vs)."""
+        mask = attention_mask.astype(bool)
+        t = input_ids.shape[1]
+        positions = positions_from_mask(mask)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        attn_mask = causal[None] & mask[:, None, :]
+        fp_at = self.fingerprint_hidden_index
+        n_layers = self.config.num_hidden_layers
+        x = self._embed(input_ids)
+        hidden = [x] if output_hidden_states else None
+        fingerprint = self._fingerprint(x, fingerprint_index) if fp_at == 0 else None
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, attn_mask)
+            ks.append(k)
+            vs.append(v)
+            if i + 1 < n_layers:
+                if output_hidden_states:
+                    hidden.append(x)
+                if fp_at == i + 1:
+                    fingerprint = self._fingerprint(x, fingerprint_index)
+        h = self.final_norm(x)
+        if output_hidden_states:
+            hidden.append(h)
+        if fp_at == n_layers:
+            fingerprint = self._fingerprint(h, fingerprint_index)
+        return h, fingerprint, hidden, ks, vs
+
+    # ----------------------------------------------------------------------------------------------
+    def __call__(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None,
+                 *, output_hidden_states: bool = False) -> ActorOutput:
+        """Full causal forward: logits for every column and the fingerprint, from one pass.
+
+        Args:
+          input_ids: int32 [B, T], token ids in [0, V) (out-of-range ids give NaN logits under jit;
+            a concrete NumPy input is checked and raises).
+          attention_mask: int32 or bool [B, T], 1 for real tokens; padding on either side.
+          fingerprint_index: int32 [B], the column of each row's fingerprint; default each row's
+            last real token.
+          output_hidden_states: also return the L+1 hidden states (HF convention) in fp32.
+
+        Returns:
+          ActorOutput(logits float32 [B, T, V], fingerprint float32 [B, D], hidden_states).
+
+        Raises:
+          ValueError: wrong ranks/shapes/dtypes; for NumPy inputs also ids out of range or a row
+            without real tokens.
+        """
+        self._check_tokens(input_ids, attention_mask, "Qwen2Actor.__call__")
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        attention_mask = jnp.asarray(attention_mask)
+        if fingerprint_index is None:
+            fingerprint_index = last_real_index(attention_mask)
+        elif np.shape(fingerprint_index) != (input_ids.shape[0],):
+            raise ValueError(f"Qwen2Actor.__call__: fingerprint_index must be int32[B={input_ids.shape[0]}], "
+                             f"got shape {np.shape(fingerprint_index)}")
+        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, jnp.asarray(fingerprint_index),
+                                                 output_hidden_states)
+        logits = constrain(self._logits(h), "logits")
+        if output_hidden_states:
+            hidden = tuple(a.astype(jnp.float32) for a in hidden)
+        return ActorOutput(logits=logits, fingerprint=fingerprint, hidden_states=hidden)
+
+    # ----------------------------------------------------------------------------------------------
+    def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty `KVCache` with S = max_length slots for B = batch_size rows (k/v in `dtype`).
+
+        Raises:
+          ValueError: batch_size or max_length not a positive int.
+        """
+        for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"Qwen2Actor.init_cache: {name} must be a positive int, got {value!r}")
+        c = self.config
+        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        return KVCache(
+            k=constrain(jnp.zeros(shape, self.dtype), "cache_kv"),
+            v=constrain(jnp.zeros(shape, self.dtype), "cache_kv"),
+            slot_mask=jnp.zeros((batch_size, max_length), bool),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def prefill(self, input_ids: Array, attention_mask: Array, cache: KVCache) -> tuple[ActorOutput, KVCache]:
+        """Runs the prompt, fills cache slots [0, T) and returns the next-token logits.
+
+        The cache is reset: prompt column j goes to slot j for every row, `slot_mask[:, :T]` =
+        attention_mask, `lengths` = real tokens per row, `index` = T.
+
+        Args:
+          input_ids: int32 [B, T] prompt (padding on either side; left padding is what the
+            sampler uses so that decoding appends at a shared slot).
+          attention_mask: int32/bool [B, T].
+          cache: a `KVCache` from `init_cache(B, S)` with S >= T.
+
+        Returns:
+          (ActorOutput(logits float32 [B, V] at each row's last real token, fingerprint float32
+          [B, D] at the same token), the filled KVCache).
+
+        Raises:
+          ValueError: shape mismatch with the cache, or T > S.
+        """
+        self._check_tokens(input_ids, attention_mask, "Qwen2Actor.prefill")
+        b, t = np.shape(input_ids)
+        if cache.k.shape[1] != b:
+            raise ValueError(f"Qwen2Actor.prefill: cache batch {cache.k.shape[1]} != input batch {b}")
+        if t > cache.max_length:
+            raise ValueError(f"Qwen2Actor.prefill: prompt length T={t} exceeds cache max_length S={cache.max_length}")
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        mask = jnp.asarray(attention_mask).astype(bool)
+        last = last_real_index(mask)
+        h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False)
+        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        logits = constrain(self._logits(h_last), "last_logits")
+        k_new = jnp.stack(ks).astype(cache.k.dtype)
+        v_new = jnp.stack(vs).astype(cache.v.dtype)
+        zeros = jnp.zeros_like(cache.k)
+        k = constrain(jax.lax.dynamic_update_slice(zeros, k_new, (0, 0, 0, 0, 0)), "cache_kv")
+        v = constrain(jax.lax.dynamic_update_slice(jnp.zeros_like(cache.v), v_new, (0, 0, 0, 0, 0)), "cache_kv")
+        slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
+        new_cache = KVCache(k=k, v=v, slot_mask=slot_mask,
+                            lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
+                            index=jnp.asarray(t, jnp.int32))
+        return ActorOutput(logits=logits, fingerprint=fingerprint), new_cache
+
+    def decode_step(self, token_ids: Array, cache: KVCache) -> tuple[Array, KVCache]:
+        """Appends one token per row and returns the next-token logits.
+
+        The token of row b gets position `cache.lengths[b]`, is written at slot `cache.index` for
+        all rows, and attends to every slot with `slot_mask` True (including itself).
+
+        Args:
+          token_ids: int32 [B].
+          cache: the `KVCache` from `prefill` or the previous `decode_step`; the caller keeps
+            `cache.index < S` (a full cache cannot be checked inside jit: the write would clamp
+            to the last slot).
+
+        Returns:
+          (logits float32 [B, V], KVCache with the slot written, lengths + 1, index + 1).
+
+        Raises:
+          ValueError: token_ids not of shape [B] matching the cache.
+        """
+        b = cache.k.shape[1]
+        if np.shape(token_ids) != (b,):
+            raise ValueError(f"Qwen2Actor.decode_step: token_ids must be int32[B={b}], got shape {np.shape(token_ids)}")
+        token_ids = jnp.asarray(token_ids, jnp.int32)
+        index = cache.index
+        slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((b, 1), bool), (0, index))
+        attn_mask = slot_mask[:, None, :]  # [B, 1, S]
+        cos, sin = rope_cos_sin(cache.lengths[:, None], self.config.head_dim, self.config.rope_theta)
+        x = self._embed(token_ids[:, None])
+        k_all, v_all = cache.k, cache.v
+        for i, layer in enumerate(self.layers):
+            x, k_l, v_l = layer(x, cos, sin, attn_mask, kv_cache=(k_all[i], v_all[i]), write_index=index)
+            k_all = k_all.at[i].set(k_l)
+            v_all = v_all.at[i].set(v_l)
+        h = self.final_norm(x)[:, 0]
+        logits = constrain(self._logits(h), "last_logits")
+        new_cache = KVCache(k=constrain(k_all, "cache_kv"), v=constrain(v_all, "cache_kv"),
+                            slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
+        return logits, new_cache
+
+
+class _Embed(nnx.Module):
+    """Token embedding table `embedding` [V, D]."""
+
+    def __init__(self, table: Array):
+        self.embedding = nnx.Param(table)
