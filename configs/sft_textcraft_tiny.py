@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.expert_seeds = 4            # oracle games per training goal (seeds 0..n-1)
     c.data.length_buckets = (128, 192, 256, 384, 512)
+    c.data.response_length = 24        # R: response tokens per example (<action>...</action><|im_end|>)
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 32

@@ -223,25 +223,37 @@ def bucket_length(n: int, buckets: Sequence[int]) -> int:
                      f"raise config.length_buckets")
 
 
-def make_batch(examples: Sequence[Example], length: int, pad_id: int):
+def make_batch(examples: Sequence[Example], length: int, pad_id: int, response_length: int):
     """Right-padded arrays for a training batch.
 
+    Args:
+      length: T, the padded sequence length (prompt + response of every example must fit).
+      response_length: R, response tokens kept per example (longer responses raise ValueError).
+
     Returns:
-      input_ids int32[B,T], attention_mask int32[B,T], loss_mask float32[B,T] (1 at the positions
-      whose NEXT token is a response token, i.e. the positions predicting the response).
+      input_ids int32[B,T], attention_mask int32[B,T], positions int32[B,R] (the columns whose
+      next-token prediction is a response token), targets int32[B,R] (those response tokens),
+      target_mask float32[B,R] (1 for real response tokens).
     """
     b = len(examples)
     ids = np.full((b, length), pad_id, np.int32)
     mask = np.zeros((b, length), np.int32)
-    loss = np.zeros((b, length), np.float32)
+    pos = np.zeros((b, response_length), np.int32)
+    tgt = np.full((b, response_length), pad_id, np.int32)
+    tmask = np.zeros((b, response_length), np.float32)
     for r, ex in enumerate(examples):
         seq = ex.prompt_ids + ex.response_ids
-        n = len(seq)
+        n, p, m = len(seq), len(ex.prompt_ids), len(ex.response_ids)
+        if n > length:
+            raise ValueError(f"example of {n} tokens does not fit the length bucket {length}")
+        if m > response_length:
+            raise ValueError(f"response of {m} tokens exceeds config.data.response_length={response_length}")
         ids[r, :n] = seq
         mask[r, :n] = 1
-        p = len(ex.prompt_ids)
-        loss[r, p - 1:n - 1] = 1.0  # position t predicts token t+1
-    return ids, mask, loss
+        pos[r, :m] = np.arange(p - 1, n - 1)  # column t predicts token t+1
+        tgt[r, :m] = ex.response_ids
+        tmask[r, :m] = 1.0
+    return ids, mask, pos, tgt, tmask
 
 
 def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int],
@@ -272,8 +284,8 @@ def token_nll(logits, targets, loss_mask):
     """Token-mean negative log-likelihood of `targets` under `logits` on `loss_mask`.
 
     Args:
-      logits float32[B,T,V]; targets int32[B,T] (the next token at each position);
-      loss_mask float32[B,T] (1 where the position predicts a response token).
+      logits float32[B,R,V]; targets int32[B,R] (the token each logit row predicts);
+      loss_mask float32[B,R] (1 on real response tokens).
 
     Returns:
       (loss float32[], accuracy float32[]): mean NLL (nats per response token) and the argmax
@@ -298,6 +310,7 @@ class Learner:
 
     def __init__(self, actor, tx):
         import jax
+        import jax.numpy as jnp
         from flax import nnx
 
         self.graphdef, self.params, self.rest = nnx.split(actor, nnx.Param, ...)
@@ -305,14 +318,17 @@ class Learner:
         self.opt_state = tx.init(self.params)
         graphdef = self.graphdef
 
-        def loss_fn(params, rest, ids, mask, loss_mask):
+        def loss_fn(params, rest, ids, mask, pos, tgt, tmask):
             model = nnx.merge(graphdef, params, rest)
-            logits = model(ids, mask).logits
-            return token_nll(logits[:, :-1], ids[:, 1:], loss_mask[:, :-1])
+            # The LM head only at the R response columns (the full [B,T,V] logits are never used,
+            # so XLA drops them): the loss is on response tokens only.
+            h = model(ids, mask, output_hidden_states=True).hidden_states[-1]
+            h = jnp.take_along_axis(h, pos[..., None], axis=1)
+            return token_nll(model._logits(h.astype(model.dtype)), tgt, tmask)
 
-        def step(params, opt_state, rest, ids, mask, loss_mask):
+        def step(params, opt_state, rest, ids, mask, pos, tgt, tmask):
             (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, rest, ids, mask, loss_mask)
+                params, rest, ids, mask, pos, tgt, tmask)
             updates, opt_state = tx.update(grads, opt_state, params)
             import optax
 
@@ -322,9 +338,10 @@ class Learner:
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
-    def step(self, ids, mask, loss_mask) -> dict[str, float]:
+    def step(self, ids, mask, pos, tgt, tmask) -> dict[str, float]:
+        """One update on a batch from `make_batch`; returns {loss, token_accuracy, grad_norm}."""
         self.params, self.opt_state, m = self._step(self.params, self.opt_state, self.rest,
-                                                    ids, mask, loss_mask)
+                                                    ids, mask, pos, tgt, tmask)
         return m
 
     def actor(self):
@@ -415,6 +432,16 @@ class Generator:
 # The run: tokenizer -> expert data -> BC -> DAgger rounds -> validation -> HF folder.
 
 
+def _load_tokenizer(path: str):
+    try:
+        from bipace_jax.models import load_tokenizer
+    except ImportError:  # the actor's HF I/O not merged yet
+        from transformers import AutoTokenizer as _Auto
+
+        return _Auto.from_pretrained(path)
+    return load_tokenizer(path)
+
+
 def _save_examples(path: str, examples: Sequence[Example]) -> None:
     rows = [{"p": e.prompt_ids, "r": e.response_ids, "d": e.depth, "s": e.source} for e in examples]
     tmp = path + ".tmp"
@@ -467,7 +494,7 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
     from tqdm import tqdm
 
     import environments
-    from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer, save_hf_checkpoint
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
     from bipace_jax.tiny import tiny_actor_config
     from configs import textcraft_tasks as tasks
 
@@ -491,7 +518,7 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         from launch.build_tokenizer import build_textcraft_tokenizer
 
         build_textcraft_tokenizer(c.tokenizer_vocab_size, c.tokenizer_seeds).save_pretrained(tok_dir)
-    tokenizer = load_tokenizer(tok_dir)
+    tokenizer = _load_tokenizer(tok_dir)
     t_tok = time.time() - t_start
 
     # 2. tasks and expert data
@@ -559,8 +586,8 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         done_steps, window = 0, []
         while done_steps < n_steps:
             for length, exs in batches(examples, c.train.batch_size, c.data.length_buckets, rng):
-                ids, mask, lm = make_batch(exs, length, tokenizer.pad_token_id)
-                m = learner.step(ids, mask, lm)
+                m = learner.step(*make_batch(exs, length, tokenizer.pad_token_id,
+                                             c.data.response_length))
                 step += 1
                 done_steps += 1
                 window.append(m)
@@ -615,6 +642,8 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
     with open(os.path.join(workdir, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     if out:
+        from bipace_jax.models import save_hf_checkpoint
+
         save_hf_checkpoint(learner.actor(), out, tokenizer=tokenizer)
     metrics_f.close()
     writer.close()
