@@ -1,5 +1,14 @@
-"""Host-side text games and the environment pool. Game modules register themselves on import."""
+"""Host-side text games and the environment pool.
 
-from environments.base import Observation, TextEnv, make, register, registered
+Importing the package registers the games: TextCraft eagerly (pure Python, offline), ALFWorld and
+WebShop lazily (their modules and heavy dependencies load on the first ``make("alfworld")`` /
+``make("webshop")``).
+"""
 
-__all__ = ["Observation", "TextEnv", "make", "register", "registered"]
+from environments.base import Observation, TextEnv, make, register, register_lazy, registered
+from environments import textcraft  # noqa: F401  (registers "textcraft")
+
+register_lazy("alfworld", "environments.alfworld")
+register_lazy("webshop", "environments.webshop")
+
+__all__ = ["Observation", "TextEnv", "make", "register", "register_lazy", "registered"]

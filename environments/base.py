@@ -21,6 +21,9 @@ class Observation:
       task: the task description (e.g. "craft stone pickaxe").
       admissible_actions: the commands the game accepts now, or None when the game lists none.
       won: True once the task is solved.
+      inventory: what the agent carries, as the game's own inventory command prints it
+        (TextCraft: ``"Inventory: [oak planks] (4) "``), or None when the game does not track it.
+        Shown in prompts only with ``build_prompt(..., show_inventory=True)``.
     """
 
     text: str
@@ -28,6 +31,7 @@ class Observation:
     task: str
     admissible_actions: list[str] | None = None
     won: bool = False
+    inventory: str | None = None
 
 
 class TextEnv(abc.ABC):
@@ -97,14 +101,42 @@ def register(name: str):
     return deco
 
 
+_LAZY: dict[str, str] = {}
+
+
+def register_lazy(name: str, module: str) -> None:
+    """Register ``name`` as provided by ``module``, imported only when ``make(name)`` is first called.
+
+    Keeps heavy game dependencies (alfworld, webshop) out of ``import environments``; the module
+    must ``@register(name)`` its factory when imported.
+    """
+    _LAZY[name] = module
+
+
 def make(name: str, **options) -> TextEnv:
-    """Build a registered environment; raises ValueError naming the known environments."""
+    """Build a registered environment; raises ValueError naming the known environments.
+
+    A lazily registered game's module is imported here on first use; an ImportError from its own
+    dependencies (e.g. WebShop not installed) propagates with the module's message.
+    """
+    import importlib
+
     import environments  # noqa: F401  (imports the game modules, which register themselves)
 
+    if name not in _REGISTRY and name in _LAZY:
+        try:
+            importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            if e.name != _LAZY[name]:
+                raise
+            raise ValueError(f"environment {name!r} is not available: module {_LAZY[name]} is missing") from e
+        if name not in _REGISTRY:
+            raise ValueError(f"module {_LAZY[name]} did not register environment {name!r}")
     if name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; known: {sorted(_REGISTRY)}")
+        raise ValueError(f"unknown environment {name!r}; known: {registered()}")
     return _REGISTRY[name](**options)
 
 
 def registered() -> list[str]:
-    return sorted(_REGISTRY)
+    """Names ``make`` accepts (eagerly and lazily registered)."""
+    return sorted(set(_REGISTRY) | set(_LAZY))

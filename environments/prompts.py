@@ -1,0 +1,338 @@
+"""Prompts and action parsing for the text games, in the verl-agent style.
+
+A prompt (the user message of one turn) shows the task, the last ``history_length``
+(observation, action) pairs, the current step number and observation, the admissible actions
+where the game lists them, and asks for reasoning inside ``<think>...</think>`` and the command
+inside ``<action>...</action>``. Templates are data (``PromptTemplate``: ``str.format`` strings),
+overridable field by field from a config mapping.
+
+Action parsing follows the spec's ``action_tag`` PACE key (``/spec/estimators.md``, "PACE keys"):
+lower-case the whole response, take the text inside the first ``<action>...</action>``, strip
+surrounding Unicode white space and collapse inner runs to one space; a missing closing tag or
+an empty body is unparsable. ``parse_action`` returns that same text as the command, so the
+command a game receives and the PACE key of the response agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any, Mapping, Sequence
+
+from environments.base import Observation
+
+__all__ = [
+    "PromptTemplate",
+    "TEMPLATES",
+    "build_prompt",
+    "parse_action",
+    "action_tag",
+    "get_template",
+]
+
+#: Placeholders the two main templates may use (all optional).
+TEMPLATE_FIELDS = frozenset(
+    {
+        "task",  # Observation.task
+        "observation",  # the current observation text
+        "step_count",  # actions taken so far (the `step` argument)
+        "current_step",  # step_count + 1
+        "history_length",  # number of (observation, action) pairs shown
+        "history",  # the shown pairs, each rendered with `history_entry`
+        "admissible",  # `admissible_block` when the game lists actions, else ""
+        "inventory",  # `inventory_block` with show_inventory=True, else ""
+    }
+)
+_ENTRY_FIELDS = frozenset({"index", "observation", "action"})
+_ACTION_FIELDS = frozenset({"action"})
+_ADMISSIBLE_FIELDS = frozenset({"actions"})
+_INVENTORY_FIELDS = frozenset({"inventory"})
+
+
+def _fields(template: str, what: str) -> set[str]:
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"PromptTemplate.{what} is not a valid format string: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """One game's prompt, as ``str.format`` templates.
+
+    Attributes:
+      first: the prompt when no history is shown (step 0, or ``history_length=0``).
+      later: the prompt with history. Both may use the names in ``TEMPLATE_FIELDS``.
+      history_entry: one shown (observation, action) pair; names ``index`` (1-based step of the
+        action), ``observation``, ``action``.
+      history_separator: between history entries.
+      admissible_block: replaces ``{admissible}`` when the game lists admissible actions; name
+        ``actions`` (the actions, each rendered with ``action_format``, joined by
+        ``action_separator``).
+      action_format, action_separator: see ``admissible_block``.
+      excluded_actions: admissible actions never shown (ALFWorld's ``help``).
+      inventory_block: replaces ``{inventory}`` with ``show_inventory=True``; name ``inventory``
+        (``Observation.inventory``).
+      task_echo: shown instead of an observation whose text equals the task (TextCraft's first
+        observation IS the task: the crafting commands), so the long text appears once.
+
+    Raises:
+      ValueError: naming the field, when a template uses an unknown placeholder or is malformed.
+    """
+
+    first: str
+    later: str
+    history_entry: str = "[Observation {index}: '{observation}', Action {index}: '{action}']"
+    history_separator: str = "\n"
+    admissible_block: str = "\nYour admissible actions now are: [{actions}]."
+    action_format: str = "'{action}'"
+    action_separator: str = "\n "
+    excluded_actions: tuple[str, ...] = ("help",)
+    inventory_block: str = "\n{inventory}"
+    task_echo: str = "(the task above)"
+
+    def __post_init__(self):
+        allowed = {
+            "first": TEMPLATE_FIELDS,
+            "later": TEMPLATE_FIELDS,
+            "history_entry": _ENTRY_FIELDS,
+            "admissible_block": _ADMISSIBLE_FIELDS,
+            "action_format": _ACTION_FIELDS,
+            "inventory_block": _INVENTORY_FIELDS,
+        }
+        for name, names in allowed.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"PromptTemplate.{name} must be a str, got {type(value).__name__}")
+            unknown = _fields(value, name) - names
+            if unknown:
+                raise ValueError(
+                    f"PromptTemplate.{name} uses unknown placeholder(s) {sorted(unknown)}; "
+                    f"expected a subset of {sorted(names)}"
+                )
+        for name in ("history_separator", "action_separator", "task_echo"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"PromptTemplate.{name} must be a str")
+        object.__setattr__(self, "excluded_actions", tuple(self.excluded_actions))
+
+    def replace(self, **overrides: Any) -> "PromptTemplate":
+        """A copy with some fields changed (e.g. from a config); unknown fields raise ValueError."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown PromptTemplate field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+
+_THINK_ACT = (
+    "Now it is your turn to act. First reason step by step about the current situation; the "
+    "reasoning MUST be enclosed in <think> </think> tags. Then give exactly one action for this "
+    "step, enclosed in <action> </action> tags."
+)
+
+_TEXTCRAFT_RULES = (
+    "Commands: 'get N item' fetches N of a base item; 'craft N item using N a, N b' follows one "
+    "crafting command above exactly (for a tag such as planks, name one concrete kind, e.g. oak "
+    "planks); 'inventory' lists what you hold."
+)
+
+TEMPLATES: dict[str, PromptTemplate] = {
+    "textcraft": PromptTemplate(
+        first=(
+            "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n"
+            "{task}\n" + _TEXTCRAFT_RULES + "\n"
+            "You are at step {current_step} and your current observation is: {observation}"
+            "{inventory}\n\n" + _THINK_ACT
+        ),
+        later=(
+            "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n"
+            "{task}\n" + _TEXTCRAFT_RULES + "\n"
+            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
+            "action(s):\n{history}\n"
+            "You are at step {current_step} and your current observation is: {observation}"
+            "{inventory}\n\n" + _THINK_ACT
+        ),
+        task_echo="(the crafting commands above)",
+    ),
+    "alfworld": PromptTemplate(
+        first=(
+            "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
+            "environment. Your task is to: {task}\n"
+            "You are at step {current_step} and your current observation is: {observation}"
+            "{admissible}{inventory}\n\n" + _THINK_ACT
+        ),
+        later=(
+            "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
+            "environment. Your task is to: {task}\n"
+            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
+            "action(s):\n{history}\n"
+            "You are at step {current_step} and your current observation is: {observation}"
+            "{admissible}{inventory}\n\n" + _THINK_ACT
+        ),
+    ),
+    "webshop": PromptTemplate(
+        first=(
+            "You are an expert shopping agent in WebShop, a simulated online store. "
+            "Your task is to: {task}\n"
+            "You are at step {current_step} and your current observation is: {observation}"
+            "{admissible}{inventory}\n\n" + _THINK_ACT
+        ),
+        later=(
+            "You are an expert shopping agent in WebShop, a simulated online store. "
+            "Your task is to: {task}\n"
+            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
+            "action(s):\n{history}\n"
+            "You are at step {current_step} and your current observation is: {observation}"
+            "{admissible}{inventory}\n\n" + _THINK_ACT
+        ),
+        admissible_block="\nYour admissible actions now are:\n[\n{actions}\n].",
+        action_separator=",\n",
+    ),
+}
+
+
+def get_template(game: str, template: PromptTemplate | Mapping[str, Any] | None = None) -> PromptTemplate:
+    """The template to use: ``template`` itself, the game's default overridden by a mapping, or the default.
+
+    Raises ValueError naming ``game`` when it has no default and ``template`` is not a full
+    ``PromptTemplate``, or naming a bad override field.
+    """
+    if isinstance(template, PromptTemplate):
+        return template
+    if game not in TEMPLATES:
+        raise ValueError(f"game must be one of {sorted(TEMPLATES)} (or pass a PromptTemplate), got {game!r}")
+    if template is None:
+        return TEMPLATES[game]
+    if not isinstance(template, Mapping):
+        raise ValueError(f"template must be a PromptTemplate, a mapping or None, got {type(template).__name__}")
+    return TEMPLATES[game].replace(**dict(template))
+
+
+def build_prompt(
+    game: str,
+    obs: Observation,
+    history: Sequence[tuple[str, str]],
+    step: int,
+    history_length: int = 2,
+    template: PromptTemplate | Mapping[str, Any] | None = None,
+    show_inventory: bool = False,
+) -> str:
+    """The user message for one turn (verl-agent style; see the module docstring).
+
+    Args:
+      game: "textcraft", "alfworld" or "webshop" (selects the default template).
+      obs: the current observation.
+      history: (observation_text, action) of earlier steps, oldest first; entry k holds the
+        observation seen before action k+1 and that action. It may be truncated at the front.
+      step: actions taken so far in the episode (0 at reset); the prompt names step ``step + 1``.
+      history_length: how many of the last pairs to show (verl-agent default 2; 0 shows none).
+      template: a ``PromptTemplate``, a mapping of fields overriding the game's default, or None.
+      show_inventory: add ``Observation.inventory`` (off by default, as in the papers' configs).
+
+    Returns:
+      The prompt text (str).
+
+    Raises:
+      ValueError: on an unknown game, a negative ``step`` or ``history_length``, more history
+        entries than ``step``, a malformed history entry, or ``show_inventory`` with an
+        observation that carries no inventory.
+    """
+    tpl = get_template(game, template)
+    if not isinstance(obs, Observation):
+        raise ValueError(f"obs must be an environments.base.Observation, got {type(obs).__name__}")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0 (actions taken so far), got {step!r}")
+    if not isinstance(history_length, int) or history_length < 0:
+        raise ValueError(f"history_length must be an int >= 0, got {history_length!r}")
+    if len(history) > step:
+        raise ValueError(f"history has {len(history)} entries but step is {step}: at most one entry per step taken")
+    shown = list(history[len(history) - history_length :]) if history_length else []
+    for entry in shown:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+            raise ValueError(f"history entries must be (observation_text, action) str pairs, got {entry!r}")
+
+    def show(text: str) -> str:
+        return tpl.task_echo if text == obs.task else text
+
+    first_index = step - len(shown) + 1
+    rendered = tpl.history_separator.join(
+        tpl.history_entry.format(index=first_index + k, observation=show(o), action=a)
+        for k, (o, a) in enumerate(shown)
+    )
+    admissible = ""
+    if obs.admissible_actions is not None:
+        actions = [a for a in obs.admissible_actions if a not in tpl.excluded_actions]
+        admissible = tpl.admissible_block.format(
+            actions=tpl.action_separator.join(tpl.action_format.format(action=a) for a in actions)
+        )
+    inventory = ""
+    if show_inventory:
+        if obs.inventory is None:
+            raise ValueError(f"show_inventory=True but this {game} observation carries no inventory")
+        inventory = tpl.inventory_block.format(inventory=obs.inventory.strip())
+    values = dict(
+        task=obs.task,
+        observation=show(obs.text),
+        step_count=step,
+        current_step=step + 1,
+        history_length=len(shown),
+        history=rendered,
+        admissible=admissible,
+        inventory=inventory,
+    )
+    return (tpl.later if shown else tpl.first).format(**values)
+
+
+_OPEN, _CLOSE = "<action>", "</action>"
+
+
+def _tag_span(lowered: str) -> tuple[int, int] | None:
+    start = lowered.find(_OPEN)
+    if start < 0:
+        return None
+    end = lowered.find(_CLOSE, start + len(_OPEN))
+    if end < 0:
+        return None
+    return start, end
+
+
+def action_tag(response: Any) -> str | None:
+    """The spec's ``action_tag`` PACE key of a response (``/spec/estimators.md``, "PACE keys").
+
+    Lower-cases the whole response, takes the text inside the first ``<action>...</action>``,
+    strips surrounding Unicode white space and collapses inner runs to one space (Python's
+    ``str.split()`` notion of white space). Returns None (unparsable: key id -1) when there is
+    no ``<action>``, no ``</action>`` after it, or the body is empty, and for a non-str. Never raises.
+    """
+    if not isinstance(response, str):
+        return None
+    lowered = response.lower()
+    span = _tag_span(lowered)
+    if span is None:
+        return None
+    body = " ".join(lowered[span[0] + len(_OPEN) : span[1]].split())
+    return body or None
+
+
+def parse_action(response: Any, require_think: bool = False) -> tuple[str, bool]:
+    """The command in a response, and whether the response is valid. Never raises.
+
+    The command is ``action_tag(response)`` (lower-cased, white space normalised). The
+    response is invalid when that is None (no tags, no closing tag, empty body; the command is
+    then ""), or, with ``require_think``, when no ``<think>`` ... ``</think>`` pair closes before
+    the first ``<action>`` (the command is still returned). The caller charges the invalid-action
+    penalty and sends the game its fallback action for invalid responses.
+    """
+    try:
+        key = action_tag(response)
+        if key is None:
+            return "", False
+        if require_think:
+            lowered = response.lower()
+            start = lowered.find(_OPEN)
+            t_open = lowered.find("<think>", 0, start)
+            t_close = lowered.find("</think>", t_open + 7, start) if t_open >= 0 else -1
+            if t_open < 0 or t_close < 0:
+                return key, False
+        return key, True
+    except Exception:  # noqa: BLE001  (a parser for arbitrary model output must not raise)
+        return "", False

@@ -1,0 +1,187 @@
+"""EnvPool: batched stepping in worker processes, task-group checks, crash/hang recovery, shutdown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import environments
+from environments.pool import EnvPool, EnvPoolError, StepResult
+from environments.testing import FaultyEnv
+
+LADDER, CHEST = 272, 183
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def faulty_pool():
+    pool = EnvPool(FaultyEnv, 4, num_workers=2, timeout_s=20.0)
+    yield pool
+    pool.close()
+
+
+def test_textcraft_pool_matches_in_process_envs_for_any_subset_and_order():
+    local = [environments.make("textcraft", max_steps=30) for _ in range(3)]
+    tasks, seeds = [LADDER, LADDER, CHEST], [4, 4, 9]
+    with EnvPool("textcraft", 3, env_options={"max_steps": 30}, num_workers=2) as pool:
+        obs = pool.reset([2, 0, 1], [tasks[2], tasks[0], tasks[1]], [seeds[2], seeds[0], seeds[1]])
+        assert obs == [local[2].reset(tasks[2], seeds[2]), local[0].reset(tasks[0], seeds[0]),
+                       local[1].reset(tasks[1], seeds[1])]
+        assert obs[1] == obs[2]  # a task group shows one initial observation
+        assert pool.task_info([0, 2]) == [{"depth": 2, "goal": "ladder"}, {"depth": 2, "goal": "chest"}]
+        order = [[1, 2], [2, 0], [0, 1, 2], [2], [1, 0]]
+        done = [False] * 3
+        for subset in order * 4:
+            subset = [i for i in subset if not done[i]]
+            if not subset:
+                continue
+            oracle = pool.oracle_actions(subset)
+            assert oracle == [local[i].oracle_action() for i in subset]
+            actions = [a if k % 2 == 0 else "inventory" for k, a in enumerate(oracle)]
+            results = pool.step(subset, actions)
+            for i, a, r in zip(subset, actions, results):
+                assert isinstance(r, StepResult)
+                assert tuple(r) == local[i].step(a)
+                done[i] = r.done
+        assert all(done)
+        assert pool.fault_count == 0
+        assert pool.oracle_actions([0, 1, 2]) == [None, None, None]  # finished episodes
+
+
+def test_task_group_with_differing_initial_observations_raises(faulty_pool):
+    # seed -4 makes the first observation depend on the process: envs 0 and 1 sit on two workers
+    with pytest.raises(EnvPoolError, match=r"task group \(task_id=3, seed=-4\)"):
+        faulty_pool.reset([0, 1], [3, 3], [-4, -4])
+    # different groups may differ; equal groups agree
+    obs = faulty_pool.reset([0, 1, 2, 3], [3, 3, 4, 4], [1, 1, 1, 1])
+    assert [o.text for o in obs] == ["task 3 seed 1 step 0"] * 2 + ["task 4 seed 1 step 0"] * 2
+
+
+def test_crashed_worker_is_replaced_and_its_episodes_end_with_env_error(faulty_pool):
+    pool = faulty_pool
+    pool.reset([0, 1, 2, 3], [1, 2, 3, 4], [0, 0, 0, 0])
+    pool.step([0, 1, 2, 3], ["a", "b", "c", "d"])
+    pids, faults = pool.worker_pids(), pool.fault_count
+    # env 1 (worker 1) crashes its worker; env 0 (worker 0) is unaffected; env 3 shares worker 1
+    r0, r1 = pool.step([0, 1], ["e", "crash"])
+    assert r0 == StepResult(r0.obs, 0.0, False, {"count": 2}) and r0.obs.text == "task 1 seed 0 step 2: e"
+    assert r1.done and r1.reward == 0.0 and "worker 1 died during step" in r1.info["env_error"]
+    assert r1.obs.text == "task 2 seed 0 step 1: b"  # the last observation the env showed
+    new_pids = pool.worker_pids()
+    assert new_pids[0] == pids[0] and new_pids[1] != pids[1] and not _alive(pids[1])
+    assert pool.fault_count == faults + 1
+    # env 3 lost its episode with the old worker: its next step reports it, once
+    (r3,) = pool.step([3], ["f"])
+    assert r3.done and "worker 1 died" in r3.info["env_error"] and r3.obs.text == "task 4 seed 0 step 1: d"
+    with pytest.raises(RuntimeError, match="env 3 has no running episode"):
+        pool.step([3], ["g"])
+    # the fresh worker serves new episodes
+    assert [o.text for o in pool.reset([1, 3], [7, 8], [2, 2])] == ["task 7 seed 2 step 0", "task 8 seed 2 step 0"]
+    assert pool.step([1], ["h"])[0].obs.text == "task 7 seed 2 step 1: h"
+
+
+def test_game_exception_ends_only_that_episode_and_keeps_the_worker(faulty_pool):
+    pool = faulty_pool
+    pool.reset([0, 2], [5, 6], [1, 1])  # both on worker 0
+    pids = pool.worker_pids()
+    r0, r2 = pool.step([0, 2], ["raise", "x"])
+    assert r0.done and r0.info == {"env_error": "env 0 raised RuntimeError: injected step error"}
+    assert not r2.done and r2.obs.text == "task 6 seed 1 step 1: x"
+    assert pool.worker_pids() == pids
+
+
+def test_hung_worker_is_killed_after_the_call_timeout():
+    with EnvPool(FaultyEnv, 2, num_workers=2, timeout_s=2.0) as pool:
+        pool.reset([0, 1], [1, 1], [0, 0])
+        old = pool.worker_pids()
+        r0, r1 = pool.step([0, 1], ["hang", "x"])
+        assert r0.done and "worker 0 did not answer step within timeout_s=2.0" in r0.info["env_error"]
+        assert not r1.done and r1.obs.text == "task 1 seed 0 step 1: x"
+        assert not _alive(old[0]) and pool.worker_pids()[1] == old[1]
+        # the replacement works; a hang inside oracle-free calls is recovered the same way
+        assert pool.reset([0], [2], [0])[0].text == "task 2 seed 0 step 0"
+        assert pool.step([0], ["y"])[0].obs.text == "task 2 seed 0 step 1: y"
+
+
+def test_reset_fault_is_retried_once_on_a_fresh_worker(tmp_path):
+    with EnvPool(FaultyEnv, 2, env_options={"marker_dir": str(tmp_path)}, num_workers=2) as pool:
+        obs = pool.reset([0, 1], [5, 5], [-3, -3])  # the first worker to reset crashes, once
+        assert [o.text for o in obs] == ["task 5 seed -3 step 0"] * 2
+        assert pool.fault_count == 1 and (tmp_path / "crashed_once").exists()
+        with pytest.raises(EnvPoolError, match=r"reset of envs \[1\] failed twice: worker 1 died"):
+            pool.reset([1], [5], [-2])  # crashes every time
+        with pytest.raises(ValueError, match="reset of env 0: injected reset error"):
+            pool.reset([0], [5], [-5])
+        with pytest.raises(ValueError, match=r"reset of env 1: task_id must lie in \[0, 100\)"):
+            pool.reset([1], [100], [0])
+
+
+def test_workers_run_with_the_fixed_hash_seed():
+    probe = "print(hash('bipace'))"
+    expected = {
+        hs: int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONHASHSEED=str(hs))).stdout)
+        for hs in (0, 7)
+    }
+    with EnvPool(FaultyEnv, 2, num_workers=2) as pool:
+        assert pool.worker_hash_probes() == [expected[0]] * 2
+        pool.reset([0, 1], [0, 0], [0, 0])
+        assert [r.obs.text for r in pool.step([0, 1], ["hash", "hash"])] == [str(expected[0])] * 2
+    with EnvPool(FaultyEnv, 1, hash_seed=7) as pool:
+        assert pool.worker_hash_probes() == [expected[7]]
+
+
+def test_close_stops_every_worker_even_a_hung_one():
+    pool = EnvPool(FaultyEnv, 2, num_workers=2, timeout_s=60.0)
+    pool.reset([0, 1], [0, 0], [0, 0])
+    pids = pool.worker_pids()
+    # leave worker 1 busy in a hang that no call waits for: send the command directly
+    pool._workers[1].conn.send(("step", [(1, "hang")]))
+    pool.close()
+    assert not any(_alive(p) for p in pids)
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="EnvPool is closed"):
+        pool.step([0], ["x"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(env="textcraft", num_envs=0), ValueError, "num_envs must be an int >= 1"),
+        (dict(env="textcraft", num_envs=2, num_workers=3), ValueError, r"num_workers must be an int in \[1, num_envs=2\]"),
+        (dict(env="textcraft", num_envs=1, timeout_s=0), ValueError, "timeout_s must be a number > 0"),
+        (dict(env="chess", num_envs=1), ValueError, "env 'chess' is not registered"),
+        (dict(env=lambda: None, num_envs=1), ValueError, "not picklable"),
+        (dict(env="textcraft", num_envs=1, hash_seed=-1), ValueError, "hash_seed must be an int"),
+        (dict(env="textcraft", num_envs=1, env_options={"bogus": 1}), EnvPoolError,
+         "worker 0 could not build its environments: TypeError: .*bogus"),
+    ],
+)
+def test_bad_pool_arguments_raise_naming_the_field(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        EnvPool(**kwargs)
+
+
+def test_bad_call_arguments_raise_before_any_work(faulty_pool):
+    pool = faulty_pool
+    pool.reset([0], [1], [1])
+    with pytest.raises(ValueError, match="env_indices must not repeat"):
+        pool.step([0, 0], ["a", "b"])
+    with pytest.raises(ValueError, match=r"env index 4 out of range \[0, 4\)"):
+        pool.step([4], ["a"])
+    with pytest.raises(ValueError, match="equal lengths"):
+        pool.step([0], ["a", "b"])
+    with pytest.raises(ValueError, match="action for env 0 must be a str"):
+        pool.step([0], [None])
+    with pytest.raises(ValueError, match="equal lengths"):
+        pool.reset([0, 1], [1], [1, 1])
