@@ -6,10 +6,12 @@ The tokenizer is a byte-level BPE (Hugging Face ``tokenizers``) wrapped as a
 ``transformers.PreTrainedTokenizerFast`` with a ChatML chat template (the Qwen2.5 format:
 ``<|im_start|>role\\ncontent<|im_end|>\\n``) that, unlike Qwen2.5's, inserts no default system
 prompt, so prompts stay short. On top of the learned merges it carries *phrase tokens*: whole
-multi-word names (TextCraft item names such as ``" oak planks"``, with their leading space) added
-as single, non-special tokens. A recipe line then costs a handful of tokens, and copying an item
-name from the prompt into an action is one pointer, not a sequence of sub-word pieces: the main
-failure of a tiny model trained from scratch is copying the wrong item (issue 7's probe).
+multi-word names (TextCraft item names such as ``"oak planks"``) added as single, non-special
+tokens, matched leftmost-longest in the raw text ("mossy cobblestone slab" wins over "mossy
+cobblestone"). A recipe line then costs a handful of tokens, the same token names an item in the
+recipes, the goal, the inventory and the action, and copying an item name from the prompt into an
+action is one pointer, not a sequence of sub-word pieces: the main failure of a tiny model trained
+from scratch is copying the wrong item (issue 7's probe).
 
 Encoding and decoding are exact inverses on any text (byte-level), including phrase tokens.
 """
@@ -45,7 +47,7 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 1024,
       vocab_size: size of the learned BPE part (256 byte symbols + merges + 3 special tokens);
         the phrase and tag tokens come on top, so ``len(tokenizer)`` is about
         ``vocab_size + len(phrase_tokens) + 4``.
-      phrase_tokens: exact strings (e.g. ``" oak planks"``) to add as single non-special tokens;
+      phrase_tokens: exact strings (e.g. ``"oak planks"``) to add as single non-special tokens;
         matched leftmost-longest anywhere in the text, never normalised.
       model_max_length: recorded in the tokenizer config.
 

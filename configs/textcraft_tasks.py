@@ -13,10 +13,10 @@ from `VAL_SEED_BASE` up (new distractor recipes and order).
 from __future__ import annotations
 
 GAME = "textcraft"
-TRAIN = "depth=2"             # the default task set (task_info filter)
-HOLDOUT_EVERY = 8             # every 8th goal of the set (by task id) is held out
+TRAIN = "depth=2&128:208"     # the default task set: the first 80 depth-2 goals (alphabetical)
+HOLDOUT_EVERY = 8             # every 8th goal of the set (by task id) is held out: 10 goals
 MAX_STEPS = 15                # step cap per episode
-HISTORY_LENGTH = 1            # (observation, action) pairs shown; the recipe list is most of the prompt
+HISTORY_LENGTH = 0            # (observation, action) pairs shown: none, the inventory carries the state
 SHOW_INVENTORY = True         # the prompt shows the current inventory (a template option)
 SYSTEM_PROMPT = ""            # no system message
 FALLBACK_ACTION = "inventory"  # sent to the game for an unparsable response

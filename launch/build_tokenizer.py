@@ -6,8 +6,9 @@ The corpus is what the agent will read and write: for every one of the 419 TextC
 few seeds, the prompts of the oracle's episode (`environments.prompts.build_prompt`, with and
 without the inventory display), the oracle's actions in the response format, and the game's
 feedback. Every item name seen in a recipe line ("craft 4 oak planks using 1 oak log") becomes one
-whole token (with its leading space, see `bipace_jax.tiny`). Deterministic: the same arguments
-give the same `tokenizer.json`.
+whole token, without its leading space, so the same token names the item in a recipe line, the
+goal, the inventory display ("[oak planks] (4)") and an action (see `bipace_jax.tiny`).
+Deterministic: the same arguments give the same `tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def textcraft_corpus(seeds: int = 2, history_length: int = 1, max_steps: int = 4
     from launch.sft import response_text
 
     env = environments.make("textcraft", max_steps=max_steps)
-    texts, recipe_lines = [], set()
+    texts, recipe_lines = ["user", "assistant", "system"] * 100, set()
     ids = range(env.num_tasks) if task_ids is None else task_ids
     for task_id in ids:
         for seed in range(seeds):
@@ -78,13 +79,14 @@ def build_textcraft_tokenizer(vocab_size: int = 1024, seeds: int = 2):
     """The embedded default's tokenizer (`transformers.PreTrainedTokenizerFast`).
 
     BPE with `vocab_size` learned entries over the TextCraft corpus, plus one token per item name
-    (about 670) and the tags; the chat template is ChatML without a default system prompt.
+    (about 620: the names in the recipe lines of the 419 goals) and the tags; the chat template is
+    ChatML without a default system prompt.
     """
     from bipace_jax.tiny import train_tokenizer
 
     texts, recipe_lines = textcraft_corpus(seeds=seeds)
     names = item_names(recipe_lines)
-    return train_tokenizer(texts, vocab_size=vocab_size, phrase_tokens=[" " + n for n in names])
+    return train_tokenizer(texts, vocab_size=vocab_size, phrase_tokens=names)
 
 
 def main(argv=None):
