@@ -169,7 +169,11 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int],
 
 
 def _path_str(path: Sequence[Any]) -> str:
-    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+    """"layers/0/attn/q_proj/kernel" from a pytree key path (a Variable's trailing `.value` dropped)."""
+    parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
+    if parts and isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
+        parts = parts[:-1]
+    return "/".join(parts)
 
 
 def param_logical_axes(path: Sequence[Any] | str) -> tuple[str | None, ...]:

@@ -2,10 +2,13 @@
 
 Public API (COMMON interface):
   Qwen2Config, Qwen2Actor, ActorOutput, KVCache,
-  load_hf_checkpoint, save_hf_checkpoint, load_tokenizer.
+  load_hf_checkpoint, save_hf_checkpoint, load_tokenizer, CheckpointError.
 """
 
+from bipace_jax.models.checkpoint import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from bipace_jax.models.config import Qwen2Config
 from bipace_jax.models.qwen2 import ActorOutput, KVCache, Qwen2Actor
+from bipace_jax.models.tokenizer import load_tokenizer
 
-__all__ = ["Qwen2Config", "Qwen2Actor", "ActorOutput", "KVCache"]
+__all__ = ["Qwen2Config", "Qwen2Actor", "ActorOutput", "KVCache", "load_hf_checkpoint",
+           "save_hf_checkpoint", "load_tokenizer", "CheckpointError"]

@@ -1,0 +1,243 @@
+"""Qwen2Actor against HF transformers Qwen2ForCausalLM (torch, fp32), and its KV cache.
+
+Parity is checked at real (unpadded) tokens: HF's outputs at padding columns are undefined
+(fully masked query rows), ours are finite but equally meaningless.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+
+from bipace_jax.models import ActorOutput, KVCache, Qwen2Actor, Qwen2Config, load_hf_checkpoint  # noqa: E402
+from tests.qwen_fixtures import build_hf_model, random_batch  # noqa: E402
+
+TOL = 1e-4
+
+# (name, HF overrides): tied/untied heads and head/kv-head ratios 4:2, 4:1, 4:4, 6:2 (explicit head_dim).
+ARCHS = [
+    ("tied_n4_k2", dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2)),
+    ("untied_n4_k1", dict(tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=1)),
+    ("tied_n4_k4", dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=4,
+                        num_hidden_layers=3)),
+    ("untied_n6_k2_hd8", dict(tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=2,
+                              head_dim=8, vocab_size=320)),
+]
+
+
+@pytest.fixture(scope="module", params=ARCHS, ids=[a[0] for a in ARCHS])
+def hf_pair(request, tmp_path_factory):
+    """(HF torch model, our actor loaded from its save_pretrained folder, checkpoint path)."""
+    name, overrides = request.param
+    model = build_hf_model(seed=len(name), **overrides)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return model, load_hf_checkpoint(path), path
+
+
+def hf_forward(model, ids, mask):
+    """HF forward with generate()'s position ids (cumsum of the mask)."""
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                    position_ids=torch.tensor(pos, dtype=torch.long), output_hidden_states=True)
+    return out.logits.numpy(), [h.numpy() for h in out.hidden_states]
+
+
+def last_real(mask):
+    return np.array([np.flatnonzero(row)[-1] for row in mask], np.int32)
+
+
+def normalise(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_logits_and_every_hidden_state_match_hf(hf_pair, padding):
+    model, actor, _ = hf_pair
+    ids, mask = random_batch(4, 11, model.config.vocab_size, padding=padding, seed=3, min_real=2)
+    ref_logits, ref_hidden = hf_forward(model, ids, mask)
+    out = actor(ids, mask, output_hidden_states=True)
+    real = mask.astype(bool)
+    assert out.logits.dtype == jnp.float32 and out.logits.shape == ref_logits.shape
+    assert np.abs(np.asarray(out.logits) - ref_logits)[real].max() <= TOL
+    assert len(out.hidden_states) == len(ref_hidden) == model.config.num_hidden_layers + 1
+    for i, (ours, ref) in enumerate(zip(out.hidden_states, ref_hidden)):
+        err = np.abs(np.asarray(ours) - ref)[real].max()
+        assert err <= TOL, f"hidden state {i}: max error {err}"
+    # The default fingerprint is HF's final normed hidden state at the last real token, L2-normalised.
+    rows = np.arange(len(ids))
+    want = normalise(ref_hidden[-1][rows, last_real(mask)])
+    np.testing.assert_allclose(np.asarray(out.fingerprint), want, atol=1e-5)
+    assert np.allclose(np.linalg.norm(np.asarray(out.fingerprint), axis=-1), 1.0, atol=1e-6)
+
+
+def test_fingerprint_layer_selects_hf_hidden_state(hf_pair):
+    model, _, path = hf_pair
+    ids, mask = random_batch(3, 9, model.config.vocab_size, padding="left", seed=4)
+    _, ref_hidden = hf_forward(model, ids, mask)
+    rows = np.arange(len(ids))
+    cols = np.array([8, 5, 7], np.int32)
+    for layer in (0, 1, -2):
+        actor = load_hf_checkpoint(path, fingerprint_layer=layer)
+        out = actor(ids, mask)
+        np.testing.assert_allclose(np.asarray(out.fingerprint),
+                                   normalise(ref_hidden[layer][rows, last_real(mask)]), atol=1e-5)
+        # An explicit column per row picks that column instead.
+        out = actor(ids, mask, fingerprint_index=cols)
+        np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, cols]),
+                                   atol=1e-5)
+
+
+def test_left_and_right_padding_give_the_same_outputs_at_real_tokens():
+    actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(3))
+    ids_l, mask_l = random_batch(3, 8, 300, padding="left", seed=5, min_real=3)
+    # Move each row's real tokens to the front (right padding).
+    ids_r = np.zeros_like(ids_l)
+    mask_r = np.zeros_like(mask_l)
+    for b in range(3):
+        real = ids_l[b][mask_l[b] == 1]
+        ids_r[b, : len(real)] = real
+        mask_r[b, : len(real)] = 1
+    out_l, out_r = actor(ids_l, mask_l), actor(ids_r, mask_r)
+    np.testing.assert_allclose(np.asarray(out_l.fingerprint), np.asarray(out_r.fingerprint), atol=1e-5)
+    for b in range(3):
+        n = mask_l[b].sum()
+        np.testing.assert_allclose(np.asarray(out_l.logits[b, -n:]), np.asarray(out_r.logits[b, :n]), atol=1e-4)
+
+
+def test_jitted_split_state_forward_equals_eager():
+    actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(4))
+    ids, mask = random_batch(2, 7, 300, padding="left", seed=6)
+    graphdef, state = nnx.split(actor)
+
+    @jax.jit
+    def forward(state, ids, mask):
+        out = nnx.merge(graphdef, state)(ids, mask)
+        return out.logits, out.fingerprint
+
+    logits, fp = forward(state, ids, mask)
+    eager = actor(ids, mask)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(eager.logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fp), np.asarray(eager.fingerprint), atol=1e-6)
+
+
+def test_bf16_activations_keep_fp32_logits_and_stay_close(tmp_path):
+    model = build_hf_model(seed=11, tie_word_embeddings=False)
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    actor = load_hf_checkpoint(path, dtype=jnp.bfloat16)
+    assert actor.embed.embedding[...].dtype == jnp.bfloat16
+    ids, mask = random_batch(2, 8, model.config.vocab_size, padding="left", seed=7)
+    ref_logits, _ = hf_forward(model, ids, mask)
+    out = actor(ids, mask)
+    assert out.logits.dtype == jnp.float32 and out.fingerprint.dtype == jnp.float32
+    real = mask.astype(bool)
+    # bf16 has an 8-bit mantissa: errors are ~1e-2 of the logit scale, far from fp32's 1e-6.
+    err = np.abs(np.asarray(out.logits) - ref_logits)[real].max()
+    assert 0 < err <= 0.05 * np.abs(ref_logits).max()
+
+
+# --------------------------------------------------------------------------------------------------
+# KV cache.
+def _extend(ids, mask, new_tokens):
+    """The full-forward view of prompt + decoded tokens: [B, T + M] ids and mask."""
+    return (np.concatenate([ids, new_tokens], axis=1),
+            np.concatenate([mask, np.ones_like(new_tokens, dtype=mask.dtype)], axis=1))
+
+
+@pytest.mark.parametrize("padding,layer", [("left", -1), ("right", 1)])
+def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
+    cfg = Qwen2Config.tiny(tie_word_embeddings=False, num_key_value_heads=1, num_hidden_layers=3)
+    actor = Qwen2Actor(cfg, fingerprint_layer=layer, rngs=nnx.Rngs(1))
+    ids, mask = random_batch(3, 6, cfg.vocab_size, padding=padding, seed=8, min_real=1)
+    new = np.random.default_rng(9).integers(0, cfg.vocab_size, (3, 4)).astype(np.int32)
+    full_ids, full_mask = _extend(ids, mask, new)
+    full = actor(full_ids, full_mask, fingerprint_index=last_real(mask))
+
+    cache = actor.init_cache(3, 12)
+    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 12, 1, 16)
+    out, cache = actor.prefill(ids, mask, cache)
+    assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)],
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.fingerprint), np.asarray(full.fingerprint), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), mask.sum(1))
+    assert int(cache.index) == 6
+    np.testing.assert_array_equal(np.asarray(cache.slot_mask[:, :6]), mask.astype(bool))
+    for j in range(new.shape[1]):
+        logits, cache = actor.decode_step(jnp.asarray(new[:, j]), cache)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(full.logits[:, 6 + j]), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), mask.sum(1) + 4)
+    assert int(cache.index) == 10
+
+
+def test_jitted_prefill_and_decode_loop_equal_full_forward():
+    cfg = Qwen2Config.tiny()
+    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(2))
+    ids, mask = random_batch(4, 5, cfg.vocab_size, padding="left", seed=10)
+    graphdef, state = nnx.split(actor)
+
+    @jax.jit
+    def generate_greedy(state, ids, mask):
+        model = nnx.merge(graphdef, state)
+        out, cache = model.prefill(ids, mask, model.init_cache(ids.shape[0], 9))
+
+        def body(carry, _):
+            logits, cache = carry
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logits, cache = model.decode_step(token, cache)
+            return (logits, cache), (token, logits)
+
+        _, (tokens, logits) = jax.lax.scan(body, (out.logits, cache), None, length=4)
+        return tokens.T, jnp.swapaxes(logits, 0, 1)
+
+    tokens, step_logits = generate_greedy(state, ids, mask)
+    full_ids, full_mask = _extend(ids, mask, np.asarray(tokens))
+    full = actor(full_ids, full_mask)
+    # Greedy tokens are the argmax of the full forward's logits one column earlier.
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(full.logits[:, 4:8]), axis=-1))
+    np.testing.assert_allclose(np.asarray(step_logits), np.asarray(full.logits[:, 5:9]), atol=1e-5)
+
+
+def test_cache_entry_points_reject_bad_shapes_before_compiling():
+    actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
+    ids, mask = random_batch(2, 6, 512)
+    with pytest.raises(ValueError, match="exceeds cache max_length"):
+        actor.prefill(ids, mask, actor.init_cache(2, 4))
+    with pytest.raises(ValueError, match="cache batch 3 != input batch 2"):
+        actor.prefill(ids, mask, actor.init_cache(3, 8))
+    with pytest.raises(ValueError, match=r"token_ids must be int32\[B=2\]"):
+        actor.decode_step(jnp.zeros((2, 1), jnp.int32), actor.init_cache(2, 8))
+    with pytest.raises(ValueError, match="max_length must be a positive int"):
+        actor.init_cache(2, 0)
+
+
+def test_forward_rejects_bad_inputs_with_the_field_named():
+    actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
+    ids, mask = random_batch(2, 6, 512)
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        actor(ids, mask[:, :5])
+    with pytest.raises(ValueError, match=r"input_ids must be int32\[B, T\]"):
+        actor(ids[0], mask[0])
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 512\)"):
+        actor(ids + 512, mask)
+    with pytest.raises(ValueError, match="attention_mask row 1 has no real token"):
+        actor(ids, np.array([[1] * 6, [0] * 6], np.int32))
+    with pytest.raises(ValueError, match="fingerprint_index must be int32"):
+        actor(ids, mask, fingerprint_index=np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="fingerprint_layer must be an int in"):
+        Qwen2Actor(Qwen2Config.tiny(), fingerprint_layer=3)
+
+
+def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_token():
+    actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
+    ids, mask = random_batch(2, 4, 512, padding="none")
+    ids[0, 2] = 600
+    logits = nnx.jit(lambda m, i, k: m(i, k).logits)(actor, jnp.asarray(ids), jnp.asarray(mask))
+    assert np.isnan(np.asarray(logits[0, 2:])).all() and np.isfinite(np.asarray(logits[1])).all()
