@@ -20,6 +20,17 @@ HISTORY_LENGTH = 0            # (observation, action) pairs shown: none, the inv
 SHOW_INVENTORY = True         # the prompt shows the current inventory (a template option)
 SYSTEM_PROMPT = ""            # no system message
 FALLBACK_ACTION = "inventory"  # sent to the game for an unparsable response
+# A compact prompt (`environments.prompts.PromptTemplate` field overrides, RolloutConfig.template):
+# the crafting commands and goal, the step, the last feedback and the inventory; no boilerplate
+# (the default template's rules and think instruction are ~120 of its ~340 tokens). The tiny
+# actor answers with `<action>...</action>` and no think.
+TEMPLATE = {
+    "first": "{task}\nStep {current_step}: {observation}{inventory}\nAnswer <action>command</action>.",
+    "later": ("{task}\n{history}\nStep {current_step}: {observation}{inventory}\n"
+              "Answer <action>command</action>."),
+    "history_entry": "Step {index}: {observation} > {action}",
+    "task_echo": "start",
+}
 VAL_SEED_BASE = 1_000_000     # validation game seeds start here; training seeds stay below
 VAL_NUM_SEEN = 48             # panel: goals of the training set, unseen seeds
 VAL_NUM_HELDOUT = 16          # panel: held-out goals

@@ -48,6 +48,7 @@ def textcraft_corpus(seeds: int = 2, history_length: int = 1, max_steps: int = 4
     import environments
     from environments.prompts import build_prompt
 
+    from configs.textcraft_tasks import TEMPLATE
     from launch.sft import response_text
 
     env = environments.make("textcraft", max_steps=max_steps)
@@ -67,6 +68,8 @@ def textcraft_corpus(seeds: int = 2, history_length: int = 1, max_steps: int = 4
                 show = bool((task_id + seed + step) % 2)
                 texts.append(build_prompt("textcraft", obs, history, step,
                                           history_length=history_length, show_inventory=show))
+                texts.append(build_prompt("textcraft", obs, history, step, history_length=0,
+                                          show_inventory=True, template=TEMPLATE))
                 texts.append(response_text(action))
                 history.append((obs.text, action))
                 obs, _, done, _ = env.step(action)

@@ -526,7 +526,8 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         return environments.make(tasks.GAME, max_steps=c.env.max_steps)
 
     train_ids, held_ids = tasks.split(make_env(), c.env.tasks, c.env.holdout_every)
-    prompt = PromptBuilder(tasks.GAME, c.env.history_length, c.env.show_inventory)
+    prompt = PromptBuilder(tasks.GAME, c.env.history_length, c.env.show_inventory,
+                           tasks.TEMPLATE if c.env.compact_template else None)
     system = c.env.system_prompt or None
     data_path = os.path.join(workdir, "examples.json")
     if os.path.exists(data_path):
