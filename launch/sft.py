@@ -334,7 +334,7 @@ class Learner:
 
             params = optax.apply_updates(params, updates)
             return params, opt_state, {"loss": loss, "token_accuracy": acc,
-                                       "grad_norm": optax.global_norm(grads)}
+                                       "grad_norm": optax.tree.norm(grads)}
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
@@ -401,11 +401,17 @@ class Generator:
 
         self._gen = jax.jit(gen)
 
-    def __call__(self, learner_or_state, prompts: list[list[int]], key) -> list[str]:
+    def __call__(self, state, prompts: list[list[int]], key, temperature: float | None = None) -> list[str]:
+        """Responses to `prompts` (token-id lists) from the actor `state = (params, rest)`.
+
+        `temperature` overrides the generator's default for this call (0 = greedy); it is a
+        traced argument, so changing it never recompiles.
+        """
         import jax
         import jax.numpy as jnp
 
-        params, rest = learner_or_state
+        params, rest = state
+        temperature = self.temperature if temperature is None else float(temperature)
         out: list[str] = []
         maxb = self.batch_buckets[-1]
         for s in range(0, len(prompts), maxb):
@@ -421,7 +427,7 @@ class Generator:
                 ids[r], mask[r] = ids[0], mask[0]
             key, sub = jax.random.split(key)
             toks = np.asarray(self._gen(params, rest, jnp.asarray(ids), jnp.asarray(mask), sub,
-                                        jnp.float32(self.temperature)))
+                                        jnp.float32(temperature)))
             for r in range(len(chunk)):
                 row = [int(t) for t in toks[r] if t != self.pad_id]
                 out.append(self.tokenizer.decode(row, skip_special_tokens=True))
@@ -553,9 +559,6 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
     gen = Generator(tokenizer, learner.graphdef, max_new_tokens=c.gen.max_new_tokens,
                     batch_buckets=c.gen.batch_buckets, length_buckets=c.gen.length_buckets,
                     temperature=c.dagger.temperature)
-    gen_val = Generator(tokenizer, learner.graphdef, max_new_tokens=c.gen.max_new_tokens,
-                        batch_buckets=c.gen.batch_buckets, length_buckets=c.gen.length_buckets,
-                        temperature=c.val.temperature)
     ckpt = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
     start_round, step = 0, 0
@@ -574,7 +577,7 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
     def validate(tag: str, rnd: int):
         nonlocal key
         key, sub = jax.random.split(key)
-        eps, _ = play_policy(lambda ids: gen_val((learner.params, learner.rest), ids, sub),
+        eps, _ = play_policy(lambda ids: gen((learner.params, learner.rest), ids, sub, c.val.temperature),
                              make_env, panel, prompt, tokenizer, c.env.max_steps, label=False,
                              fallback_action=c.env.fallback_action, system_prompt=system)
         s = summarize(eps, held_set)
@@ -632,8 +635,15 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         ckpt.wait_until_finished()
 
     final, eps = validate("final", c.dagger.rounds)
+    geps, _ = play_policy(lambda ids: gen((learner.params, learner.rest), ids, key, 0.0),
+                          make_env, panel, prompt, tokenizer, c.env.max_steps, label=False,
+                          fallback_action=c.env.fallback_action, system_prompt=system)
+    greedy = summarize(geps, held_set)
+    log({"round": c.dagger.rounds, "step": step, **{f"final_greedy/{k}": v for k, v in greedy.items()}},
+        step)
     wall = time.time() - t_start
     report = {"final_val": final, "panel_temperature": c.val.temperature, "wall_time_s": wall,
+              "final_greedy": greedy, "greedy_first_games": summarize(geps[:16], held_set),
               "tokenizer_s": t_tok, "num_params": n_params, "vocab_size": len(tokenizer),
               "expert_examples": sum(e.source == "expert" for e in examples),
               "dagger_examples": sum(e.source == "dagger" for e in examples),
@@ -646,6 +656,9 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         from bipace_jax.models import save_hf_checkpoint
 
         save_hf_checkpoint(learner.actor(), out, tokenizer=tokenizer)
+        small = {k: v for k, v in report.items() if k not in ("panel", "panel_episodes")}
+        with open(os.path.join(out, "sft_report.json"), "w") as f:
+            json.dump(small, f, indent=1, default=str)
     metrics_f.close()
     writer.close()
     return report
