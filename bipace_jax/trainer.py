@@ -181,8 +181,9 @@ def _dtype(name: str):
 def build_game_tokenizer(config: ml_collections.ConfigDict, path: str, num_tasks: int = 64) -> Any:
     """Train a small byte-level BPE on the game's own text and save it as an HF tokenizer folder.
 
-    The corpus is the prompts and expert actions of ``num_tasks`` oracle episodes of ``config.env``
-    (game templates from ``environments.prompts``), so the vocabulary fits the game. Special tokens:
+    The corpus is the prompts (the config's template and options) and expert actions of ``num_tasks``
+    oracle episodes of ``config.env``, so the vocabulary fits the game. (The shipped warm start has
+    its own, richer tokenizer: ``launch/build_tokenizer.py``.) Special tokens:
     ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (EOS of a response); the Qwen2.5 chat
     template is added by ``load_tokenizer``. Deterministic for a config. Returns the loaded tokenizer.
     """
@@ -194,6 +195,7 @@ def build_game_tokenizer(config: ml_collections.ConfigDict, path: str, num_tasks
     from bipace_jax.models import load_tokenizer
 
     env = environments.make(config.env.name, max_steps=config.env.max_steps)
+    template = resolve_template(config.rollout.template)
     texts = []
     for i in range(num_tasks):
         task = (i * 7919) % env.num_tasks
@@ -201,8 +203,8 @@ def build_game_tokenizer(config: ml_collections.ConfigDict, path: str, num_tasks
         history = []
         for step in range(config.env.max_steps):
             texts.append(build_prompt(config.env.name, obs, history, step,
-                                      history_length=config.rollout.history_length,
-                                      show_inventory=config.rollout.show_inventory))
+                                      history_length=min(config.rollout.history_length, len(history)),
+                                      template=template, show_inventory=config.rollout.show_inventory))
             action = env.oracle_action()
             if action is None:
                 break

@@ -25,7 +25,8 @@ TINY = [
     "--config.model.num_kv_heads=1", "--config.model.intermediate_size=64",
     "--config.rollout.num_groups=2", "--config.rollout.group_size=2", "--config.env.max_steps=3",
     "--config.env.num_workers=1", "--config.sampler.max_new_tokens=16", "--config.sampler.batch_buckets=(4, 8)",
-    "--config.val.num_tasks=2", "--config.val.every=1", "--config.ppo.micro_batch_rows=8",
+    "--config.val.num_tasks=2", "--config.val.num_holdout_tasks=1", "--config.val.every=1",
+    "--config.ppo.micro_batch_rows=8", "--config.model.checkpoint=",
     "--config.log.progress=False",
 ]
 
@@ -38,6 +39,7 @@ def shared(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("e2e_shared")
     cfg = configs.textcraft_tiny.get_config()
+    cfg.model.checkpoint = ""
     build_game_tokenizer(cfg, str(base / "tokenizer"), num_tasks=16)
     return {"tokenizer": str(base / "tokenizer"), "cache": str(base / "jax_cache")}
 
@@ -63,7 +65,7 @@ REQUIRED = ["train/success_rate", "train/episode_length", "train/invalid_rate", 
             "loss/kl", "loss/entropy", "loss/clip_frac", "loss/grad_norm", "estimator/epsilon",
             "estimator/singleton_group_rate", "estimator/hash_singleton_group_rate", "estimator/pace_row_rate",
             "time/rollout_s", "time/old_logprobs_s", "time/ref_logprobs_s", "time/estimator_s", "time/update_s",
-            "time/bipace_share", "val/success_rate", "val/success_rate/depth_2"]
+            "time/bipace_share", "val/success_rate", "val/success_rate/depth_2", "val/holdout/success_rate"]
 
 
 def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_hf_export(tmp_path, shared):
@@ -104,6 +106,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     from bipace_jax.models import load_tokenizer
     from bipace_jax.trainer import build_actor
     cfg = configs.textcraft_tiny.get_config()
+    cfg.model.checkpoint = ""
     for flag in TINY[:5]:
         k, v = flag[len("--config.model."):].split("=")
         cfg.model[k] = int(v)
