@@ -104,7 +104,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _choice(c, "model.preset", PRESETS)
     if ckpt:
         if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
-            _fail("model.checkpoint", "be a Hugging Face folder holding config.json", ckpt)
+            _fail("model.checkpoint", "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
+                  "--config.model.checkpoint= for a random tiny init)", ckpt)
     elif _get(c, "model.preset") != "tiny":
         _fail("model.checkpoint", f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)", ckpt)
     tok = _get(c, "model.tokenizer")
