@@ -296,20 +296,34 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
-def _host_local(tree: Any) -> Any:
-    """A host-local, single-device copy of a pytree of (possibly multi-host) global arrays."""
+def _host_local(tree: Any, local_shardings: Any = None) -> Any:
+    """A host-local copy of a pytree of (possibly multi-host) global arrays, placed on
+    ``local_shardings`` (over this host's devices; default its first device). One process: the tree."""
     if jax.process_count() == 1:
         return tree
     from jax.experimental import multihost_utils
 
-    dev = jax.local_devices()[0]
-
-    def one(x):
+    def full(x):
         if x.is_fully_replicated:
-            return jax.device_put(x.addressable_data(0), dev)
-        return jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)), dev)
+            return x.addressable_data(0)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-    return jax.tree.map(one, tree)
+    if local_shardings is None:
+        dev = jax.local_devices()[0]
+        return jax.tree.map(lambda x: jax.device_put(full(x), dev), tree)
+    return jax.tree.map(lambda x, s: jax.device_put(full(x), s), tree, local_shardings)
+
+
+def local_mesh_for(mesh, tensor: int):
+    """The mesh a host samples on: the global mesh with one process; else this host's devices with
+    (data, fsdp=1, tensor) where tensor is the config's when it divides the local device count."""
+    from bipace_jax import sharding as sharding_lib
+
+    if jax.process_count() == 1:
+        return mesh
+    n = jax.local_device_count()
+    t = tensor if tensor > 0 and n % tensor == 0 else 1
+    return sharding_lib.make_mesh(-1, 1, t, devices=jax.local_devices())
 
 
 def _to_global(tree: Any, shardings: Any) -> Any:
@@ -389,6 +403,9 @@ class PPOLearner:
       mini_batch_rows: rows per optimizer step on this process (0: all rows, one step per epoch).
       epochs: passes over the rows per ``update``.
 
+      local_mesh: the mesh of this host's devices for sampling and the log-prob forwards (default:
+        ``mesh`` with one process, else the host's first device).
+
     ``params`` are global arrays; ``params_local`` a host-local copy that the sampler and the
     log-prob forwards use (the same arrays on one process). ``ref_params_local``: the frozen initial
     parameters (None when ``loss_cfg.kl_coef == 0``).
@@ -397,7 +414,7 @@ class PPOLearner:
     STAT_KEYS = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "loss")
 
     def __init__(self, actor: nnx.Module, mesh, loss_cfg: losses.PPOLossConfig, tx: optax.GradientTransformation,
-                 *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1):
+                 *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1, local_mesh=None):
         from bipace_jax import sharding as sharding_lib
 
         self.actor, self.mesh, self.loss_cfg, self.tx = actor, mesh, loss_cfg, tx
@@ -406,15 +423,18 @@ class PPOLearner:
         self.param_shardings = sharding_lib.param_shardings(params, mesh)
         self.params = _to_global(params, self.param_shardings)
         self.opt_state = jax.jit(tx.init)(self.params)
+        self.local_shardings = None
+        if local_mesh is not None and jax.process_count() > 1:
+            self.local_shardings = sharding_lib.param_shardings(params, local_mesh)
         self.ref_params_local = None
         if loss_cfg.kl_coef > 0:
-            self.ref_params_local = jax.tree.map(jnp.copy, _host_local(self.params))
+            self.ref_params_local = jax.tree.map(jnp.copy, _host_local(self.params, self.local_shardings))
         self._build_programs()
         self.sync_local()
 
     def sync_local(self) -> None:
         """Refresh the host-local parameters and point the actor at them (after an update/restore)."""
-        self.params_local = _host_local(self.params)
+        self.params_local = _host_local(self.params, self.local_shardings)
         nnx.update(self.actor, self.params_local)
 
     def _build_programs(self):
@@ -553,9 +573,10 @@ class Trainer:
         loss_cfg = losses.PPOLossConfig(
             clip_eps=c.ppo.clip_eps, dual_clip=c.ppo.dual_clip or None, kl_coef=c.ppo.kl_coef,
             entropy_coef=c.ppo.entropy_coef, kl_bound=c.ppo.kl_bound)
+        self.local_mesh = local_mesh_for(self.mesh, c.mesh.tensor)
         self.learner = PPOLearner(actor, self.mesh, loss_cfg, make_optimizer(c.optim),
                                   micro_batch_rows=c.ppo.micro_batch_rows, mini_batch_rows=c.ppo.mini_batch_rows,
-                                  epochs=c.ppo.epochs)
+                                  epochs=c.ppo.epochs, local_mesh=self.local_mesh)
 
         # --- run state (restored below) --------------------------------------------------------
         self.iteration = 0
@@ -605,9 +626,8 @@ class Trainer:
                              stop_strings=tuple(c.sampler.stop_strings), batch_buckets=tuple(c.sampler.batch_buckets),
                              length_buckets=tuple(c.sampler.length_buckets), eos_token_ids=eos)
         vcfg = dataclasses.replace(scfg, temperature=c.val.temperature)
-        local_mesh = self.mesh if self.num_hosts == 1 else None
-        self.sampler = Sampler(self.tokenizer, scfg, mesh=local_mesh)
-        self.val_sampler = Sampler(self.tokenizer, vcfg, mesh=local_mesh)
+        self.sampler = Sampler(self.tokenizer, scfg, mesh=self.local_mesh)
+        self.val_sampler = Sampler(self.tokenizer, vcfg, mesh=self.local_mesh)
         rkw = dict(game=c.env.name, max_steps=c.env.max_steps, history_length=c.rollout.history_length,
                    max_prompt_length=c.rollout.max_prompt_length, invalid_penalty=c.rollout.invalid_penalty,
                    success_reward=c.rollout.success_reward, require_think=c.rollout.require_think,
