@@ -105,7 +105,5 @@ def main(argv):
         print(format_report(summary), flush=True)
 
 
-
-
 if __name__ == "__main__":
     app.run(main)
