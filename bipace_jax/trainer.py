@@ -7,8 +7,10 @@ One iteration (``Trainer.train_iteration``):
    BiPACE fingerprints come out of the sampler's prefill (the hidden state at the last prompt token);
    no forward pass is spent on them.
 2. **Old log-probabilities**: one forward of the current policy over prompt + response
-   (``ppo.old_logprobs="recompute"``, verl's default), or the sampler's own log-probabilities
-   (``"sampler"``, only for an untempered sampler).
+   (``ppo.old_logprobs="recompute"``, verl's default); the sampler's own log-probabilities
+   (``"sampler"``, only for an untempered sampler); or ``"fused"``: ``stop_gradient`` of the current
+   log-probs inside the gradient pass, exact when an iteration makes one optimizer step
+   (``ppo.epochs=1``, ``ppo.mini_batch_rows=0``) and one forward cheaper.
 3. **Reference log-probabilities**: the same forward with the frozen initial parameters (skipped when
    ``ppo.kl_coef == 0``).
 4. **Advantages**: ``compute_advantages(res.steps, EstimatorConfig)`` (spec ``estimators.md``).
@@ -352,8 +354,14 @@ class Batch:
 
 
 @functools.lru_cache(maxsize=16)
-def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransformation):
-    """The jitted programs of a learner, shared by learners of the same model, loss and optimizer."""
+def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransformation, fused_old: bool = False):
+    """The jitted programs of a learner, shared by learners of the same model, loss and optimizer.
+
+    ``fused_old``: the old log-probs are ``stop_gradient`` of the current ones inside the gradient
+    pass (exact when the iteration makes one optimizer step: every micro-batch's gradient is taken at
+    the behaviour policy's parameters); ``mb["old_logprobs"]`` then carries the sampler's log-probs,
+    used only for the ``sampler_gap`` statistic.
+    """
 
     def response_logits(params, rest, input_ids, attention_mask, prompt_len):
         model = nnx.merge(graphdef, params, rest)
@@ -372,8 +380,15 @@ def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransfo
         prompt_len = mb["input_ids"].shape[1] - mb["response_ids"].shape[1]
         logits = response_logits(params, rest, mb["input_ids"], mb["attention_mask"], prompt_len)
         ref = mb["ref_logprobs"] if cfg.kl_coef > 0 else None
-        return losses.ppo_loss(logits, mb["response_ids"], mb["response_mask"], mb["old_logprobs"], ref,
-                               mb["advantages"], cfg, denom)
+        old = mb["old_logprobs"]
+        gap = jnp.zeros((), jnp.float32)
+        if fused_old:
+            logp = losses.token_logprobs(logits, mb["response_ids"])
+            gap = losses.token_mean(jnp.abs(old - logp), mb["response_mask"], denom)
+            old = jax.lax.stop_gradient(logp)
+        loss, m = losses.ppo_loss(logits, mb["response_ids"], mb["response_mask"], old, ref,
+                                  mb["advantages"], cfg, denom)
+        return loss, dict(m, sampler_gap=gap)
 
     @jax.jit
     def grad_fn(params, rest, grads_acc, stats_acc, mb, denom):
@@ -403,6 +418,10 @@ class PPOLearner:
       mini_batch_rows: rows per optimizer step on this process (0: all rows, one step per epoch).
       epochs: passes over the rows per ``update``.
 
+      fused_old_logprobs: take the old log-probs inside the gradient pass (``stop_gradient`` of the
+        current ones) instead of a separate forward; requires one optimizer step per ``update``
+        (``epochs == 1``, ``mini_batch_rows == 0``); ``update``'s ``old_lp`` is then the sampler's
+        log-probs, reported as ``loss/sampler_gap``.
       local_mesh: the mesh of this host's devices for sampling and the log-prob forwards (default:
         ``mesh`` with one process, else the host's first device).
 
@@ -411,14 +430,19 @@ class PPOLearner:
     parameters (None when ``loss_cfg.kl_coef == 0``).
     """
 
-    STAT_KEYS = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "loss")
+    STAT_KEYS = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "sampler_gap", "loss")
 
     def __init__(self, actor: nnx.Module, mesh, loss_cfg: losses.PPOLossConfig, tx: optax.GradientTransformation,
-                 *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1, local_mesh=None):
+                 *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1, local_mesh=None,
+                 fused_old_logprobs: bool = False):
         from bipace_jax import sharding as sharding_lib
 
         self.actor, self.mesh, self.loss_cfg, self.tx = actor, mesh, loss_cfg, tx
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
+        if fused_old_logprobs and (epochs != 1 or mini_batch_rows != 0):
+            raise ValueError(f"fused_old_logprobs needs one optimizer step per update (epochs=1, mini_batch_rows=0), "
+                             f"got epochs={epochs}, mini_batch_rows={mini_batch_rows}")
+        self.fused_old_logprobs = fused_old_logprobs
         self.graphdef, params, self._rest = nnx.split(actor, nnx.Param, ...)
         self.param_shardings = sharding_lib.param_shardings(params, mesh)
         self.params = _to_global(params, self.param_shardings)
@@ -439,7 +463,7 @@ class PPOLearner:
 
     def _build_programs(self):
         (self._logprobs_fn, self._grad_fn, self._apply_fn, self._zeros,
-         self._global_norm) = _ppo_programs(self.graphdef, self.loss_cfg, self.tx)
+         self._global_norm) = _ppo_programs(self.graphdef, self.loss_cfg, self.tx, self.fused_old_logprobs)
 
     def logprobs(self, params_local: Any, batch: Batch) -> np.ndarray:
         """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched).
@@ -576,7 +600,8 @@ class Trainer:
         self.local_mesh = local_mesh_for(self.mesh, c.mesh.tensor)
         self.learner = PPOLearner(actor, self.mesh, loss_cfg, make_optimizer(c.optim),
                                   micro_batch_rows=c.ppo.micro_batch_rows, mini_batch_rows=c.ppo.mini_batch_rows,
-                                  epochs=c.ppo.epochs, local_mesh=self.local_mesh)
+                                  epochs=c.ppo.epochs, local_mesh=self.local_mesh,
+                                  fused_old_logprobs=c.ppo.old_logprobs == "fused")
 
         # --- run state (restored below) --------------------------------------------------------
         self.iteration = 0
@@ -742,14 +767,14 @@ class Trainer:
         t_roll = time.perf_counter()
 
         batch = self._make_batch(res)
-        if c.ppo.old_logprobs == "sampler":
-            old_lp = _pad_cols(np.asarray(res.sample_logprobs, np.float32), batch.response_ids.shape[1])
-        else:
+        sample_lp = _pad_cols(np.asarray(res.sample_logprobs, np.float32), batch.response_ids.shape[1])
+        if c.ppo.old_logprobs == "recompute":
             old_lp = self.learner.logprobs(self.learner.params_local, batch)
+        else:  # "sampler", or "fused" (the gradient pass takes them; sample_lp feeds the gap statistic)
+            old_lp = sample_lp
         t_old = time.perf_counter()
         # Sampler vs trainer log-probs of the same tokens: ~0 at temperature 1 (top-p/k off); a
         # large value means the sampling and training forwards disagree (positions, padding, dtype).
-        sample_lp = _pad_cols(np.asarray(res.sample_logprobs, np.float32), batch.response_ids.shape[1])
         lp_gap = float(np.abs(sample_lp - old_lp)[batch.response_mask].mean()) if batch.response_mask.any() else 0.0
         ref = self.learner.ref_params_local
         ref_lp = self.learner.logprobs(ref, batch) if ref is not None else None
@@ -775,7 +800,11 @@ class Trainer:
         for k, v in _mean_over_hosts(diag).items():
             rec[f"estimator/{k}"] = v
         rec["estimator/epsilon"] = self.epsilon
-        rec["rollout/logprob_gap"] = float(_allgather(np.array([lp_gap]))[:, 0].mean())
+        if c.ppo.old_logprobs == "fused":
+            lp_gap = upd["loss/sampler_gap"]  # already a token mean over every host's rows
+        else:
+            lp_gap = float(_allgather(np.array([lp_gap]))[:, 0].mean())
+        rec["rollout/logprob_gap"] = lp_gap
         rec["train/task_cursor"] = self.task_cursor  # global index of this iteration's first task group
         rec["train/hosts"] = self.num_hosts
         rec["advantage/mean"] = float(adv.mean()) if adv.size else 0.0

@@ -101,7 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.ppo.epochs = 1                # passes over the iteration's rows
     c.ppo.mini_batch_rows = 0       # rows per optimizer update; 0 = all rows of the iteration (one update)
     c.ppo.micro_batch_rows = 8      # rows per forward/backward (fixed shape; gradient accumulation)
-    c.ppo.old_logprobs = "recompute"  # recompute (a forward of the current policy) | sampler (the sampler's own)
+    c.ppo.old_logprobs = "recompute"  # recompute (a forward of the current policy) | sampler (the sampler's own) |
+                                      # fused (stop_gradient inside the gradient pass; needs epochs 1, mini_batch_rows 0)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-6    # AdamW, constant (paper)

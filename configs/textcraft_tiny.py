@@ -48,6 +48,7 @@ def get_config():
 
     c.estimator.epsilon = 0.05
     c.ppo.micro_batch_rows = 32
+    c.ppo.old_logprobs = "fused"       # one optimizer step per iteration: old log-probs from the gradient pass
     c.optim.learning_rate = 1e-5
 
     c.val.every = 10

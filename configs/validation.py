@@ -184,7 +184,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "ppo.micro_batch_rows", 1)
     if c.ppo.mini_batch_rows and c.ppo.mini_batch_rows % c.ppo.micro_batch_rows:
         _fail("ppo.mini_batch_rows", f"be a multiple of ppo.micro_batch_rows={c.ppo.micro_batch_rows} (or 0)", c.ppo.mini_batch_rows)
-    _choice(c, "ppo.old_logprobs", ("recompute", "sampler"))
+    _choice(c, "ppo.old_logprobs", ("recompute", "sampler", "fused"))
+    if c.ppo.old_logprobs == "fused" and (c.ppo.epochs != 1 or c.ppo.mini_batch_rows != 0):
+        _fail("ppo.old_logprobs", "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)", c.ppo.old_logprobs)
     if c.ppo.old_logprobs == "sampler" and (c.sampler.temperature != 1.0 or c.sampler.top_p != 1.0 or c.sampler.top_k):
         _fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untempered (temperature 1, top_p 1, top_k 0)", c.ppo.old_logprobs)
     _float(c, "optim.learning_rate", 0, lo_open=True)

@@ -89,6 +89,7 @@ def test_command_line_overrides_reach_nested_fields():
     ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (or 0 = off), got 0.5"),
     ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),
     ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),
+    ("ppo.epochs", 2, "config.ppo.old_logprobs must not be 'fused' unless ppo.epochs == 1"),
     ("val.temperature", 0.0, "config.val.temperature"),
     ("tasks.train", "depth>2", "config.tasks.train must be a task selector"),
     ("env.name", "minecraft", "config.env.name must be one of"),

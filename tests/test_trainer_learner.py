@@ -114,3 +114,22 @@ def test_nan_advantage_stops_the_update_and_leaves_params_untouched():
     with pytest.raises(NonFiniteError, match="non-finite PPO update .*the update was not applied"):
         L.update(b, L.logprobs(L.params_local, b), None, adv, jax.random.PRNGKey(0))
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, L.params))
+
+
+def test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass():
+    b = _batch(n=6, seed=5)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
+    plain = _learner(ADAMW, micro=3, kl=0.01)
+    plain.update(b, plain.logprobs(plain.params_local, b), plain.logprobs(plain.ref_params_local, b), adv,
+                 jax.random.PRNGKey(0))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    fused = PPOLearner(_actor(), mesh, losses.PPOLossConfig(kl_coef=0.01, entropy_coef=0.001), ADAMW,
+                       micro_batch_rows=3, fused_old_logprobs=True)
+    sampler_lp = fused.logprobs(fused.params_local, b) + 0.25  # what a sampler reported, off by 0.25
+    out = fused.update(b, sampler_lp, fused.logprobs(fused.ref_params_local, b), adv, jax.random.PRNGKey(0))
+    assert out["loss/sampler_gap"] == pytest.approx(0.25, abs=1e-4)
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6), jax.tree.map(np.asarray, plain.params),
+                 jax.tree.map(np.asarray, fused.params))
+    with pytest.raises(ValueError, match="fused_old_logprobs needs one optimizer step"):
+        PPOLearner(_actor(), mesh, losses.PPOLossConfig(), ADAMW, micro_batch_rows=3, mini_batch_rows=3,
+                   fused_old_logprobs=True)
