@@ -37,8 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.intermediate_size = 384
 
     c.data = ml_collections.ConfigDict()
-    c.data.expert_seeds = 4            # oracle games per training goal (seeds 0..n-1)
-    c.data.length_buckets = (160, 224, 288, 352)
+    c.data.expert_seeds = 6            # oracle games per training goal (seeds 0..n-1)
+    c.data.length_buckets = (160, 224, 288, 384)
     c.data.response_length = 32        # R: response tokens per example (<action>...</action><|im_end|>)
 
     c.train = ml_collections.ConfigDict()
@@ -47,7 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.warmup_steps = 50
     c.train.weight_decay = 0.01
     c.train.grad_clip = 1.0
-    c.train.bc_steps = 250             # updates before the first DAgger round
+    c.train.bc_steps = 300             # updates before the first DAgger round
     c.train.steps_per_round = 100      # updates after each DAgger round
     c.train.log_every = 25
 
@@ -59,8 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.gen = ml_collections.ConfigDict()
     c.gen.max_new_tokens = 32
-    c.gen.batch_buckets = (16, 64)
-    c.gen.length_buckets = (160, 224, 288, 352)
+    c.gen.batch_buckets = (64,)
+    c.gen.length_buckets = (160, 224, 288, 384)
 
     c.val = ml_collections.ConfigDict()
     c.val.num_seen = tasks.VAL_NUM_SEEN

@@ -13,8 +13,14 @@ from `VAL_SEED_BASE` up (new distractor recipes and order).
 from __future__ import annotations
 
 GAME = "textcraft"
-TRAIN = "depth=2&128:208"     # the default task set: the first 80 depth-2 goals (alphabetical)
+# The default task set: the first 80 (by task id, i.e. alphabetical) depth-2 goals whose oracle
+# plan from an empty inventory crafts every recipe once (no repeated crafts: each count in the plan
+# is one recipe's amount). `single_craft_goals` recomputes it; a test pins the list to it.
+TRAIN_IDS = (129, 132, 133, 135, 138, 140, 144, 146, 147, 148, 150, 153, 154, 155, 156, 157, 159, 161, 162, 163, 164, 166, 167, 168, 172, 173, 174, 175, 176, 178, 179, 180, 182, 186, 187, 188, 190, 191, 192, 194, 199, 201, 203, 204, 205, 207, 210, 212, 213, 214, 215, 216, 220, 223, 224, 225, 226, 227, 228, 229, 239, 241, 242, 243, 244, 245, 257, 263, 265, 266, 267, 269, 278, 279, 280, 281, 282, 283, 284, 285)
+TRAIN = ",".join(map(str, TRAIN_IDS))  # task selector (trainer syntax: an id list)
 HOLDOUT_EVERY = 8             # every 8th goal of the set (by task id) is held out: 10 goals
+HOLDOUT_IDS = TRAIN_IDS[HOLDOUT_EVERY - 1::HOLDOUT_EVERY]
+HOLDOUT = ",".join(map(str, HOLDOUT_IDS))  # the trainer's `tasks.holdout` (removed from tasks.train)
 MAX_STEPS = 15                # step cap per episode
 HISTORY_LENGTH = 0            # (observation, action) pairs shown: none, the inventory carries the state
 SHOW_INVENTORY = True         # the prompt shows the current inventory (a template option)
@@ -52,12 +58,13 @@ def select(env, selector: str) -> list[int]:
             key, values = part.split("=", 1)
             allowed = {v.strip() for v in values.split(",")}
             ids &= {t for t in ids if str(env.task_info(t).get(key.strip())) in allowed}
-        elif ":" in part:
-            a, b = part.split(":", 1)
-            ids &= set(range(int(a), int(b)))
         else:
             try:
-                ids &= {int(v) for v in part.split(",")}
+                if ":" in part:
+                    a, b = part.split(":")
+                    ids &= set(range(int(a), int(b)))
+                else:
+                    ids &= {int(v) for v in part.split(",")}
             except ValueError:
                 raise ValueError(f"task selector part {part!r} is not all | a:b | ids | key=values") from None
     return sorted(ids)
@@ -87,6 +94,23 @@ def validation_panel(train_ids, heldout_ids, num_seen: int = VAL_NUM_SEEN,
 
     goals = spread(list(train_ids), num_seen) + spread(list(heldout_ids), num_heldout)
     return [(t, VAL_SEED_BASE + seed * 10_000 + k) for k, t in enumerate(goals)]
+
+
+def single_craft_goals(env, depth: int = 2, limit: int | None = 80, seeds=(0, 1)) -> list[int]:
+    """Goals of `depth` whose oracle plan (from an empty inventory, for each of `seeds`) has no
+    repeated craft command; the first `limit` by task id (all when None)."""
+    out = []
+    for t in range(env.num_tasks):
+        if env.task_info(t).get("depth") != depth:
+            continue
+        ok = True
+        for seed in seeds:
+            env.reset(t, seed)
+            crafts = [a for a in env.oracle_plan() if a.startswith("craft")]
+            ok &= len(set(crafts)) == len(crafts)
+        if ok:
+            out.append(t)
+    return out if limit is None else out[:limit]
 
 
 def heldout_ids() -> list[int]:

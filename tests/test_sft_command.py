@@ -31,8 +31,8 @@ def small_config():
     c.model.intermediate_size = 64
     c.env.max_steps = 3
     c.data.expert_seeds = 1
-    c.data.length_buckets = (352,)
-    c.gen.length_buckets = (352,)
+    c.data.length_buckets = (384,)
+    c.gen.length_buckets = (384,)
     c.gen.batch_buckets = (8,)
     c.gen.max_new_tokens = 24
     c.train.batch_size = 4

@@ -60,7 +60,7 @@ def test_shipped_warm_start_still_solves_validation_games():
     panel = tasks.validation_panel(train_ids, held)[:NUM_GAMES]
     graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
     gen = Generator(tok, graphdef, max_new_tokens=32, batch_buckets=(NUM_GAMES,),
-                    length_buckets=(352,), temperature=0.0)
+                    length_buckets=(384,), temperature=0.0)
     prompt = PromptBuilder(tasks.GAME, tasks.HISTORY_LENGTH, tasks.SHOW_INVENTORY, tasks.TEMPLATE)
     key = jax.random.key(0)
     eps, _ = play_policy(lambda ids: gen((params, rest), ids, key), make_env, panel, prompt, tok,
