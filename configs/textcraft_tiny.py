@@ -30,9 +30,9 @@ def get_config():
     c.env.name = tasks.GAME
     c.env.max_steps = tasks.MAX_STEPS
     c.env.num_workers = 2
-    c.tasks.train = tasks.TRAIN
-    c.tasks.holdout = ""
-    c.tasks.holdout_every = tasks.HOLDOUT_EVERY
+    c.tasks.train = tasks.TRAIN                # 80 single-craft depth-2 goals...
+    c.tasks.holdout = tasks.HOLDOUT            # ...of which every 8th is held out (10 goals)
+    c.tasks.holdout_every = 0
 
     c.rollout.num_groups = 8
     c.rollout.group_size = 8
@@ -41,10 +41,10 @@ def get_config():
     c.rollout.system_prompt = tasks.SYSTEM_PROMPT
     c.rollout.fallback_action = tasks.FALLBACK_ACTION
     c.rollout.template = "configs.textcraft_tasks:TEMPLATE"
-    c.rollout.max_prompt_length = 352
+    c.rollout.max_prompt_length = 384
     c.sampler.max_new_tokens = 32
     c.sampler.batch_buckets = (16, 64)
-    c.sampler.length_buckets = (160, 224, 288, 352)
+    c.sampler.length_buckets = (160, 224, 288, 384)
 
     c.estimator.epsilon = 0.05
     c.ppo.micro_batch_rows = 32
