@@ -68,10 +68,22 @@ REQUIRED = ["train/success_rate", "train/episode_length", "train/invalid_rate", 
             "time/bipace_share", "val/success_rate", "val/success_rate/depth_2", "val/holdout/success_rate"]
 
 
-def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_hf_export(tmp_path, shared):
-    w = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory, shared):
+    """The documented command, two iterations, run once: (workdir, completed process)."""
+    w = tmp_path_factory.mktemp("two_iterations") / "run"
     out = subprocess.run(_cmd(w, shared, "--config.num_iterations=2"), cwd=ROOT, env=_env(shared),
                          capture_output=True, text=True, timeout=600)
+    return w, out
+
+
+def _learning_record(row):
+    """What an iteration computed (not how long it took)."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "val_before/validation_s"))}
+
+
+def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_hf_export(two_iterations, shared):
+    w, out = two_iterations
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Validation success" in out.stdout and "BiPACE-specific share" in out.stdout
 
@@ -115,7 +127,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     assert max(diffs) > 0
 
 
-def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_path, shared):
+def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_path, shared, two_iterations):
     w = tmp_path / "run"
     cmd = _cmd(w, shared, "--config.num_iterations=3", "--config.checkpoint.export_hf=False",
                "--config.log.plots=False")
@@ -145,6 +157,12 @@ def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_pa
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert [r["train/task_cursor"] for r in rows] == [0, 2, 4]
     assert rows[0] == killed_rows[0]  # the completed iteration is kept, not re-run
+    # ...and the resumed run computes exactly what the uninterrupted run computed (same tasks, seeds,
+    # RNG, parameters and optimizer state): iteration 1 was re-run from checkpoint 1, not skipped.
+    uninterrupted = _metrics(two_iterations[0])
+    assert two_iterations[1].returncode == 0
+    for a, b in zip(rows[:2], uninterrupted):
+        assert _learning_record(a) == _learning_record(b)
     from bipace_jax.checkpointing import Checkpointer
     assert Checkpointer(str(w)).latest_step() == 3
 
