@@ -1,0 +1,101 @@
+"""Atomic training checkpoints with orbax: params, optimizer state, RNG, iteration, cursors.
+
+Layout: ``<workdir>/checkpoints/<step>/`` where ``step`` is the number of *completed* iterations
+(so resuming from step s starts iteration s). Each step holds
+
+- ``state``: a PyTree of arrays ``{"params": ..., "opt_state": ...}`` saved with
+  ``ocp.args.StandardSave`` (works for sharded, multi-host global arrays: every process calls
+  ``save``/``restore``; orbax writes each shard once);
+- ``meta``: JSON ``{"iteration", "task_cursor", "epsilon", "controller", "rng": [uint32 key data], ...}``
+  written by the primary process (the RNG key is identical on every process).
+
+Atomicity is orbax's: a step is written to a temporary folder and renamed only when complete, so a
+process killed mid-save (SIGKILL included) leaves the previous step as the latest; unfinished
+temporary folders are never listed as steps and are removed at the next start.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save/restore training state in ``<workdir>/checkpoints``, keeping the last ``keep`` steps.
+
+    Args:
+      workdir: run folder (local path or any path orbax accepts, e.g. ``gs://...``).
+      keep: number of checkpoints kept (older ones are deleted after a successful save).
+    """
+
+    def __init__(self, workdir: str, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = os.path.join(os.path.abspath(workdir) if "://" not in workdir else workdir, "checkpoints")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=False,  # a save returns only once the step is committed
+            cleanup_tmp_directories=True,      # remove half-written steps of a killed run
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The latest committed step (completed iterations), or None when there is none."""
+        self._manager.reload()
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._manager.reload()
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, meta: dict) -> None:
+        """Commit checkpoint ``step`` (blocking; atomic). ``rng`` is a typed or raw uint32 key."""
+        state = {"params": params, "opt_state": opt_state}
+        meta = dict(meta, step=int(step), rng=[int(x) for x in np.asarray(_key_data(rng)).ravel()])
+        self._manager.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, jax.Array, dict]:
+        """Restore ``step`` into the structure, shapes, dtypes and shardings of the given trees.
+
+        Returns:
+          ``(params, opt_state, rng, meta)`` with ``rng`` a raw uint32[2] key.
+
+        Raises:
+          FileNotFoundError: no checkpoint ``step`` in the folder.
+        """
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint step {step} in {self.directory} (have {self.all_steps()})")
+        abstract = jax.tree.map(_abstract, {"params": params_like, "opt_state": opt_state_like})
+        out = self._manager.restore(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+        )
+        st, meta = out["state"], dict(out["meta"])
+        return st["params"], st["opt_state"], jnp.asarray(meta["rng"], jnp.uint32), meta
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _key_data(key: jax.Array) -> jax.Array:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def _abstract(x):
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -1,0 +1,174 @@
+"""Run metrics: ``metrics.jsonl`` (one JSON line per iteration), TensorBoard events, PNG plots.
+
+Keys are ``<section>/<name>`` (``train/success_rate``, ``val/success_rate``, ``time/rollout_s``,
+``estimator/singleton_group_rate``, ...) plus ``iteration``. Only the primary process writes.
+On resume, lines for iterations that are re-run are dropped first, so the file holds exactly one
+line per completed iteration, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(v: Any):
+    if isinstance(v, (np.generic,)):
+        v = v.item()
+    if hasattr(v, "shape") and getattr(v, "shape", None) == ():
+        v = float(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """All lines of ``<workdir>/metrics.jsonl`` as dicts (empty list when absent)."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a kill mid-write: it is re-run
+                    break
+    return rows
+
+
+class MetricsLogger:
+    """Writes one record per iteration to JSON lines and TensorBoard.
+
+    Args:
+      workdir: run folder.
+      start_iteration: first iteration this process will log; earlier lines are kept, later
+        (and any partial) lines are removed.
+      enabled: False on non-primary processes (everything becomes a no-op).
+    """
+
+    def __init__(self, workdir: str, start_iteration: int = 0, enabled: bool = True):
+        self.workdir = workdir
+        self.enabled = enabled
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        kept = [r for r in read_metrics(workdir) if int(r.get("iteration", -1)) < start_iteration]
+        path = os.path.join(workdir, METRICS_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"), purge_step=start_iteration)
+
+    def write(self, iteration: int, record: dict[str, Any]) -> None:
+        """Append ``record`` (scalars, or small dicts/strings kept in JSON only) for ``iteration``."""
+        if not self.enabled:
+            return
+        rec = {"iteration": int(iteration)}
+        rec.update({k: _clean(v) for k, v in record.items()})
+        with open(os.path.join(self.workdir, METRICS_FILE), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for k, v in rec.items():
+            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(k, v, global_step=iteration)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(updates completed, value): the record of iteration i is measured after i + 1 updates;
+    ``val_before/*`` (the validation before any update) sits at 0."""
+    xs, ys = [], []
+    before = "val_before/" + key.split("/", 1)[1] if key.startswith("val/") else None
+    for r in rows:
+        if before and r.get(before) is not None:
+            xs.append(0)
+            ys.append(r[before])
+        if r.get(key) is not None:
+            xs.append(r["iteration"] + 1)
+            ys.append(r[key])
+    return xs, ys
+
+
+def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
+    """PNG plots from the metrics: success curve, singleton rate hash vs clusters, PACE row mix.
+
+    Returns the paths written (under ``<workdir>/plots``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(rows) if rows is not None else read_metrics(workdir)
+    out_dir = os.path.join(workdir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("train/success_rate", "train (T=1.0)"), ("val/success_rate", "validation (T=0.4)"),
+                       ("val/holdout/success_rate", "validation, held-out goals")):
+        xs, ys = _series(rows, key)
+        if xs:
+            ax.plot(xs, ys, marker="o" if key.startswith("val") else None, label=label)
+    ax.set_xlabel("PPO iterations completed")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("Success")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(os.path.join(out_dir, "success.png"))
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),
+                       ("estimator/singleton_group_rate", "clusters (BiGPO)")):
+        xs, ys = _series(rows, key)
+        if xs:
+            ax.plot(xs, ys, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("singleton step-group rate")
+    ax.set_title("Singleton rate: hash vs clusters")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(os.path.join(out_dir, "singleton_rate.png"))
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs, pace = _series(rows, "estimator/pace_row_rate")
+    _, loo = _series(rows, "estimator/loo_row_rate")
+    _, single = _series(rows, "estimator/singleton_row_rate")
+    if xs and len(pace) == len(loo) == len(single):
+        ax.stackplot(xs, pace, loo, single, labels=["PACE (Q - V)", "leave-one-out", "singleton"])
+        ax.legend(loc="lower right")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("share of rows")
+    ax.set_ylim(0, 1)
+    ax.set_title("PACE row mix")
+    paths.append(os.path.join(out_dir, "pace_row_mix.png"))
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return paths

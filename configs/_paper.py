@@ -1,0 +1,45 @@
+"""Shared settings of the BiPACE paper configs (verl-agent / GiGPO defaults, ``facts.md``)."""
+
+import ml_collections
+
+from configs import base
+
+# Per model size: fingerprint layer and epsilon (paper), plus a mesh that fits the model.
+MODEL_SIZES = {
+    # 1.5B: params + AdamW states in fp32 are ~25 GB: shard them over every device (FSDP).
+    "qwen2_5_1_5b": dict(fingerprint_layer=-12, epsilon=0.05, mesh=dict(data=1, fsdp=-1, tensor=1)),
+    # 7B: ~122 GB of fp32 params + AdamW states: FSDP over hosts' devices and 4-way tensor parallel.
+    "qwen2_5_7b": dict(fingerprint_layer=-8, epsilon=0.10, mesh=dict(data=1, fsdp=-1, tensor=4)),
+}
+
+GAMES = {
+    "alfworld": dict(max_steps=50, max_prompt_length=2048, norm="mean_std"),
+    "webshop": dict(max_steps=15, max_prompt_length=4096, norm="mean"),
+    # TextCraft in the paper: same loop as ALFWorld (ADaPT's TextCraft sets no lower cap).
+    "textcraft": dict(max_steps=50, max_prompt_length=2048, norm="mean_std"),
+}
+
+
+def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
+    """The paper setting for ``game`` x ``size``; ``model.checkpoint`` must be set by the user."""
+    c = base.get_config()
+    g, m = GAMES[game], MODEL_SIZES[size]
+    c.env.name = game
+    c.env.max_steps = g["max_steps"]
+    c.rollout.max_prompt_length = g["max_prompt_length"]
+    c.estimator.norm = g["norm"]
+    c.estimator.name = "bipace_q"
+    c.estimator.epsilon = m["epsilon"]
+    c.model.preset = size
+    c.model.fingerprint_layer = m["fingerprint_layer"]
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.checkpoint = ""  # required: --config.model.checkpoint=/path/to/Qwen2.5-...-Instruct
+    for k, v in m["mesh"].items():
+        c.mesh[k] = v
+    c.rollout.num_groups = 16
+    c.rollout.group_size = 8
+    c.sampler.max_new_tokens = 512
+    c.ppo.micro_batch_rows = 8
+    c.ppo.mini_batch_rows = 0
+    return c

@@ -1,0 +1,71 @@
+"""Warm start of the embedded default: BC + DAgger of a tiny Qwen2 on TextCraft (launch/sft.py).
+
+    python -m launch.sft --config=configs/sft_textcraft_tiny.py --workdir=runs/sft \
+        --out=bipace_jax/data/textcraft_tiny
+
+Every field is overridable (`--config.train.steps_per_round=50`). Prompt options and the task set
+come from `configs/textcraft_tasks.py`, shared with the RL default.
+"""
+
+import ml_collections
+
+from configs import textcraft_tasks as tasks
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0                         # model init, data order, DAgger seeds
+    c.tokenizer_path = ""              # "" = build the project's BPE (launch/build_tokenizer.py)
+    c.tokenizer_vocab_size = 1024      # learned BPE entries (item-name tokens come on top)
+    c.tokenizer_seeds = 2              # oracle games per goal in the tokenizer corpus
+
+    c.env = ml_collections.ConfigDict()
+    c.env.max_steps = tasks.MAX_STEPS
+    c.env.history_length = tasks.HISTORY_LENGTH
+    c.env.show_inventory = tasks.SHOW_INVENTORY
+    c.env.compact_template = True     # textcraft_tasks.TEMPLATE (False: the game's default template)
+    c.env.system_prompt = tasks.SYSTEM_PROMPT
+    c.env.fallback_action = tasks.FALLBACK_ACTION
+    c.env.tasks = tasks.TRAIN
+    c.env.holdout_every = tasks.HOLDOUT_EVERY
+
+    c.model = ml_collections.ConfigDict()
+    c.model.hidden_size = 128
+    c.model.num_layers = 3
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.intermediate_size = 384
+
+    c.data = ml_collections.ConfigDict()
+    c.data.expert_seeds = 6            # oracle games per training goal (seeds 0..n-1)
+    c.data.length_buckets = (160, 224, 288, 384)
+    c.data.response_length = 32        # R: response tokens per example (<action>...</action><|im_end|>)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_size = 32
+    c.train.learning_rate = 3e-3       # peak AdamW lr (linear warmup, cosine decay to 10%)
+    c.train.warmup_steps = 50
+    c.train.weight_decay = 0.01
+    c.train.grad_clip = 1.0
+    c.train.bc_steps = 300             # updates before the first DAgger round
+    c.train.steps_per_round = 100      # updates after each DAgger round
+    c.train.log_every = 25
+
+    c.dagger = ml_collections.ConfigDict()
+    c.dagger.rounds = 2
+    c.dagger.episodes = 64            # policy games per round (training goals, fresh seeds)
+    c.dagger.temperature = 0.4         # policy temperature in DAgger games
+    c.dagger.seed_base = 100_000       # DAgger game seeds: seed_base + round * 10_000 + k
+
+    c.gen = ml_collections.ConfigDict()
+    c.gen.max_new_tokens = 32
+    c.gen.batch_buckets = (64,)
+    c.gen.length_buckets = (160, 224, 288, 384)
+
+    c.val = ml_collections.ConfigDict()
+    c.val.num_seen = tasks.VAL_NUM_SEEN
+    c.val.num_heldout = tasks.VAL_NUM_HELDOUT
+    c.val.temperature = tasks.VAL_TEMPERATURE
+    c.val.panel_seed = 0
+    c.val.every_round = False          # validate after each round (costs one panel of games)
+    return c

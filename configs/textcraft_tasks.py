@@ -1,0 +1,120 @@
+"""The embedded default's TextCraft task set, prompt options and validation panel (issue 7).
+
+Shared by the warm start (`launch/sft.py`, `configs/sft_textcraft_tiny.py`) and the RL default
+(`configs/textcraft_tiny.py`), so both play exactly the same prompts.
+
+Task set: the TextCraft goals selected by `TRAIN` (a task selector in the trainer's syntax,
+`configs/base.py`: "key=v1,v2" filters on `env.task_info`). Held-out goals: every
+`HOLDOUT_EVERY`-th goal of that set in task-id order (ids listed by `heldout_ids`), never trained on,
+validated separately. Training game seeds are `< VAL_SEED_BASE`; the validation panel uses seeds
+from `VAL_SEED_BASE` up (new distractor recipes and order).
+"""
+
+from __future__ import annotations
+
+GAME = "textcraft"
+# The default task set: the first 80 (by task id, i.e. alphabetical) depth-2 goals whose oracle
+# plan from an empty inventory crafts every recipe once (no repeated crafts: each count in the plan
+# is one recipe's amount). `single_craft_goals` recomputes it; a test pins the list to it.
+TRAIN_IDS = (129, 132, 133, 135, 138, 140, 144, 146, 147, 148, 150, 153, 154, 155, 156, 157, 159, 161, 162, 163, 164, 166, 167, 168, 172, 173, 174, 175, 176, 178, 179, 180, 182, 186, 187, 188, 190, 191, 192, 194, 199, 201, 203, 204, 205, 207, 210, 212, 213, 214, 215, 216, 220, 223, 224, 225, 226, 227, 228, 229, 239, 241, 242, 243, 244, 245, 257, 263, 265, 266, 267, 269, 278, 279, 280, 281, 282, 283, 284, 285)
+TRAIN = ",".join(map(str, TRAIN_IDS))  # task selector (trainer syntax: an id list)
+HOLDOUT_EVERY = 8             # every 8th goal of the set (by task id) is held out: 10 goals
+HOLDOUT_IDS = TRAIN_IDS[HOLDOUT_EVERY - 1::HOLDOUT_EVERY]
+HOLDOUT = ",".join(map(str, HOLDOUT_IDS))  # the trainer's `tasks.holdout` (removed from tasks.train)
+MAX_STEPS = 15                # step cap per episode
+HISTORY_LENGTH = 0            # (observation, action) pairs shown: none, the inventory carries the state
+SHOW_INVENTORY = True         # the prompt shows the current inventory (a template option)
+SYSTEM_PROMPT = ""            # no system message
+FALLBACK_ACTION = "inventory"  # sent to the game for an unparsable response
+# A compact prompt (`environments.prompts.PromptTemplate` field overrides, RolloutConfig.template):
+# the crafting commands and goal, the step, the last feedback and the inventory; no boilerplate
+# (the default template's rules and think instruction are ~120 of its ~340 tokens). The tiny
+# actor answers with `<action>...</action>` and no think.
+TEMPLATE = {
+    "first": "{task}\nStep {current_step}: {observation}{inventory}\nAnswer <action>command</action>.",
+    "later": ("{task}\n{history}\nStep {current_step}: {observation}{inventory}\n"
+              "Answer <action>command</action>."),
+    "history_entry": "Step {index}: {observation} > {action}",
+    "task_echo": "start",
+}
+VAL_SEED_BASE = 1_000_000     # validation game seeds start here; training seeds stay below
+VAL_NUM_SEEN = 48             # panel: goals of the training set, unseen seeds
+VAL_NUM_HELDOUT = 16          # panel: held-out goals
+VAL_TEMPERATURE = 0.4
+
+
+def select(env, selector: str) -> list[int]:
+    """Task ids of `env` matching `selector` ("all" | "a:b" | "3,7" | "key=v1,v2", "&"-joined).
+
+    Raises:
+      ValueError: on a malformed selector (names it).
+    """
+    ids = set(range(env.num_tasks))
+    for part in selector.split("&"):
+        part = part.strip()
+        if part in ("", "all"):
+            continue
+        if "=" in part:
+            key, values = part.split("=", 1)
+            allowed = {v.strip() for v in values.split(",")}
+            ids &= {t for t in ids if str(env.task_info(t).get(key.strip())) in allowed}
+        else:
+            try:
+                if ":" in part:
+                    a, b = part.split(":")
+                    ids &= set(range(int(a), int(b)))
+                else:
+                    ids &= {int(v) for v in part.split(",")}
+            except ValueError:
+                raise ValueError(f"task selector part {part!r} is not all | a:b | ids | key=values") from None
+    return sorted(ids)
+
+
+def split(env, selector: str = TRAIN, holdout_every: int = HOLDOUT_EVERY) -> tuple[list[int], list[int]]:
+    """(training goals, held-out goals) of the task set: every `holdout_every`-th id is held out."""
+    ids = select(env, selector)
+    held = ids[holdout_every - 1::holdout_every] if holdout_every else []
+    held_set = set(held)
+    return [t for t in ids if t not in held_set], held
+
+
+def validation_panel(train_ids, heldout_ids, num_seen: int = VAL_NUM_SEEN,
+                     num_heldout: int = VAL_NUM_HELDOUT, seed: int = 0) -> list[tuple[int, int]]:
+    """The fixed, seeded validation panel: (task_id, game_seed) pairs.
+
+    `num_seen` goals evenly spaced over the training goals and `num_heldout` over the held-out ones
+    (all when fewer), each with its own game seed `VAL_SEED_BASE + seed * 10_000 + k`.
+    """
+    import numpy as np
+
+    def spread(ids, n):
+        if n >= len(ids):
+            return list(ids)
+        return [ids[int(i)] for i in np.linspace(0, len(ids) - 1, n).round()]
+
+    goals = spread(list(train_ids), num_seen) + spread(list(heldout_ids), num_heldout)
+    return [(t, VAL_SEED_BASE + seed * 10_000 + k) for k, t in enumerate(goals)]
+
+
+def single_craft_goals(env, depth: int = 2, limit: int | None = 80, seeds=(0, 1)) -> list[int]:
+    """Goals of `depth` whose oracle plan (from an empty inventory, for each of `seeds`) has no
+    repeated craft command; the first `limit` by task id (all when None)."""
+    out = []
+    for t in range(env.num_tasks):
+        if env.task_info(t).get("depth") != depth:
+            continue
+        ok = True
+        for seed in seeds:
+            env.reset(t, seed)
+            crafts = [a for a in env.oracle_plan() if a.startswith("craft")]
+            ok &= len(set(crafts)) == len(crafts)
+        if ok:
+            out.append(t)
+    return out if limit is None else out[:limit]
+
+
+def heldout_ids() -> list[int]:
+    """The held-out goal ids of the default task set (builds a TextCraft env to read depths)."""
+    import environments
+
+    return split(environments.make(GAME, max_steps=MAX_STEPS))[1]

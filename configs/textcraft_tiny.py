@@ -1,0 +1,61 @@
+"""CPU default: BiPACE_Q on real TextCraft games with a tiny Qwen2-architecture actor.
+
+    python -m launch.train --workdir=runs/textcraft_tiny
+
+Starts from the shipped warm start ``bipace_jax/data/textcraft_tiny`` (an HF folder: weights, config,
+tokenizer, chat template; made by ``launch/sft.py``), validates, runs RL, validates again. The task
+set, prompt options and validation panel come from ``configs/textcraft_tasks.py``, shared with the
+warm start, so RL plays exactly the prompts the warm start learned. With
+``--config.model.checkpoint=`` (empty) the actor is a random tiny Qwen2 (sizes ``model.*``) and the
+tokenizer a small BPE the project trains on TextCraft text (saved in ``<workdir>/tokenizer``).
+"""
+
+from configs import base
+from configs import textcraft_tasks as tasks
+
+
+def get_config():
+    c = base.get_config()
+    c.num_iterations = 20
+    c.model.checkpoint = "bipace_jax/data/textcraft_tiny"  # relative to the project root
+    c.model.preset = "tiny"
+    c.model.hidden_size = 128          # random init only (the warm start's shape)
+    c.model.num_layers = 3
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.intermediate_size = 384
+    c.model.vocab_size = 1024
+    c.model.fingerprint_layer = -1
+
+    c.env.name = tasks.GAME
+    c.env.max_steps = tasks.MAX_STEPS
+    c.env.num_workers = 2
+    c.tasks.train = tasks.TRAIN                # 80 single-craft depth-2 goals...
+    c.tasks.holdout = tasks.HOLDOUT            # ...of which every 8th is held out (10 goals)
+    c.tasks.holdout_every = 0
+
+    c.rollout.num_groups = 8
+    c.rollout.group_size = 8
+    c.rollout.history_length = tasks.HISTORY_LENGTH
+    c.rollout.show_inventory = tasks.SHOW_INVENTORY
+    c.rollout.system_prompt = tasks.SYSTEM_PROMPT
+    c.rollout.fallback_action = tasks.FALLBACK_ACTION
+    c.rollout.template = "configs.textcraft_tasks:TEMPLATE"
+    c.rollout.max_prompt_length = 384
+    c.sampler.max_new_tokens = 32
+    c.sampler.batch_buckets = (16, 64)
+    c.sampler.length_buckets = (160, 224, 288, 384)
+
+    c.estimator.epsilon = 0.05
+    c.ppo.micro_batch_rows = 32
+    c.ppo.old_logprobs = "fused"       # one optimizer step per iteration: old log-probs from the gradient pass
+    c.optim.learning_rate = 1e-5
+
+    c.val.every = 10
+    c.val.num_tasks = tasks.VAL_NUM_SEEN
+    c.val.num_holdout_tasks = tasks.VAL_NUM_HELDOUT
+    c.val.panel = "spread"
+    c.val.seed = tasks.VAL_SEED_BASE
+    c.val.temperature = tasks.VAL_TEMPERATURE
+    c.checkpoint.every = 1
+    return c

@@ -1,0 +1,231 @@
+"""Validation of a run config: every check runs on the host before anything compiles.
+
+A bad field raises ``ConfigError`` (a ``ValueError``) whose message is one line naming the field,
+the expected value and the value found, e.g.
+``config.estimator.epsilon must lie in [0, 1), got 1.5``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import ml_collections
+
+GAMES = ("textcraft", "alfworld", "webshop")
+ESTIMATORS = ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff")
+PRESETS = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_3b", "qwen2_5_7b")
+DTYPES = ("float32", "bfloat16")
+_SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
+
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+    """A config path as given when it exists (absolute, or relative to the working directory), else
+    relative to the project root (so ``bipace_jax/data/...`` in a config works from any directory);
+    "" stays "". Remote paths (``gs://...``) are returned unchanged."""
+    if not path or "://" in path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = os.path.join(PROJECT_ROOT, path)
+    return candidate if os.path.exists(candidate) else path
+
+
+class ConfigError(ValueError):
+    """A config field holds a value the trainer cannot use."""
+
+
+def _fail(field: str, expected: str, got) -> None:
+    raise ConfigError(f"config.{field} must {expected}, got {got!r}")
+
+
+def _int(c, field, lo=None, hi=None):
+    v = _get(c, field)
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" >= {lo}" if hi is None and lo is not None else (f" in [{lo}, {hi}]" if lo is not None else "")
+        _fail(field, f"be an int{rng}", v)
+
+
+def _float(c, field, lo=None, hi=None, lo_open=False, hi_open=False):
+    v = _get(c, field)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        _fail(field, f"be a number in {lb}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{rb}", v)
+
+
+def _choice(c, field, choices):
+    v = _get(c, field)
+    if v not in choices:
+        _fail(field, f"be one of {list(choices)}", v)
+
+
+def _get(c, field):
+    node = c
+    for part in field.split("."):
+        if part not in node:
+            raise ConfigError(f"config.{field} is missing")
+        node = node[part]
+    return node
+
+
+def validate_selector(field: str, value: str, allow_empty: bool) -> None:
+    """Check a task selector string (syntax in ``configs/base.py``); raises ConfigError."""
+    if not isinstance(value, str):
+        _fail(field, "be a task selector string", value)
+    if value == "":
+        if not allow_empty:
+            _fail(field, "be a non-empty task selector ('all', 'a:b', 'i,j', 'key=v1,v2')", value)
+        return
+    for part in value.split("&"):
+        if not _SELECTOR_PART.match(part.strip()):
+            _fail(field, "be a task selector: 'all', 'a:b', 'i,j,k' or 'key=v1,v2', joined by '&'", value)
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Check every field of a run config; raises ``ConfigError`` naming the first bad field.
+
+    Args:
+      c: the config (``configs/base.py`` layout).
+      num_devices: when given, the mesh must fit this many devices exactly.
+    """
+    _int(c, "seed", 0)
+    _int(c, "num_iterations", 0)
+    # model
+    ckpt = _get(c, "model.checkpoint")
+    if not isinstance(ckpt, str):
+        _fail("model.checkpoint", "be a path string ('' = random init)", ckpt)
+    _choice(c, "model.preset", PRESETS)
+    if ckpt:
+        if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
+            _fail("model.checkpoint", "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
+                  "--config.model.checkpoint= for a random tiny init)", ckpt)
+    elif _get(c, "model.preset") != "tiny":
+        _fail("model.checkpoint", f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)", ckpt)
+    tok = _get(c, "model.tokenizer")
+    if not isinstance(tok, str):
+        _fail("model.tokenizer", "be a path string ('' = the checkpoint's)", tok)
+    if tok and not os.path.isdir(resolve_path(tok)):
+        _fail("model.tokenizer", "be an existing tokenizer folder", tok)
+    for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        _int(c, f"model.{f}", 1)
+    _int(c, "model.vocab_size", 300)
+    if c.model.num_heads % c.model.num_kv_heads:
+        _fail("model.num_heads", f"be a multiple of model.num_kv_heads={c.model.num_kv_heads}", c.model.num_heads)
+    if c.model.hidden_size % c.model.num_heads:
+        _fail("model.hidden_size", f"be a multiple of model.num_heads={c.model.num_heads}", c.model.hidden_size)
+    _int(c, "model.fingerprint_layer")
+    _choice(c, "model.dtype", DTYPES)
+    _choice(c, "model.param_dtype", DTYPES)
+    # env and tasks
+    _choice(c, "env.name", GAMES)
+    _int(c, "env.max_steps", 1)
+    _int(c, "env.num_workers", 0)
+    _float(c, "env.timeout_s", 0, lo_open=True)
+    validate_selector("tasks.train", c.tasks.train, allow_empty=False)
+    validate_selector("tasks.holdout", c.tasks.holdout, allow_empty=True)
+    _int(c, "tasks.holdout_every", 0)
+    # rollout / sampler
+    _int(c, "rollout.num_groups", 1)
+    _int(c, "rollout.group_size", 1)
+    _int(c, "rollout.history_length", 0)
+    _int(c, "rollout.max_prompt_length", 16)
+    for f in ("system_prompt", "template", "fallback_action"):
+        if not isinstance(_get(c, f"rollout.{f}"), str):
+            _fail(f"rollout.{f}", "be a string", _get(c, f"rollout.{f}"))
+    tpl = c.rollout.template
+    if tpl and not (tpl.lstrip().startswith("{") or re.match(r"^[\w.]+:\w+$", tpl)):
+        _fail("rollout.template", "be '', a JSON object of PromptTemplate fields, or 'module:ATTR'", tpl)
+    _float(c, "rollout.invalid_penalty", 0)
+    _float(c, "rollout.success_reward", 0, lo_open=True)
+    _int(c, "sampler.max_new_tokens", 1)
+    _float(c, "sampler.temperature", 0, lo_open=True)
+    _float(c, "sampler.top_p", 0, 1, lo_open=True)
+    _int(c, "sampler.top_k", 0)
+    for f in ("batch_buckets", "length_buckets"):
+        b = _get(c, f"sampler.{f}")
+        if not b or any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
+            _fail(f"sampler.{f}", "be a non-empty increasing tuple of positive ints", b)
+    if c.sampler.length_buckets[-1] < c.rollout.max_prompt_length:
+        _fail("sampler.length_buckets", f"reach rollout.max_prompt_length={c.rollout.max_prompt_length}", tuple(c.sampler.length_buckets))
+    # estimator
+    _choice(c, "estimator.name", ESTIMATORS)
+    _float(c, "estimator.gamma", 0, 1)
+    _float(c, "estimator.omega", 0)
+    _choice(c, "estimator.norm", ("mean_std", "mean"))
+    _float(c, "estimator.epsilon", 0, 1, hi_open=True)
+    _choice(c, "estimator.centroid", ("mean", "leader"))
+    _choice(c, "estimator.key", ("action_tag", "first_tokens"))
+    _int(c, "estimator.capacity", 0)
+    if c.estimator.controller.enabled:
+        _float(c, "estimator.controller.target_singleton_rate", 0, 1)
+        _float(c, "estimator.controller.gain", 0)
+        _float(c, "estimator.controller.max_step", 0)
+        _float(c, "estimator.controller.min_epsilon", 0, 1, hi_open=True)
+        _float(c, "estimator.controller.max_epsilon", c.estimator.controller.min_epsilon, 1, hi_open=True)
+        if not c.estimator.controller.min_epsilon <= c.estimator.epsilon <= c.estimator.controller.max_epsilon:
+            _fail("estimator.epsilon", "lie in [controller.min_epsilon, controller.max_epsilon] when the controller is enabled", c.estimator.epsilon)
+    # ppo / optim
+    _float(c, "ppo.clip_eps", 0, 1, lo_open=True, hi_open=True)
+    dc = _get(c, "ppo.dual_clip")
+    if not (dc == 0 or (isinstance(dc, (int, float)) and dc > 1)):
+        _fail("ppo.dual_clip", "be > 1 (or 0 = off)", dc)
+    _float(c, "ppo.kl_coef", 0)
+    _float(c, "ppo.kl_bound", 0, lo_open=True)
+    _float(c, "ppo.entropy_coef", 0)
+    _int(c, "ppo.epochs", 1)
+    _int(c, "ppo.mini_batch_rows", 0)
+    _int(c, "ppo.micro_batch_rows", 1)
+    if c.ppo.mini_batch_rows and c.ppo.mini_batch_rows % c.ppo.micro_batch_rows:
+        _fail("ppo.mini_batch_rows", f"be a multiple of ppo.micro_batch_rows={c.ppo.micro_batch_rows} (or 0)", c.ppo.mini_batch_rows)
+    _choice(c, "ppo.old_logprobs", ("recompute", "sampler", "fused"))
+    if c.ppo.old_logprobs == "fused" and (c.ppo.epochs != 1 or c.ppo.mini_batch_rows != 0):
+        _fail("ppo.old_logprobs", "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)", c.ppo.old_logprobs)
+    if c.ppo.old_logprobs == "sampler" and (c.sampler.temperature != 1.0 or c.sampler.top_p != 1.0 or c.sampler.top_k):
+        _fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untempered (temperature 1, top_p 1, top_k 0)", c.ppo.old_logprobs)
+    _float(c, "optim.learning_rate", 0, lo_open=True)
+    _int(c, "optim.warmup_steps", 0)
+    _float(c, "optim.weight_decay", 0)
+    _float(c, "optim.b1", 0, 1, hi_open=True)
+    _float(c, "optim.b2", 0, 1, hi_open=True)
+    _float(c, "optim.eps", 0, lo_open=True)
+    _float(c, "optim.grad_clip", 0, lo_open=True)
+    # validation / bookkeeping
+    _int(c, "val.every", 0)
+    _int(c, "val.num_tasks", 0)
+    _int(c, "val.num_holdout_tasks", 0)
+    _int(c, "val.group_size", 1)
+    _float(c, "val.temperature", 0, lo_open=True)
+    _int(c, "val.seed", 1_000_000)
+    _choice(c, "val.panel", ("spread", "random"))
+    _int(c, "checkpoint.every", 1)
+    _int(c, "checkpoint.keep", 1)
+    # mesh
+    for f in ("data", "fsdp", "tensor"):
+        v = _get(c, f"mesh.{f}")
+        if isinstance(v, bool) or not isinstance(v, int) or not (v == -1 or v >= 1):
+            _fail(f"mesh.{f}", "be an int >= 1 or -1 (the devices left over)", v)
+    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
+    if sizes.count(-1) > 1:
+        _fail("mesh", "have at most one axis set to -1", dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]))
+    if num_devices is not None:
+        fixed = 1
+        for s in sizes:
+            fixed *= s if s != -1 else 1
+        if (-1 in sizes and num_devices % fixed) or (-1 not in sizes and fixed != num_devices):
+            _fail("mesh", f"fit the {num_devices} devices (data*fsdp*tensor)", dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]))
+
+
+def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes with the -1 axis resolved; call ``validate`` first."""
+    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
+    fixed = 1
+    for s in sizes:
+        fixed *= s if s != -1 else 1
+    return tuple(num_devices // fixed if s == -1 else s for s in sizes)

@@ -1,0 +1,109 @@
+"""Train an LLM agent with PPO and BiPACE advantages.
+
+    python -m launch.train --workdir=runs/textcraft_tiny                       # CPU default config
+    python -m launch.train --config=configs/alfworld_qwen2_5_7b.py --workdir=runs/x \
+        --config.model.checkpoint=/ckpt/Qwen2.5-7B-Instruct --config.estimator.epsilon=0.1 --config.seed=2
+
+Every config field can be overridden with ``--config.<field>=<value>``. The run folder receives
+``metrics.jsonl``, TensorBoard events (``tb/``), plots (``plots/``), orbax checkpoints
+(``checkpoints/``) and, at the end, the policy as a Hugging Face folder (``hf_final/``). Starting again
+with the same ``--workdir`` resumes from the latest checkpoint (``--noresume`` refuses instead).
+
+Multi-host (one process per host): ``--coordinator_address=host0:1234 --num_processes=N
+--process_id=i``, or the ``BIPACE_COORDINATOR`` / ``BIPACE_NUM_PROCESSES`` / ``BIPACE_PROCESS_ID``
+environment variables, or ``BIPACE_DISTRIBUTED=auto`` on Cloud TPU (see ``launch/README.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "textcraft_tiny.py")
+
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file (configs/*.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (metrics, events, plots, checkpoints).", required=True)
+_RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in --workdir (--noresume: fail if one exists).")
+_COORD = flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator host:port (multi-host).")
+_NPROC = flags.DEFINE_integer("num_processes", 0, "Number of processes (multi-host).")
+_PID = flags.DEFINE_integer("process_id", -1, "This process's index (multi-host).")
+
+
+def _fmt(x, pct=True):
+    if x is None:
+        return "-"
+    return f"{100 * x:5.1f}%" if pct else f"{x:.3g}"
+
+
+def format_report(summary: dict) -> str:
+    """A short text report: validation before/after RL (overall, by category), time split, BiPACE diagnostics."""
+    lines = [f"Run folder: {summary['workdir']}  (iterations {summary['start_iteration']} -> "
+             f"{summary['start_iteration'] + summary['iterations_run']})"]
+    first, last = summary.get("first_val") or {}, summary.get("last_val") or {}
+    keys = sorted({k for k in list(first) + list(last) if "success_rate" in k},
+                  key=lambda k: (k.count("/"), k))
+    if keys:
+        lines.append("Validation success (T=val.temperature)      before RL   after RL")
+        for k in keys:
+            lines.append(f"  {k:42s} {_fmt(first.get(k)):>9s}  {_fmt(last.get(k)):>9s}")
+    tr = summary.get("last_train") or {}
+    if tr:
+        total = tr.get("time/iteration_s", 0.0) or 1e-9
+        lines.append(f"Last iteration: {total:.1f} s")
+        for k in ("rollout_s", "old_logprobs_s", "ref_logprobs_s", "estimator_s", "update_s"):
+            v = tr.get(f"time/{k}")
+            if v is not None:
+                lines.append(f"  {k[:-2]:14s} {v:8.2f} s  {100 * v / total:5.1f}%")
+        lines.append(f"  BiPACE-specific share (grouping + advantages): {100 * tr.get('time/bipace_share', 0):.2f}%")
+        diag = [("singleton step groups, hash", "estimator/hash_singleton_group_rate"),
+                ("singleton step groups, clusters", "estimator/singleton_group_rate"),
+                ("PACE rows", "estimator/pace_row_rate"), ("leave-one-out rows", "estimator/loo_row_rate"),
+                ("singleton rows", "estimator/singleton_row_rate")]
+        lines.append("BiPACE diagnostics (last iteration): " + ", ".join(
+            f"{name} {_fmt(tr.get(k))}" for name, k in diag if k in tr) + f", epsilon {tr.get('estimator/epsilon')}")
+        lines.append(f"Train success {_fmt(tr.get('train/success_rate'))}, KL {_fmt(tr.get('loss/kl'), False)}, "
+                     f"entropy {_fmt(tr.get('loss/entropy'), False)}, clip frac {_fmt(tr.get('loss/clip_frac'))}")
+    if summary.get("plots"):
+        lines.append("Plots: " + ", ".join(summary["plots"]))
+    if summary.get("hf_export"):
+        lines.append(f"Policy (HF folder, load_hf_checkpoint): {summary['hf_export']}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    import configs
+
+    if not flags.FLAGS["verbosity"].present:  # orbax/absl INFO lines drown the progress bars
+        logging.set_verbosity(logging.WARNING)
+
+    config = _CONFIG.value
+    try:  # every field is checked before JAX starts or anything compiles
+        configs.validate(config)
+    except configs.ConfigError as e:
+        sys.exit(f"error: {e}")
+    from bipace_jax import trainer as trainer_lib
+
+    trainer_lib.initialize_distributed(_COORD.value, _NPROC.value, _PID.value)
+    import jax
+
+    logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
+    try:
+        tr = trainer_lib.Trainer(config, _WORKDIR.value, resume=_RESUME.value)
+    except (configs.ConfigError, FileExistsError) as e:
+        sys.exit(f"error: {e}")
+    try:
+        summary = tr.run()
+    except trainer_lib.NonFiniteError as e:
+        sys.exit(f"error: {e}")
+    finally:
+        tr.close()
+    if jax.process_index() == 0:
+        print(format_report(summary), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,139 @@
+"""Run configs: every setting loads and validates; command-line overrides; one-line field errors."""
+
+import glob
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+import configs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def _is_run_config(path):
+    """A training-run setting: a config file built on configs/base.py (not SFT or helper modules)."""
+    with open(path) as f:
+        text = f.read()
+    return "from configs import base" in text or "from configs import _paper" in text
+
+
+SETTINGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                  if not os.path.basename(p).startswith("_") and (_is_run_config(p) or p.endswith("base.py")))
+
+
+def _load(name):
+    c = importlib.import_module(f"configs.{name}").get_config()
+    if name == "textcraft_tiny":  # the shipped warm start may be absent in a checkout: random init
+        c.model.checkpoint = ""
+    return c
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return str(tmp_path)
+
+
+def test_every_setting_file_validates(hf_folder):
+    assert {"base", "textcraft_tiny", "alfworld_qwen2_5_1_5b", "alfworld_qwen2_5_7b", "textcraft_qwen2_5_1_5b",
+            "textcraft_qwen2_5_7b", "webshop_qwen2_5_1_5b", "webshop_qwen2_5_7b"} <= set(SETTINGS)
+    for name in SETTINGS:
+        c = _load(name)
+        if c.model.preset != "tiny":
+            c.model.checkpoint = hf_folder
+        configs.validate(c)
+
+
+@pytest.mark.parametrize("game,size,layer,eps,steps,norm", [
+    ("alfworld", "qwen2_5_1_5b", -12, 0.05, 50, "mean_std"),
+    ("alfworld", "qwen2_5_7b", -8, 0.10, 50, "mean_std"),
+    ("webshop", "qwen2_5_1_5b", -12, 0.05, 15, "mean"),
+    ("webshop", "qwen2_5_7b", -8, 0.10, 15, "mean"),
+    ("textcraft", "qwen2_5_7b", -8, 0.10, 50, "mean_std"),
+])
+def test_paper_settings_carry_the_paper_values(game, size, layer, eps, steps, norm):
+    c = _load(f"{game}_{size}")
+    assert (c.env.name, c.model.fingerprint_layer, c.estimator.epsilon, c.env.max_steps, c.estimator.norm) == (
+        game, layer, eps, steps, norm)
+    assert (c.rollout.num_groups, c.rollout.group_size, c.estimator.gamma, c.estimator.omega) == (16, 8, 0.95, 1.0)
+    assert (c.optim.learning_rate, c.ppo.kl_coef, c.ppo.entropy_coef, c.ppo.clip_eps, c.ppo.dual_clip) == (
+        1e-6, 0.01, 0.001, 0.2, 3.0)
+    assert (c.sampler.temperature, c.val.temperature, c.rollout.history_length, c.rollout.invalid_penalty,
+            c.num_iterations, c.estimator.name) == (1.0, 0.4, 2, 0.1, 150, "bipace_q")
+
+
+def test_command_line_overrides_reach_nested_fields():
+    argv = ["prog", f"--config={ROOT}/configs/alfworld_qwen2_5_7b.py", "--config.estimator.epsilon=0.1",
+            "--config.seed=2", "--config.rollout.num_groups=4", "--config.tasks.train=depth=2,3"]
+    fv = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+    fv(argv)
+    c = holder.value
+    assert (c.estimator.epsilon, c.seed, c.rollout.num_groups, c.tasks.train) == (0.1, 2, 4, "depth=2,3")
+    with pytest.raises(Exception):  # a misspelt field is refused, not silently added
+        argv = ["prog", f"--config={ROOT}/configs/base.py", "--config.estimator.epsilonn=0.1"]
+        fv2 = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", flag_values=fv2, sys_argv=argv)
+        fv2(argv)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("estimator.epsilon", 1.5, "config.estimator.epsilon must be a number in [0, 1), got 1.5"),
+    ("estimator.name", "gipgo", "config.estimator.name must be one of"),
+    ("estimator.gamma", -0.1, "config.estimator.gamma"),
+    ("rollout.group_size", 0, "config.rollout.group_size must be an int >= 1, got 0"),
+    ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (or 0 = off), got 0.5"),
+    ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),
+    ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),
+    ("ppo.epochs", 2, "config.ppo.old_logprobs must not be 'fused' unless ppo.epochs == 1"),
+    ("val.temperature", 0.0, "config.val.temperature"),
+    ("tasks.train", "depth>2", "config.tasks.train must be a task selector"),
+    ("env.name", "minecraft", "config.env.name must be one of"),
+    ("model.checkpoint", "/nonexistent/ckpt", "config.model.checkpoint must be a Hugging Face folder holding config.json"),
+    ("mesh.data", 0, "config.mesh.data must be an int >= 1 or -1"),
+    ("sampler.length_buckets", (512, 256), "config.sampler.length_buckets must be a non-empty increasing tuple"),
+])
+def test_bad_field_fails_with_one_line_naming_it(field, value, message):
+    c = _load("textcraft_tiny")
+    if field == "ppo.old_logprobs":
+        c.sampler.temperature = 0.7
+    section, name = field.split(".")
+    with c.unlocked():
+        c[section][name] = value
+    with pytest.raises(configs.ConfigError) as e:
+        configs.validate(c)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mesh_must_fit_the_device_count():
+    c = _load("base")
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+    configs.validate(c, num_devices=8)
+    assert configs.mesh_shape(c, 8) == (2, 2, 2)
+    with pytest.raises(configs.ConfigError, match="config.mesh must fit the 4 devices"):
+        configs.validate(c, num_devices=4)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 4
+    assert configs.mesh_shape(c, 16) == (1, 4, 4)
+
+
+def test_paper_config_without_checkpoint_fails_before_anything_runs():
+    out = subprocess.run([sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/webshop_qwen2_5_7b.py",
+                          "--workdir=/tmp/never_used_bipace"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: config.model.checkpoint must point at a Hugging Face qwen2_5_7b folder "
+        "(a qwen2_5_7b random init trains nothing useful), got ''")
+    assert not os.path.exists("/tmp/never_used_bipace")
+
+
+def test_prompt_template_field_accepts_json_or_reference_only():
+    c = _load("textcraft_tiny")
+    c.rollout.template = "not a template"
+    with pytest.raises(configs.ConfigError, match="config.rollout.template must be '', a JSON object"):
+        configs.validate(c)
+    c.rollout.template = '{"task_echo": "start"}'
+    configs.validate(c)

@@ -1,0 +1,112 @@
+"""Loss terms against hand-computed values (formulas in bipace_jax/losses.py docstrings)."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bipace_jax import losses
+
+
+def _lp(r):
+    """log-ratio giving ratio r when old_logprobs = 0."""
+    return jnp.asarray(np.log(np.asarray(r, np.float64)), jnp.float32)
+
+
+def test_ppo_clip_loss_matches_hand_computed_cases():
+    # (A, ratio) -> expected per-token loss, clipped flag; clip 0.2, dual clip 3.0
+    adv = jnp.array([[1.0, 1.0, -1.0, -1.0, -2.0, 0.0, 1.0]])
+    ratio = np.array([[1.5, 0.5, 1.5, 5.0, 0.5, 2.0, 1.1]])
+    loss, clipped = losses.ppo_clip_loss(_lp(ratio), jnp.zeros_like(adv), adv, 0.2, 3.0)
+    # A=1,r=1.5: max(-1.5,-1.2)=-1.2 clipped; A=1,r=.5: max(-.5,-.8)=-.5;
+    # A=-1,r=1.5: max(1.5,1.2)=1.5; A=-1,r=5: max(5,1.2)=5 -> dual min(5,3)=3 (clipped);
+    # A=-2,r=.5: max(1.0,1.6)=1.6 clipped; A=0: 0; A=1,r=1.1: -1.1 inside the range.
+    np.testing.assert_allclose(loss, [[-1.2, -0.5, 1.5, 3.0, 1.6, 0.0, -1.1]], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(clipped, [[1, 0, 0, 1, 1, 0, 0]])
+
+
+def test_ppo_clip_loss_without_dual_clip_is_unbounded_for_negative_advantage():
+    loss, _ = losses.ppo_clip_loss(_lp([[5.0]]), jnp.zeros((1, 1)), jnp.array([[-1.0]]), 0.2, None)
+    np.testing.assert_allclose(loss, [[5.0]], rtol=1e-6)
+
+
+def test_low_var_kl_matches_k3_formula_and_bound():
+    logp = jnp.log(jnp.array([[0.5, 0.5, 1e-12]]))
+    ref = jnp.log(jnp.array([[0.25, 0.5, 0.9]]))
+    kl = losses.low_var_kl(logp, ref, bound=10.0)
+    d = math.log(0.5)  # log(0.25 / 0.5)
+    np.testing.assert_allclose(kl[0, :2], [math.exp(d) - d - 1.0, 0.0], rtol=1e-5, atol=1e-7)
+    assert float(kl[0, 2]) == 10.0  # exp(27.5) clamped to the bound
+
+
+def test_entropy_from_logits_matches_closed_form():
+    logits = jnp.array([[[0.0, 0.0], [0.0, math.log(3.0)]]])
+    h = losses.entropy_from_logits(logits)
+    expected_2 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    np.testing.assert_allclose(h, [[math.log(2.0), expected_2]], rtol=1e-6)
+
+
+def test_token_logprobs_gathers_log_softmax():
+    logits = jnp.array([[[0.0, math.log(3.0)], [2.0, 2.0]]])
+    lp = losses.token_logprobs(logits, jnp.array([[1, 0]]))
+    np.testing.assert_allclose(lp, [[math.log(0.75), math.log(0.5)]], rtol=1e-6)
+
+
+def test_token_mean_ignores_masked_tokens_even_if_nonfinite():
+    values = jnp.array([[1.0, 3.0, jnp.nan], [5.0, jnp.inf, 7.0]])
+    mask = jnp.array([[1, 1, 0], [1, 0, 0]], bool)
+    assert float(losses.token_mean(values, mask)) == pytest.approx((1 + 3 + 5) / 3)
+    assert float(losses.token_mean(values, mask, denom=9.0)) == pytest.approx(1.0)
+    assert float(losses.token_mean(values, jnp.zeros_like(mask))) == 0.0
+
+
+def test_ppo_loss_total_matches_hand_computed_value():
+    # One row, two tokens (second masked). V=2, logits [0, log 3] -> p = [.25, .75]; target 1.
+    logits = jnp.array([[[0.0, math.log(3.0)], [9.0, -9.0]]])
+    targets = jnp.array([[1, 0]])
+    mask = jnp.array([[True, False]])
+    logp = math.log(0.75)
+    old = jnp.array([[logp - math.log(1.5), 0.0]])  # ratio 1.5
+    ref = jnp.array([[math.log(0.5), 0.0]])
+    adv = jnp.array([2.0])
+    cfg = losses.PPOLossConfig(clip_eps=0.2, dual_clip=3.0, kl_coef=0.01, entropy_coef=0.001)
+    loss, m = losses.ppo_loss(logits, targets, mask, old, ref, adv, cfg)
+    pg = max(-2.0 * 1.5, -2.0 * 1.2)  # = -2.4
+    d = math.log(0.5) - logp
+    kl = math.exp(d) - d - 1.0
+    ent = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert float(m["pg_loss"]) == pytest.approx(pg, rel=1e-5)
+    assert float(m["kl"]) == pytest.approx(kl, rel=1e-5)
+    assert float(m["entropy"]) == pytest.approx(ent, rel=1e-5)
+    assert float(m["clip_frac"]) == pytest.approx(1.0)
+    assert float(loss) == pytest.approx(pg + 0.01 * kl - 0.001 * ent, rel=1e-5)
+
+
+def test_micro_batch_losses_with_global_denominator_sum_to_full_batch_token_mean():
+    rng = np.random.default_rng(0)
+    B, M, V = 6, 5, 7
+    logits = jnp.asarray(rng.normal(size=(B, M, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, size=(B, M)), jnp.int32)
+    mask = jnp.asarray(rng.random((B, M)) < 0.7)
+    old = jnp.asarray(rng.normal(size=(B, M)) * 0.1 - 2.0, jnp.float32)
+    ref = jnp.asarray(rng.normal(size=(B, M)) * 0.1 - 2.0, jnp.float32)
+    adv = jnp.asarray(rng.normal(size=(B,)), jnp.float32)
+    cfg = losses.PPOLossConfig()
+    full, _ = losses.ppo_loss(logits, targets, mask, old, ref, adv, cfg)
+    denom = jnp.sum(mask)
+    parts = [losses.ppo_loss(logits[s], targets[s], mask[s], old[s], ref[s], adv[s], cfg, denom)[0]
+             for s in (slice(0, 2), slice(2, 4), slice(4, 6))]
+    np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
+
+
+def test_ppo_loss_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="clip_eps"):
+        losses.PPOLossConfig(clip_eps=0.0)
+    with pytest.raises(ValueError, match="dual_clip"):
+        losses.PPOLossConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="kl_coef"):
+        losses.PPOLossConfig(kl_coef=-1.0)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        losses.ppo_loss(jnp.zeros((1, 1, 2)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool),
+                        jnp.zeros((1, 1)), None, jnp.zeros((1,)), losses.PPOLossConfig())

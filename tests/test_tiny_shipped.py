@@ -1,0 +1,70 @@
+"""The shipped warm start (bipace_jax/data/textcraft_tiny): loads, is small, and still plays.
+
+The quality check replays the first games of the fixed validation panel (configs.textcraft_tasks)
+with greedy decoding and requires the success rate recorded in docs/warm_start.md minus a margin:
+a corrupted, retrained-worse or format-mismatched checkpoint fails it (a random actor wins 0).
+"""
+
+import json
+import os
+
+import pytest
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "data", "textcraft_tiny")
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(SHIPPED, "config.json")),
+                                reason="no shipped warm start in this checkout")
+
+# Greedy success on the first NUM_GAMES seen-goal games of the panel, measured when the checkpoint
+# was made (see docs/warm_start.md / the folder's sft_report.json); the test allows MARGIN below it.
+NUM_GAMES = 16
+MARGIN = 0.2
+
+
+def test_shipped_folder_is_small_and_complete():
+    files = os.listdir(SHIPPED)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert f in files, f
+    size = sum(os.path.getsize(os.path.join(SHIPPED, f)) for f in files)
+    assert size < 12 * 2 ** 20, f"shipped warm start is {size / 2 ** 20:.1f} MiB"
+
+
+def test_shipped_checkpoint_loads_with_its_tokenizer_and_chat_template():
+    from bipace_jax.models import load_hf_checkpoint, load_tokenizer
+    from bipace_jax.tiny import CHAT_TEMPLATE
+
+    actor = load_hf_checkpoint(SHIPPED)
+    tok = load_tokenizer(SHIPPED)
+    assert actor.config.vocab_size == len(tok)
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert actor.config.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+
+
+def test_shipped_warm_start_still_solves_validation_games():
+    import jax
+    from flax import nnx
+
+    import environments
+    from bipace_jax.models import load_hf_checkpoint, load_tokenizer
+    from configs import textcraft_tasks as tasks
+    from launch.sft import Generator, PromptBuilder, play_policy, summarize
+
+    report = json.load(open(os.path.join(SHIPPED, "sft_report.json")))
+    expected = report["greedy_first_games"]["success"]
+    actor = load_hf_checkpoint(SHIPPED)
+    tok = load_tokenizer(SHIPPED)
+
+    def make_env():
+        return environments.make(tasks.GAME, max_steps=tasks.MAX_STEPS)
+
+    train_ids, held = tasks.split(make_env())
+    panel = tasks.validation_panel(train_ids, held)[:NUM_GAMES]
+    graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
+    gen = Generator(tok, graphdef, max_new_tokens=32, batch_buckets=(NUM_GAMES,),
+                    length_buckets=(384,), temperature=0.0)
+    prompt = PromptBuilder(tasks.GAME, tasks.HISTORY_LENGTH, tasks.SHOW_INVENTORY, tasks.TEMPLATE)
+    key = jax.random.key(0)
+    eps, _ = play_policy(lambda ids: gen((params, rest), ids, key), make_env, panel, prompt, tok,
+                         tasks.MAX_STEPS, label=False, fallback_action=tasks.FALLBACK_ACTION)
+    s = summarize(eps)
+    assert s["success"] >= expected - MARGIN, (s, expected)
+    assert s["invalid_rate"] < 0.1, s

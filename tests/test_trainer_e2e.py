@@ -1,0 +1,204 @@
+"""End to end: `python -m launch.train` on real TextCraft games with a tiny actor.
+
+Pins: the two-iteration command leaves metrics, events, plots, a checkpoint and an HF export; a run
+killed with SIGKILL mid-iteration resumes with no lost or repeated iteration; two local processes
+(jax.distributed over CPU, gloo) run one iteration together. Processes share a persistent
+compilation cache so later runs skip most compiles.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = [
+    "--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=1", "--config.model.intermediate_size=64",
+    "--config.rollout.num_groups=2", "--config.rollout.group_size=2", "--config.env.max_steps=3",
+    "--config.env.num_workers=1", "--config.sampler.max_new_tokens=16", "--config.sampler.batch_buckets=(4, 8)",
+    "--config.val.num_tasks=2", "--config.val.num_holdout_tasks=1", "--config.val.every=1",
+    "--config.ppo.micro_batch_rows=8", "--config.model.checkpoint=",
+    "--config.log.progress=False",
+]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A tokenizer folder built once (the project's game BPE) and a compilation cache folder."""
+    import configs.textcraft_tiny
+    from bipace_jax.trainer import build_game_tokenizer
+
+    base = tmp_path_factory.mktemp("e2e_shared")
+    cfg = configs.textcraft_tiny.get_config()
+    cfg.model.checkpoint = ""
+    build_game_tokenizer(cfg, str(base / "tokenizer"), num_tasks=16)
+    return {"tokenizer": str(base / "tokenizer"), "cache": str(base / "jax_cache")}
+
+
+def _env(shared, **extra):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=shared["cache"],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    env.update(extra)
+    return env
+
+
+def _cmd(workdir, shared, *extra):
+    return [sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/textcraft_tiny.py",
+            f"--workdir={workdir}", f"--config.model.tokenizer={shared['tokenizer']}", *TINY, *extra]
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+REQUIRED = ["train/success_rate", "train/episode_length", "train/invalid_rate", "train/env_errors", "train/return",
+            "loss/kl", "loss/entropy", "loss/clip_frac", "loss/grad_norm", "estimator/epsilon",
+            "estimator/singleton_group_rate", "estimator/hash_singleton_group_rate", "estimator/pace_row_rate",
+            "time/rollout_s", "time/old_logprobs_s", "time/ref_logprobs_s", "time/estimator_s", "time/update_s",
+            "time/bipace_share", "val/success_rate", "val/success_rate/depth_2", "val/holdout/success_rate"]
+
+
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory, shared):
+    """The documented command, two iterations, run once: (workdir, completed process)."""
+    w = tmp_path_factory.mktemp("two_iterations") / "run"
+    out = subprocess.run(_cmd(w, shared, "--config.num_iterations=2"), cwd=ROOT, env=_env(shared),
+                         capture_output=True, text=True, timeout=600)
+    return w, out
+
+
+def _learning_record(row):
+    """What an iteration computed (not how long it took)."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "val_before/validation_s"))}
+
+
+def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_hf_export(two_iterations, shared):
+    w, out = two_iterations
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Validation success" in out.stdout and "BiPACE-specific share" in out.stdout
+
+    rows = _metrics(w)
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for r in rows:
+        for k in REQUIRED:
+            assert k in r and r[k] is not None and math.isfinite(r[k]), k
+        assert r["train/episodes"] == 4 and r["train/rows"] >= 4  # 2 groups x 2 rollouts, >= 1 step each
+        assert 0 <= r["train/success_rate"] <= 1 and r["estimator/epsilon"] == 0.05
+        # the trainer's recomputed old log-probs equal the sampler's (temperature 1): same tokens, same policy
+        assert r["rollout/logprob_gap"] < 1e-3
+    assert rows[0]["train/task_cursor"] == 0 and rows[1]["train/task_cursor"] == 2
+    assert "val_before/success_rate" in rows[0]
+
+    events = os.listdir(w / "tb")
+    assert events and all(os.path.getsize(w / "tb" / e) > 0 for e in events)
+    for name in ("success.png", "singleton_rate.png", "pace_row_mix.png"):
+        with open(w / "plots" / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    from bipace_jax.checkpointing import Checkpointer
+    ck = Checkpointer(str(w))
+    assert ck.latest_step() == 2
+
+    # The exported policy is the trained one: it differs from the seed-0 initialisation.
+    import jax
+    from flax import nnx
+    from bipace_jax.models import load_hf_checkpoint
+    trained = nnx.state(load_hf_checkpoint(str(w / "hf_final")), nnx.Param)
+    import configs.textcraft_tiny
+    from bipace_jax.models import load_tokenizer
+    from bipace_jax.trainer import build_actor
+    cfg = configs.textcraft_tiny.get_config()
+    cfg.model.checkpoint = ""
+    for flag in TINY[:5]:
+        k, v = flag[len("--config.model."):].split("=")
+        cfg.model[k] = int(v)
+    init = nnx.state(build_actor(cfg, load_tokenizer(shared["tokenizer"])), nnx.Param)
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), trained, init))
+    assert max(diffs) > 0
+
+
+def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_path, shared, two_iterations):
+    w = tmp_path / "run"
+    cmd = _cmd(w, shared, "--config.num_iterations=3", "--config.checkpoint.export_hf=False",
+               "--config.log.plots=False")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(shared), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 400
+        while not os.path.isdir(w / "checkpoints" / "1"):  # iteration 0 committed
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "no checkpoint 1 in time"
+            time.sleep(0.05)
+        time.sleep(0.5)  # now inside iteration 1 (rollout or update)
+        assert proc.poll() is None, "the run finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    killed_rows = _metrics(w)
+    assert [r["iteration"] for r in killed_rows] in ([0], [0, 1])
+
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(shared), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(iterations 1 -> 3)" in out.stdout or "(iterations 2 -> 3)" in out.stdout
+    rows = _metrics(w)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert [r["train/task_cursor"] for r in rows] == [0, 2, 4]
+    assert rows[0] == killed_rows[0]  # the completed iteration is kept, not re-run
+    # ...and the resumed run computes exactly what the uninterrupted run computed (same tasks, seeds,
+    # RNG, parameters and optimizer state): iteration 1 was re-run from checkpoint 1, not skipped.
+    uninterrupted = _metrics(two_iterations[0])
+    assert two_iterations[1].returncode == 0
+    for a, b in zip(rows[:2], uninterrupted):
+        assert _learning_record(a) == _learning_record(b)
+    from bipace_jax.checkpointing import Checkpointer
+    assert Checkpointer(str(w)).latest_step() == 3
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
+    w = tmp_path / "run"
+    port = _free_port()
+    procs = []
+    for pid in (0, 1):
+        cmd = _cmd(w, shared, "--config.num_iterations=1", "--config.checkpoint.export_hf=False",
+                   "--config.log.plots=False", f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                   f"--process_id={pid}")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(shared, JAX_NUM_CPU_DEVICES="1"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=600))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    rows = _metrics(w)
+    assert [r["iteration"] for r in rows] == [0]
+    r = rows[0]
+    assert r["train/episodes"] == 4  # each process played its 1 task group x 2 rollouts; counts are summed
+    assert r["train/hosts"] == 2
+    assert math.isfinite(r["loss/grad_norm"]) and r["val/tasks"] == 2
+    assert "Validation success" in outs[0][0] and "Validation success" not in outs[1][0]
+    from bipace_jax.checkpointing import Checkpointer
+    assert Checkpointer(str(w)).latest_step() == 1

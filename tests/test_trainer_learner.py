@@ -1,0 +1,135 @@
+"""PPOLearner: log-prob alignment, exact gradient accumulation, NaN guard, and the update's direction."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from bipace_jax import losses, sharding
+from bipace_jax.models import Qwen2Actor, Qwen2Config
+from bipace_jax.trainer import Batch, NonFiniteError, PPOLearner
+
+V = 48
+SGD = optax.sgd(0.5)  # shared transformations: learners of one model + loss + optimizer share compiled programs
+ADAMW = optax.adamw(3e-3)
+
+
+def _actor(seed=0):
+    cfg = Qwen2Config.tiny(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2)
+    return Qwen2Actor(cfg, rngs=nnx.Rngs(seed))
+
+
+def _batch(n=6, p=7, m=5, seed=0):
+    """Left-padded prompts of random length, right-padded responses of random length (>= 1)."""
+    rng = np.random.default_rng(seed)
+    pid = np.zeros((n, p), np.int32)
+    pm = np.zeros((n, p), np.int32)
+    rid = np.zeros((n, m), np.int32)
+    rm = np.zeros((n, m), bool)
+    for i in range(n):
+        lp, lr = rng.integers(2, p + 1), rng.integers(1, m + 1)
+        pid[i, p - lp:] = rng.integers(3, V, lp)
+        pm[i, p - lp:] = 1
+        rid[i, :lr] = rng.integers(3, V, lr)
+        rm[i, :lr] = True
+    return Batch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, p)
+
+
+def _learner(tx, micro, kl=0.0, mini=0, actor=None):
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    cfg = losses.PPOLossConfig(kl_coef=kl, entropy_coef=0.001)
+    return PPOLearner(actor or _actor(), mesh, cfg, tx, micro_batch_rows=micro, mini_batch_rows=mini)
+
+
+def test_logprobs_match_a_per_row_forward_over_the_real_tokens():
+    L = _learner(SGD, micro=4)
+    b = _batch(n=4)
+    lp = L.logprobs(L.params_local, b)
+    actor = _actor()
+    for i in range(b.rows):
+        prompt = b.input_ids[i, :b.prompt_len][b.attention_mask[i, :b.prompt_len] > 0]
+        resp = b.response_ids[i][b.response_mask[i]]
+        seq = np.concatenate([prompt, resp])[None]
+        logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0]
+        want = jax.nn.log_softmax(logits[len(prompt) - 1:-1], -1)[np.arange(len(resp)), resp]
+        np.testing.assert_allclose(lp[i, :len(resp)], want, atol=2e-5)
+
+
+def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
+    b = _batch(n=6)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
+    results = []
+    for micro in (6, 4):  # 4: a full and a padded micro-batch
+        L = _learner(SGD, micro=micro)
+        old = L.logprobs(L.params_local, b) - 0.05  # ratios away from 1
+        L.update(b, old, None, adv, jax.random.PRNGKey(0))
+        results.append(jax.tree.map(np.asarray, L.params))
+    for other in results[1:]:
+        jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6, rtol=1e-5), results[0], other)
+
+
+def test_first_update_sees_unit_ratio_and_zero_kl_to_the_initial_policy():
+    L = _learner(ADAMW, micro=3, kl=0.01)
+    b = _batch()
+    old = L.logprobs(L.params_local, b)
+    ref = L.logprobs(L.ref_params_local, b)
+    np.testing.assert_allclose(old, ref, atol=1e-6)
+    out = L.update(b, old, ref, np.ones(b.rows, np.float32), jax.random.PRNGKey(0))
+    assert out["loss/clip_frac"] == 0.0
+    assert abs(out["loss/kl"]) < 1e-7
+    assert out["loss/updates"] == 1 and out["loss/grad_norm"] > 0
+    # the reference stays frozen while the policy moves
+    np.testing.assert_allclose(L.logprobs(L.ref_params_local, b), ref, atol=1e-6)
+    assert np.abs(L.logprobs(L.params_local, b) - old)[b.response_mask].max() > 1e-4
+
+
+def test_updates_raise_logprob_of_positive_advantage_rows_and_lower_negative_ones():
+    L = _learner(ADAMW, micro=3, mini=0)
+    b = _batch(n=6, seed=3)
+    adv = np.array([1.0, 1.0, 1.0, -1.0, -1.0, -1.0], np.float32)
+    before = (L.logprobs(L.params_local, b) * b.response_mask).sum(1)
+    for it in range(3):
+        old = L.logprobs(L.params_local, b)
+        L.update(b, old, None, adv, jax.random.PRNGKey(it))
+    after = (L.logprobs(L.params_local, b) * b.response_mask).sum(1)
+    assert np.all(after[:3] > before[:3]) and np.all(after[3:] < before[3:])
+
+
+def test_mini_batches_give_one_optimizer_step_each():
+    L = _learner(ADAMW, micro=3, mini=4)
+    b = _batch(n=10)  # 3 mini-batches of <= 4 rows, each 2 micro-batches of 3
+    out = L.update(b, L.logprobs(L.params_local, b), None, np.ones(10, np.float32), jax.random.PRNGKey(0))
+    assert out["loss/updates"] == 3  # ceil(10 / 4)
+
+
+def test_nan_advantage_stops_the_update_and_leaves_params_untouched():
+    L = _learner(ADAMW, micro=3)
+    b = _batch()
+    before = jax.tree.map(np.asarray, L.params)
+    adv = np.ones(b.rows, np.float32)
+    adv[2] = np.nan
+    with pytest.raises(NonFiniteError, match="non-finite PPO update .*the update was not applied"):
+        L.update(b, L.logprobs(L.params_local, b), None, adv, jax.random.PRNGKey(0))
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, L.params))
+
+
+def test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass():
+    b = _batch(n=6, seed=5)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
+    plain = _learner(ADAMW, micro=3, kl=0.01)
+    plain.update(b, plain.logprobs(plain.params_local, b), plain.logprobs(plain.ref_params_local, b), adv,
+                 jax.random.PRNGKey(0))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    fused = PPOLearner(_actor(), mesh, losses.PPOLossConfig(kl_coef=0.01, entropy_coef=0.001), ADAMW,
+                       micro_batch_rows=3, fused_old_logprobs=True)
+    sampler_lp = fused.logprobs(fused.params_local, b) + 0.25  # what a sampler reported, off by 0.25
+    out = fused.update(b, sampler_lp, fused.logprobs(fused.ref_params_local, b), adv, jax.random.PRNGKey(0))
+    assert out["loss/sampler_gap"] == pytest.approx(0.25, abs=1e-4)
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6), jax.tree.map(np.asarray, plain.params),
+                 jax.tree.map(np.asarray, fused.params))
+    with pytest.raises(ValueError, match="fused_old_logprobs needs one optimizer step"):
+        PPOLearner(_actor(), mesh, losses.PPOLossConfig(), ADAMW, micro_batch_rows=3, mini_batch_rows=3,
+                   fused_old_logprobs=True)

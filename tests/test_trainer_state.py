@@ -1,0 +1,122 @@
+"""Run state that must survive crashes: checkpoints, metrics lines, task order, validation panel."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bipace_jax.checkpointing import Checkpointer
+from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
+from bipace_jax.trainer import (TRAIN_SEED_RANGE, resolve_template, select_tasks, split_holdout, train_task,
+                                validation_panel)
+
+
+def _tree():
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones(4, jnp.bfloat16)}}
+    opt = optax.adamw(1e-3).init(params)
+    return params, opt
+
+
+def test_checkpoint_round_trip_restores_every_field(tmp_path):
+    params, opt = _tree()
+    params2 = jax.tree.map(lambda x: x + 1, params)
+    _, opt2 = optax.adamw(1e-3).update(params, opt, params)
+    ck = Checkpointer(str(tmp_path), keep=2)
+    assert ck.latest_step() is None
+    ck.save(1, params, opt, jax.random.PRNGKey(1), {"iteration": 1, "task_cursor": 16, "epsilon": 0.05})
+    ck.save(2, params2, opt2, jax.random.PRNGKey(7), {"iteration": 2, "task_cursor": 32, "epsilon": 0.07,
+                                                       "controller": {"epsilon": 0.07}})
+    ck.save(3, params2, opt2, jax.random.PRNGKey(9), {"iteration": 3, "task_cursor": 48, "epsilon": 0.08})
+    assert ck.all_steps() == [2, 3]  # keep=2
+    p, o, rng, meta = Checkpointer(str(tmp_path)).restore(2, params, opt)
+    jax.tree.map(np.testing.assert_array_equal, p, params2)
+    jax.tree.map(np.testing.assert_array_equal, o, opt2)
+    assert p["b"]["c"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(rng, jax.random.PRNGKey(7))
+    assert (meta["iteration"], meta["task_cursor"], meta["epsilon"], meta["controller"]) == (2, 32, 0.07, {"epsilon": 0.07})
+    with pytest.raises(FileNotFoundError, match="no checkpoint step 1"):
+        ck.restore(1, params, opt)
+
+
+def test_half_written_checkpoint_is_not_the_latest(tmp_path):
+    params, opt = _tree()
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, params, opt, jax.random.PRNGKey(0), {"iteration": 1, "task_cursor": 0, "epsilon": 0.05})
+    # what a process killed mid-save leaves behind: orbax's temporary folder, never renamed
+    os.makedirs(tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp" / "state")
+    assert Checkpointer(str(tmp_path)).latest_step() == 1
+
+
+def test_metrics_logger_drops_lines_of_iterations_that_will_be_rerun(tmp_path):
+    m = MetricsLogger(str(tmp_path), start_iteration=0)
+    for i in range(3):
+        m.write(i, {"train/success_rate": 0.1 * i, "val/success_rate": float("nan") if i == 1 else 0.5})
+    m.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "train/succ')  # cut by a kill mid-write
+    m = MetricsLogger(str(tmp_path), start_iteration=2)
+    m.write(2, {"train/success_rate": 0.9})
+    m.close()
+    rows = read_metrics(str(tmp_path))
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert rows[2]["train/success_rate"] == 0.9 and rows[1]["val/success_rate"] is None
+    paths = make_plots(str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["success.png", "singleton_rate.png", "pace_row_mix.png"]
+
+
+def test_task_selectors():
+    info = lambda i: {"depth": 2 + i % 3}
+    assert select_tasks("all", 5, info) == [0, 1, 2, 3, 4]
+    assert select_tasks("1:4", 9, info) == [1, 2, 3]
+    assert select_tasks("7,2,2", 9, info) == [2, 7]
+    assert select_tasks("depth=3,4", 6, info) == [1, 2, 4, 5]
+    assert select_tasks("depth=2&0:4", 9, info) == [0, 3]
+    assert select_tasks("", 9, info) == []
+    with pytest.raises(ValueError, match="ids \\[12\\] outside"):
+        select_tasks("1,12", 9, info)
+    with pytest.raises(ValueError, match="matches no task"):
+        select_tasks("depth=9", 9, info)
+
+
+def test_training_task_order_visits_every_task_once_per_epoch_and_is_reproducible():
+    ids = [3, 5, 8, 13, 21]
+    first = [train_task(ids, 0, i) for i in range(10)]
+    assert sorted(t for t, _ in first[:5]) == ids and sorted(t for t, _ in first[5:]) == ids
+    assert first == [train_task(ids, 0, i) for i in range(10)]
+    assert [t for t, _ in first] != [t for t, _ in (train_task(ids, 1, i) for i in range(10))]
+    assert all(0 <= s < TRAIN_SEED_RANGE for _, s in first)
+
+
+def test_holdout_every_kth_goal_of_the_set():
+    train, held = split_holdout(list(range(10, 30)), [11], 8)
+    assert held == [11, 17, 25] and train == [t for t in range(10, 30) if t not in (11, 17, 25)]
+    assert split_holdout([3, 1, 2], [], 0) == ([1, 2, 3], [])
+
+
+def test_spread_validation_panel_is_evenly_spaced_with_consecutive_unseen_seeds():
+    seen, held = validation_panel(list(range(100, 170)), [7, 8, 9], 5, 16, 1_000_000, "spread")
+    # linspace(0, 69, 5) = 0, 17.25, 34.5, 51.75, 69 -> rounded half to even: 0, 17, 34, 52, 69
+    assert seen == [(100, 1_000_000), (117, 1_000_001), (134, 1_000_002), (152, 1_000_003), (169, 1_000_004)]
+    assert held == [(7, 1_000_005), (8, 1_000_006), (9, 1_000_007)]  # all of them when fewer
+
+
+def test_random_validation_panel_is_fixed_with_unseen_seeds():
+    ids = list(range(40))
+    seen, held = validation_panel(ids, [50, 51], 8, 1, 1_000_003, "random")
+    assert (seen, held) == validation_panel(ids, [50, 51], 8, 1, 1_000_003, "random")
+    assert len({t for t, _ in seen}) == 8 and len(held) == 1 and held[0][0] in (50, 51)
+    assert all(s >= TRAIN_SEED_RANGE for _, s in seen + held)
+    assert validation_panel(ids, [], 0, 4, 1_000_000, "random") == ([], [])
+
+
+def test_prompt_template_from_json_or_reference():
+    assert resolve_template("") is None
+    assert resolve_template('{"task_echo": "start"}') == {"task_echo": "start"}
+    assert resolve_template("configs.validation:GAMES") == ("textcraft", "alfworld", "webshop")
+    import configs
+    with pytest.raises(configs.ConfigError, match="config.rollout.template must name"):
+        resolve_template("configs.validation:NOPE")
