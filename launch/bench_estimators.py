@@ -187,7 +187,7 @@ def main():
              "of its task group (about N x K x D multiply-adds); the jitted kernel does them as "
              "batched matmuls over blocks of 16 rows and 16-slot cluster chunks (N x (16 + K rounded "
              "up to 16) x D), so it does about 2x the oracle's arithmetic, without its Python overhead. "
-             "On 2 shared vCPUs (other jobs running: see load_average) with the measured copy "
+             "On 2 shared vCPUs (other jobs running: see load_average_at_end) with the measured copy "
              "bandwidth, both are bound by arithmetic and memory traffic; for grpo/gigpo (no "
              "fingerprints) see their cells and torch_dict_gigpo. Wall-clock times under shared "
              "load vary by ~2x between runs."),
