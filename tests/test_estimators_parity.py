@@ -22,7 +22,7 @@ from bipace_jax.estimators.synthetic import random_step_arrays
 N, D, GROUPS, ROWS = 64, 8, 4, 24
 EPSILONS = (0.0, 0.02, 0.1, 0.3, 0.6)
 GAMMAS = (0.0, 0.5, 0.95, 1.0)
-SETTINGS = settings(max_examples=int(os.environ.get("EST_EXAMPLES", 300)), deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=int(os.environ.get("EST_EXAMPLES", 400)), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 _KERNEL = jax.jit(clustering.greedy_cosine_clusters, static_argnames=("capacity", "centroid", "block", "chunk"))
 _SCALES = jax.jit(clustering.row_scales)
@@ -86,7 +86,7 @@ def test_clustering_estimators_match_oracle_partitions_advantages_and_diagnostic
   _check(_batch(seed), cfg)
 
 
-@settings(max_examples=int(os.environ.get("EST_EXAMPLES", 400)), deadline=None, derandomize=True)
+@settings(max_examples=int(os.environ.get("EST_EXAMPLES", 500)), deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**32 - 1), epsilon=st.sampled_from(EPSILONS),
        centroid=st.sampled_from(("mean", "leader")), capacity=st.sampled_from((24, 3)))
 def test_kernel_blocks_and_chunks_give_the_oracle_greedy_clusters(seed, epsilon, centroid, capacity):
