@@ -56,29 +56,45 @@ def _block_size(r: int, limit: int = 16) -> int:
   return max(d for d in range(1, min(r, limit) + 1) if r % d == 0)
 
 
-def normalise_fingerprints(f):
-  """Robust re-normalisation: f / max|f|, then / ||.||, in fp32.
+def row_scales(f):
+  """Per-row factors of the robust re-normalisation `(f / max|f|) / ||f / max|f|| ||`, in fp32.
 
   Args: f float32/bfloat16 [..., D].
-  Returns: (unit float32 [..., D] with zeros on degenerate rows, degenerate bool [...]). A row is
-  degenerate when any element is non-finite or all elements are zero (spec "Clustering").
+  Returns: (max_abs float32 [...], norm float32 [...], degenerate bool [...]); on degenerate rows
+  (any non-finite element, or all zeros; spec "Clustering") max_abs and norm are 1. Two reading
+  passes over f and no copy of it: the kernel applies the factors to each block it loads.
   """
   f = f.astype(jnp.float32)
   finite = jnp.all(jnp.isfinite(f), axis=-1)
   m = jnp.max(jnp.abs(jnp.where(jnp.isfinite(f), f, 0.0)), axis=-1)
   degenerate = ~finite | (m == 0)
-  g = f / jnp.where(degenerate, 1.0, m)[..., None]
+  m = jnp.where(degenerate, 1.0, m)
+  g = jnp.where(degenerate[..., None], 0.0, f / m[..., None])
   nrm = jnp.sqrt(jnp.sum(g * g, axis=-1))
-  unit = g / jnp.where(degenerate, 1.0, nrm)[..., None]
+  return m, jnp.where(degenerate, 1.0, nrm), degenerate
+
+
+def normalise_fingerprints(f):
+  """Robust re-normalisation: f / max|f|, then / ||.||, in fp32.
+
+  Args: f float32/bfloat16 [..., D].
+  Returns: (unit float32 [..., D] with zeros on degenerate rows, degenerate bool [...]).
+  """
+  m, nrm, degenerate = row_scales(f)
+  unit = (f.astype(jnp.float32) / m[..., None]) / nrm[..., None]
   return jnp.where(degenerate[..., None], 0.0, unit), degenerate
 
 
-def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "mean",
-                           block: int | None = None, chunk: int = 16):
+def greedy_cosine_clusters(fingerprint, row_index, max_abs, norm, ok, threshold, *, capacity: int,
+                           centroid: str = "mean", block: int | None = None, chunk: int = 16):
   """Greedy nearest-cluster cosine clustering of each task group's rows, in layout order.
 
   Args:
-    f: float32[Gc, R, D] unit fingerprints (zeros where not `ok`), rows in canonical order.
+    fingerprint: float32/bfloat16 [M, D] raw fingerprints (any rows; only those named by
+      `row_index` where `ok` are read).
+    row_index: int32[Gc, R], the fingerprint row at each layout position (rows in canonical order).
+    max_abs, norm: float32[Gc, R] the `row_scales` factors of those rows: the kernel clusters
+      `(f / max_abs) / norm`, loaded block by block (the unit vectors are never materialised).
     ok: bool[Gc, R] rows to cluster (valid and not degenerate); other positions are skipped.
     threshold: float32 scalar, `1 - epsilon - 1e-6` (traced: changing epsilon does not recompile).
     capacity: K, the fixed number of clusters per task group.
@@ -90,7 +106,8 @@ def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "
       not in a cluster (skipped, or overflowed).
     overflow: bool[Gc, R], rows that would have opened a cluster beyond K.
   """
-  gc, r, d = f.shape
+  gc, r = row_index.shape
+  d = fingerprint.shape[1]
   b = block or _block_size(r)
   if r % b:
     raise ValueError(f"greedy_cosine_clusters: block {b} must divide the row capacity {r}")
@@ -101,8 +118,12 @@ def greedy_cosine_clusters(f, ok, threshold, *, capacity: int, centroid: str = "
 
   def block_step(carry, start):
     s_sum, n2, n = carry                       # [Gc, Kp, D], [Gc, Kp], [Gc]
-    fb = lax.dynamic_slice_in_dim(f, start, b, axis=1)    # [Gc, B, D]
     okb = lax.dynamic_slice_in_dim(ok, start, b, axis=1)  # [Gc, B]
+    idx = lax.dynamic_slice_in_dim(row_index, start, b, axis=1)
+    mb = lax.dynamic_slice_in_dim(max_abs, start, b, axis=1)[..., None]
+    nb = lax.dynamic_slice_in_dim(norm, start, b, axis=1)[..., None]
+    raw = jnp.take(fingerprint, idx, axis=0, mode="clip").astype(jnp.float32)
+    fb = jnp.where(okb[..., None], (raw / mb) / nb, 0.0)  # [Gc, B, D] unit rows, zeros elsewhere
 
     def chunk_step(c, acc):
       x, n2 = acc
@@ -191,21 +212,21 @@ def cluster_rows(rows, fingerprint, threshold, *, group_capacity: int, row_capac
   gi = jnp.where(rows.valid, rows.group_idx, gc)
   pi = jnp.where(rows.valid, rows.pos, 0)
   table = jnp.full((gc, r), n, jnp.int32).at[gi, pi].set(k, mode="drop")
-  src = jnp.where(table < n, rows.perm[jnp.clip(table, 0, n - 1)], n)
-  unit, degenerate = normalise_fingerprints(
-      jnp.take(fingerprint, src, axis=0, mode="fill", fill_value=0))
   present = table < n
+  src = jnp.where(present, rows.perm[jnp.clip(table, 0, n - 1)], 0)
+  max_abs, nrm, degenerate = row_scales(fingerprint)
+  max_abs, nrm, degenerate = max_abs[src], nrm[src], degenerate[src]
   ok = present & ~degenerate
-  unit = jnp.where(ok[..., None], unit, 0.0)
   kernel = functools.partial(greedy_cosine_clusters, capacity=cap, centroid=centroid)
   if mesh is None:
-    slot, over = kernel(unit, ok, threshold)
+    slot, over = kernel(fingerprint, src, max_abs, nrm, ok, threshold)
   else:
     P, named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
     by_group, replicated = named(mesh, P(data_axis)), named(mesh, P())
-    sharded = jax.shard_map(kernel, mesh=mesh, in_specs=(P(data_axis), P(data_axis), P()),
+    sharded = jax.shard_map(kernel, mesh=mesh, in_specs=(P(), *([P(data_axis)] * 4), P()),
                             out_specs=(P(data_axis), P(data_axis)), check_vma=False)
-    slot, over = sharded(jax.reshard(unit, by_group), jax.reshard(ok, by_group),
+    slot, over = sharded(jax.reshard(fingerprint, replicated),
+                         *(jax.reshard(x, by_group) for x in (src, max_abs, nrm, ok)),
                          jax.reshard(threshold, replicated))
     slot, over = jax.reshard(slot, replicated), jax.reshard(over, replicated)
   _, kp = slot_layout(cap)
