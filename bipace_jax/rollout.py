@@ -117,7 +117,10 @@ class RolloutResult:
       response_ids: int32[N, M] sampled response tokens (M = ``max_new_tokens``), pad past the length.
       response_mask: int32[N, M], 1 on the response's tokens (EOS and stop-text tokens included).
       sample_logprobs: float32[N, M] sampler log-probs (``SampleOutput.logprobs``), 0 past the length.
-      steps: ``StepBatch`` of the same N rows (row i = token row i).
+      steps: ``StepBatch`` whose first N rows are the token rows (row i = token row i), padded with
+        masked rows to ``len(task_ids) * group_size * max_steps`` rows and fixed capacities
+        (``group_capacity`` = task groups, ``row_capacity`` = G * max_steps rounded up to 16), so
+        its shape, and the estimator's compiled program, is the same every call.
       episodes: one dict per trajectory (in traj order): ``won``, ``length`` (steps), ``return``
         (undiscounted sum of step rewards), ``invalid_count``, ``env_error`` (str or None),
         ``truncated`` (ended by ``max_steps``), ``task_id``, ``seed``, ``group_id``, ``traj_id``, plus
@@ -360,15 +363,26 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     sample_logprobs = np.stack([r["logprobs"] for r in rows]).astype(np.float32)
     resp_len = np.array([r["length"] for r in rows], np.int32)
     response_mask = (np.arange(response_ids.shape[1])[None, :] < resp_len[:, None]).astype(np.int32)
+    # The StepBatch has a fixed shape per (groups, G, max_steps): rows padded to the most a collect
+    # can produce (mask False), static capacities set, so the jitted estimator compiles once a run.
+    row_cap = len(task_ids) * g_size * rcfg.max_steps
+
+    def padded(values, dtype, fill=0):
+        out = np.full((row_cap,) + np.shape(values)[1:], fill, dtype)
+        out[:n_rows] = values
+        return out
+
     steps = StepBatch.from_numpy(
-        group_id=np.array([r["group"] for r in rows], np.int32),
-        traj_id=np.array([r["traj"] for r in rows], np.int32),
-        step=np.array([r["step"] for r in rows], np.int32),
-        reward=np.array([r["reward"] for r in rows], np.float32),
-        obs_hash=assign_ids([r["anchor"] for r in rows]),
-        fingerprint=np.stack([r["fingerprint"] for r in rows]),
-        action_key=assign_ids([r["pace"] for r in rows]),
-        mask=np.ones(n_rows, bool),
+        group_id=padded([r["group"] for r in rows], np.int32),
+        traj_id=padded([r["traj"] for r in rows], np.int32),
+        step=padded([r["step"] for r in rows], np.int32),
+        reward=padded([r["reward"] for r in rows], np.float32),
+        obs_hash=padded(assign_ids([r["anchor"] for r in rows]), np.int32),
+        fingerprint=padded(np.stack([r["fingerprint"] for r in rows]), np.float32),
+        action_key=padded(assign_ids([r["pace"] for r in rows]), np.int32, fill=-1),
+        mask=padded(np.ones(n_rows, bool), bool, fill=False),
+        group_capacity=len(task_ids),
+        row_capacity=-(-g_size * rcfg.max_steps // 16) * 16,
     )
     for i, ep in enumerate(episodes):
         ep["return"] = float(returns[i])

@@ -97,10 +97,13 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     assert 2 <= eps[0]["length"] < 8 and eps[2]["length"] == eps[3]["length"] < 8
     assert not any(e["truncated"] for k, e in enumerate(eps) if k != 1)
     s = res.steps
-    gid, tid, step = (np.asarray(x) for x in (s.group_id, s.traj_id, s.step))
-    reward, obs_hash, akey = np.asarray(s.reward), np.asarray(s.obs_hash), np.asarray(s.action_key)
     n = sum(e["length"] for e in eps)
-    assert res.stats["rows"] == n == len(reward) == res.response_ids.shape[0] == res.prompt_ids.shape[0]
+    # Fixed shape: padded to groups * G * max_steps rows (= 4 * 8), real rows first, padding masked.
+    assert s.num_rows == 4 * 8 and s.group_capacity == 2 and s.row_capacity == 16
+    np.testing.assert_array_equal(np.asarray(s.mask), np.arange(s.num_rows) < n)
+    gid, tid, step = (np.asarray(x)[:n] for x in (s.group_id, s.traj_id, s.step))
+    reward, obs_hash, akey = (np.asarray(x)[:n] for x in (s.reward, s.obs_hash, s.action_key))
+    assert res.stats["rows"] == n == res.response_ids.shape[0] == res.prompt_ids.shape[0]
     order = np.lexsort((step, tid, gid))
     np.testing.assert_array_equal(order, np.arange(n))  # canonical order
     for e in eps:
@@ -147,7 +150,7 @@ def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, p
                          max_prompt_length=1024)
     sampler = OracleSampler(tokenizer, pool, 4, bad={2})
     res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
-    akey = np.asarray(res.steps.action_key)
+    akey = np.asarray(res.steps.action_key)[: res.stats["rows"]]
     firsts = [tuple(r[:min(FIRST_TOKENS, int(m.sum()))]) for r, m in zip(res.response_ids, res.response_mask)]
     assert (akey >= 0).all()
     for a in range(len(firsts)):
@@ -202,20 +205,20 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     res = collect(actor, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(1), progress=True)
     n = res.stats["rows"]
     assert n == 8 and res.response_ids.shape == (8, 8) and res.prompt_ids.shape == (8, 1024)
-    fp = np.asarray(res.steps.fingerprint)
-    assert fp.shape == (8, 64)
+    fp = np.asarray(res.steps.fingerprint)[:n]
+    assert res.steps.num_rows == 8 and fp.shape == (8, 64)
     np.testing.assert_allclose(np.linalg.norm(fp, axis=1), 1.0, atol=1e-5)
     # Each row's sample matches what the sampler gives for that prompt (same key fold and row index).
     lengths = res.response_mask.sum(1)
     assert ((lengths >= 1) & (lengths <= 8)).all()
     assert (res.sample_logprobs[res.response_mask == 1] < 0).all()
     # Random weights never produce "<action>...</action>": every step is invalid, reward -0.1.
-    np.testing.assert_allclose(np.asarray(res.steps.reward), -0.1, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(res.steps.reward)[:n], -0.1, atol=1e-6)
     assert res.actions == ["inventory"] * 8 and res.stats["invalid_rate"] == 1.0
     assert res.timing["sampling_s"] > 0 and res.stats["response_tokens"] == lengths.sum()
     assert 0 < res.timing["prefill_s"] + res.timing["decode_s"] <= res.timing["sampling_s"]
     # Turn 0 sampled all four games in one call: its fingerprints equal a direct sampler call.
-    rows0 = np.asarray(res.steps.step) == 0
+    rows0 = np.asarray(res.steps.step)[:n] == 0
     prompts = [list(p[m == 1]) for p, m in zip(res.prompt_ids[rows0], res.prompt_mask[rows0])]
     direct = sampler.generate(actor, prompts, jax.random.fold_in(jax.random.key(1), 0))
     np.testing.assert_array_equal(direct.tokens, res.response_ids[rows0])
