@@ -80,7 +80,7 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp": ("batch", "seq", "mlp"),                     # [B, T, F]
     "logits": ("batch", "seq", "vocab"),                # [B, T, V]
     "last_logits": ("batch", "vocab"),                  # [B, V]
-    "cache_kv": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),  # [L, B, S, K, Hd]
+    "cache_kv": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # [L, B, K, S, Hd]
     "cache_mask": ("batch", "cache_seq"),               # [B, S]
     "per_row": ("batch",),                              # [B]
 }
@@ -260,7 +260,7 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
-    """`NamedSharding`s for a `KVCache` (k/v [L,B,S,K,Hd], slot_mask [B,S], lengths [B], index [])."""
+    """`NamedSharding`s for a `KVCache` (k/v [L,B,K,S,Hd], slot_mask [B,S], lengths [B], index [])."""
     def spec(kind, leaf):
         return NamedSharding(mesh, logical_to_spec(ACTIVATION_AXES[kind], leaf.shape, mesh))
     return type(cache)(k=spec("cache_kv", cache.k), v=spec("cache_kv", cache.v),

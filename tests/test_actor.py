@@ -161,7 +161,7 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     full = actor(full_ids, full_mask, fingerprint_index=last_real(mask))
 
     cache = actor.init_cache(3, 12)
-    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 12, 1, 16)
+    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 12, 16)
     out, cache = actor.prefill(ids, mask, cache)
     assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)],

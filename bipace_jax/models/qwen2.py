@@ -64,7 +64,10 @@ class KVCache:
     """Key/value cache for incremental decoding (a pytree; every field is an array).
 
     Attributes:
-      k, v: [L, B, S, K, Hd] in the actor's `dtype`: keys (after RoPE) and values per layer and slot.
+      k, v: [L, B, K, S, Hd] in the actor's `dtype`: keys (after RoPE) and values per layer, KV head
+        and slot. Slots are the second-minor axis so that a layer's [B, K, S, Hd] block is read by
+        the attention contractions as it lies in memory (no per-step transpose of the cache) and a
+        decode step writes one contiguous [Hd] row per (row, head).
       slot_mask: bool [B, S], True where a slot holds a real token of that row.
       lengths: int32 [B], real tokens so far per row = the position id of the row's next token.
       index: int32 [], the next slot to write, shared by all rows (prompt padding keeps rows aligned).
@@ -79,7 +82,7 @@ class KVCache:
     @property
     def max_length(self) -> int:
         """S, the number of slots."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,18 +175,21 @@ class Attention(nnx.Module):
         v = constrain(v, "kv")
         return q, k, v
 
-    def attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
-        """q [B, T, N, Hd] over keys/values [B, S, K, Hd] where mask bool [B, T, S]; -> [B, T, D].
+    def attend(self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False) -> Array:
+        """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D].
 
-        Scores and softmax in fp32; probabilities cast to `dtype` before the value contraction.
+        Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`,
+        [B, K, S, Hd] (one layer of the `KVCache`, read as it lies). Scores and softmax in fp32;
+        probabilities cast to `dtype` before the value contraction.
         """
         b, t, n, hd = q.shape
+        kv = "bksh" if cache_layout else "bskh"
         qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, hd)
-        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum(f"btkgh,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
         scores = scores * (hd ** -0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, hd)
+        out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, v).reshape(b, t, n, hd)
         out = constrain(out, "q")
         wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
         return jnp.einsum("btnh,nhd->btd", out, wo)
@@ -236,11 +242,13 @@ class DecoderLayer(nnx.Module):
 
         Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
         new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
-        attend over, [B, S, K, Hd] (mask [B, T, S]): that is how `decode_step` reads the cache.
+        attend over in the cache layout [B, K, S, Hd] (mask [B, T, S]): that is how `decode_step`
+        reads the cache.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
         k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
-        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask)
+        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask,
+                                 cache_layout=kv_update is not None)
         x = constrain(x, "hidden")
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, "hidden"), k, v
@@ -441,7 +449,7 @@ class Qwen2Actor(nnx.Module):
             if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"Qwen2Actor.init_cache: {name} must be a positive int, got {value!r}")
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
         return KVCache(
             k=constrain(jnp.zeros(shape, self.dtype), "cache_kv"),
             v=constrain(jnp.zeros(shape, self.dtype), "cache_kv"),
@@ -481,11 +489,10 @@ class Qwen2Actor(nnx.Module):
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False)
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
         logits = constrain(self.lm_logits(h_last), "last_logits")
-        k_new = jnp.stack(ks).astype(cache.k.dtype)
-        v_new = jnp.stack(vs).astype(cache.v.dtype)
-        zeros = jnp.zeros_like(cache.k)
-        k = constrain(jax.lax.dynamic_update_slice(zeros, k_new, (0, 0, 0, 0, 0)), "cache_kv")
-        v = constrain(jax.lax.dynamic_update_slice(jnp.zeros_like(cache.v), v_new, (0, 0, 0, 0, 0)), "cache_kv")
+        # [L, B, T, K, Hd] -> the cache layout [L, B, K, T, Hd], zero-padded to S slots.
+        pad = ((0, 0),) * 3 + ((0, cache.max_length - t), (0, 0))
+        k = constrain(jnp.pad(jnp.stack(ks).astype(cache.k.dtype).transpose(0, 1, 3, 2, 4), pad), "cache_kv")
+        v = constrain(jnp.pad(jnp.stack(vs).astype(cache.v.dtype).transpose(0, 1, 3, 2, 4), pad), "cache_kv")
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
         new_cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                             lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
@@ -524,8 +531,11 @@ class Qwen2Actor(nnx.Module):
             def kv_update(k, v, i=i):
                 # Write the new token's k/v at (layer i, slot index) in place; attend over layer i.
                 nonlocal k_all, v_all
-                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, index, 0, 0))
-                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, index, 0, 0))
+                # k, v [B, 1, K, Hd] -> [1, B, K, 1, Hd] at (layer i, slot index).
+                k_all = jax.lax.dynamic_update_slice(
+                    k_all, jnp.swapaxes(k, 1, 2)[None].astype(k_all.dtype), (i, 0, 0, index, 0))
+                v_all = jax.lax.dynamic_update_slice(
+                    v_all, jnp.swapaxes(v, 1, 2)[None].astype(v_all.dtype), (i, 0, 0, index, 0))
                 return k_all[i], v_all[i]
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
