@@ -365,6 +365,10 @@ def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_ma
     actor = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     cache = actor.init_cache(b, static.cache_length)
+    if hasattr(cache, "per_layer"):
+        # Carry k/v as per-layer arrays: the decode loop's attention then reads each layer's block in
+        # place instead of copying it out of the stacked [L, ...] array on every step.
+        cache = cache.per_layer()
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     logits = out.logits
     keys = _row_keys(key, row_ids)
