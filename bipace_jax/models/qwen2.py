@@ -208,16 +208,29 @@ class Attention(nnx.Module):
 
         Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`,
         [B, K, S, Hd] (one layer of the `KVCache`, read as it lies). Scores and softmax in fp32;
-        probabilities cast to `dtype` before the value contraction.
+        the unnormalised probabilities exp(score - max) are cast to `dtype` for the value
+        contraction and the result is divided by their fp32 sum afterwards (one division per
+        output element instead of one per score; the same softmax up to rounding).
+
+        Both contractions are batched over (B, K) with the G*T queries as rows and the S slots as
+        the minor axis of the scores, so neither the [B, K, G*T, S] scores nor the keys/values
+        are transposed.
         """
         b, t, n, hd = q.shape
-        kv = "bksh" if cache_layout else "bskh"
-        qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, hd)
-        scores = jnp.einsum(f"btkgh,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores * (hd ** -0.5)
+        kh, g = self.num_kv_heads, self.num_groups
+        qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
+        if not cache_layout:
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
+        batch = ((0, 1), (0, 1))
+        scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)          # [B, K, G, T, S]
         scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, v).reshape(b, t, n, hd)
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        denom = jnp.sum(e, axis=-1, keepdims=True)                        # [B, K, G, T, 1]
+        e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
+        out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+        out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
         out = constrain(out, "q")
         wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
         return jnp.einsum("btnh,nhd->btd", out, wo)
