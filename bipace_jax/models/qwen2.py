@@ -148,6 +148,25 @@ def positions_from_mask(attention_mask: Array) -> Array:
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
 
 
+# CPU attention working-set target: the fp32 scores of one row chunk (a few MiB stay in cache; the
+# full [B, K, G, T, S] scores of a batch go to memory several times per layer, ~4x slower on CPU).
+_CPU_SCORES_BYTES = 2 * 1024 * 1024
+
+
+def _attention_row_chunk(batch: int, scores_bytes_per_row: int) -> int:
+    """Rows per attention chunk: `batch` (no chunking) unless on the CPU backend without a mesh
+    and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor of `batch` whose
+    scores fit (at least 1). Accelerators fuse attention themselves, and a mesh splits the batch
+    across devices, so chunking stays off there."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.default_backend() != "cpu" or (mesh is not None and not getattr(mesh, "empty", True)):
+        return batch
+    if batch * scores_bytes_per_row <= _CPU_SCORES_BYTES:
+        return batch
+    fit = max(1, _CPU_SCORES_BYTES // max(scores_bytes_per_row, 1))
+    return max(c for c in range(1, min(fit, batch) + 1) if batch % c == 0)
+
+
 def _normal(stddev: float):
     return jax.nn.initializers.normal(stddev)
 
@@ -214,8 +233,23 @@ class Attention(nnx.Module):
 
         Both contractions are batched over (B, K) with the G*T queries as rows and the S slots as
         the minor axis of the scores, so neither the [B, K, G*T, S] scores nor the keys/values
-        are transposed.
+        are transposed. On the CPU backend without a mesh, rows are processed in chunks whose
+        fp32 scores fit in `_CPU_SCORES_BYTES` (a `lax.map` over row chunks; see
+        `_attention_row_chunk`): the same values, computed cache-resident.
         """
+        b = q.shape[0]
+        chunk = _attention_row_chunk(b, q.shape[1] * q.shape[2] * mask.shape[-1] * 4)
+        if chunk == b:
+            return self._project_out(self._attend_rows(q, k, v, mask, cache_layout))
+
+        def split(a):
+            return a.reshape((b // chunk, chunk) + a.shape[1:])
+        out = jax.lax.map(lambda xs: self._attend_rows(*xs, cache_layout),
+                          (split(q), split(k), split(v), split(mask)))
+        return self._project_out(out.reshape((b,) + out.shape[2:]))
+
+    def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Array:
+        """`attend` on a block of rows, before the output projection: -> [B, T, N, Hd]."""
         b, t, n, hd = q.shape
         kh, g = self.num_kv_heads, self.num_groups
         qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
@@ -230,7 +264,10 @@ class Attention(nnx.Module):
         e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
         out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
         out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
+
+    def _project_out(self, out: Array) -> Array:
+        """Attention output [B, T, N, Hd] -> [B, T, D] through o_proj."""
         out = constrain(out, "q")
         wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
         return jnp.einsum("btnh,nhd->btd", out, wo)
