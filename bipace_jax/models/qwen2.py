@@ -7,8 +7,15 @@ Architecture (the HF `Qwen2ForCausalLM` computation, spec facts.md):
                    x = x + W_down(silu(W_gate h) * W_up h)   SwiGLU, no bias
   logits = RMSNorm(x_L) @ E^T  (tied)  or  @ W_head    computed and returned in fp32  [B, T, V]
 
-Grouped-query attention never repeats K/V: queries are viewed as [B, T, K, G, Hd] (G = N // K
-query heads share one key/value head) and contracted against K/V of shape [B, S, K, Hd].
+Grouped-query attention never repeats K/V: per (row, KV head) the G = N // K query heads that share
+it are stacked as G*T query rows and contracted against that head's K/V [S, Hd] (K/V laid out
+[B, K, S, Hd], the KV cache's layout, so scores [B, K, G*T, S] need no transposes). On the CPU
+backend, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which
+keeps the scores cache-resident; the values are unchanged.
+
+Prefill runs the last layer's attention output and MLP only at each row's last real token (its
+keys/values still cover every column): the next-token logits and a final-layer fingerprint need
+nothing else.
 
 Positions come from the attention mask, as HF `generate()` computes them: a token's position is
 the number of real tokens before it in its row, so left and right padding give the same result.
