@@ -180,16 +180,19 @@ def sample_tokens(logits: jax.Array, row_keys: jax.Array, step: jax.Array | int,
     """
     logits = logits.astype(jnp.float32)
     if greedy:
+        scaled = logits
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
     else:
         scaled = logits / jnp.asarray(temperature, jnp.float32)
-        logp = jax.nn.log_softmax(scaled, axis=-1)
         filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(step_keys)
         tokens = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
-    token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    # log_softmax(scaled)[token] without materialising log_softmax over V: the same expression
+    # (scaled - max) - log(sum(exp(scaled - max))), evaluated at the drawn token only.
+    peak = jnp.max(scaled, axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp(scaled - peak), axis=-1))
+    token_logp = (jnp.take_along_axis(scaled, tokens[:, None], axis=-1) - peak)[:, 0] - log_norm
     return tokens, token_logp
 
 
@@ -365,6 +368,10 @@ def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_ma
     actor = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     cache = actor.init_cache(b, static.cache_length)
+    if hasattr(cache, "per_layer"):
+        # Carry k/v as per-layer arrays: the decode loop's attention then reads each layer's block in
+        # place instead of copying it out of the stacked [L, ...] array on every step.
+        cache = cache.per_layer()
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     logits = out.logits
     keys = _row_keys(key, row_ids)

@@ -161,7 +161,7 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     full = actor(full_ids, full_mask, fingerprint_index=last_real(mask))
 
     cache = actor.init_cache(3, 12)
-    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 12, 1, 16)
+    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 12, 16)
     out, cache = actor.prefill(ids, mask, cache)
     assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)],
@@ -280,3 +280,63 @@ def test_remat_leaves_outputs_and_gradients_unchanged():
     for (path, g), (_, g_r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_r)):
         np.testing.assert_allclose(np.asarray(g_r.get_value()), np.asarray(g.get_value()), rtol=1e-4, atol=1e-5,
                                    err_msg=str(path))
+
+
+def test_attention_row_chunk_is_the_largest_divisor_whose_scores_fit(monkeypatch):
+    from bipace_jax.models import qwen2
+    monkeypatch.setattr(qwen2, "_CPU_SCORES_BYTES", 100)
+    assert qwen2._attention_row_chunk(6, 10) == 6       # 60 bytes fit: no chunking
+    assert qwen2._attention_row_chunk(12, 30) == 3      # 3 rows fit (90 <= 100), 3 divides 12
+    assert qwen2._attention_row_chunk(10, 30) == 2      # 3 does not divide 10
+    assert qwen2._attention_row_chunk(7, 30) == 1       # prime batch: one row at a time
+    assert qwen2._attention_row_chunk(4, 500) == 1      # one row exceeds the budget
+
+
+def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(monkeypatch):
+    """Attention over row chunks (what large CPU batches get) gives the unchunked outputs."""
+    from bipace_jax.models import qwen2
+    actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(10))
+    ids, mask = random_batch(6, 7, 512, padding="left", seed=16)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    new = jnp.asarray(np.random.default_rng(17).integers(0, 512, (6,)), jnp.int32)
+
+    def run(model):
+        out = model(ids, mask)
+        first, cache = model.prefill(ids, mask, model.init_cache(6, 9, per_layer=True))
+        step, cache = model.decode_step(new, cache)
+        return out.logits, out.fingerprint, first.logits, step
+
+    def loss(model):
+        return jnp.sum(jax.nn.log_softmax(model(ids, mask).logits)[..., 5] * mask)
+
+    ref = run(actor)
+    ref_grads = nnx.grad(loss)(actor)
+    # One row's scores in the forward: T * N * S * 4 bytes; allow two rows -> chunks of 2 of 6.
+    monkeypatch.setattr(qwen2, "_CPU_SCORES_BYTES", 2 * 7 * 4 * 7 * 4)
+    assert qwen2._attention_row_chunk(6, 7 * 4 * 7 * 4) == 2
+    for a, b in zip(run(actor), ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    grads = nnx.grad(loss)(actor)
+    for (path, g), (_, g_ref) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(g_ref.get_value()), rtol=1e-4, atol=1e-5,
+                                   err_msg=str(path))
+
+
+def test_per_layer_cache_form_gives_the_stacked_forms_values():
+    actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), rngs=nnx.Rngs(11))
+    ids, mask = random_batch(3, 5, 512, padding="left", seed=18)
+    stacked = actor.init_cache(3, 8)
+    per_layer = actor.init_cache(3, 8, per_layer=True)
+    assert stacked.k.shape == (3, 3, 2, 8, 16) and not stacked.is_per_layer
+    assert per_layer.is_per_layer and len(per_layer.k) == 3 and per_layer.k[0].shape == (3, 2, 8, 16)
+    out_s, stacked = actor.prefill(ids, mask, stacked)
+    out_p, per_layer = actor.prefill(ids, mask, per_layer)
+    token = jnp.argmax(out_s.logits, axis=-1).astype(jnp.int32)
+    logits_s, stacked = actor.decode_step(token, stacked)
+    logits_p, per_layer = actor.decode_step(token, per_layer)
+    assert per_layer.is_per_layer and not stacked.is_per_layer
+    np.testing.assert_array_equal(np.asarray(out_p.logits), np.asarray(out_s.logits))
+    np.testing.assert_array_equal(np.asarray(logits_p), np.asarray(logits_s))
+    np.testing.assert_array_equal(np.asarray(per_layer.stacked().k), np.asarray(stacked.k))
+    np.testing.assert_array_equal(np.asarray(stacked.per_layer().v[2]), np.asarray(per_layer.v[2]))
+    assert per_layer.max_length == stacked.max_length == 8 and per_layer.batch_size == 3

@@ -7,8 +7,15 @@ Architecture (the HF `Qwen2ForCausalLM` computation, spec facts.md):
                    x = x + W_down(silu(W_gate h) * W_up h)   SwiGLU, no bias
   logits = RMSNorm(x_L) @ E^T  (tied)  or  @ W_head    computed and returned in fp32  [B, T, V]
 
-Grouped-query attention never repeats K/V: queries are viewed as [B, T, K, G, Hd] (G = N // K
-query heads share one key/value head) and contracted against K/V of shape [B, S, K, Hd].
+Grouped-query attention never repeats K/V: per (row, KV head) the G = N // K query heads that share
+it are stacked as G*T query rows and contracted against that head's K/V [S, Hd] (K/V laid out
+[B, K, S, Hd], the KV cache's layout, so scores [B, K, G*T, S] need no transposes). On the CPU
+backend, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which
+keeps the scores cache-resident; the values are unchanged.
+
+Prefill runs the last layer's attention output and MLP only at each row's last real token (its
+keys/values still cover every column): the next-token logits and a final-layer fingerprint need
+nothing else.
 
 Positions come from the attention mask, as HF `generate()` computes them: a token's position is
 the number of real tokens before it in its row, so left and right padding give the same result.
@@ -64,7 +71,15 @@ class KVCache:
     """Key/value cache for incremental decoding (a pytree; every field is an array).
 
     Attributes:
-      k, v: [L, B, S, K, Hd] in the actor's `dtype`: keys (after RoPE) and values per layer and slot.
+      k, v: [L, B, K, S, Hd] in the actor's `dtype`: keys (after RoPE) and values per layer, KV head
+        and slot. Slots are the second-minor axis so that a layer's [B, K, S, Hd] block is read by
+        the attention contractions as it lies in memory (no per-step transpose of the cache) and a
+        decode step writes one contiguous [Hd] row per (row, head).
+        Per-layer form (`per_layer()`, `init_cache(..., per_layer=True)`): a tuple of L arrays
+        [B, K, S, Hd] instead. Same values; a compiled decode loop should carry this form, because
+        the attention contraction reads layer i's block directly, whereas `k[i]` of the stacked
+        array is a copy of that block on every step (XLA materialises the slice before the dot).
+        `prefill` and `decode_step` return the form they were given.
       slot_mask: bool [B, S], True where a slot holds a real token of that row.
       lengths: int32 [B], real tokens so far per row = the position id of the row's next token.
       index: int32 [], the next slot to write, shared by all rows (prompt padding keeps rows aligned).
@@ -79,7 +94,30 @@ class KVCache:
     @property
     def max_length(self) -> int:
         """S, the number of slots."""
-        return self.k.shape[2]
+        return self.k[0].shape[-2]
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of rows."""
+        return self.k[0].shape[0]
+
+    @property
+    def is_per_layer(self) -> bool:
+        """True when k, v are tuples of per-layer [B, K, S, Hd] arrays."""
+        return isinstance(self.k, (tuple, list))
+
+    def per_layer(self) -> "KVCache":
+        """The same cache with k, v as tuples of L arrays [B, K, S, Hd] (unchanged if already)."""
+        if self.is_per_layer:
+            return self
+        return self.replace(k=tuple(self.k[i] for i in range(self.k.shape[0])),
+                            v=tuple(self.v[i] for i in range(self.v.shape[0])))
+
+    def stacked(self) -> "KVCache":
+        """The same cache with k, v as stacked [L, B, K, S, Hd] arrays (unchanged if already)."""
+        if not self.is_per_layer:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,6 +153,25 @@ def positions_from_mask(attention_mask: Array) -> Array:
     """int32 [B, T]: number of real tokens before each column (padding columns get 0)."""
     mask = attention_mask.astype(jnp.int32)
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
+
+
+# CPU attention working-set target: the fp32 scores of one row chunk (a few MiB stay in cache; the
+# full [B, K, G, T, S] scores of a batch go to memory several times per layer, ~4x slower on CPU).
+_CPU_SCORES_BYTES = 2 * 1024 * 1024
+
+
+def _attention_row_chunk(batch: int, scores_bytes_per_row: int) -> int:
+    """Rows per attention chunk: `batch` (no chunking) unless on the CPU backend without a mesh
+    and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor of `batch` whose
+    scores fit (at least 1). Accelerators fuse attention themselves, and a mesh splits the batch
+    across devices, so chunking stays off there."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.default_backend() != "cpu" or (mesh is not None and not getattr(mesh, "empty", True)):
+        return batch
+    if batch * scores_bytes_per_row <= _CPU_SCORES_BYTES:
+        return batch
+    fit = max(1, _CPU_SCORES_BYTES // max(scores_bytes_per_row, 1))
+    return max(c for c in range(1, min(fit, batch) + 1) if batch % c == 0)
 
 
 def _normal(stddev: float):
@@ -172,18 +229,52 @@ class Attention(nnx.Module):
         v = constrain(v, "kv")
         return q, k, v
 
-    def attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
-        """q [B, T, N, Hd] over keys/values [B, S, K, Hd] where mask bool [B, T, S]; -> [B, T, D].
+    def attend(self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False) -> Array:
+        """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D].
 
-        Scores and softmax in fp32; probabilities cast to `dtype` before the value contraction.
+        Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`,
+        [B, K, S, Hd] (one layer of the `KVCache`, read as it lies). Scores and softmax in fp32;
+        the unnormalised probabilities exp(score - max) are cast to `dtype` for the value
+        contraction and the result is divided by their fp32 sum afterwards (one division per
+        output element instead of one per score; the same softmax up to rounding).
+
+        Both contractions are batched over (B, K) with the G*T queries as rows and the S slots as
+        the minor axis of the scores, so neither the [B, K, G*T, S] scores nor the keys/values
+        are transposed. On the CPU backend without a mesh, rows are processed in chunks whose
+        fp32 scores fit in `_CPU_SCORES_BYTES` (a `lax.map` over row chunks; see
+        `_attention_row_chunk`): the same values, computed cache-resident.
         """
+        b = q.shape[0]
+        chunk = _attention_row_chunk(b, q.shape[1] * q.shape[2] * mask.shape[-1] * 4)
+        if chunk == b:
+            return self._project_out(self._attend_rows(q, k, v, mask, cache_layout))
+
+        def split(a):
+            return a.reshape((b // chunk, chunk) + a.shape[1:])
+        out = jax.lax.map(lambda xs: self._attend_rows(*xs, cache_layout),
+                          (split(q), split(k), split(v), split(mask)))
+        return self._project_out(out.reshape((b,) + out.shape[2:]))
+
+    def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Array:
+        """`attend` on a block of rows, before the output projection: -> [B, T, N, Hd]."""
         b, t, n, hd = q.shape
-        qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, hd)
-        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores * (hd ** -0.5)
+        kh, g = self.num_kv_heads, self.num_groups
+        qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
+        if not cache_layout:
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
+        batch = ((0, 1), (0, 1))
+        scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)          # [B, K, G, T, S]
         scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, hd)
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        denom = jnp.sum(e, axis=-1, keepdims=True)                        # [B, K, G, T, 1]
+        e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
+        out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+        out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
+
+    def _project_out(self, out: Array) -> Array:
+        """Attention output [B, T, N, Hd] -> [B, T, D] through o_proj."""
         out = constrain(out, "q")
         wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
         return jnp.einsum("btnh,nhd->btd", out, wo)
@@ -231,16 +322,27 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
-                 kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None):
+                 kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None,
+                 query_index: Array | None = None):
         """One layer over x [B, T, D]. Returns (x [B, T, D], k [B, T, K, Hd], v [B, T, K, Hd]).
+
+        With `query_index` int32 [B] (the prefill's last layer), keys/values are computed for all
+        T columns but only column `query_index[b]` of each row is attended from and run through
+        the MLP: the returned x is [B, 1, D], the same values as that column of the full layer.
 
         Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
         new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
-        attend over, [B, S, K, Hd] (mask [B, T, S]): that is how `decode_step` reads the cache.
+        attend over in the cache layout [B, K, S, Hd] (mask [B, T, S]): that is how `decode_step`
+        reads the cache.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
+        if query_index is not None:
+            def pick(a):
+                return jnp.take_along_axis(a, query_index.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+            q, x, mask = pick(q), pick(x), pick(mask)
         k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
-        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask)
+        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask,
+                                 cache_layout=kv_update is not None)
         x = constrain(x, "hidden")
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, "hidden"), k, v
@@ -346,8 +448,13 @@ class Qwen2Actor(nnx.Module):
         return rows / jnp.maximum(norm, 1e-12)
 
     def _run(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array,
-             output_hidden_states: bool):
-        """Full causal forward over [B, T]; returns (final normed h, fingerprint, hidden, ks, vs)."""
+             output_hidden_states: bool, last_query_only: bool = False):
+        """Full causal forward over [B, T]; returns (final normed h, fingerprint, hidden, ks, vs).
+
+        With `last_query_only` (prefill), the last layer runs its attention output and MLP only at
+        column `fingerprint_index` of each row (every layer's keys/values still cover all T): h is
+        [B, 1, D] and the fingerprint, if taken from the final state, is read there.
+        """
         mask = attention_mask.astype(bool)
         t = input_ids.shape[1]
         positions = positions_from_mask(mask)
@@ -363,7 +470,10 @@ class Qwen2Actor(nnx.Module):
         ks, vs = [], []
         call = nnx.remat(_call_layer) if self.remat else _call_layer
         for i, layer in enumerate(self.layers):
-            x, k, v = call(layer, x, cos, sin, attn_mask)
+            if last_query_only and i + 1 == n_layers:
+                x, k, v = layer(x, cos, sin, attn_mask, query_index=fingerprint_index)
+            else:
+                x, k, v = call(layer, x, cos, sin, attn_mask)
             ks.append(k)
             vs.append(v)
             if i + 1 < n_layers:
@@ -375,7 +485,8 @@ class Qwen2Actor(nnx.Module):
         if output_hidden_states:
             hidden.append(h)
         if fp_at == n_layers:
-            fingerprint = self._fingerprint(h, fingerprint_index)
+            fingerprint = self._fingerprint(h, jnp.zeros_like(fingerprint_index) if last_query_only
+                                            else fingerprint_index)
         return h, fingerprint, hidden, ks, vs
 
     # ----------------------------------------------------------------------------------------------
@@ -431,8 +542,11 @@ class Qwen2Actor(nnx.Module):
         return h, fingerprint
 
     # ----------------------------------------------------------------------------------------------
-    def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    def init_cache(self, batch_size: int, max_length: int, *, per_layer: bool = False) -> KVCache:
         """An empty `KVCache` with S = max_length slots for B = batch_size rows (k/v in `dtype`).
+
+        k, v are [L, B, K, S, Hd], or with `per_layer` tuples of L arrays [B, K, S, Hd] (the form a
+        compiled decode loop should carry; see `KVCache`).
 
         Raises:
           ValueError: batch_size or max_length not a positive int.
@@ -441,10 +555,16 @@ class Qwen2Actor(nnx.Module):
             if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"Qwen2Actor.init_cache: {name} must be a positive int, got {value!r}")
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        if per_layer:
+            k = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
+            v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
+        else:
+            k = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
+            v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
         return KVCache(
-            k=constrain(jnp.zeros(shape, self.dtype), "cache_kv"),
-            v=constrain(jnp.zeros(shape, self.dtype), "cache_kv"),
+            k=k,
+            v=v,
             slot_mask=jnp.zeros((batch_size, max_length), bool),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -460,7 +580,8 @@ class Qwen2Actor(nnx.Module):
           input_ids: int32 [B, T] prompt (padding on either side; left padding is what the
             sampler uses so that decoding appends at a shared slot).
           attention_mask: int32/bool [B, T].
-          cache: a `KVCache` from `init_cache(B, S)` with S >= T.
+          cache: a `KVCache` from `init_cache(B, S)` with S >= T (either form; the result has the
+            same form).
 
         Returns:
           (ActorOutput(logits float32 [B, V] at each row's last real token, fingerprint float32
@@ -471,21 +592,24 @@ class Qwen2Actor(nnx.Module):
         """
         self._check_tokens(input_ids, attention_mask, "Qwen2Actor.prefill")
         b, t = np.shape(input_ids)
-        if cache.k.shape[1] != b:
-            raise ValueError(f"Qwen2Actor.prefill: cache batch {cache.k.shape[1]} != input batch {b}")
+        if cache.batch_size != b:
+            raise ValueError(f"Qwen2Actor.prefill: cache batch {cache.batch_size} != input batch {b}")
         if t > cache.max_length:
             raise ValueError(f"Qwen2Actor.prefill: prompt length T={t} exceeds cache max_length S={cache.max_length}")
         input_ids = jnp.asarray(input_ids, jnp.int32)
         mask = jnp.asarray(attention_mask).astype(bool)
         last = last_real_index(mask)
-        h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False)
-        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        logits = constrain(self.lm_logits(h_last), "last_logits")
-        k_new = jnp.stack(ks).astype(cache.k.dtype)
-        v_new = jnp.stack(vs).astype(cache.v.dtype)
-        zeros = jnp.zeros_like(cache.k)
-        k = constrain(jax.lax.dynamic_update_slice(zeros, k_new, (0, 0, 0, 0, 0)), "cache_kv")
-        v = constrain(jax.lax.dynamic_update_slice(jnp.zeros_like(cache.v), v_new, (0, 0, 0, 0, 0)), "cache_kv")
+        # Only the last real token's logits are needed: the last layer runs its attention output
+        # and MLP at that column alone, and the LM head sees [B, D], not [B, T, D].
+        h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False, last_query_only=True)
+        logits = constrain(self.lm_logits(h[:, 0]), "last_logits")
+        # Each layer's [B, T, K, Hd] -> the cache layout [B, K, T, Hd], zero-padded to S slots.
+        pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
+        dt = cache.k[0].dtype
+        k = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_kv_layer") for x in ks)
+        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_kv_layer") for x in vs)
+        if not cache.is_per_layer:
+            k, v = constrain(jnp.stack(k), "cache_kv"), constrain(jnp.stack(v), "cache_kv")
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
         new_cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                             lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
@@ -500,7 +624,8 @@ class Qwen2Actor(nnx.Module):
 
         Args:
           token_ids: int32 [B].
-          cache: the `KVCache` from `prefill` or the previous `decode_step`; the caller keeps
+          cache: the `KVCache` from `prefill` or the previous `decode_step` (either form; the
+            result has the same form); the caller keeps
             `cache.index < S` (a full cache cannot be checked inside jit: the write would clamp
             to the last slot).
 
@@ -510,7 +635,7 @@ class Qwen2Actor(nnx.Module):
         Raises:
           ValueError: token_ids not of shape [B] matching the cache.
         """
-        b = cache.k.shape[1]
+        b = cache.batch_size
         if np.shape(token_ids) != (b,):
             raise ValueError(f"Qwen2Actor.decode_step: token_ids must be int32[B={b}], got shape {np.shape(token_ids)}")
         token_ids = jnp.asarray(token_ids, jnp.int32)
@@ -519,19 +644,31 @@ class Qwen2Actor(nnx.Module):
         attn_mask = slot_mask[:, None, :]  # [B, 1, S]
         cos, sin = rope_cos_sin(cache.lengths[:, None], self.config.head_dim, self.config.rope_theta)
         x = self._embed(token_ids[:, None])
-        k_all, v_all = cache.k, cache.v
+        per_layer = cache.is_per_layer
+        k_all = list(cache.k) if per_layer else cache.k
+        v_all = list(cache.v) if per_layer else cache.v
         for i, layer in enumerate(self.layers):
             def kv_update(k, v, i=i):
-                # Write the new token's k/v at (layer i, slot index) in place; attend over layer i.
+                # Write the new token's k/v, [B, 1, K, Hd] -> [B, K, 1, Hd], at (layer i, slot index)
+                # in place; attend over layer i's [B, K, S, Hd].
                 nonlocal k_all, v_all
-                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, index, 0, 0))
-                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, index, 0, 0))
+                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+                if per_layer:
+                    k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, index, 0))
+                    v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
+                    return k_all[i], v_all[i]
+                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, 0, index, 0))
+                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, 0, index, 0))
                 return k_all[i], v_all[i]
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
         logits = constrain(self.lm_logits(h), "last_logits")
-        new_cache = KVCache(k=constrain(k_all, "cache_kv"), v=constrain(v_all, "cache_kv"),
-                            slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
+        if per_layer:
+            k_new = tuple(constrain(a, "cache_kv_layer") for a in k_all)
+            v_new = tuple(constrain(a, "cache_kv_layer") for a in v_all)
+        else:
+            k_new, v_new = constrain(k_all, "cache_kv"), constrain(v_all, "cache_kv")
+        new_cache = KVCache(k=k_new, v=v_new, slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
 
 
