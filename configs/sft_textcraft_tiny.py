@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.expert_seeds = 6            # oracle games per training goal (seeds 0..n-1)
-    c.data.length_buckets = (160, 224, 288, 384)
+    c.data.length_buckets = (160, 224, 288, 384, 448)
     c.data.response_length = 32        # R: response tokens per example (<action>...</action><|im_end|>)
 
     c.train = ml_collections.ConfigDict()
@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.gen = ml_collections.ConfigDict()
     c.gen.max_new_tokens = 32
     c.gen.batch_buckets = (64,)
-    c.gen.length_buckets = (160, 224, 288, 384)
+    c.gen.length_buckets = (160, 224, 288, 384, 448)
 
     c.val = ml_collections.ConfigDict()
     c.val.num_seen = tasks.VAL_NUM_SEEN

@@ -537,7 +537,9 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
     system = c.env.system_prompt or None
     data_path = os.path.join(workdir, "examples.json")
     if os.path.exists(data_path):
-        examples = _load_examples(data_path)
+        limit = c.data.length_buckets[-1]
+        examples = [e for e in _load_examples(data_path)
+                    if len(e.prompt_ids) + len(e.response_ids) <= limit]
         ostats = {}
     else:
         pairs = [(t, s) for s in range(c.data.expert_seeds) for t in train_ids]
@@ -619,11 +621,16 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
             eps, new = play_policy(lambda ids: gen((learner.params, learner.rest), ids, sub),
                                    make_env, pairs, prompt, tokenizer, c.env.max_steps, label=True,
                                    fallback_action=c.env.fallback_action, system_prompt=system)
-            examples.extend(new)
+            # States far off the expert's path can grow the prompt past the longest bucket: those
+            # examples are left out and counted (dagger/too_long), never truncated.
+            limit = c.data.length_buckets[-1]
+            fit = [e for e in new if len(e.prompt_ids) + len(e.response_ids) <= limit]
+            examples.extend(fit)
             _save_examples(data_path, examples)
             s = summarize(eps)
             rec.update({"dagger/success": s["success"], "dagger/invalid_rate": s["invalid_rate"],
-                        "dagger/new_examples": len(new), "dagger_s": time.time() - t1})
+                        "dagger/new_examples": len(fit), "dagger/too_long": len(new) - len(fit),
+                        "dagger_s": time.time() - t1})
         if c.val.every_round or rnd == c.dagger.rounds:
             s, _ = validate("val", rnd)
             rec.update({f"val/{k}": v for k, v in s.items()})

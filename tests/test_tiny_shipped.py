@@ -1,8 +1,9 @@
 """The shipped warm start (bipace_jax/data/textcraft_tiny): loads, is small, and still plays.
 
-The quality check replays the first games of the fixed validation panel (configs.textcraft_tasks)
-with greedy decoding and requires the success rate recorded in docs/warm_start.md minus a margin:
-a corrupted, retrained-worse or format-mismatched checkpoint fails it (a random actor wins 0).
+The quality check replays the first 16 games of the fixed validation panel (configs.textcraft_tasks)
+with greedy decoding and requires the success rate recorded in the folder's sft_report.json minus
+two games, and at least one win: a corrupted, random or format-mismatched checkpoint fails it (a
+random actor wins none).
 """
 
 import json
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(SHIPPED, "config
 # Greedy success on the first NUM_GAMES seen-goal games of the panel, measured when the checkpoint
 # was made (see docs/warm_start.md / the folder's sft_report.json); the test allows MARGIN below it.
 NUM_GAMES = 16
-MARGIN = 0.2
+MARGIN = 0.125  # two games: batch-size-dependent float differences may flip a greedy choice
 
 
 def test_shipped_folder_is_small_and_complete():
@@ -60,11 +61,12 @@ def test_shipped_warm_start_still_solves_validation_games():
     panel = tasks.validation_panel(train_ids, held)[:NUM_GAMES]
     graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
     gen = Generator(tok, graphdef, max_new_tokens=32, batch_buckets=(NUM_GAMES,),
-                    length_buckets=(384,), temperature=0.0)
+                    length_buckets=(224, 288, 384, 448), temperature=0.0)
     prompt = PromptBuilder(tasks.GAME, tasks.HISTORY_LENGTH, tasks.SHOW_INVENTORY, tasks.TEMPLATE)
     key = jax.random.key(0)
     eps, _ = play_policy(lambda ids: gen((params, rest), ids, key), make_env, panel, prompt, tok,
                          tasks.MAX_STEPS, label=False, fallback_action=tasks.FALLBACK_ACTION)
     s = summarize(eps)
-    assert s["success"] >= expected - MARGIN, (s, expected)
+    # at least one win (a random or corrupted actor wins none) and near the recorded rate
+    assert s["success"] >= max(expected - MARGIN, 1 / NUM_GAMES), (s, expected)
     assert s["invalid_rate"] < 0.1, s
