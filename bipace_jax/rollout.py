@@ -174,7 +174,7 @@ def encode_prompt(tokenizer, rcfg: RolloutConfig, obs, history: Sequence[tuple[s
         hist = list(history[len(history) - shown:]) if shown else []
         text = build_prompt(rcfg.game, obs, hist, step, history_length=shown, template=rcfg.template,
                             show_inventory=rcfg.show_inventory)
-        ids = _chat_ids(tokenizer, text, rcfg.system_prompt)
+        ids = chat_prompt_ids(tokenizer, text, rcfg.system_prompt)
         if len(ids) <= rcfg.max_prompt_length:
             return ids, dropped
         if shown == 0:
@@ -191,7 +191,13 @@ def _chat_text(tokenizer, user_text: str, system_prompt: str | None) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _chat_ids(tokenizer, user_text: str, system_prompt: str | None) -> list[int]:
+def chat_prompt_ids(tokenizer, user_text: str, system_prompt: str | None) -> list[int]:
+    """Token ids of one chat-formatted turn, ending with the opened assistant turn.
+
+    ``apply_chat_template`` of an optional system message (omitted when ``system_prompt`` is None)
+    and the user message, ``add_generation_prompt=True``; exactly what the sampler is fed each turn
+    (warm-start data uses it too, so behaviour cloning sees the RL loop's prompts).
+    """
     return list(tokenizer(_chat_text(tokenizer, user_text, system_prompt), add_special_tokens=False)["input_ids"])
 
 

@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bipace_jax.rollout import chat_prompt_ids
+
 # -------------------------------------------------------------------------------------------------
 # Examples: the RL loop's prompt/response format.
 
@@ -61,21 +63,9 @@ def response_text(action: str, think: str | None = None) -> str:
 def encode_prompt(tokenizer, prompt_text: str, system_prompt: str | None = None) -> list[int]:
     """Token ids of the chat-formatted prompt, ending with the opened assistant turn.
 
-    Exactly what `bipace_jax.rollout` feeds the sampler: `apply_chat_template` of an optional
-    system message and the user message, `add_generation_prompt=True`.
+    Exactly what `bipace_jax.rollout` feeds the sampler (`rollout.chat_prompt_ids`).
     """
-    try:
-        from bipace_jax.rollout import encode_prompt as rollout_encode  # the RL loop's own encoder
-    except ImportError:
-        rollout_encode = None
-    if rollout_encode is not None:
-        return list(rollout_encode(tokenizer, prompt_text, system_prompt))
-    messages = []
-    if system_prompt:
-        messages.append({"role": "system", "content": system_prompt})
-    messages.append({"role": "user", "content": prompt_text})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat_prompt_ids(tokenizer, prompt_text, system_prompt)
 
 
 def encode_response(tokenizer, action: str) -> list[int]:
