@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.log_every = 25
 
     c.dagger = ml_collections.ConfigDict()
-    c.dagger.rounds = 2
+    c.dagger.rounds = 4
     c.dagger.episodes = 64            # policy games per round (training goals, fresh seeds)
     c.dagger.temperature = 0.4         # policy temperature in DAgger games
     c.dagger.seed_base = 100_000       # DAgger game seeds: seed_base + round * 10_000 + k

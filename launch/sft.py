@@ -653,6 +653,10 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         from bipace_jax.models import save_hf_checkpoint
 
         save_hf_checkpoint(learner.actor(), out, tokenizer=tokenizer)
+        # transformers 5's AutoTokenizer, seeing config.json's model_type "qwen2", loads the folder's
+        # tokenizer as Qwen2Tokenizer and swaps in Qwen's pre-tokenizer (digits split apart): the
+        # tokenizer exactly as trained also goes to <out>/tokenizer (no config.json beside it).
+        tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
         small = {k: v for k, v in report.items() if k not in ("panel", "panel_episodes")}
         with open(os.path.join(out, "sft_report.json"), "w") as f:
             json.dump(small, f, indent=1, default=str)

@@ -90,7 +90,10 @@ def test_exported_folder_loads_and_reproduces_the_actors_logits(runs):
 
     work, _ = runs[0]
     actor = load_hf_checkpoint(str(work / "hf"))
-    tok = load_tokenizer(str(work / "hf"))
+    tok = load_tokenizer(str(work / "hf" / "tokenizer"))
+    trained = load_tokenizer(str(work / "w" / "tokenizer"))
+    text = "craft 1 stick using 2 oak planks\nInventory: [oak planks] (2)"
+    assert tok(text)["input_ids"] == trained(text)["input_ids"]  # exported = trained tokenization
     ids = tok.apply_chat_template([{"role": "user", "content": "Goal: craft stick."}],
                                   tokenize=False, add_generation_prompt=True)
     ids = jnp.asarray([tok(ids, add_special_tokens=False)["input_ids"]], jnp.int32)
@@ -112,7 +115,7 @@ def test_the_command_builds_exactly_the_shipped_tokenizer(runs):
     if not os.path.exists(os.path.join(SHIPPED, "tokenizer.json")):
         pytest.skip("no shipped warm start in this checkout")
     built = json.load(open(runs[0][0] / "w" / "tokenizer" / "tokenizer.json"))
-    shipped = json.load(open(os.path.join(SHIPPED, "tokenizer.json")))
+    shipped = json.load(open(os.path.join(SHIPPED, "tokenizer", "tokenizer.json")))
     assert built["model"]["vocab"] == shipped["model"]["vocab"]
     assert built["model"]["merges"] == shipped["model"]["merges"]
     assert built["added_tokens"] == shipped["added_tokens"]

@@ -34,8 +34,10 @@ def test_shipped_checkpoint_loads_with_its_tokenizer_and_chat_template():
     from bipace_jax.tiny import CHAT_TEMPLATE
 
     actor = load_hf_checkpoint(SHIPPED)
-    tok = load_tokenizer(SHIPPED)
+    tok = load_tokenizer(os.path.join(SHIPPED, "tokenizer"))
     assert actor.config.vocab_size == len(tok)
+    # the tokenizer as trained: " 1" is one token (Qwen2Tokenizer's pre-tokenizer would split it)
+    assert tok.convert_ids_to_tokens(tok("craft 1 stick")["input_ids"])[:2] == ["craft", "\u01201"]
     assert tok.chat_template == CHAT_TEMPLATE
     assert actor.config.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
 
@@ -52,7 +54,7 @@ def test_shipped_warm_start_still_solves_validation_games():
     report = json.load(open(os.path.join(SHIPPED, "sft_report.json")))
     expected = report["greedy_first_games"]["success"]
     actor = load_hf_checkpoint(SHIPPED)
-    tok = load_tokenizer(SHIPPED)
+    tok = load_tokenizer(os.path.join(SHIPPED, "tokenizer"))
 
     def make_env():
         return environments.make(tasks.GAME, max_steps=tasks.MAX_STEPS)
