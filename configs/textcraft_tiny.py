@@ -41,10 +41,10 @@ def get_config():
     c.rollout.system_prompt = tasks.SYSTEM_PROMPT
     c.rollout.fallback_action = tasks.FALLBACK_ACTION
     c.rollout.template = "configs.textcraft_tasks:TEMPLATE"
-    c.rollout.max_prompt_length = 384
+    c.rollout.max_prompt_length = 448  # inventories grow in states far from the expert's path
     c.sampler.max_new_tokens = 32
     c.sampler.batch_buckets = (16, 64)
-    c.sampler.length_buckets = (160, 224, 288, 384)
+    c.sampler.length_buckets = (160, 224, 288, 384, 448)
 
     c.estimator.epsilon = 0.05
     c.ppo.micro_batch_rows = 32

@@ -42,6 +42,19 @@ def test_shipped_checkpoint_loads_with_its_tokenizer_and_chat_template():
     assert actor.config.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
 
 
+def test_checkpoint_folder_itself_loads_the_trained_tokenizer_despite_its_qwen2_config():
+    # config.json says model_type qwen2; AutoTokenizer alone would swap in Qwen2's pre-tokenizer
+    # (" 1" -> " ", "1"). load_tokenizer keeps the folder's generic tokenizers backend as trained.
+    from bipace_jax.models import load_tokenizer
+
+    top = load_tokenizer(SHIPPED)
+    sub = load_tokenizer(os.path.join(SHIPPED, "tokenizer"))
+    text = "get 3 oak logs\n<action>craft 1 stick using 2 oak planks</action>"
+    assert top(text)["input_ids"] == sub(text)["input_ids"]
+    assert top.convert_ids_to_tokens(top("craft 1 stick")["input_ids"])[:2] == ["craft", "\u01201"]
+    assert top.chat_template == sub.chat_template
+
+
 def test_shipped_warm_start_still_solves_validation_games():
     import jax
     from flax import nnx

@@ -9,6 +9,7 @@ with Qwen's default system prompt inserted when the conversation has none) is at
 from __future__ import annotations
 
 import importlib.resources
+import json
 import os
 from typing import Any
 
@@ -23,6 +24,18 @@ def qwen2_5_chat_template() -> str:
         encoding="utf-8")
 
 
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_backend(path: str) -> bool:
+    """True when the folder's tokenizer_config.json names the generic `tokenizers` backend."""
+    cfg = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) or not os.path.isfile(cfg):
+        return False
+    with open(cfg, encoding="utf-8") as f:
+        return json.load(f).get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
     """`transformers.AutoTokenizer` from a local checkpoint folder, with a chat template.
 
@@ -30,20 +43,29 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
       path: folder with tokenizer files (tokenizer.json / tokenizer_config.json, ...).
 
     Returns:
-      The tokenizer; `chat_template` is the folder's own, or the bundled Qwen2.5 template when the
+      The tokenizer (the folder's own `tokenizer.json` as-is when its tokenizer_config.json names
+      the generic backend, `TokenizersBackend`/`PreTrainedTokenizerFast`; else `AutoTokenizer`'s
+      choice, e.g. `Qwen2Tokenizer` for Qwen2.5 folders); `chat_template` is the folder's own, or the bundled Qwen2.5 template when the
       folder has none.
 
     Raises:
       FileNotFoundError: `path` is not a folder.
       ValueError: the folder holds no loadable tokenizer (the transformers error is chained).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_tokenizer: {path} is not a folder")
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        if _generic_backend(path):
+            # A folder whose tokenizer_config.json names the generic `tokenizers` backend (what
+            # `PreTrainedTokenizerFast.save_pretrained` writes for a project-trained BPE) is loaded
+            # as exactly that: AutoTokenizer would follow config.json's `model_type: qwen2` and swap
+            # in Qwen2's own pre-tokenizer, silently changing the token ids.
+            tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"load_tokenizer: no loadable tokenizer in {path}: {e}") from e
     if not getattr(tok, "chat_template", None):
