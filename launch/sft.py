@@ -312,9 +312,9 @@ class Learner:
             model = nnx.merge(graphdef, params, rest)
             # The LM head only at the R response columns (the full [B,T,V] logits are never used,
             # so XLA drops them): the loss is on response tokens only.
-            h = model(ids, mask, output_hidden_states=True).hidden_states[-1]
+            h, _ = model.forward_hidden(ids, mask)
             h = jnp.take_along_axis(h, pos[..., None], axis=1)
-            return token_nll(model._logits(h.astype(model.dtype)), tgt, tmask)
+            return token_nll(model.lm_logits(h), tgt, tmask)
 
         def step(params, opt_state, rest, ids, mask, pos, tgt, tmask):
             (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
