@@ -428,14 +428,6 @@ class Generator:
 # The run: tokenizer -> expert data -> BC -> DAgger rounds -> validation -> HF folder.
 
 
-def _load_tokenizer(path: str):
-    try:
-        from bipace_jax.models import load_tokenizer
-    except ImportError:  # the actor's HF I/O not merged yet
-        from transformers import AutoTokenizer as _Auto
-
-        return _Auto.from_pretrained(path)
-    return load_tokenizer(path)
 
 
 def _save_examples(path: str, examples: Sequence[Example]) -> None:
@@ -490,7 +482,7 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
     from tqdm import tqdm
 
     import environments
-    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
     from bipace_jax.tiny import tiny_actor_config
     from configs import textcraft_tasks as tasks
 
@@ -514,7 +506,7 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         from launch.build_tokenizer import build_textcraft_tokenizer
 
         build_textcraft_tokenizer(c.tokenizer_vocab_size, c.tokenizer_seeds).save_pretrained(tok_dir)
-    tokenizer = _load_tokenizer(tok_dir)
+    tokenizer = load_tokenizer(tok_dir)
     t_tok = time.time() - t_start
 
     # 2. tasks and expert data
