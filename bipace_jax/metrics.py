@@ -124,38 +124,30 @@ def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = []
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("train/success_rate", "train (T=1.0)"), ("val/success_rate", "validation (T=0.4)"),
-                       ("val/holdout/success_rate", "validation, held-out goals")):
-        xs, ys = _series(rows, key)
-        if xs:
-            ax.plot(xs, ys, marker="o" if key.startswith("val") else None, label=label)
-    ax.set_xlabel("PPO iterations completed")
-    ax.set_ylabel("success rate")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Success")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    ax.grid(alpha=0.3)
-    paths.append(os.path.join(out_dir, "success.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    def line_plot(name, series, xlabel, ylabel, title, ylim=None):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in series:
+            xs, ys = _series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="o" if key.startswith("val") else None, label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        ax.grid(alpha=0.3)
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),
-                       ("estimator/singleton_group_rate", "clusters (BiGPO)")):
-        xs, ys = _series(rows, key)
-        if xs:
-            ax.plot(xs, ys, label=label)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("singleton step-group rate")
-    ax.set_title("Singleton rate: hash vs clusters")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    ax.grid(alpha=0.3)
-    paths.append(os.path.join(out_dir, "singleton_rate.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    line_plot("success.png", (("train/success_rate", "train (T=1.0)"), ("val/success_rate", "validation (T=0.4)"),
+                              ("val/holdout/success_rate", "validation, held-out goals")),
+              "PPO iterations completed", "success rate", "Success", ylim=(-0.02, 1.02))
+    line_plot("singleton_rate.png", (("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),
+                                     ("estimator/singleton_group_rate", "clusters (BiGPO)")),
+              "iteration", "singleton step-group rate", "Singleton rate: hash vs clusters")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs, pace = _series(rows, "estimator/pace_row_rate")
