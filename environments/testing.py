@@ -51,8 +51,11 @@ class FaultyEnv(TextEnv):
             os._exit(2)
         if seed == -3 and self.marker_dir is not None:
             marker = os.path.join(self.marker_dir, "crashed_once")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
+            try:  # atomic: of workers racing here, exactly one crashes
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
                 os._exit(3)
         if seed == -5:
             raise ValueError("injected reset error")
