@@ -149,6 +149,10 @@ class PPOLossConfig:
       kl_coef: weight of the low-variance KL to the reference (0.01); 0 disables the reference pass.
       entropy_coef: weight of the entropy bonus (0.001), subtracted from the loss.
       kl_bound: clamp bound of the k3 estimator (10.0, as verl).
+      temperature: the temperature the trained policy is defined at, ``softmax(logits / T)`` (1.0).
+        Set it to the rollout's sampling temperature (as verl does), so that the behaviour,
+        current and reference log-probabilities, the entropy and the KL all describe the policy
+        that actually played.
     """
 
     clip_eps: float = 0.2
@@ -156,6 +160,7 @@ class PPOLossConfig:
     kl_coef: float = 0.01
     entropy_coef: float = 0.001
     kl_bound: float = 10.0
+    temperature: float = 1.0
 
     def __post_init__(self):
         if not self.clip_eps > 0:
@@ -168,6 +173,8 @@ class PPOLossConfig:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if not self.kl_bound > 0:
             raise ValueError(f"kl_bound must be > 0, got {self.kl_bound}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {self.temperature}")
 
 
 def ppo_loss(
@@ -185,7 +192,8 @@ def ppo_loss(
         loss = mean_tok(L_ppo) + kl_coef * mean_tok(k3) - entropy_coef * mean_tok(H)
 
     Args:
-      logits: float ``[B, M, V]`` current-policy logits at the positions predicting ``targets``.
+      logits: float ``[B, M, V]`` current-policy logits at the positions predicting ``targets``
+        (raw: divided by ``cfg.temperature`` here).
       targets: int32 ``[B, M]`` the response tokens.
       mask: bool ``[B, M]`` real response tokens.
       old_logprobs: float32 ``[B, M]`` behaviour-policy log-probabilities.
@@ -204,6 +212,8 @@ def ppo_loss(
     """
     if ref_logprobs is None and cfg.kl_coef > 0:
         raise ValueError(f"ref_logprobs is None but kl_coef={cfg.kl_coef} > 0")
+    if cfg.temperature != 1.0:
+        logits = logits.astype(jnp.float32) / cfg.temperature
     logprobs = token_logprobs(logits, targets)
     pg, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], cfg.clip_eps, cfg.dual_clip)
     ent = entropy_from_logits(logits)

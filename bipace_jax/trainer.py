@@ -8,7 +8,8 @@ One iteration (``Trainer.train_iteration``):
    no forward pass is spent on them.
 2. **Old log-probabilities**: one forward of the current policy over prompt + response
    (``ppo.old_logprobs="recompute"``, verl's default); the sampler's own log-probabilities
-   (``"sampler"``, only for an untempered sampler); or ``"fused"``: ``stop_gradient`` of the current
+   (``"sampler"``, exact without top-p/top-k: both are ``log_softmax(logits / T)`` at the rollout
+   temperature T, the policy PPO trains, ``PPOLossConfig.temperature``); or ``"fused"``: ``stop_gradient`` of the current
    log-probs inside the gradient pass, exact when an iteration makes one optimizer step
    (``ppo.epochs=1``, ``ppo.mini_batch_rows=0``) and one forward cheaper.
 3. **Reference log-probabilities**: the same forward with the frozen initial parameters (skipped when
@@ -38,7 +39,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -374,7 +375,7 @@ def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransfo
     def logprobs_fn(params, rest, input_ids, attention_mask, response_ids):
         prompt_len = input_ids.shape[1] - response_ids.shape[1]
         logits = response_logits(params, rest, input_ids, attention_mask, prompt_len)
-        return losses.token_logprobs(logits, response_ids)
+        return losses.token_logprobs(logits, response_ids, cfg.temperature)
 
     def loss_fn(params, rest, mb, denom):
         prompt_len = mb["input_ids"].shape[1] - mb["response_ids"].shape[1]
@@ -383,7 +384,7 @@ def _ppo_programs(graphdef, cfg: losses.PPOLossConfig, tx: optax.GradientTransfo
         old = mb["old_logprobs"]
         gap = jnp.zeros((), jnp.float32)
         if fused_old:
-            logp = losses.token_logprobs(logits, mb["response_ids"])
+            logp = losses.token_logprobs(logits, mb["response_ids"], cfg.temperature)
             gap = losses.token_mean(jnp.abs(old - logp), mb["response_mask"], denom)
             old = jax.lax.stop_gradient(logp)
         loss, m = losses.ppo_loss(logits, mb["response_ids"], mb["response_mask"], old, ref,
@@ -422,6 +423,8 @@ class PPOLearner:
         current ones) instead of a separate forward; requires one optimizer step per ``update``
         (``epochs == 1``, ``mini_batch_rows == 0``); ``update``'s ``old_lp`` is then the sampler's
         log-probs, reported as ``loss/sampler_gap``.
+      prompt_buckets: prompt lengths a micro-batch may be cut down to (the sampler's length
+        buckets); () keeps every micro-batch at the iteration's ``Batch.prompt_len``.
       local_mesh: the mesh of this host's devices for sampling and the log-prob forwards (default:
         ``mesh`` with one process, else the host's first device).
 
@@ -434,7 +437,7 @@ class PPOLearner:
 
     def __init__(self, actor: nnx.Module, mesh, loss_cfg: losses.PPOLossConfig, tx: optax.GradientTransformation,
                  *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1, local_mesh=None,
-                 fused_old_logprobs: bool = False):
+                 fused_old_logprobs: bool = False, prompt_buckets: Sequence[int] = ()):
         from bipace_jax import sharding as sharding_lib
 
         self.actor, self.mesh, self.loss_cfg, self.tx = actor, mesh, loss_cfg, tx
@@ -443,6 +446,7 @@ class PPOLearner:
             raise ValueError(f"fused_old_logprobs needs one optimizer step per update (epochs=1, mini_batch_rows=0), "
                              f"got epochs={epochs}, mini_batch_rows={mini_batch_rows}")
         self.fused_old_logprobs = fused_old_logprobs
+        self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
         self.graphdef, params, self._rest = nnx.split(actor, nnx.Param, ...)
         self.param_shardings = sharding_lib.param_shardings(params, mesh)
         self.params = _to_global(params, self.param_shardings)
@@ -473,12 +477,28 @@ class PPOLearner:
         """
         B = self.micro_batch_rows
         out = np.zeros(batch.response_ids.shape, np.float32)
+        order = np.argsort(_prompt_lengths(batch), kind="stable")  # similar lengths share a micro-batch
         for s in range(0, batch.rows, B):
-            ids, att, resp = (_pad_rows(x[s:s + B], B) for x in (batch.input_ids, batch.attention_mask, batch.response_ids))
+            r = order[s:s + B]
+            cols = self._prompt_columns(batch, r)
+            ids, att, resp = (_pad_rows(x, B) for x in (batch.input_ids[r][:, cols], batch.attention_mask[r][:, cols],
+                                                        batch.response_ids[r]))
             att[:, -1] |= (att.sum(1) == 0)  # padding rows get one real token (no empty softmax)
             lp = self._logprobs_fn(params_local, self._rest, jnp.asarray(ids), jnp.asarray(att), jnp.asarray(resp))
-            out[s:s + B] = np.asarray(lp)[: min(B, batch.rows - s)]
+            out[r] = np.asarray(lp)[: len(r)]
         return out
+
+    def _prompt_columns(self, batch: "Batch", rows: np.ndarray, need: int | None = None) -> slice:
+        """The columns a micro-batch of ``rows`` keeps: its prompts' left padding is cut down to the
+        smallest of ``prompt_buckets`` that holds its longest prompt (``need`` overrides that length,
+        e.g. agreed over processes), plus the response columns. Padding columns carry attention
+        mask 0 and positions come from the mask, so the log-probs are the same (a few programs
+        compile, one per bucket)."""
+        P_ = batch.prompt_len
+        if need is None:
+            need = int(_prompt_lengths(batch)[rows].max()) if len(rows) else 1
+        fit = [b for b in self.prompt_buckets if max(need, 1) <= b <= P_]
+        return slice(P_ - (fit[0] if fit else P_), None)
 
     def update(self, batch: Batch, old_lp: np.ndarray, ref_lp: np.ndarray | None, adv: np.ndarray,
                key: jax.Array, where: str = "") -> dict[str, float]:
@@ -508,20 +528,30 @@ class PPOLearner:
         n_mini = max(int(math.ceil(counts.max() / mb_rows)), 1)
         totals = {k: 0.0 for k in self.STAT_KEYS}
         gnorms = []
+        plen = _prompt_lengths(batch)
         for epoch in range(self.epochs):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local)) if n_local else np.zeros(0, int)
+            # Within a mini-batch the rows are ordered by prompt length (the sum of the gradients
+            # does not depend on the order) so each micro-batch keeps only the prompt columns its
+            # longest prompt needs (``_prompt_columns``), a length agreed over processes.
             minis = [perm[j * mb_rows:(j + 1) * mb_rows] for j in range(n_mini)]
+            minis = [r[np.argsort(plen[r], kind="stable")] for r in minis]
             info = _allgather(np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64))
+            k_micros = [max(int(math.ceil(info[:, j, 0].max() / B)), 1) for j in range(n_mini)]
+            needs = _allgather(np.array([int(plen[r[m * B:(m + 1) * B]].max(initial=1))
+                                         for r, k in zip(minis, k_micros) for m in range(k)], np.int64)).max(0)
+            needs = iter(needs.tolist())
             for j, rows in enumerate(minis):
                 denom = float(max(info[:, j, 1].sum(), 1))
-                k_micro = max(int(math.ceil(info[:, j, 0].max() / B)), 1)
+                k_micro = k_micros[j]
                 grads = self._zeros(self.params)
                 stats = {k: jnp.zeros((), jnp.float32) for k in self.STAT_KEYS}
                 for m in range(k_micro):
                     r = rows[m * B:(m + 1) * B]
+                    cols = self._prompt_columns(batch, r, next(needs))
                     mb = {
-                        "input_ids": _pad_rows(batch.input_ids[r], B),
-                        "attention_mask": _pad_rows(batch.attention_mask[r], B),
+                        "input_ids": _pad_rows(batch.input_ids[r][:, cols], B),
+                        "attention_mask": _pad_rows(batch.attention_mask[r][:, cols], B),
                         "response_ids": _pad_rows(batch.response_ids[r], B),
                         "response_mask": _pad_rows(batch.response_mask[r], B),
                         "old_logprobs": _pad_rows(old_lp[r], B),
@@ -596,18 +626,23 @@ class Trainer:
         self.actor = actor
         loss_cfg = losses.PPOLossConfig(
             clip_eps=c.ppo.clip_eps, dual_clip=c.ppo.dual_clip or None, kl_coef=c.ppo.kl_coef,
-            entropy_coef=c.ppo.entropy_coef, kl_bound=c.ppo.kl_bound)
+            entropy_coef=c.ppo.entropy_coef, kl_bound=c.ppo.kl_bound,
+            # The trained policy is the one that played: softmax(logits / rollout temperature), as
+            # in verl (greedy rollouts: temperature 1, as the sampler reports their log-probs).
+            temperature=c.sampler.temperature if c.sampler.temperature > 0 else 1.0)
         self.local_mesh = local_mesh_for(self.mesh, c.mesh.tensor)
         self.learner = PPOLearner(actor, self.mesh, loss_cfg, make_optimizer(c.optim),
                                   micro_batch_rows=c.ppo.micro_batch_rows, mini_batch_rows=c.ppo.mini_batch_rows,
                                   epochs=c.ppo.epochs, local_mesh=self.local_mesh,
-                                  fused_old_logprobs=c.ppo.old_logprobs == "fused")
+                                  fused_old_logprobs=c.ppo.old_logprobs == "fused",
+                                  prompt_buckets=c.sampler.length_buckets)
 
         # --- run state (restored below) --------------------------------------------------------
         self.iteration = 0
         self.task_cursor = 0
         self.rng = jax.random.PRNGKey(c.seed)
         self.epsilon = float(c.estimator.epsilon)
+        self.needs_calibration = bool(c.estimator.calibration.enabled)  # done on iteration 0
         self.controller = self._make_controller()
         self.checkpointer = Checkpointer(workdir, keep=c.checkpoint.keep)
         latest = self.checkpointer.latest_step()
@@ -704,6 +739,10 @@ class Trainer:
         self.rng = rng
         self.iteration = int(meta["iteration"])
         self.task_cursor = int(meta["task_cursor"])
+        if self.needs_calibration and self.iteration > 0:
+            # calibrated on iteration 0 of this run: keep that value (a resumed run never re-calibrates)
+            self.epsilon = float(meta["epsilon"])
+            self.needs_calibration = False
         if self.controller is not None and meta.get("controller") is not None:
             # the controller's epsilon continues; a fixed epsilon comes from the config (overridable)
             self.controller.load_state_dict(meta["controller"])
@@ -718,6 +757,38 @@ class Trainer:
         self.checkpointer.save(self.iteration, self.learner.params, self.learner.opt_state, self.rng, meta)
 
     # ------------------------------------------------------------------------------------------
+    def _calibrate_epsilon(self, steps) -> dict[float, float]:
+        """Sets ``self.epsilon`` by the one-shot sweep (``calibrate_epsilon``) on this iteration's batch.
+
+        Each host sweeps its own rows; the run takes the largest of the hosts' choices (the smallest
+        grid value at which every host's singleton rate meets the target, the rate falling with
+        epsilon). Returns this host's {epsilon: singleton_group_rate} for the values tried.
+
+        Raises:
+          ValueError: no grid value reaches ``estimator.calibration.target_singleton_rate`` (lists the rates).
+        """
+        from bipace_jax.estimators import calibrate_epsilon
+
+        cc = self.config.estimator.calibration
+        failure = None
+        try:
+            eps, rates = calibrate_epsilon(steps, target_singleton_rate=cc.target_singleton_rate, grid=tuple(cc.grid),
+                                           centroid=self.config.estimator.centroid,
+                                           capacity=self.config.estimator.capacity or None, return_rates=True)
+        except ValueError as e:
+            failure, eps, rates = str(e), 2.0, {}  # 2.0: "no value" (every host joins the gather below)
+        chosen = float(_allgather(np.array([eps], np.float64))[:, 0].max())
+        if chosen >= 1.0:
+            raise ValueError(f"config.estimator.calibration: {failure or 'another host found no epsilon'} "
+                             f"(raise target_singleton_rate or extend the grid)")
+        self.epsilon = chosen
+        if self.controller is not None:
+            self.controller.epsilon = self.epsilon
+        self.needs_calibration = False
+        if self.is_primary:
+            log.info("calibrated epsilon = %g (singleton rates %s)", self.epsilon, rates)
+        return rates
+
     def _estimator_config(self):
         from bipace_jax.estimators import EstimatorConfig
 
@@ -780,6 +851,9 @@ class Trainer:
         ref_lp = self.learner.logprobs(ref, batch) if ref is not None else None
         t_ref = time.perf_counter()
 
+        calibrated = None
+        if self.needs_calibration:
+            calibrated = self._calibrate_epsilon(res.steps)
         adv, diag = compute_advantages(res.steps, self._estimator_config())
         adv = np.asarray(jax.block_until_ready(adv), np.float32)[: batch.rows]
         t_est = time.perf_counter()
@@ -800,6 +874,8 @@ class Trainer:
         for k, v in _mean_over_hosts(diag).items():
             rec[f"estimator/{k}"] = v
         rec["estimator/epsilon"] = self.epsilon
+        if calibrated is not None:
+            rec.update({f"estimator/calibration_singleton_rate/{e:g}": r for e, r in calibrated.items()})
         if c.ppo.old_logprobs == "fused":
             lp_gap = upd["loss/sampler_gap"]  # already a token mean over every host's rows
         else:
@@ -982,6 +1058,11 @@ def _mean_over_hosts(d: dict[str, float]) -> dict[str, float]:
     keys = sorted(d)
     vals = _allgather(np.array([d[k] for k in keys], np.float64)).mean(0)
     return dict(zip(keys, map(float, vals)))
+
+
+def _prompt_lengths(batch: "Batch") -> np.ndarray:
+    """int64[N] real prompt tokens of each row (the prompt is left-padded to ``batch.prompt_len``)."""
+    return batch.attention_mask[:, : batch.prompt_len].sum(1).astype(np.int64)
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:

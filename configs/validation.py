@@ -163,6 +163,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _choice(c, "estimator.centroid", ("mean", "leader"))
     _choice(c, "estimator.key", ("action_tag", "first_tokens"))
     _int(c, "estimator.capacity", 0)
+    if c.estimator.calibration.enabled:
+        _float(c, "estimator.calibration.target_singleton_rate", 0, 1)
+        grid = tuple(c.estimator.calibration.grid)
+        if (not grid or any(not isinstance(e, (int, float)) or not 0 <= e < 1 for e in grid)
+                or any(b <= a for a, b in zip(grid, grid[1:]))):
+            _fail("estimator.calibration.grid", "be a non-empty, strictly ascending tuple of values in [0, 1)", grid)
     if c.estimator.controller.enabled:
         _float(c, "estimator.controller.target_singleton_rate", 0, 1)
         _float(c, "estimator.controller.gain", 0)
@@ -187,8 +193,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _choice(c, "ppo.old_logprobs", ("recompute", "sampler", "fused"))
     if c.ppo.old_logprobs == "fused" and (c.ppo.epochs != 1 or c.ppo.mini_batch_rows != 0):
         _fail("ppo.old_logprobs", "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)", c.ppo.old_logprobs)
-    if c.ppo.old_logprobs == "sampler" and (c.sampler.temperature != 1.0 or c.sampler.top_p != 1.0 or c.sampler.top_k):
-        _fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untempered (temperature 1, top_p 1, top_k 0)", c.ppo.old_logprobs)
+    if c.ppo.old_logprobs == "sampler" and (c.sampler.top_p != 1.0 or c.sampler.top_k):
+        # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
+        # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
+        _fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)", c.ppo.old_logprobs)
     _float(c, "optim.learning_rate", 0, lo_open=True)
     _int(c, "optim.warmup_steps", 0)
     _float(c, "optim.weight_decay", 0)

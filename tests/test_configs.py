@@ -91,6 +91,8 @@ def test_command_line_overrides_reach_nested_fields():
     ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),
     ("ppo.epochs", 2, "config.ppo.old_logprobs must not be 'fused' unless ppo.epochs == 1"),
     ("val.temperature", 0.0, "config.val.temperature"),
+    ("estimator.calibration", {"enabled": True, "target_singleton_rate": 0.25, "grid": (0.1, 0.05)},
+     "config.estimator.calibration.grid must be a non-empty, strictly ascending tuple"),
     ("tasks.train", "depth>2", "config.tasks.train must be a task selector"),
     ("env.name", "minecraft", "config.env.name must be one of"),
     ("model.checkpoint", "/nonexistent/ckpt", "config.model.checkpoint must be a Hugging Face folder holding config.json"),
@@ -100,7 +102,7 @@ def test_command_line_overrides_reach_nested_fields():
 def test_bad_field_fails_with_one_line_naming_it(field, value, message):
     c = _load("textcraft_tiny")
     if field == "ppo.old_logprobs":
-        c.sampler.temperature = 0.7
+        c.sampler.top_p = 0.9  # a tempered sampler is fine (PPO trains the tempered policy); a truncated one is not
     section, name = field.split(".")
     with c.unlocked():
         c[section][name] = value

@@ -83,6 +83,23 @@ def test_ppo_loss_total_matches_hand_computed_value():
     assert float(loss) == pytest.approx(pg + 0.01 * kl - 0.001 * ent, rel=1e-5)
 
 
+def test_ppo_loss_is_taken_at_the_policy_temperature():
+    # logits [0, log 9] at temperature 2 are [0, log 3] at 1: the hand-computed case above.
+    logits = jnp.array([[[0.0, math.log(9.0)], [9.0, -9.0]]])
+    targets, mask = jnp.array([[1, 0]]), jnp.array([[True, False]])
+    logp = math.log(0.75)
+    old = jnp.array([[logp - math.log(1.5), 0.0]])
+    ref = jnp.array([[math.log(0.5), 0.0]])
+    cfg = losses.PPOLossConfig(clip_eps=0.2, dual_clip=3.0, kl_coef=0.01, entropy_coef=0.001, temperature=2.0)
+    loss, m = losses.ppo_loss(logits, targets, mask, old, ref, jnp.array([2.0]), cfg)
+    d = math.log(0.5) - logp
+    ent = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert float(m["entropy"]) == pytest.approx(ent, rel=1e-5)
+    assert float(loss) == pytest.approx(-2.4 + 0.01 * (math.exp(d) - d - 1.0) - 0.001 * ent, rel=1e-5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        losses.PPOLossConfig(temperature=0.0)
+
+
 def test_micro_batch_losses_with_global_denominator_sum_to_full_batch_token_mean():
     rng = np.random.default_rng(0)
     B, M, V = 6, 5, 7

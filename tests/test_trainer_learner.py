@@ -133,3 +133,26 @@ def test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass():
     with pytest.raises(ValueError, match="fused_old_logprobs needs one optimizer step"):
         PPOLearner(_actor(), mesh, losses.PPOLossConfig(), ADAMW, micro_batch_rows=3, mini_batch_rows=3,
                    fused_old_logprobs=True)
+
+
+def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the_update():
+    # Prompts of 2..12 tokens in a batch padded to 12: micro-batches of similar lengths keep 4, 8 or 12
+    # prompt columns; log-probs and the parameters after two updates equal the uncut learner's.
+    b = _batch(n=10, p=12, seed=7)
+    adv = np.linspace(-1.0, 1.5, 10).astype(np.float32)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    cfg = losses.PPOLossConfig(kl_coef=0.0, entropy_coef=0.001)
+    plain = PPOLearner(_actor(), mesh, cfg, ADAMW, micro_batch_rows=3, mini_batch_rows=6)
+    cut = PPOLearner(_actor(), mesh, cfg, ADAMW, micro_batch_rows=3, mini_batch_rows=6, prompt_buckets=(8, 4))
+    assert cut.prompt_buckets == (4, 8)
+    lens = b.attention_mask[:, :b.prompt_len].sum(1)
+    assert lens.min() <= 4 and lens.max() > 8  # every bucket is used
+    np.testing.assert_allclose(cut.logprobs(cut.params_local, b), plain.logprobs(plain.params_local, b), atol=1e-6)
+    for it in range(2):
+        for L in (plain, cut):
+            L.update(b, L.logprobs(L.params_local, b) - 0.05, None, adv, jax.random.PRNGKey(it))
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=2e-6), jax.tree.map(np.asarray, plain.params),
+                 jax.tree.map(np.asarray, cut.params))
+    # a micro-batch's columns: the smallest bucket holding its longest prompt, else the full prompt
+    assert cut._prompt_columns(b, np.array([int(np.argmin(lens))])) == slice(b.prompt_len - 4, None)
+    assert cut._prompt_columns(b, np.arange(10)) == slice(0, None)
