@@ -123,12 +123,13 @@ def split_holdout(ids: list[int], holdout: list[int], every: int) -> tuple[list[
 
 
 def validation_panel(seen: list[int], heldout: list[int], num_seen: int, num_heldout: int, seed_base: int,
-                     mode: str = "spread") -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+                     mode: str = "spread", seeds_per_goal: int = 1) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The fixed validation panels ``(seen goals, held-out goals)`` of ``(task_id, game_seed)`` pairs.
 
     ``mode="spread"``: ``num_seen`` goals evenly spaced over ``seen`` (``linspace`` indices, rounded)
-    and ``num_heldout`` over ``heldout`` (all when fewer); game seeds ``seed_base + k`` with k running
-    over both panels in that order. ``mode="random"``: distinct goals drawn with ``seed_base`` and
+    and ``num_heldout`` over ``heldout`` (all when fewer), each played with ``seeds_per_goal`` game
+    seeds (goal by goal); the seeds are ``seed_base + k`` with k running over both panels in that
+    order. ``mode="random"``: distinct goals drawn with ``seed_base``, each with ``seeds_per_goal``
     seeds drawn in ``[seed_base, 2^31)``. ``seed_base >= TRAIN_SEED_RANGE`` keeps every panel game
     unseen in training (new distractors).
     """
@@ -139,16 +140,16 @@ def validation_panel(seen: list[int], heldout: list[int], num_seen: int, num_hel
             return [ids[int(i)] for i in np.linspace(0, len(ids) - 1, n).round()] if n else []
 
         goals = pick(list(seen), num_seen), pick(list(heldout), num_heldout)
-        seeds = iter(range(seed_base, seed_base + len(goals[0]) + len(goals[1])))
-        return tuple([(t, next(seeds)) for t in g] for g in goals)
+        seeds = iter(range(seed_base, seed_base + seeds_per_goal * (len(goals[0]) + len(goals[1]))))
+        return tuple([(t, next(seeds)) for t in g for _ in range(seeds_per_goal)] for g in goals)
     if mode != "random":
         raise ValueError(f"validation panel mode must be 'spread' or 'random', got {mode!r}")
     rng = np.random.default_rng(seed_base)
     out = []
     for ids, n in ((seen, num_seen), (heldout, num_heldout)):
         chosen = rng.permutation(len(ids))[: min(n, len(ids))]
-        seeds = rng.integers(seed_base, 2**31 - 1, size=len(chosen))
-        out.append([(ids[int(i)], int(s)) for i, s in zip(chosen, seeds)])
+        seeds = rng.integers(seed_base, 2**31 - 1, size=(len(chosen), seeds_per_goal))
+        out.append([(ids[int(i)], int(s)) for i, row in zip(chosen, seeds) for s in row])
     return out[0], out[1]
 
 
@@ -664,7 +665,7 @@ class Trainer:
             raise configs_lib.ConfigError(f"config.tasks.train selects no task outside the held-out goals, got {c.tasks.train!r}")
         self.train_ids, self.holdout_ids = train, holdout
         self.val_panel, self.holdout_panel = validation_panel(
-            train, holdout, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed, c.val.panel)
+            train, holdout, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed, c.val.panel, c.val.seeds_per_goal)
 
         # --- rollout machinery ------------------------------------------------------------------
         from environments.pool import EnvPool

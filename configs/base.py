@@ -127,7 +127,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.val.num_tasks = 64            # panel goals from the training goals (with unseen game seeds)
     c.val.num_holdout_tasks = 64    # panel goals from the held-out goals (all when fewer)
     c.val.panel = "spread"          # spread: goals evenly spaced over the sets, seeds val.seed + k; random: drawn with val.seed
-    c.val.group_size = 1            # plays per panel task
+    c.val.seeds_per_goal = 1        # game seeds per panel goal (each a distinct unseen game)
+    c.val.group_size = 1            # plays per panel game (same seed)
     c.val.temperature = 0.4
     c.val.seed = 1_000_000          # seed base of the panel; >= 1e6, so never a training game seed (those are < 1e6)
 

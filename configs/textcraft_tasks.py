@@ -37,9 +37,16 @@ TEMPLATE = {
     "history_entry": "Step {index}: {observation} > {action}",
     "task_echo": "start",
 }
+# The RL task set: every 4th goal of the warm start's 70 training goals (18 goals). The warm start
+# learns from all 70; RL trains on these 18, so that the README's few iterations of 8 task groups
+# visit each goal several times (RL_EVERY = 1 gives all 70, each visited about once per 9 iterations).
+RL_EVERY = 4
+RL_TRAIN_IDS = tuple(t for t in TRAIN_IDS if t not in HOLDOUT_IDS)[::RL_EVERY]
+RL_TRAIN = ",".join(map(str, RL_TRAIN_IDS))  # the trainer's `tasks.train`
 VAL_SEED_BASE = 1_000_000     # validation game seeds start here; training seeds stay below
-VAL_NUM_SEEN = 48             # panel: goals of the training set, unseen seeds
-VAL_NUM_HELDOUT = 16          # panel: held-out goals
+VAL_NUM_SEEN = 18             # panel: goals of the RL task set (all 18)...
+VAL_NUM_HELDOUT = 16          # ...and held-out goals (all 10)...
+VAL_SEEDS_PER_GOAL = 3        # ...each played with 3 unseen seeds: 54 + 30 games
 VAL_TEMPERATURE = 0.4
 
 
@@ -79,21 +86,19 @@ def split(env, selector: str = TRAIN, holdout_every: int = HOLDOUT_EVERY) -> tup
 
 
 def validation_panel(train_ids, heldout_ids, num_seen: int = VAL_NUM_SEEN,
-                     num_heldout: int = VAL_NUM_HELDOUT, seed: int = 0) -> list[tuple[int, int]]:
-    """The fixed, seeded validation panel: (task_id, game_seed) pairs.
+                     num_heldout: int = VAL_NUM_HELDOUT, seed: int = 0,
+                     seeds_per_goal: int = VAL_SEEDS_PER_GOAL, rl_every: int = RL_EVERY) -> list[tuple[int, int]]:
+    """The fixed, seeded validation panel: (task_id, game_seed) pairs, seen games first.
 
-    `num_seen` goals evenly spaced over the training goals and `num_heldout` over the held-out ones
-    (all when fewer), each with its own game seed `VAL_SEED_BASE + seed * 10_000 + k`.
+    Exactly the RL trainer's panel (`bipace_jax.trainer.validation_panel`, mode "spread") for the
+    RL task set `train_ids[::rl_every]`: `num_seen` of those goals and `num_heldout` held-out
+    goals (all when fewer), each with `seeds_per_goal` game seeds from `VAL_SEED_BASE + seed * 10_000`.
     """
-    import numpy as np
+    from bipace_jax.trainer import validation_panel as trainer_panel
 
-    def spread(ids, n):
-        if n >= len(ids):
-            return list(ids)
-        return [ids[int(i)] for i in np.linspace(0, len(ids) - 1, n).round()]
-
-    goals = spread(list(train_ids), num_seen) + spread(list(heldout_ids), num_heldout)
-    return [(t, VAL_SEED_BASE + seed * 10_000 + k) for k, t in enumerate(goals)]
+    seen, held = trainer_panel(list(train_ids)[::rl_every], list(heldout_ids), num_seen, num_heldout,
+                               VAL_SEED_BASE + seed * 10_000, "spread", seeds_per_goal)
+    return seen + held
 
 
 def single_craft_goals(env, depth: int = 2, limit: int | None = 80, seeds=(0, 1)) -> list[int]:

@@ -30,8 +30,8 @@ def get_config():
     c.env.name = tasks.GAME
     c.env.max_steps = tasks.MAX_STEPS
     c.env.num_workers = 2
-    c.tasks.train = tasks.TRAIN                # 80 single-craft depth-2 goals...
-    c.tasks.holdout = tasks.HOLDOUT            # ...of which every 8th is held out (10 goals)
+    c.tasks.train = tasks.RL_TRAIN             # 18 of the warm start's 70 training goals
+    c.tasks.holdout = tasks.HOLDOUT            # 10 held-out goals, never trained on
     c.tasks.holdout_every = 0
 
     c.rollout.num_groups = 8
@@ -58,6 +58,7 @@ def get_config():
     c.val.every = 10
     c.val.num_tasks = tasks.VAL_NUM_SEEN
     c.val.num_holdout_tasks = tasks.VAL_NUM_HELDOUT
+    c.val.seeds_per_goal = tasks.VAL_SEEDS_PER_GOAL
     c.val.panel = "spread"
     c.val.seed = tasks.VAL_SEED_BASE
     c.val.temperature = tasks.VAL_TEMPERATURE

@@ -209,6 +209,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "val.num_tasks", 0)
     _int(c, "val.num_holdout_tasks", 0)
     _int(c, "val.group_size", 1)
+    _int(c, "val.seeds_per_goal", 1)
     _float(c, "val.temperature", 0, lo_open=True)
     _int(c, "val.seed", 1_000_000)
     _choice(c, "val.panel", ("spread", "random"))

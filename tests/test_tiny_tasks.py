@@ -22,15 +22,36 @@ def test_heldout_goals_are_every_8th_and_disjoint_from_training(env):
     assert not set(train) & set(held) and len(train) + len(held) == 80
 
 
+def test_rl_task_set_is_every_4th_training_goal(env):
+    train, held = tasks.split(env)
+    assert list(tasks.RL_TRAIN_IDS) == train[::4] and len(tasks.RL_TRAIN_IDS) == 18
+    assert tasks.RL_TRAIN == ",".join(map(str, train[::4]))
+
+
 def test_validation_panel_is_fixed_and_uses_unseen_seeds(env):
     train, held = tasks.split(env)
     panel = tasks.validation_panel(train, held)
     assert panel == tasks.validation_panel(train, held)  # deterministic
-    assert len(panel) == tasks.VAL_NUM_SEEN + len(held)
+    k = tasks.VAL_SEEDS_PER_GOAL
+    assert len(panel) == (tasks.VAL_NUM_SEEN + len(held)) * k
     goals = [t for t, _ in panel]
-    assert set(goals[:tasks.VAL_NUM_SEEN]) <= set(train) and goals[tasks.VAL_NUM_SEEN:] == held
+    n_seen = tasks.VAL_NUM_SEEN * k
+    assert goals[:n_seen:k] == list(tasks.RL_TRAIN_IDS) and goals[n_seen::k] == held
     assert all(s >= tasks.VAL_SEED_BASE for _, s in panel)
     assert len({s for _, s in panel}) == len(panel)
+
+
+def test_the_rl_default_validates_on_the_same_panel(env):
+    import configs.textcraft_tiny
+    from bipace_jax.trainer import validation_panel, select_tasks, split_holdout
+
+    c = configs.textcraft_tiny.get_config()
+    train, held = split_holdout(select_tasks(c.tasks.train, env.num_tasks, env.task_info),
+                                select_tasks(c.tasks.holdout, env.num_tasks, env.task_info), c.tasks.holdout_every)
+    seen, held_panel = validation_panel(train, held, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed,
+                                        c.val.panel, c.val.seeds_per_goal)
+    assert train == list(tasks.RL_TRAIN_IDS)
+    assert seen + held_panel == tasks.validation_panel(*tasks.split(env))
 
 
 def test_selector_syntax_matches_the_trainers(env):

@@ -104,6 +104,16 @@ def test_spread_validation_panel_is_evenly_spaced_with_consecutive_unseen_seeds(
     assert held == [(7, 1_000_005), (8, 1_000_006), (9, 1_000_007)]  # all of them when fewer
 
 
+def test_panel_goals_can_be_played_with_several_unseen_seeds_each():
+    seen, held = validation_panel([100, 101, 102], [7], 2, 1, 1_000_000, "spread", seeds_per_goal=3)
+    assert seen == [(100, 1_000_000), (100, 1_000_001), (100, 1_000_002),
+                    (102, 1_000_003), (102, 1_000_004), (102, 1_000_005)]
+    assert held == [(7, 1_000_006), (7, 1_000_007), (7, 1_000_008)]
+    seen, held = validation_panel(list(range(40)), [50], 4, 1, 1_000_003, "random", seeds_per_goal=2)
+    assert len(seen) == 8 and len({t for t, _ in seen}) == 4 and len({s for _, s in seen + held}) == 10
+    assert [t for t, _ in seen][::2] == [t for t, _ in seen][1::2]
+
+
 def test_random_validation_panel_is_fixed_with_unseen_seeds():
     ids = list(range(40))
     seen, held = validation_panel(ids, [50, 51], 8, 1, 1_000_003, "random")
