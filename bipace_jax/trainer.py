@@ -481,25 +481,31 @@ class PPOLearner:
         order = np.argsort(_prompt_lengths(batch), kind="stable")  # similar lengths share a micro-batch
         for s in range(0, batch.rows, B):
             r = order[s:s + B]
-            cols = self._prompt_columns(batch, r)
-            ids, att, resp = (_pad_rows(x, B) for x in (batch.input_ids[r][:, cols], batch.attention_mask[r][:, cols],
-                                                        batch.response_ids[r]))
+            width = self._prompt_width(int(_prompt_lengths(batch)[r].max()), batch.prompt_len)
+            ids, att = (self._micro_rows(x, r, batch, width) for x in (batch.input_ids, batch.attention_mask))
+            resp = _pad_rows(batch.response_ids[r], B)
             att[:, -1] |= (att.sum(1) == 0)  # padding rows get one real token (no empty softmax)
             lp = self._logprobs_fn(params_local, self._rest, jnp.asarray(ids), jnp.asarray(att), jnp.asarray(resp))
             out[r] = np.asarray(lp)[: len(r)]
         return out
 
-    def _prompt_columns(self, batch: "Batch", rows: np.ndarray, need: int | None = None) -> slice:
-        """The columns a micro-batch of ``rows`` keeps: its prompts' left padding is cut down to the
-        smallest of ``prompt_buckets`` that holds its longest prompt (``need`` overrides that length,
-        e.g. agreed over processes), plus the response columns. Padding columns carry attention
-        mask 0 and positions come from the mask, so the log-probs are the same (a few programs
-        compile, one per bucket)."""
-        P_ = batch.prompt_len
-        if need is None:
-            need = int(_prompt_lengths(batch)[rows].max()) if len(rows) else 1
-        fit = [b for b in self.prompt_buckets if max(need, 1) <= b <= P_]
-        return slice(P_ - (fit[0] if fit else P_), None)
+    def _prompt_width(self, need: int, widest: int) -> int:
+        """Prompt columns a micro-batch whose longest prompt has ``need`` tokens is given: the smallest
+        of ``prompt_buckets`` that holds it, else ``widest`` (the batch's prompt length, agreed over
+        processes in ``update``). Padding columns carry attention mask 0 and positions come from the
+        mask, so the log-probs do not depend on it (a few programs compile, one per bucket)."""
+        fit = [b for b in self.prompt_buckets if max(need, 1) <= b]
+        return min(fit[0], widest) if fit else widest
+
+    def _micro_rows(self, x: np.ndarray, rows: np.ndarray, batch: "Batch", width: int) -> np.ndarray:
+        """``x[rows]`` ([n, P + M] token columns) with its prompt part cut, or left-padded with zero
+        columns, to ``width`` and its rows padded to the micro-batch size."""
+        x, P_ = x[rows], batch.prompt_len
+        if width <= P_:
+            x = x[:, P_ - width:]
+        else:
+            x = np.concatenate([np.zeros((x.shape[0], width - P_), x.dtype), x], 1)
+        return _pad_rows(x, self.micro_batch_rows)
 
     def update(self, batch: Batch, old_lp: np.ndarray, ref_lp: np.ndarray | None, adv: np.ndarray,
                key: jax.Array, where: str = "") -> dict[str, float]:
@@ -530,18 +536,20 @@ class PPOLearner:
         totals = {k: 0.0 for k in self.STAT_KEYS}
         gnorms = []
         plen = _prompt_lengths(batch)
+        # Every process's micro-batch must have the same shape: the widest prompt length of all.
+        widest = int(_allgather(np.array([batch.prompt_len], np.int64)).max())
         for epoch in range(self.epochs):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local)) if n_local else np.zeros(0, int)
             # Within a mini-batch the rows are ordered by prompt length (the sum of the gradients
             # does not depend on the order) so each micro-batch keeps only the prompt columns its
-            # longest prompt needs (``_prompt_columns``), a length agreed over processes.
+            # longest prompt needs (``_prompt_width``), a length agreed over processes.
             minis = [perm[j * mb_rows:(j + 1) * mb_rows] for j in range(n_mini)]
             minis = [r[np.argsort(plen[r], kind="stable")] for r in minis]
             info = _allgather(np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64))
             k_micros = [max(int(math.ceil(info[:, j, 0].max() / B)), 1) for j in range(n_mini)]
             needs = _allgather(np.array([int(plen[r[m * B:(m + 1) * B]].max(initial=1))
                                          for r, k in zip(minis, k_micros) for m in range(k)], np.int64)).max(0)
-            needs = iter(needs.tolist())
+            widths = iter([self._prompt_width(int(nd), widest) for nd in needs])
             for j, rows in enumerate(minis):
                 denom = float(max(info[:, j, 1].sum(), 1))
                 k_micro = k_micros[j]
@@ -549,10 +557,10 @@ class PPOLearner:
                 stats = {k: jnp.zeros((), jnp.float32) for k in self.STAT_KEYS}
                 for m in range(k_micro):
                     r = rows[m * B:(m + 1) * B]
-                    cols = self._prompt_columns(batch, r, next(needs))
+                    width = next(widths)
                     mb = {
-                        "input_ids": _pad_rows(batch.input_ids[r][:, cols], B),
-                        "attention_mask": _pad_rows(batch.attention_mask[r][:, cols], B),
+                        "input_ids": self._micro_rows(batch.input_ids, r, batch, width),
+                        "attention_mask": self._micro_rows(batch.attention_mask, r, batch, width),
                         "response_ids": _pad_rows(batch.response_ids[r], B),
                         "response_mask": _pad_rows(batch.response_mask[r], B),
                         "old_logprobs": _pad_rows(old_lp[r], B),

@@ -43,6 +43,9 @@ def get_config():
     c.rollout.template = "configs.textcraft_tasks:TEMPLATE"
     c.rollout.max_prompt_length = 448  # inventories grow in states far from the expert's path
     c.sampler.max_new_tokens = 32
+    # Rollouts at temperature 0.6 (PPO trains that tempered policy): at the paper's 1.0 the 0.8M
+    # actor's slips end most games; at 0.6 groups of 8 still mix wins and losses.
+    c.sampler.temperature = 0.6
     c.sampler.batch_buckets = (16, 64)
     c.sampler.length_buckets = (160, 224, 288, 384, 448)
 
@@ -52,8 +55,9 @@ def get_config():
     c.estimator.calibration.enabled = True
     c.estimator.calibration.target_singleton_rate = 0.25
     c.ppo.micro_batch_rows = 32
-    c.ppo.old_logprobs = "fused"       # one optimizer step per iteration: old log-probs from the gradient pass
-    c.optim.learning_rate = 1e-5
+    c.ppo.mini_batch_rows = 256        # ~4 AdamW steps per iteration (~900 rows)
+    c.ppo.old_logprobs = "sampler"     # the sampler's log-probs at T=0.6 are the behaviour policy's: no extra forward
+    c.optim.learning_rate = 2e-4       # a 0.8M-parameter actor (warm start peak 3e-3); 1e-5 did not move it in 10 iterations
 
     c.val.every = 10
     c.val.num_tasks = tasks.VAL_NUM_SEEN

@@ -26,7 +26,9 @@ TINY = [
     "--config.rollout.num_groups=2", "--config.rollout.group_size=2", "--config.env.max_steps=3",
     "--config.env.num_workers=1", "--config.sampler.max_new_tokens=16", "--config.sampler.batch_buckets=(4, 8)",
     "--config.val.num_tasks=2", "--config.val.num_holdout_tasks=1", "--config.val.every=1",
+    "--config.val.seeds_per_goal=1",
     "--config.ppo.micro_batch_rows=8", "--config.model.checkpoint=",
+    "--config.ppo.old_logprobs=recompute",  # so rollout/logprob_gap compares the sampler with the trainer
     "--config.log.progress=False",
 ]
 
@@ -94,7 +96,8 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
             assert k in r and r[k] is not None and math.isfinite(r[k]), k
         assert r["train/episodes"] == 4 and r["train/rows"] >= 4  # 2 groups x 2 rollouts, >= 1 step each
         assert 0 <= r["train/success_rate"] <= 1
-        # the trainer's recomputed old log-probs equal the sampler's (temperature 1): same tokens, same policy
+        # the trainer's recomputed old log-probs equal the sampler's at the rollout temperature (0.6
+        # in textcraft_tiny): same tokens, same tempered policy
         assert r["rollout/logprob_gap"] < 1e-3
     assert rows[0]["train/task_cursor"] == 0 and rows[1]["train/task_cursor"] == 2
     # epsilon: the one-shot calibration of the first iteration (configs/textcraft_tiny.py enables it)

@@ -153,6 +153,11 @@ def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the
             L.update(b, L.logprobs(L.params_local, b) - 0.05, None, adv, jax.random.PRNGKey(it))
     jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=2e-6), jax.tree.map(np.asarray, plain.params),
                  jax.tree.map(np.asarray, cut.params))
-    # a micro-batch's columns: the smallest bucket holding its longest prompt, else the full prompt
-    assert cut._prompt_columns(b, np.array([int(np.argmin(lens))])) == slice(b.prompt_len - 4, None)
-    assert cut._prompt_columns(b, np.arange(10)) == slice(0, None)
+    # a micro-batch's width: the smallest bucket holding its longest prompt, else the widest prompt
+    # (another process's batch may be wider: its rows are left-padded with masked columns)
+    assert cut._prompt_width(int(lens.min()), b.prompt_len) == 4
+    assert cut._prompt_width(int(lens.max()), b.prompt_len) == b.prompt_len == 12
+    assert cut._prompt_width(9, 16) == 16 and cut._prompt_width(3, 2) == 2
+    wide = cut._micro_rows(b.attention_mask, np.arange(3), b, 16)
+    assert wide.shape == (3, 16 + 5) and not wide[:, :4].any()
+    np.testing.assert_array_equal(wide[:, 4:], b.attention_mask[:3])
