@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.intermediate_size = 384
 
     c.data = ml_collections.ConfigDict()
-    c.data.expert_seeds = 6            # oracle games per training goal (seeds 0..n-1)
+    c.data.expert_seeds = 24           # oracle games per training goal (seeds 0..n-1): distractor variety
     c.data.length_buckets = (160, 224, 288, 384, 448)
     c.data.response_length = 32        # R: response tokens per example (<action>...</action><|im_end|>)
 
@@ -47,13 +47,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.warmup_steps = 50
     c.train.weight_decay = 0.01
     c.train.grad_clip = 1.0
-    c.train.bc_steps = 300             # updates before the first DAgger round
+    c.train.bc_steps = 600             # updates before the first DAgger round
     c.train.steps_per_round = 100      # updates after each DAgger round
     c.train.log_every = 25
 
     c.dagger = ml_collections.ConfigDict()
     c.dagger.rounds = 4
-    c.dagger.episodes = 64            # policy games per round (training goals, fresh seeds)
+    c.dagger.episodes = 128           # policy games per round (training goals, fresh seeds)
     c.dagger.temperature = 0.4         # policy temperature in DAgger games
     c.dagger.seed_base = 100_000       # DAgger game seeds: seed_base + round * 10_000 + k
 
@@ -65,6 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.val = ml_collections.ConfigDict()
     c.val.num_seen = tasks.VAL_NUM_SEEN
     c.val.num_heldout = tasks.VAL_NUM_HELDOUT
+    c.val.seeds_per_goal = tasks.VAL_SEEDS_PER_GOAL  # the RL default's panel: RL goals and held-out goals, 3 seeds each
     c.val.temperature = tasks.VAL_TEMPERATURE
     c.val.panel_seed = 0
     c.val.every_round = False          # validate after each round (costs one panel of games)

@@ -466,6 +466,7 @@ def validate_config(c) -> None:
         ("gen.batch_buckets", list(c.gen.batch_buckets) == sorted(c.gen.batch_buckets), "sorted"),
         ("env.history_length", c.env.history_length >= 0, ">= 0"),
         ("val.temperature", c.val.temperature >= 0, ">= 0"),
+        ("val.seeds_per_goal", c.val.seeds_per_goal >= 1, ">= 1"),
     ]
     for name, ok, expected in checks:
         if not ok:
@@ -553,7 +554,7 @@ def run(c, workdir: str, out: str | None, *, progress: bool = True) -> dict[str,
         start_round, step = ckpt.latest_step() + 1, int(restored["step"])
 
     panel = tasks.validation_panel(train_ids, held_ids, c.val.num_seen, c.val.num_heldout,
-                                   c.val.panel_seed)
+                                   c.val.panel_seed, c.val.seeds_per_goal)
     held_set = set(held_ids)
     key = jax.random.key(c.seed)
     rng = np.random.default_rng(c.seed)

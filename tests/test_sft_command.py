@@ -44,6 +44,7 @@ def small_config():
     c.dagger.episodes = 4
     c.val.num_seen = 3
     c.val.num_heldout = 1
+    c.val.seeds_per_goal = 1
     c.val.every_round = False
     return c
 
