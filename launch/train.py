@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -70,11 +71,14 @@ def format_report(summary: dict) -> str:
         lines.append("Plots: " + ", ".join(summary["plots"]))
     if summary.get("hf_export"):
         lines.append(f"Policy (HF folder, load_hf_checkpoint): {summary['hf_export']}")
+    if summary.get("wall_s") is not None:
+        lines.append(f"Wall time: {summary['wall_s'] / 60:.1f} min (start-up, compiles, validation and iterations)")
     return "\n".join(lines)
 
 
 def main(argv):
     del argv
+    t_start = time.perf_counter()
     import configs
 
     if not flags.FLAGS["verbosity"].present:  # orbax/absl INFO lines drown the progress bars
@@ -102,7 +106,7 @@ def main(argv):
     finally:
         tr.close()
     if jax.process_index() == 0:
-        print(format_report(summary), flush=True)
+        print(format_report(dict(summary, wall_s=time.perf_counter() - t_start)), flush=True)
 
 
 if __name__ == "__main__":
