@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bipace_jax.sampling import (Sampler, SamplerConfig, SampleOutput, filter_logits, sample_tokens,
+from bipace_jax.sampling import (Sampler, SamplerConfig, SampleOutput, filter_logits, first_argmax, sample_tokens,
                                  stop_string_table, token_byte_texts, truncate_at_stop)
 
 CORPUS = [
@@ -300,6 +300,22 @@ def test_greedy_picks_argmax_with_lowest_id_on_ties():
     toks, logp = sample_tokens(logits, jax.random.split(jax.random.key(0), 2), 0, 1.0, greedy=True)
     np.testing.assert_array_equal(np.asarray(toks), [1, 0])
     np.testing.assert_allclose(np.asarray(logp), np.asarray(jax.nn.log_softmax(logits))[[0, 1], [1, 0]], rtol=1e-6)
+
+
+def test_first_argmax_equals_numpy_argmax_with_ties_infinities_and_nan():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 37)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, [4, 20]] = np.inf
+    x[7, [9, 30]] = np.nan  # NumPy/JAX argmax: the first NaN
+    x[8, 0] = np.nan
+    x[9, 36] = np.nan
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got[[5, 6, 7, 8, 9]], [0, 4, 9, 0, 36])
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x.reshape(4, 16, 37)))),
+                                  np.argmax(x.reshape(4, 16, 37), axis=-1))
 
 
 # -- the Sampler on fake models ------------------------------------------------------------------
