@@ -272,10 +272,15 @@ class Attention(nnx.Module):
         else:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
             scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)          # [B, K, G, T, S]
-        scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+        if t == 1:
+            # One query per row (decode): the [B, K, G, S] scores need no [G, T] split, which keeps
+            # the masked softmax in the dot's output layout (no relayout copy of the scores).
+            scores = jnp.where(mask[:, :, None, :], scores * (hd ** -0.5), _NEG_INF)   # [B, K, G, S]
+        else:
+            scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)      # [B, K, G, T, S]
+            scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
         e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        denom = jnp.sum(e, axis=-1, keepdims=True)                        # [B, K, G, T, 1]
+        denom = jnp.sum(e, axis=-1).reshape(b, kh, g, t, 1)
         e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
         out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
         out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
