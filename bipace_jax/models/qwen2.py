@@ -74,8 +74,8 @@ class KVCache:
     Attributes:
       k: [L, B, K, Hd, S] in the actor's `dtype`: keys (after RoPE) per layer and KV head, slots
         minor: the decode step's scores q [G, Hd] @ k [Hd, S] then read each (row, head) block as a
-        plain [Hd, S] matrix (with slots second-minor, XLA's CPU dot repacks the block on every
-        step: ~3x slower at B=64).
+        plain [Hd, S] matrix (with slots second-minor, the scores dot took ~2x longer per decode
+        step on XLA's CPU backend at B=64, measured in the decode loop).
       v: [L, B, K, S, Hd]: values, slots second-minor, the layout of the probabilities-times-values
         contraction p [G, S] @ v [S, Hd]. Neither is transposed per step; a decode step writes one
         [Hd] column of k and one [Hd] row of v per (row, head).
