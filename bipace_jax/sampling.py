@@ -45,6 +45,7 @@ __all__ = [
     "Sampler",
     "filter_logits",
     "sample_tokens",
+    "first_argmax",
     "token_byte_texts",
     "stop_string_table",
     "truncate_at_stop",
@@ -142,25 +143,73 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
 
     Returns:
       float32[..., V]: ``logits`` where kept, ``-inf`` elsewhere.
+
+    Computed without a sort: each threshold is found by bisection over order-preserving int32 keys
+    of the logits (32 masked counts / sums over V each); the top-k set is exactly ``lax.top_k``'s,
+    the nucleus the sorted rule's up to float summation order.
     """
     v = logits.shape[-1]
     apply_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
     if top_k <= 0 and not apply_p:
         return logits
-    k = v if top_k <= 0 or top_k >= v else top_k
-    if k < v:
-        top_vals, _ = jax.lax.top_k(logits, k)  # [..., k] descending
-    else:
-        top_vals = -jnp.sort(-logits, axis=-1)
-    threshold = top_vals[..., -1:]
+    # No sort over V (XLA's CPU sort calls a comparator per comparison: ~4 ms per decode step at
+    # B=64, V=512). Both thresholds are found by bisection over the logits' order-preserving int32
+    # keys, 32 halvings of the key range, each one masked count or sum over V.
+    key = _order_key(logits)
+    lo = jnp.min(key, axis=-1, keepdims=True)
+    hi = jnp.max(key, axis=-1, keepdims=True)
+    if 0 < top_k < v:
+        # The k-th largest logit (counted with multiplicity): the largest key t with
+        # #{key >= t} >= k. Counts are exact, so this is lax.top_k's k-th value.
+        def kth(_, bounds):
+            lo_, hi_ = bounds
+            mid = _mid_key(lo_, hi_, up=True)
+            ok = jnp.sum(key >= mid, axis=-1, keepdims=True) >= top_k
+            return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid - 1)
+        t_k, _ = jax.lax.fori_loop(0, 32, kth, (lo, hi))
+        logits = jnp.where(key >= t_k, logits, -jnp.inf)
+        key = jnp.where(key >= t_k, key, _order_key(jnp.float32(-jnp.inf)))
+        lo = t_k
     if apply_p:
-        probs = jax.nn.softmax(top_vals, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < top_p
-        keep = keep.at[..., 0].set(True)
-        n_keep = jnp.sum(keep, axis=-1, keepdims=True)
-        threshold = jnp.take_along_axis(top_vals, n_keep - 1, axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+        # Token i is kept iff the probability mass of the tokens with a strictly larger logit is
+        # < top_p (renormalised over the top-k set): the sorted rule above, ties included. The kept
+        # set is {key >= t} for the smallest key t whose strictly-larger mass is < top_p.
+        probs = jax.nn.softmax(logits, axis=-1)
+        def nucleus(_, bounds):
+            lo_, hi_ = bounds
+            mid = _mid_key(lo_, hi_, up=False)
+            ok = jnp.sum(jnp.where(key > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
+            return jnp.where(ok, lo_, mid + 1), jnp.where(ok, mid, hi_)
+        _, t_p = jax.lax.fori_loop(0, 32, nucleus, (lo, hi))
+        logits = jnp.where(key >= t_p, logits, -jnp.inf)
+    return logits
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """int32 keys of float32 ``x`` in the same order (-0.0 just below +0.0; -inf lowest)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _mid_key(lo: jax.Array, hi: jax.Array, *, up: bool) -> jax.Array:
+    """The midpoint of int32 ``lo <= hi`` rounded up or down, without int32 overflow."""
+    span = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # wraps to the true span in [0, 2^32)
+    half = (span >> 1) + (span & 1) if up else span >> 1
+    return lo + jax.lax.bitcast_convert_type(half, jnp.int32)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32[...]: ``jnp.argmax(x, axis=-1)`` (first maximum; first NaN if any) for float ``x[..., V]``.
+
+    Computed as the smallest index where ``x`` equals its maximum (or is NaN): two plain reductions,
+    which XLA's CPU backend vectorises, instead of the (value, index) pair reduction of
+    ``jnp.argmax`` (~10x slower per decode step there). Same result for every input.
+    """
+    v = x.shape[-1]
+    peak = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row holds a NaN
+    hit = (x == peak) | jnp.isnan(x)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, v), axis=-1).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, row_keys: jax.Array, step: jax.Array | int, temperature: jax.Array | float,
@@ -181,13 +230,13 @@ def sample_tokens(logits: jax.Array, row_keys: jax.Array, step: jax.Array | int,
     logits = logits.astype(jnp.float32)
     if greedy:
         scaled = logits
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = first_argmax(logits)
     else:
         scaled = logits / jnp.asarray(temperature, jnp.float32)
         filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(step_keys)
-        tokens = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+        tokens = first_argmax(filtered + gumbel)
     # log_softmax(scaled)[token] without materialising log_softmax over V: the same expression
     # (scaled - max) - log(sum(exp(scaled - max))), evaluated at the drawn token only.
     peak = jnp.max(scaled, axis=-1, keepdims=True)

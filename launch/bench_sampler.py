@@ -13,7 +13,8 @@ Measured per model and batch size (16 and 64):
   first token included; HF: one ``model(...)`` forward with ``use_cache=True``, what ``generate``
   runs first);
 * decode tokens/s: generated tokens / (whole call - prefill) (ours: the on-device decode loop);
-* end to end: generated tokens / whole call.
+* end to end: generated tokens / whole call;
+* ours also: ``decode_ms_per_step``, the decode loop's time per step (all rows advance together).
 
 ``speedup_vs_hf`` is the smallest end-to-end ratio (HF time / our time) over the batch sizes on the
 first model of ``--models`` (target: >= 3 on CPU). Each measurement is the median of ``--reps`` runs,
@@ -185,7 +186,9 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
                 hf_t.append((total, pre, total - pre))
         med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
         new = _gen_tokens(out)
-        ours = dict(total_s=med(ours_t, 0), prefill_s=med(ours_t, 1), decode_s=med(ours_t, 2), compile_s=compile_s)
+        steps = int(out.lengths.max()) - 1  # decode-loop iterations (the first token comes from the prefill)
+        ours = dict(total_s=med(ours_t, 0), prefill_s=med(ours_t, 1), decode_s=med(ours_t, 2), compile_s=compile_s,
+                    decode_steps=steps, decode_ms_per_step=1e3 * med(ours_t, 2) / max(steps, 1))
         row = {"prompt_tokens": n_prompt, "new_tokens": new,
                "ours": {**ours, "prefill_tok_s": n_prompt / ours["prefill_s"], "decode_tok_s": new / ours["decode_s"],
                         "end_to_end_tok_s": new / ours["total_s"]}}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bipace_jax.sampling import (Sampler, SamplerConfig, SampleOutput, filter_logits, sample_tokens,
+from bipace_jax.sampling import (Sampler, SamplerConfig, SampleOutput, filter_logits, first_argmax, sample_tokens,
                                  stop_string_table, token_byte_texts, truncate_at_stop)
 
 CORPUS = [
@@ -230,6 +230,33 @@ def test_filter_logits_keeps_the_same_tokens_as_hf_warpers(top_k, top_p):
     np.testing.assert_array_equal(ours[np.isfinite(ours)], logits[np.isfinite(ours)])
 
 
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (7, 1.0), (0, 0.37), (0, 0.81), (6, 0.55), (1, 0.9)])
+def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_zeros(top_k, top_p):
+    rng = np.random.default_rng(top_k * 100 + int(top_p * 100))
+    x = rng.integers(-4, 5, size=(48, 33)).astype(np.float32) * 0.5  # many ties
+    x[0] = 0.0
+    x[1, ::2] = -0.0
+    x[2, :20] = -np.inf
+    x[3, 5] = 1e30
+    x[4] = rng.normal(size=33).astype(np.float32) * 30
+    got = np.isfinite(np.asarray(jax.jit(functools.partial(filter_logits, top_k=top_k, top_p=top_p))(jnp.asarray(x))))
+    for row, keep in zip(x, got):
+        # The rule with a sort (float64): keep the top-k (ties with the k-th too), then, over their
+        # renormalised probabilities in descending order, every token whose predecessors' mass < top_p,
+        # and every token tied with the last kept one.
+        order = np.argsort(-row, kind="stable")
+        vals = row[order].astype(np.float64)
+        kth = vals[min(top_k, len(vals)) - 1] if top_k else -np.inf
+        ref = row >= kth
+        if top_p < 1.0:
+            kept_vals = vals[vals >= kth]
+            p = np.exp(kept_vals - kept_vals.max())
+            p /= p.sum()
+            n = max(1, int(np.sum(np.cumsum(p) - p < top_p)))
+            ref &= row >= kept_vals[n - 1]
+        np.testing.assert_array_equal(keep, ref, err_msg=str(row))
+
+
 def _filtered_probs_oracle(logits, temperature, top_k, top_p):
     x = logits / temperature
     order = np.argsort(-x, kind="stable")
@@ -300,6 +327,22 @@ def test_greedy_picks_argmax_with_lowest_id_on_ties():
     toks, logp = sample_tokens(logits, jax.random.split(jax.random.key(0), 2), 0, 1.0, greedy=True)
     np.testing.assert_array_equal(np.asarray(toks), [1, 0])
     np.testing.assert_allclose(np.asarray(logp), np.asarray(jax.nn.log_softmax(logits))[[0, 1], [1, 0]], rtol=1e-6)
+
+
+def test_first_argmax_equals_numpy_argmax_with_ties_infinities_and_nan():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 37)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, [4, 20]] = np.inf
+    x[7, [9, 30]] = np.nan  # NumPy/JAX argmax: the first NaN
+    x[8, 0] = np.nan
+    x[9, 36] = np.nan
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got[[5, 6, 7, 8, 9]], [0, 4, 9, 0, 36])
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x.reshape(4, 16, 37)))),
+                                  np.argmax(x.reshape(4, 16, 37), axis=-1))
 
 
 # -- the Sampler on fake models ------------------------------------------------------------------

@@ -8,8 +8,9 @@ Architecture (the HF `Qwen2ForCausalLM` computation, spec facts.md):
   logits = RMSNorm(x_L) @ E^T  (tied)  or  @ W_head    computed and returned in fp32  [B, T, V]
 
 Grouped-query attention never repeats K/V: per (row, KV head) the G = N // K query heads that share
-it are stacked as G*T query rows and contracted against that head's K/V [S, Hd] (K/V laid out
-[B, K, S, Hd], the KV cache's layout, so scores [B, K, G*T, S] need no transposes). On the CPU
+it are stacked as G*T query rows and contracted against that head's K/V (K/V laid out [B, K, S, Hd];
+the KV cache keeps keys as [B, K, Hd, S], slots minor, and values as [B, K, S, Hd], so that both
+decode contractions read the cache as it lies and scores [B, K, G*T, S] need no transposes). On the CPU
 backend, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which
 keeps the scores cache-resident; the values are unchanged.
 
@@ -71,12 +72,15 @@ class KVCache:
     """Key/value cache for incremental decoding (a pytree; every field is an array).
 
     Attributes:
-      k, v: [L, B, K, S, Hd] in the actor's `dtype`: keys (after RoPE) and values per layer, KV head
-        and slot. Slots are the second-minor axis so that a layer's [B, K, S, Hd] block is read by
-        the attention contractions as it lies in memory (no per-step transpose of the cache) and a
-        decode step writes one contiguous [Hd] row per (row, head).
-        Per-layer form (`per_layer()`, `init_cache(..., per_layer=True)`): a tuple of L arrays
-        [B, K, S, Hd] instead. Same values; a compiled decode loop should carry this form, because
+      k: [L, B, K, Hd, S] in the actor's `dtype`: keys (after RoPE) per layer and KV head, slots
+        minor: the decode step's scores q [G, Hd] @ k [Hd, S] then read each (row, head) block as a
+        plain [Hd, S] matrix (with slots second-minor, the scores dot took ~2x longer per decode
+        step on XLA's CPU backend at B=64, measured in the decode loop).
+      v: [L, B, K, S, Hd]: values, slots second-minor, the layout of the probabilities-times-values
+        contraction p [G, S] @ v [S, Hd]. Neither is transposed per step; a decode step writes one
+        [Hd] column of k and one [Hd] row of v per (row, head).
+        Per-layer form (`per_layer()`, `init_cache(..., per_layer=True)`): tuples of L arrays
+        [B, K, Hd, S] / [B, K, S, Hd] instead. Same values; a compiled decode loop should carry this form, because
         the attention contraction reads layer i's block directly, whereas `k[i]` of the stacked
         array is a copy of that block on every step (XLA materialises the slice before the dot).
         `prefill` and `decode_step` return the form they were given.
@@ -94,7 +98,7 @@ class KVCache:
     @property
     def max_length(self) -> int:
         """S, the number of slots."""
-        return self.k[0].shape[-2]
+        return self.v[0].shape[-2]
 
     @property
     def batch_size(self) -> int:
@@ -103,18 +107,20 @@ class KVCache:
 
     @property
     def is_per_layer(self) -> bool:
-        """True when k, v are tuples of per-layer [B, K, S, Hd] arrays."""
+        """True when k, v are tuples of per-layer arrays (k [B, K, Hd, S], v [B, K, S, Hd])."""
         return isinstance(self.k, (tuple, list))
 
     def per_layer(self) -> "KVCache":
-        """The same cache with k, v as tuples of L arrays [B, K, S, Hd] (unchanged if already)."""
+        """The same cache with k, v as tuples of L arrays [B, K, Hd, S] / [B, K, S, Hd] (unchanged if
+        already)."""
         if self.is_per_layer:
             return self
         return self.replace(k=tuple(self.k[i] for i in range(self.k.shape[0])),
                             v=tuple(self.v[i] for i in range(self.v.shape[0])))
 
     def stacked(self) -> "KVCache":
-        """The same cache with k, v as stacked [L, B, K, S, Hd] arrays (unchanged if already)."""
+        """The same cache with k, v as stacked [L, B, K, Hd, S] / [L, B, K, S, Hd] arrays (unchanged if
+        already)."""
         if not self.is_per_layer:
             return self
         return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
@@ -232,8 +238,8 @@ class Attention(nnx.Module):
     def attend(self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False) -> Array:
         """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D].
 
-        Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`,
-        [B, K, S, Hd] (one layer of the `KVCache`, read as it lies). Scores and softmax in fp32;
+        Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`, one
+        layer of the `KVCache` read as it lies: keys [B, K, Hd, S], values [B, K, S, Hd]. Scores and softmax in fp32;
         the unnormalised probabilities exp(score - max) are cast to `dtype` for the value
         contraction and the result is divided by their fp32 sum afterwards (one division per
         output element instead of one per score; the same softmax up to rounding).
@@ -260,14 +266,21 @@ class Attention(nnx.Module):
         b, t, n, hd = q.shape
         kh, g = self.num_kv_heads, self.num_groups
         qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
-        if not cache_layout:
-            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
         batch = ((0, 1), (0, 1))
-        scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)          # [B, K, G, T, S]
-        scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+        if cache_layout:                                                  # k [B, K, Hd, S]
+            scores = jax.lax.dot_general(qg, k, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+        else:
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
+            scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+        if t == 1:
+            # One query per row (decode): the [B, K, G, S] scores need no [G, T] split, which keeps
+            # the masked softmax in the dot's output layout (no relayout copy of the scores).
+            scores = jnp.where(mask[:, :, None, :], scores * (hd ** -0.5), _NEG_INF)   # [B, K, G, S]
+        else:
+            scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)      # [B, K, G, T, S]
+            scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
         e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        denom = jnp.sum(e, axis=-1, keepdims=True)                        # [B, K, G, T, 1]
+        denom = jnp.sum(e, axis=-1).reshape(b, kh, g, t, 1)
         e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
         out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
         out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
@@ -332,7 +345,7 @@ class DecoderLayer(nnx.Module):
 
         Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
         new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
-        attend over in the cache layout [B, K, S, Hd] (mask [B, T, S]): that is how `decode_step`
+        attend over in the cache layout (keys [B, K, Hd, S], values [B, K, S, Hd]; mask [B, T, S]): that is how `decode_step`
         reads the cache.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
@@ -545,8 +558,8 @@ class Qwen2Actor(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, *, per_layer: bool = False) -> KVCache:
         """An empty `KVCache` with S = max_length slots for B = batch_size rows (k/v in `dtype`).
 
-        k, v are [L, B, K, S, Hd], or with `per_layer` tuples of L arrays [B, K, S, Hd] (the form a
-        compiled decode loop should carry; see `KVCache`).
+        k is [L, B, K, Hd, S] and v [L, B, K, S, Hd], or with `per_layer` tuples of L arrays
+        [B, K, Hd, S] / [B, K, S, Hd] (the form a compiled decode loop should carry; see `KVCache`).
 
         Raises:
           ValueError: batch_size or max_length not a positive int.
@@ -556,11 +569,14 @@ class Qwen2Actor(nnx.Module):
                 raise ValueError(f"Qwen2Actor.init_cache: {name} must be a positive int, got {value!r}")
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        k_shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
+        # The logical axes name the value layout; keys swap the two minor axes, which are both
+        # unsplit on every mesh ("cache_seq", "head_dim" -> None), so the same constraint applies.
         if per_layer:
-            k = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
+            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
             v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
         else:
-            k = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
+            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_kv")
             v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
         return KVCache(
             k=k,
@@ -603,10 +619,12 @@ class Qwen2Actor(nnx.Module):
         # and MLP at that column alone, and the LM head sees [B, D], not [B, T, D].
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False, last_query_only=True)
         logits = constrain(self.lm_logits(h[:, 0]), "last_logits")
-        # Each layer's [B, T, K, Hd] -> the cache layout [B, K, T, Hd], zero-padded to S slots.
+        # Each layer's [B, T, K, Hd] -> the cache layout (keys [B, K, Hd, T], values [B, K, T, Hd]),
+        # zero-padded to S slots.
         pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
+        k_pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
         dt = cache.k[0].dtype
-        k = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_kv_layer") for x in ks)
+        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_kv_layer") for x in ks)
         v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_kv_layer") for x in vs)
         if not cache.is_per_layer:
             k, v = constrain(jnp.stack(k), "cache_kv"), constrain(jnp.stack(v), "cache_kv")
@@ -649,15 +667,15 @@ class Qwen2Actor(nnx.Module):
         v_all = list(cache.v) if per_layer else cache.v
         for i, layer in enumerate(self.layers):
             def kv_update(k, v, i=i):
-                # Write the new token's k/v, [B, 1, K, Hd] -> [B, K, 1, Hd], at (layer i, slot index)
-                # in place; attend over layer i's [B, K, S, Hd].
+                # Write the new token's k/v, [B, 1, K, Hd] -> k [B, K, Hd, 1], v [B, K, 1, Hd], at
+                # (layer i, slot index) in place; attend over layer i's k [B, K, Hd, S], v [B, K, S, Hd].
                 nonlocal k_all, v_all
-                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+                k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
                 if per_layer:
-                    k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, index, 0))
+                    k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
                     v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
                     return k_all[i], v_all[i]
-                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, 0, index, 0))
+                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, 0, 0, index))
                 v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, 0, index, 0))
                 return k_all[i], v_all[i]
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
