@@ -103,6 +103,8 @@ def test_bad_field_fails_with_one_line_naming_it(field, value, message):
     c = _load("textcraft_tiny")
     if field == "ppo.old_logprobs":
         c.sampler.top_p = 0.9  # a tempered sampler is fine (PPO trains the tempered policy); a truncated one is not
+    if field == "ppo.epochs":
+        c.ppo.old_logprobs, c.ppo.mini_batch_rows = "fused", 0
     section, name = field.split(".")
     with c.unlocked():
         c[section][name] = value
