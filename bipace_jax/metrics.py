@@ -109,8 +109,12 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
+def make_plots(workdir: str, rows: Iterable[dict] | None = None, *, train_temperature: float | None = None,
+               val_temperature: float | None = None) -> list[str]:
     """PNG plots from the metrics: success curve, singleton rate hash vs clusters, PACE row mix.
+
+    ``train_temperature`` / ``val_temperature``: the rollout and validation sampling temperatures,
+    named in the success plot's legend when given.
 
     Returns the paths written (under ``<workdir>/plots``).
     """
@@ -142,7 +146,11 @@ def make_plots(workdir: str, rows: Iterable[dict] | None = None) -> list[str]:
         fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
         plt.close(fig)
 
-    line_plot("success.png", (("train/success_rate", "train (T=1.0)"), ("val/success_rate", "validation (T=0.4)"),
+    def named(label, t):
+        return label if t is None else f"{label} (T={t:g})"
+
+    line_plot("success.png", (("train/success_rate", named("train", train_temperature)),
+                              ("val/success_rate", named("validation", val_temperature)),
                               ("val/holdout/success_rate", "validation, held-out goals")),
               "PPO iterations completed", "success rate", "Success", ylim=(-0.02, 1.02))
     line_plot("singleton_rate.png", (("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),

@@ -1043,7 +1043,8 @@ class Trainer:
             bar.close()
         if self.is_primary:
             if c.log.plots:
-                summary["plots"] = make_plots(self.workdir)
+                summary["plots"] = make_plots(self.workdir, train_temperature=c.sampler.temperature,
+                                              val_temperature=c.val.temperature)
             if c.checkpoint.export_hf:
                 summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
         return summary
