@@ -478,10 +478,11 @@ class PPOLearner:
         """
         B = self.micro_batch_rows
         out = np.zeros(batch.response_ids.shape, np.float32)
-        order = np.argsort(_prompt_lengths(batch), kind="stable")  # similar lengths share a micro-batch
+        plen = _prompt_lengths(batch)
+        order = np.argsort(plen, kind="stable")  # similar lengths share a micro-batch
         for s in range(0, batch.rows, B):
             r = order[s:s + B]
-            width = self._prompt_width(int(_prompt_lengths(batch)[r].max()), batch.prompt_len)
+            width = self._prompt_width(int(plen[r].max()), batch.prompt_len)
             ids, att = (self._micro_rows(x, r, batch, width) for x in (batch.input_ids, batch.attention_mask))
             resp = _pad_rows(batch.response_ids[r], B)
             att[:, -1] |= (att.sum(1) == 0)  # padding rows get one real token (no empty softmax)
