@@ -161,7 +161,7 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     full = actor(full_ids, full_mask, fingerprint_index=last_real(mask))
 
     cache = actor.init_cache(3, 12)
-    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 16, 12) and cache.v.shape == (3, 3, 1, 12, 16)
+    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 16, 12) and cache.v.shape == (3, 3, 1, 16, 12)
     out, cache = actor.prefill(ids, mask, cache)
     assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)],
@@ -327,9 +327,9 @@ def test_per_layer_cache_form_gives_the_stacked_forms_values():
     ids, mask = random_batch(3, 5, 512, padding="left", seed=18)
     stacked = actor.init_cache(3, 8)
     per_layer = actor.init_cache(3, 8, per_layer=True)
-    assert stacked.k.shape == (3, 3, 2, 16, 8) and stacked.v.shape == (3, 3, 2, 8, 16) and not stacked.is_per_layer
+    assert stacked.k.shape == (3, 3, 2, 16, 8) and stacked.v.shape == (3, 3, 2, 16, 8) and not stacked.is_per_layer
     assert per_layer.is_per_layer and len(per_layer.k) == 3 and per_layer.k[0].shape == (3, 2, 16, 8)
-    assert per_layer.v[0].shape == (3, 2, 8, 16)
+    assert per_layer.v[0].shape == (3, 2, 16, 8)
     out_s, stacked = actor.prefill(ids, mask, stacked)
     out_p, per_layer = actor.prefill(ids, mask, per_layer)
     token = jnp.argmax(out_s.logits, axis=-1).astype(jnp.int32)
