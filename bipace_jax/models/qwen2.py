@@ -129,13 +129,27 @@ class KVCache:
 
 # --------------------------------------------------------------------------------------------------
 # Small pieces.
-def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+def rope_cos_sin(positions: Array, head_dim: int, theta: float,
+                 num_positions: int | None = None) -> tuple[Array, Array]:
     """RoPE tables for integer `positions` [B, T]: cos, sin float32 [B, T, Hd].
 
     Frequencies theta^(-2i/Hd), i < Hd/2, duplicated over both halves (HF's rotate-half layout).
+
+    With `num_positions` (static; every position must lie in [0, num_positions): a position outside
+    gets NaN tables, never a clamped one), cos and sin are evaluated once per position
+    0..num_positions-1 and looked up by position: the same values. Otherwise XLA fuses them into
+    every consumer (q and k of each layer, the KV-cache writes) and evaluates them again per element
+    and head there (measured: prefill at B=64, T=128 of the tiny model ~3 ms slower on 2 cores).
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    if num_positions is None:
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    else:
+        table = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq     # [P, Hd/2]
+        cos_t, sin_t = jnp.cos(table), jnp.sin(table)
+        cos = jnp.take(cos_t, positions, axis=0, mode="fill", fill_value=jnp.nan)
+        sin = jnp.take(sin_t, positions, axis=0, mode="fill", fill_value=jnp.nan)
+        return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -510,7 +524,7 @@ class Qwen2Actor(nnx.Module):
         mask = attention_mask.astype(bool)
         t = input_ids.shape[1]
         positions = positions_from_mask(mask)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, num_positions=t)
         causal = jnp.tril(jnp.ones((t, t), bool))
         attn_mask = causal[None] & mask[:, None, :]
         fp_at = self.fingerprint_hidden_index
@@ -696,7 +710,8 @@ class Qwen2Actor(nnx.Module):
         index = cache.index
         slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((b, 1), bool), (0, index))
         attn_mask = slot_mask[:, None, :]  # [B, 1, S]
-        cos, sin = rope_cos_sin(cache.lengths[:, None], self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(cache.lengths[:, None], self.config.head_dim, self.config.rope_theta,
+                                num_positions=cache.max_length)
         x = self._embed(token_ids[:, None])
         per_layer = cache.is_per_layer
         k_all = list(cache.k) if per_layer else cache.k
