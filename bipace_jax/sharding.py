@@ -80,8 +80,8 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp": ("batch", "seq", "mlp"),                     # [B, T, F]
     "logits": ("batch", "seq", "vocab"),                # [B, T, V]
     "last_logits": ("batch", "vocab"),                  # [B, V]
-    "cache_kv": ("layers", "batch", "kv_heads", "head_dim", "cache_seq"),  # [L, B, K, Hd, S]
-    "cache_kv_layer": ("batch", "kv_heads", "head_dim", "cache_seq"),       # [B, K, Hd, S] (per-layer form)
+    "cache_kv": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # [L, B, K, S, Hd]
+    "cache_kv_layer": ("batch", "kv_heads", "cache_seq", "head_dim"),       # [B, K, S, Hd] (per-layer form)
     "cache_mask": ("batch", "cache_seq"),               # [B, S]
     "per_row": ("batch",),                              # [B]
 }
@@ -261,7 +261,7 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
-    """`NamedSharding`s for a `KVCache` (k/v [L,B,K,Hd,S] or per-layer tuples of [B,K,Hd,S],
+    """`NamedSharding`s for a `KVCache` (k/v [L,B,K,S,Hd] or per-layer tuples of [B,K,S,Hd],
     slot_mask [B,S], lengths [B], index [])."""
     def spec(kind, leaf):
         return NamedSharding(mesh, logical_to_spec(ACTIVATION_AXES[kind], leaf.shape, mesh))

@@ -161,7 +161,7 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     full = actor(full_ids, full_mask, fingerprint_index=last_real(mask))
 
     cache = actor.init_cache(3, 12)
-    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 16, 12) and cache.v.shape == (3, 3, 1, 16, 12)
+    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 16, 12) and cache.v.shape == (3, 3, 1, 12, 16)
     out, cache = actor.prefill(ids, mask, cache)
     assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)],
@@ -327,9 +327,9 @@ def test_per_layer_cache_form_gives_the_stacked_forms_values():
     ids, mask = random_batch(3, 5, 512, padding="left", seed=18)
     stacked = actor.init_cache(3, 8)
     per_layer = actor.init_cache(3, 8, per_layer=True)
-    assert stacked.k.shape == (3, 3, 2, 16, 8) and stacked.v.shape == (3, 3, 2, 16, 8) and not stacked.is_per_layer
+    assert stacked.k.shape == (3, 3, 2, 16, 8) and stacked.v.shape == (3, 3, 2, 8, 16) and not stacked.is_per_layer
     assert per_layer.is_per_layer and len(per_layer.k) == 3 and per_layer.k[0].shape == (3, 2, 16, 8)
-    assert per_layer.v[0].shape == (3, 2, 16, 8)
+    assert per_layer.v[0].shape == (3, 2, 8, 16)
     out_s, stacked = actor.prefill(ids, mask, stacked)
     out_p, per_layer = actor.prefill(ids, mask, per_layer)
     token = jnp.argmax(out_s.logits, axis=-1).astype(jnp.int32)
@@ -341,41 +341,6 @@ def test_per_layer_cache_form_gives_the_stacked_forms_values():
     np.testing.assert_array_equal(np.asarray(per_layer.stacked().k), np.asarray(stacked.k))
     np.testing.assert_array_equal(np.asarray(stacked.per_layer().v[2]), np.asarray(per_layer.v[2]))
     assert per_layer.max_length == stacked.max_length == 8 and per_layer.batch_size == 3
-
-
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (4, 1)])
-def test_decode_attention_per_query_group_equals_the_batched_contraction(monkeypatch, heads, kv_heads):
-    """On CPU without a mesh a decode step attends query group by query group (`_attend_groups`);
-    the batched [G, Hd] @ [Hd, S] form (accelerators, meshes) gives the same logits and cache."""
-    from bipace_jax.models import qwen2
-    cfg = Qwen2Config.tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8)
-    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(12))
-    ids, mask = random_batch(5, 6, cfg.vocab_size, padding="left", seed=19)
-    tokens = np.random.default_rng(20).integers(0, cfg.vocab_size, (5, 3)).astype(np.int32)
-    calls = []
-    real = qwen2.Attention._attend_groups
-
-    def spy(self, *args):
-        calls.append(1)
-        return real(self, *args)
-    monkeypatch.setattr(qwen2.Attention, "_attend_groups", spy)
-
-    def decode():
-        _, cache = actor.prefill(ids, mask, actor.init_cache(5, 9, per_layer=True))
-        steps = []
-        for j in range(tokens.shape[1]):
-            logits, cache = actor.decode_step(jnp.asarray(tokens[:, j]), cache)
-            steps.append(np.asarray(logits))
-        return np.stack(steps), cache
-
-    grouped, cache_g = decode()
-    assert len(calls) == 3 * cfg.num_hidden_layers          # every decode step, every layer
-    monkeypatch.setattr(qwen2, "_cpu_without_mesh", lambda: False)
-    batched, cache_b = decode()
-    assert len(calls) == 3 * cfg.num_hidden_layers          # the batched form was used this time
-    np.testing.assert_allclose(grouped, batched, atol=1e-5)
-    for a, b in zip(cache_g.k + cache_g.v, cache_b.k + cache_b.v):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 def test_rope_tables_looked_up_by_position_equal_the_direct_ones():

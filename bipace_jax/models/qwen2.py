@@ -9,11 +9,10 @@ Architecture (the HF `Qwen2ForCausalLM` computation, spec facts.md):
 
 Grouped-query attention never repeats K/V: per (row, KV head) the G = N // K query heads that share
 it are stacked as G*T query rows and contracted against that head's K/V (K/V laid out [B, K, S, Hd];
-the KV cache keeps keys and values as [B, K, Hd, S], slots minor, so that both decode contractions
-read the cache as it lies and scores [B, K, G*T, S] need no transposes). On the CPU backend without a
-mesh, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which keeps
-the scores cache-resident, and a decode step attends each query group g < G as its own chain of
-matrix-vector products; the values are unchanged.
+the KV cache keeps keys as [B, K, Hd, S], slots minor, and values as [B, K, S, Hd], so that both
+decode contractions read the cache as it lies and scores [B, K, G*T, S] need no transposes). On the CPU
+backend, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which
+keeps the scores cache-resident; the values are unchanged.
 
 Prefill runs the last layer's attention output and MLP only at each row's last real token (its
 keys/values still cover every column): the next-token logits and a final-layer fingerprint need
@@ -74,16 +73,14 @@ class KVCache:
 
     Attributes:
       k: [L, B, K, Hd, S] in the actor's `dtype`: keys (after RoPE) per layer and KV head, slots
-        minor: the decode step's scores q [G, Hd] @ k [Hd, S] read each (row, head) block as a
+        minor: the decode step's scores q [G, Hd] @ k [Hd, S] then read each (row, head) block as a
         plain [Hd, S] matrix (with slots second-minor, the scores dot took ~2x longer per decode
         step on XLA's CPU backend at B=64, measured in the decode loop).
-      v: [L, B, K, Hd, S]: values, the same layout: the probabilities-times-values contraction
-        runs over the slots, the minor axis of both operands (on XLA's CPU backend the decode
-        step's per-group v [Hd, S] @ p_g [S] took ~0.6x the time of p [G, S] @ v [S, Hd] with slots
-        second-minor, measured at B=64, S=192). Neither is transposed per step; a decode step
-        writes one [Hd] column of each per (row, head).
+      v: [L, B, K, S, Hd]: values, slots second-minor, the layout of the probabilities-times-values
+        contraction p [G, S] @ v [S, Hd]. Neither is transposed per step; a decode step writes one
+        [Hd] column of k and one [Hd] row of v per (row, head).
         Per-layer form (`per_layer()`, `init_cache(..., per_layer=True)`): tuples of L arrays
-        [B, K, Hd, S] instead. Same values; a compiled decode loop should carry this form, because
+        [B, K, Hd, S] / [B, K, S, Hd] instead. Same values; a compiled decode loop should carry this form, because
         the attention contraction reads layer i's block directly, whereas `k[i]` of the stacked
         array is a copy of that block on every step (XLA materialises the slice before the dot).
         `prefill` and `decode_step` return the form they were given.
@@ -101,7 +98,7 @@ class KVCache:
     @property
     def max_length(self) -> int:
         """S, the number of slots."""
-        return self.k[0].shape[-1]
+        return self.v[0].shape[-2]
 
     @property
     def batch_size(self) -> int:
@@ -110,18 +107,20 @@ class KVCache:
 
     @property
     def is_per_layer(self) -> bool:
-        """True when k, v are tuples of per-layer arrays [B, K, Hd, S]."""
+        """True when k, v are tuples of per-layer arrays (k [B, K, Hd, S], v [B, K, S, Hd])."""
         return isinstance(self.k, (tuple, list))
 
     def per_layer(self) -> "KVCache":
-        """The same cache with k, v as tuples of L arrays [B, K, Hd, S] (unchanged if already)."""
+        """The same cache with k, v as tuples of L arrays [B, K, Hd, S] / [B, K, S, Hd] (unchanged if
+        already)."""
         if self.is_per_layer:
             return self
         return self.replace(k=tuple(self.k[i] for i in range(self.k.shape[0])),
                             v=tuple(self.v[i] for i in range(self.v.shape[0])))
 
     def stacked(self) -> "KVCache":
-        """The same cache with k, v as stacked [L, B, K, Hd, S] arrays (unchanged if already)."""
+        """The same cache with k, v as stacked [L, B, K, Hd, S] / [L, B, K, S, Hd] arrays (unchanged if
+        already)."""
         if not self.is_per_layer:
             return self
         return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
@@ -181,19 +180,13 @@ def positions_from_mask(attention_mask: Array) -> Array:
 _CPU_SCORES_BYTES = 2 * 1024 * 1024
 
 
-def _cpu_without_mesh() -> bool:
-    """True when tracing for XLA's CPU backend outside any mesh context: where the CPU-only
-    attention schedules below apply (accelerators fuse attention themselves, and a mesh splits the
-    batch across devices)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() == "cpu" and (mesh is None or getattr(mesh, "empty", True))
-
-
 def _attention_row_chunk(batch: int, scores_bytes_per_row: int) -> int:
     """Rows per attention chunk: `batch` (no chunking) unless on the CPU backend without a mesh
     and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor of `batch` whose
-    scores fit (at least 1)."""
-    if not _cpu_without_mesh():
+    scores fit (at least 1). Accelerators fuse attention themselves, and a mesh splits the batch
+    across devices, so chunking stays off there."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.default_backend() != "cpu" or (mesh is not None and not getattr(mesh, "empty", True)):
         return batch
     if batch * scores_bytes_per_row <= _CPU_SCORES_BYTES:
         return batch
@@ -260,7 +253,7 @@ class Attention(nnx.Module):
         """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D].
 
         Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`, one
-        layer of the `KVCache` read as it lies: keys and values [B, K, Hd, S]. Scores and softmax in fp32;
+        layer of the `KVCache` read as it lies: keys [B, K, Hd, S], values [B, K, S, Hd]. Scores and softmax in fp32;
         the unnormalised probabilities exp(score - max) are cast to `dtype` for the value
         contraction and the result is divided by their fp32 sum afterwards (one division per
         output element instead of one per score; the same softmax up to rounding).
@@ -269,12 +262,9 @@ class Attention(nnx.Module):
         the minor axis of the scores, so neither the [B, K, G*T, S] scores nor the keys/values
         are transposed. On the CPU backend without a mesh, rows are processed in chunks whose
         fp32 scores fit in `_CPU_SCORES_BYTES` (a `lax.map` over row chunks; see
-        `_attention_row_chunk`): the same values, computed cache-resident. There, too, one query
-        per row over the cache (a decode step) is attended per query group (`_attend_groups`).
+        `_attention_row_chunk`): the same values, computed cache-resident.
         """
         b = q.shape[0]
-        if cache_layout and q.shape[1] == 1 and self.num_groups > 1 and _cpu_without_mesh():
-            return self._project_out(self._attend_groups(q, k, v, mask))
         chunk = _attention_row_chunk(b, q.shape[1] * q.shape[2] * mask.shape[-1] * 4)
         if chunk == b:
             return self._project_out(self._attend_rows(q, k, v, mask, cache_layout))
@@ -291,7 +281,7 @@ class Attention(nnx.Module):
         kh, g = self.num_kv_heads, self.num_groups
         qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
         batch = ((0, 1), (0, 1))
-        if cache_layout:                                                  # k, v [B, K, Hd, S]
+        if cache_layout:                                                  # k [B, K, Hd, S]
             scores = jax.lax.dot_general(qg, k, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
         else:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
@@ -306,38 +296,9 @@ class Attention(nnx.Module):
         e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
         denom = jnp.sum(e, axis=-1).reshape(b, kh, g, t, 1)
         e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
-        v_slots = 3 if cache_layout else 2
-        out = jax.lax.dot_general(e, v, (((3,), (v_slots,)), batch), preferred_element_type=jnp.float32)
+        out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
         out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
-
-    def _attend_groups(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
-        """`_attend_rows` for one query per row over one cache layer (k, v [B, K, Hd, S], mask
-        [B, 1, S]), query group by query group: -> [B, 1, N, Hd].
-
-        For each g < G, the scores k [Hd, S]^T @ q_g [Hd] and the output v [Hd, S] @ p_g [S] of every
-        (row, KV head) are batched matrix-vector products, and the G chains are independent. On XLA's
-        CPU backend, measured on the tiny model at B=64, S=192 (2 cores): ~115 us per layer against
-        ~165 us for the batched [G, Hd] @ [Hd, S] and [G, S] @ [S, Hd] contractions, and the whole
-        63-step decode loop 38 -> 32 ms (idle machine), 50 -> 33 ms (loaded). The same softmax:
-        fp32 scores, max-subtracted, normalised after the value contraction.
-        """
-        b, _, n, hd = q.shape
-        kh, g = self.num_kv_heads, self.num_groups
-        qg = q.reshape(b, kh, g, hd)
-        batch = ((0, 1), (0, 1))
-        keep = mask[:, 0, None, :]                                        # [B, 1, S]
-        outs = []
-        for j in range(g):
-            scores = jax.lax.dot_general(qg[:, :, j], k, (((2,), (2,)), batch),
-                                         preferred_element_type=jnp.float32)   # [B, K, S]
-            scores = jnp.where(keep, scores * (hd ** -0.5), _NEG_INF)
-            e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-            denom = jnp.sum(e, axis=-1, keepdims=True)
-            out = jax.lax.dot_general(v, e.astype(self.dtype), (((3,), (2,)), batch),
-                                      preferred_element_type=jnp.float32)      # [B, K, Hd]
-            outs.append((out / denom).astype(self.dtype))
-        return jnp.stack(outs, axis=2).reshape(b, 1, n, hd)
 
     def _project_out(self, out: Array) -> Array:
         """Attention output [B, T, N, Hd] -> [B, T, D] through o_proj."""
@@ -398,7 +359,7 @@ class DecoderLayer(nnx.Module):
 
         Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
         new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
-        attend over in the cache layout (keys and values [B, K, Hd, S]; mask [B, T, S]): that is how `decode_step`
+        attend over in the cache layout (keys [B, K, Hd, S], values [B, K, S, Hd]; mask [B, T, S]): that is how `decode_step`
         reads the cache.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
@@ -611,8 +572,8 @@ class Qwen2Actor(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, *, per_layer: bool = False) -> KVCache:
         """An empty `KVCache` with S = max_length slots for B = batch_size rows (k/v in `dtype`).
 
-        k and v are [L, B, K, Hd, S], or with `per_layer` tuples of L arrays [B, K, Hd, S] (the form a
-        compiled decode loop should carry; see `KVCache`).
+        k is [L, B, K, Hd, S] and v [L, B, K, S, Hd], or with `per_layer` tuples of L arrays
+        [B, K, Hd, S] / [B, K, S, Hd] (the form a compiled decode loop should carry; see `KVCache`).
 
         Raises:
           ValueError: batch_size or max_length not a positive int.
@@ -621,12 +582,15 @@ class Qwen2Actor(nnx.Module):
             if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"Qwen2Actor.init_cache: {name} must be a positive int, got {value!r}")
         c = self.config
-        shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
+        shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        k_shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
+        # The logical axes name the value layout; keys swap the two minor axes, which are both
+        # unsplit on every mesh ("cache_seq", "head_dim" -> None), so the same constraint applies.
         if per_layer:
-            k = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
+            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
             v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
         else:
-            k = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
+            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_kv")
             v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
         return KVCache(
             k=k,
@@ -669,13 +633,13 @@ class Qwen2Actor(nnx.Module):
         # and MLP at that column alone, and the LM head sees [B, D], not [B, T, D].
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False, last_query_only=True)
         logits = constrain(self.lm_logits(h[:, 0]), "last_logits")
-        # Each layer's [B, T, K, Hd] -> the cache layout [B, K, Hd, T], zero-padded to S slots.
-        pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
+        # Each layer's [B, T, K, Hd] -> the cache layout (keys [B, K, Hd, T], values [B, K, T, Hd]),
+        # zero-padded to S slots.
+        pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
+        k_pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
         dt = cache.k[0].dtype
-
-        def to_cache(x):
-            return constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), pad), "cache_kv_layer")
-        k, v = tuple(to_cache(x) for x in ks), tuple(to_cache(x) for x in vs)
+        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_kv_layer") for x in ks)
+        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_kv_layer") for x in vs)
         if not cache.is_per_layer:
             k, v = constrain(jnp.stack(k), "cache_kv"), constrain(jnp.stack(v), "cache_kv")
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
@@ -718,16 +682,16 @@ class Qwen2Actor(nnx.Module):
         v_all = list(cache.v) if per_layer else cache.v
         for i, layer in enumerate(self.layers):
             def kv_update(k, v, i=i):
-                # Write the new token's k/v, [B, 1, K, Hd] -> [B, K, Hd, 1], at (layer i, slot index)
-                # in place; attend over layer i's k, v [B, K, Hd, S].
+                # Write the new token's k/v, [B, 1, K, Hd] -> k [B, K, Hd, 1], v [B, K, 1, Hd], at
+                # (layer i, slot index) in place; attend over layer i's k [B, K, Hd, S], v [B, K, S, Hd].
                 nonlocal k_all, v_all
-                k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 3, 1))
+                k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
                 if per_layer:
                     k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
-                    v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, 0, index))
+                    v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
                     return k_all[i], v_all[i]
                 k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, 0, 0, index))
-                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, 0, 0, index))
+                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, 0, index, 0))
                 return k_all[i], v_all[i]
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
