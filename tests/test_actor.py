@@ -322,6 +322,45 @@ def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(
                                    err_msg=str(path))
 
 
+def test_causal_blocks_split_equally_and_only_on_cpu_without_a_mesh(monkeypatch):
+    from bipace_jax.models import qwen2
+    assert qwen2._CPU_CAUSAL_BLOCK == 32 and qwen2._CPU_MAX_CAUSAL_BLOCKS == 8
+    assert [qwen2._causal_blocks(t) for t in (6, 32, 48, 64, 96, 128, 256, 512, 2048)] == [1, 1, 1, 2, 3, 4, 8, 8, 8]
+    monkeypatch.setattr(qwen2, "_CPU_MAX_CAUSAL_BLOCKS", 5)
+    assert qwen2._causal_blocks(256) == 4                   # 8 blocks capped at 5 -> the largest divisor, 4
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monkeypatch, padding):
+    """Causal self-attention in query blocks (CPU, T >= 2 blocks) gives the one-block outputs at
+    real tokens (padding columns attend nothing either way: their outputs are meaningless and
+    masked everywhere downstream), the same cache at real slots and the same gradients."""
+    from bipace_jax.models import qwen2
+    actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), fingerprint_layer=1, rngs=nnx.Rngs(13))
+    ids, mask = random_batch(4, 12, 512, padding=padding, seed=21, min_real=2)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    real = np.asarray(mask).astype(bool)
+
+    def run():
+        out = actor(ids, mask, output_hidden_states=True)
+        first, cache = actor.prefill(ids, mask, actor.init_cache(4, 14))
+        grads = nnx.grad(lambda m: jnp.sum(jax.nn.log_softmax(m(ids, mask).logits)[..., 7] * mask))(actor)
+        at_real = [np.asarray(a)[real] for a in (out.logits, *out.hidden_states)]
+        # Cache slots [0, 12) hold the prompt columns: keys [L, B, K, Hd, S], values [L, B, K, S, Hd].
+        k = np.moveaxis(np.asarray(cache.k)[..., :12], -1, 2)[:, real]
+        v = np.moveaxis(np.asarray(cache.v)[..., :12, :], -2, 2)[:, real]
+        return [*at_real, out.fingerprint, first.logits, k, v,
+                *[g.get_value() for _, g in nnx.to_flat_state(grads)]]
+
+    monkeypatch.setattr(qwen2, "_CPU_CAUSAL_BLOCK", 10 ** 6)
+    assert qwen2._causal_blocks(12) == 1
+    ref = run()
+    monkeypatch.setattr(qwen2, "_CPU_CAUSAL_BLOCK", 3)
+    assert qwen2._causal_blocks(12) == 4
+    for a, b in zip(run(), ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_per_layer_cache_form_gives_the_stacked_forms_values():
     actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), rngs=nnx.Rngs(11))
     ids, mask = random_batch(3, 5, 512, padding="left", seed=18)

@@ -12,7 +12,8 @@ it are stacked as G*T query rows and contracted against that head's K/V (K/V lai
 the KV cache keeps keys as [B, K, Hd, S], slots minor, and values as [B, K, S, Hd], so that both
 decode contractions read the cache as it lies and scores [B, K, G*T, S] need no transposes). On the CPU
 backend, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which
-keeps the scores cache-resident; the values are unchanged.
+keeps the scores cache-resident, and causal self-attention runs in query blocks against the keys up
+to each block's end, which skips the masked upper triangle; the values at real tokens are unchanged.
 
 Prefill runs the last layer's attention output and MLP only at each row's last real token (its
 keys/values still cover every column): the next-token logits and a final-layer fingerprint need
@@ -180,6 +181,29 @@ def positions_from_mask(attention_mask: Array) -> Array:
 _CPU_SCORES_BYTES = 2 * 1024 * 1024
 
 
+# Causal self-attention on the CPU backend is computed in query blocks of this many columns, each
+# against the keys up to its last column: ~(1 + 1/n) / 2 of the scores, softmax and value work of n
+# blocks (the masked upper triangle is skipped). Measured on 2 cores against one block: the
+# sampler's prefill (tests' tiny model, B=64, T=128) 13.3 -> 11.0 ms; the shipped textcraft_tiny
+# forward at B=16, T=256 105 -> 81 ms and its gradient 328 -> 317 ms; B=8, T=512: 103 -> 85 ms and
+# 441 -> 354 ms. Blocks of 64 were ~1 ms slower on the prefill.
+_CPU_CAUSAL_BLOCK = 32
+_CPU_MAX_CAUSAL_BLOCKS = 8
+
+
+def _causal_blocks(t: int) -> int:
+    """Query blocks for causal self-attention over T columns: 1 (one block, all keys) unless on the
+    CPU backend without a mesh with T a multiple of `_CPU_CAUSAL_BLOCK` and at least two such
+    blocks; then T / `_CPU_CAUSAL_BLOCK` blocks, at most `_CPU_MAX_CAUSAL_BLOCKS` (equal sizes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.default_backend() != "cpu" or (mesh is not None and not getattr(mesh, "empty", True)):
+        return 1
+    n = t // _CPU_CAUSAL_BLOCK if t % _CPU_CAUSAL_BLOCK == 0 else 1
+    while n > _CPU_MAX_CAUSAL_BLOCKS or (n > 1 and t % n):
+        n -= 1
+    return max(n, 1)
+
+
 def _attention_row_chunk(batch: int, scores_bytes_per_row: int) -> int:
     """Rows per attention chunk: `batch` (no chunking) unless on the CPU backend without a mesh
     and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor of `batch` whose
@@ -249,8 +273,16 @@ class Attention(nnx.Module):
         v = constrain(v, "kv")
         return q, k, v
 
-    def attend(self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False) -> Array:
+    def attend(self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False,
+               causal: bool = False) -> Array:
         """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D].
+
+        `causal` (static) promises that the mask is causal, S = T and query column j never attends
+        key column > j (the mask may hide more, e.g. padding); on the CPU backend the queries are
+        then taken in blocks against the keys up to each block's end (`_causal_blocks`): the same
+        values without the masked upper triangle's work, at every column that attends at least
+        one key (a fully masked padding column averages the values of its block's keys instead of
+        all T; its output is meaningless either way).
 
         Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`, one
         layer of the `KVCache` read as it lies: keys [B, K, Hd, S], values [B, K, S, Hd]. Scores and softmax in fp32;
@@ -265,15 +297,28 @@ class Attention(nnx.Module):
         `_attention_row_chunk`): the same values, computed cache-resident.
         """
         b = q.shape[0]
+        blocks = _causal_blocks(q.shape[1]) if causal and not cache_layout else 1
         chunk = _attention_row_chunk(b, q.shape[1] * q.shape[2] * mask.shape[-1] * 4)
         if chunk == b:
-            return self._project_out(self._attend_rows(q, k, v, mask, cache_layout))
+            return self._project_out(self._attend_blocks(q, k, v, mask, cache_layout, blocks))
 
         def split(a):
             return a.reshape((b // chunk, chunk) + a.shape[1:])
-        out = jax.lax.map(lambda xs: self._attend_rows(*xs, cache_layout),
+        out = jax.lax.map(lambda xs: self._attend_blocks(*xs, cache_layout, blocks),
                           (split(q), split(k), split(v), split(mask)))
         return self._project_out(out.reshape((b,) + out.shape[2:]))
+
+    def _attend_blocks(self, q: Array, k: Array, v: Array, mask: Array, cache_layout: bool,
+                       blocks: int) -> Array:
+        """`_attend_rows` with the T query columns in `blocks` equal blocks, block i against keys
+        [0, (i + 1) T / blocks) only (causal self-attention; keys/values [B, T, K, Hd])."""
+        if blocks == 1:
+            return self._attend_rows(q, k, v, mask, cache_layout)
+        tb = q.shape[1] // blocks
+        outs = [self._attend_rows(q[:, i * tb:(i + 1) * tb], k[:, :(i + 1) * tb], v[:, :(i + 1) * tb],
+                                  mask[:, i * tb:(i + 1) * tb, :(i + 1) * tb], cache_layout)
+                for i in range(blocks)]
+        return jnp.concatenate(outs, axis=1)
 
     def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Array:
         """`attend` on a block of rows, before the output projection: -> [B, T, N, Hd]."""
@@ -350,7 +395,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                  kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None,
-                 query_index: Array | None = None):
+                 query_index: Array | None = None, causal: bool = False):
         """One layer over x [B, T, D]. Returns (x [B, T, D], k [B, T, K, Hd], v [B, T, K, Hd]).
 
         With `query_index` int32 [B] (the prefill's last layer), keys/values are computed for all
@@ -361,6 +406,9 @@ class DecoderLayer(nnx.Module):
         new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
         attend over in the cache layout (keys [B, K, Hd, S], values [B, K, S, Hd]; mask [B, T, S]): that is how `decode_step`
         reads the cache.
+
+        `causal` (static): the mask is causal self-attention over the layer's own T keys (see
+        `Attention.attend`); ignored with `query_index` or `kv_update`.
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
         if query_index is not None:
@@ -369,7 +417,8 @@ class DecoderLayer(nnx.Module):
             q, x, mask = pick(q), pick(x), pick(mask)
         k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
         x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask,
-                                 cache_layout=kv_update is not None)
+                                 cache_layout=kv_update is not None,
+                                 causal=causal and query_index is None and kv_update is None)
         x = constrain(x, "hidden")
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, "hidden"), k, v
@@ -706,7 +755,8 @@ class Qwen2Actor(nnx.Module):
 
 
 def _call_layer(layer: DecoderLayer, x: Array, cos: Array, sin: Array, mask: Array):
-    return layer(x, cos, sin, mask)
+    """One layer of the full causal forward (`_run`'s mask is causal & padding)."""
+    return layer(x, cos, sin, mask, causal=True)
 
 
 class _Embed(nnx.Module):
