@@ -80,8 +80,10 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp": ("batch", "seq", "mlp"),                     # [B, T, F]
     "logits": ("batch", "seq", "vocab"),                # [B, T, V]
     "last_logits": ("batch", "vocab"),                  # [B, V]
-    "cache_kv": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # [L, B, K, S, Hd]
-    "cache_kv_layer": ("batch", "kv_heads", "cache_seq", "head_dim"),       # [B, K, S, Hd] (per-layer form)
+    "cache_k": ("layers", "batch", "kv_heads", "head_dim", "cache_seq"),   # keys [L, B, K, Hd, S]
+    "cache_k_layer": ("batch", "kv_heads", "head_dim", "cache_seq"),        # [B, K, Hd, S] (per-layer form)
+    "cache_v": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # values [L, B, K, S, Hd]
+    "cache_v_layer": ("batch", "kv_heads", "cache_seq", "head_dim"),       # [B, K, S, Hd] (per-layer form)
     "cache_mask": ("batch", "cache_seq"),               # [B, S]
     "per_row": ("batch",),                              # [B]
 }
@@ -261,16 +263,16 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
-    """`NamedSharding`s for a `KVCache` (k/v [L,B,K,S,Hd] or per-layer tuples of [B,K,S,Hd],
-    slot_mask [B,S], lengths [B], index [])."""
+    """`NamedSharding`s for a `KVCache` (keys [L,B,K,Hd,S], values [L,B,K,S,Hd], or per-layer tuples
+    of [B,K,Hd,S] / [B,K,S,Hd]; slot_mask [B,S], lengths [B], index [])."""
     def spec(kind, leaf):
         return NamedSharding(mesh, logical_to_spec(ACTIVATION_AXES[kind], leaf.shape, mesh))
 
-    def kv(x):
+    def kv(x, kind):
         if isinstance(x, (tuple, list)):
-            return tuple(spec("cache_kv_layer", a) for a in x)
-        return spec("cache_kv", x)
-    return type(cache)(k=kv(cache.k), v=kv(cache.v),
+            return tuple(spec(kind + "_layer", a) for a in x)
+        return spec(kind, x)
+    return type(cache)(k=kv(cache.k, "cache_k"), v=kv(cache.v, "cache_v"),
                        slot_mask=spec("cache_mask", cache.slot_mask),
                        lengths=spec("per_row", cache.lengths), index=NamedSharding(mesh, P()))
 

@@ -633,14 +633,12 @@ class Qwen2Actor(nnx.Module):
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
         k_shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
-        # The logical axes name the value layout; keys swap the two minor axes, which are both
-        # unsplit on every mesh ("cache_seq", "head_dim" -> None), so the same constraint applies.
         if per_layer:
-            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
-            v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_kv_layer") for _ in range(c.num_hidden_layers))
+            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_k_layer") for _ in range(c.num_hidden_layers))
+            v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_v_layer") for _ in range(c.num_hidden_layers))
         else:
-            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_kv")
-            v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_kv")
+            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_k")
+            v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_v")
         return KVCache(
             k=k,
             v=v,
@@ -687,10 +685,10 @@ class Qwen2Actor(nnx.Module):
         pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
         k_pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
         dt = cache.k[0].dtype
-        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_kv_layer") for x in ks)
-        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_kv_layer") for x in vs)
+        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k_layer") for x in ks)
+        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v_layer") for x in vs)
         if not cache.is_per_layer:
-            k, v = constrain(jnp.stack(k), "cache_kv"), constrain(jnp.stack(v), "cache_kv")
+            k, v = constrain(jnp.stack(k), "cache_k"), constrain(jnp.stack(v), "cache_v")
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
         new_cache = KVCache(k=k, v=v, slot_mask=slot_mask,
                             lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
@@ -746,10 +744,10 @@ class Qwen2Actor(nnx.Module):
         h = self.final_norm(x)[:, 0]
         logits = constrain(self.lm_logits(h), "last_logits")
         if per_layer:
-            k_new = tuple(constrain(a, "cache_kv_layer") for a in k_all)
-            v_new = tuple(constrain(a, "cache_kv_layer") for a in v_all)
+            k_new = tuple(constrain(a, "cache_k_layer") for a in k_all)
+            v_new = tuple(constrain(a, "cache_v_layer") for a in v_all)
         else:
-            k_new, v_new = constrain(k_all, "cache_kv"), constrain(v_all, "cache_kv")
+            k_new, v_new = constrain(k_all, "cache_k"), constrain(v_all, "cache_v")
         new_cache = KVCache(k=k_new, v=v_new, slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
 
