@@ -19,8 +19,13 @@ Measured per model and batch size (16 and 64):
 ``speedup_vs_hf`` is the smallest end-to-end ratio (HF time / our time) over the batch sizes on the
 first model of ``--models`` (target: >= 3 on CPU). Each measurement is the median of ``--reps`` runs,
 ours and HF alternating so that both see the same machine load, after warm-up (compilation is
-reported as ``compile_s`` and excluded, as in a training run that reuses each compiled bucket). torch
-runs with its faster thread count (1 or all cores, chosen by one timed call each).
+reported as ``compile_s`` and excluded, as in a training run that reuses each compiled bucket). Each
+timed run directly follows an untimed run of the same side (``--warm_each``), so that neither side
+is timed in the state the other left: after 0.2 s with a core idle (HF's single-threaded
+``generate()`` leaves one), our two-threaded call at B=64 took 66 instead of 52 ms. torch runs with
+its faster thread count (1 or all cores, chosen by one timed call each). On a shared 2-core machine,
+runs slow down by 25-45% for seconds at a time (both sides; ours more, being two-threaded); 21 reps
+keep the medians off such stretches.
 
 On a GPU backend the script measures the Qwen2.5 0.5B and 1.5B presets with random bf16 weights
 against the memory-bandwidth roofline and writes ``benchmarks/sampler_gpu.json``: each decode step
@@ -44,9 +49,10 @@ flags.DEFINE_string("models", "tiny,small", "CPU models (keys of BENCH_MODELS); 
 flags.DEFINE_integer("new_tokens", 64, "new tokens per response (budget, both sides)")
 flags.DEFINE_integer("prompt_min", 96, "shortest prompt (tokens)")
 flags.DEFINE_integer("prompt_max", 128, "longest prompt (tokens)")
-flags.DEFINE_integer("reps", 3, "timed repetitions per measurement (median reported)")
+flags.DEFINE_integer("reps", 21, "timed repetitions per measurement (median reported)")
 flags.DEFINE_string("out", "benchmarks/sampler.json", "JSON output path")
 flags.DEFINE_bool("skip_hf", False, "skip the torch baseline")
+flags.DEFINE_bool("warm_each", True, "run each side once, untimed, right before each of its timed runs")
 flags.DEFINE_float("hbm_gbps", 0.0, "GPU memory bandwidth in GB/s for the roofline (0: from the device kind)")
 flags.DEFINE_string("gpu_presets", "qwen2_5_0_5b,qwen2_5_1_5b", "presets measured on a GPU backend")
 flags.DEFINE_integer("gpu_prompt", 512, "prompt length on the GPU presets")
@@ -176,12 +182,19 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
         if not FLAGS.skip_hf:
             hf_run, threads, trial = _hf_runner(folder, prompts, FLAGS.new_tokens, tok.pad_token_id,
                                                 (tok.eos_token_id,))
-        # Alternate the two sides so that both see the same machine load; medians over reps.
+        # Alternate the two sides so that both see the same machine load; medians over reps. With
+        # --warm_each, each timed call directly follows an untimed call of the same side, so that
+        # neither is timed in the CPU state the other left (measured: after HF's single-threaded
+        # generate() our two-threaded call started with the second core idle and took ~25% longer).
         ours_t, hf_t = [], []
         for _ in range(FLAGS.reps):
+            if FLAGS.warm_each:
+                ours_run()
             out, total, pre, dec = ours_run()
             ours_t.append((total, pre, dec))
             if hf_run is not None:
+                if FLAGS.warm_each:
+                    hf_run()
                 hf_tokens, total, pre = hf_run()
                 hf_t.append((total, pre, total - pre))
         med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
@@ -216,7 +229,8 @@ def run_cpu() -> dict:
 
     results = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
                "new_tokens": FLAGS.new_tokens, "prompt_tokens": [FLAGS.prompt_min, FLAGS.prompt_max],
-               "reps": FLAGS.reps, "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
+               "reps": FLAGS.reps, "warm_each": FLAGS.warm_each, "cpu_count": os.cpu_count(),
+               "load_average_at_start": list(os.getloadavg()),
                "models": {}}
     names = [m for m in FLAGS.models.split(",") if m]
     for name in names:
