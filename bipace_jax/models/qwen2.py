@@ -191,12 +191,19 @@ _CPU_CAUSAL_BLOCK = 32
 _CPU_MAX_CAUSAL_BLOCKS = 8
 
 
+def _cpu_without_mesh() -> bool:
+    """True when tracing for XLA's CPU backend outside any mesh: where the CPU-only attention
+    schedules apply (accelerators fuse attention themselves, and a mesh splits the batch across
+    devices)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() == "cpu" and (mesh is None or getattr(mesh, "empty", True))
+
+
 def _causal_blocks(t: int) -> int:
     """Query blocks for causal self-attention over T columns: 1 (one block, all keys) unless on the
     CPU backend without a mesh with T a multiple of `_CPU_CAUSAL_BLOCK` and at least two such
     blocks; then T / `_CPU_CAUSAL_BLOCK` blocks, at most `_CPU_MAX_CAUSAL_BLOCKS` (equal sizes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if jax.default_backend() != "cpu" or (mesh is not None and not getattr(mesh, "empty", True)):
+    if not _cpu_without_mesh():
         return 1
     n = t // _CPU_CAUSAL_BLOCK if t % _CPU_CAUSAL_BLOCK == 0 else 1
     while n > _CPU_MAX_CAUSAL_BLOCKS or (n > 1 and t % n):
@@ -206,11 +213,9 @@ def _causal_blocks(t: int) -> int:
 
 def _attention_row_chunk(batch: int, scores_bytes_per_row: int) -> int:
     """Rows per attention chunk: `batch` (no chunking) unless on the CPU backend without a mesh
-    and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor of `batch` whose
-    scores fit (at least 1). Accelerators fuse attention themselves, and a mesh splits the batch
-    across devices, so chunking stays off there."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if jax.default_backend() != "cpu" or (mesh is not None and not getattr(mesh, "empty", True)):
+    (`_cpu_without_mesh`) and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor
+    of `batch` whose scores fit (at least 1)."""
+    if not _cpu_without_mesh():
         return batch
     if batch * scores_bytes_per_row <= _CPU_SCORES_BYTES:
         return batch
