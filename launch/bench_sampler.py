@@ -10,8 +10,8 @@ new-token budget, so they produce the same tokens (checked: ``tokens_match_hf``)
 Measured per model and batch size (16 and 64):
 
 * prefill tokens/s: real prompt tokens / time of the prompt pass (ours: the jitted prefill program,
-  first token included; HF: one ``model(...)`` forward with ``use_cache=True``, what ``generate``
-  runs first);
+  first token included; HF: one ``model(...)`` forward with ``use_cache=True, logits_to_keep=1``,
+  what ``generate`` runs first);
 * decode tokens/s: generated tokens / (whole call - prefill) (ours: the on-device decode loop);
 * end to end: generated tokens / whole call;
 * ours also: ``decode_ms_per_step``, the decode loop's time per step (all rows advance together).
@@ -143,7 +143,8 @@ def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids):
     def run():
         with torch.no_grad():
             t0 = time.perf_counter()
-            model(input_ids=ids, attention_mask=mask, use_cache=True)  # the prompt pass generate() starts with
+            # The prompt pass generate() starts with (it passes logits_to_keep=1: last column's logits only).
+            model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
             t1 = time.perf_counter()
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                  eos_token_id=list(eos_ids), pad_token_id=pad_id)
