@@ -21,8 +21,9 @@ first model of ``--models`` (target: >= 3 on CPU). Each measurement is the media
 ours and HF alternating so that both see the same machine load, after warm-up (compilation is
 reported as ``compile_s`` and excluded, as in a training run that reuses each compiled bucket). Each
 timed run directly follows an untimed run of the same side (``--warm_each``), so that neither side
-is timed in the state the other left: after 0.2 s with a core idle (HF's single-threaded
-``generate()`` leaves one), our two-threaded call at B=64 took 66 instead of 52 ms. torch runs with
+is timed in the state the other left: after 0.2 s of idle cores (about one HF ``generate()`` call at
+B=64), our two-threaded call at B=64 took 66 instead of 52 ms, and 50 ms when three untimed calls
+came between the pause and the timed one. torch runs with
 its faster thread count (1 or all cores, chosen by one timed call each). On a shared 2-core machine,
 runs slow down by 25-45% for seconds at a time (both sides; ours more, being two-threaded); 21 reps
 keep the medians off such stretches.
@@ -185,8 +186,7 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
                                                 (tok.eos_token_id,))
         # Alternate the two sides so that both see the same machine load; medians over reps. With
         # --warm_each, each timed call directly follows an untimed call of the same side, so that
-        # neither is timed in the CPU state the other left (measured: after HF's single-threaded
-        # generate() our two-threaded call started with the second core idle and took ~25% longer).
+        # neither is timed in the state the other left (see the module docstring).
         ours_t, hf_t = [], []
         for _ in range(FLAGS.reps):
             if FLAGS.warm_each:

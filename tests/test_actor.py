@@ -328,6 +328,8 @@ def test_causal_blocks_split_equally_and_only_on_cpu_without_a_mesh(monkeypatch)
     assert [qwen2._causal_blocks(t) for t in (6, 32, 48, 64, 96, 128, 256, 512, 2048)] == [1, 1, 1, 2, 3, 4, 8, 8, 8]
     monkeypatch.setattr(qwen2, "_CPU_MAX_CAUSAL_BLOCKS", 5)
     assert qwen2._causal_blocks(256) == 4                   # 8 blocks capped at 5 -> the largest divisor, 4
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):      # a mesh: one block (the partitioner's call)
+        assert qwen2._causal_blocks(256) == 1
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
