@@ -33,7 +33,7 @@ EXTRAS_REQUIRE = {
     # ALFWorld's real text engine (compiles fast-downward with cmake, about 75 s).
     "alfworld": ALFWORLD_REQUIRES,
     # torch is the parity reference only: the library never imports it.
-    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", *ALFWORLD_REQUIRES],
+    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "ruff==0.17.6", *ALFWORLD_REQUIRES],
 }
 
 setup(
