@@ -9,21 +9,32 @@ unparsable action keys.
 
 import os
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from bipace_jax.estimators import EstimatorConfig, StepBatch, compute_advantages, step_group_labels
-from bipace_jax.estimators import clustering, reference
+from bipace_jax.estimators import (
+    EstimatorConfig,
+    StepBatch,
+    clustering,
+    compute_advantages,
+    reference,
+    step_group_labels,
+)
 from bipace_jax.estimators.synthetic import random_step_arrays
 
 N, D, GROUPS, ROWS = 64, 8, 4, 24
 EPSILONS = (0.0, 0.02, 0.1, 0.3, 0.6)
 GAMMAS = (0.0, 0.5, 0.95, 1.0)
-SETTINGS = settings(max_examples=int(os.environ.get("EST_EXAMPLES", 400)), deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("EST_EXAMPLES", 400)),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 _KERNEL = jax.jit(clustering.greedy_cosine_clusters, static_argnames=("capacity", "centroid", "block", "chunk"))
 _SCALES = jax.jit(clustering.row_scales)
 # (norm, centroid, capacity): two compiled variants per clustering estimator.
@@ -35,90 +46,102 @@ CLUSTER_VARIANTS = {
 
 
 def _batch(seed):
-  arrays = random_step_arrays(np.random.default_rng(seed), num_rows=N, dim=D, max_groups=GROUPS)
-  return StepBatch.from_numpy(**arrays, group_capacity=GROUPS, row_capacity=ROWS)
+    arrays = random_step_arrays(np.random.default_rng(seed), num_rows=N, dim=D, max_groups=GROUPS)
+    return StepBatch.from_numpy(**arrays, group_capacity=GROUPS, row_capacity=ROWS)
 
 
 def _partition(labels):
-  groups = {}
-  for i, lab in enumerate(np.asarray(labels)):
-    if lab >= 0:
-      groups.setdefault(int(lab), set()).add(i)
-  return sorted(sorted(s) for s in groups.values())
+    groups = {}
+    for i, lab in enumerate(np.asarray(labels)):
+        if lab >= 0:
+            groups.setdefault(int(lab), set()).add(i)
+    return sorted(sorted(s) for s in groups.values())
 
 
 def _check(batch, cfg):
-  adv, diag = compute_advantages(batch, cfg)
-  labels = step_group_labels(batch, cfg)
-  ref_adv, ref_diag, ref_groups = reference.compute_advantages_reference(batch, cfg, return_groups=True)
-  assert _partition(labels) == sorted(sorted(s) for s in ref_groups)
-  np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-4, atol=1e-4)
-  assert not np.isnan(np.asarray(adv)).any()
-  assert set(diag) == set(ref_diag)
-  for k, v in ref_diag.items():
-    np.testing.assert_allclose(float(diag[k]), float(v), rtol=1e-5, atol=1e-6, err_msg=k)
+    adv, diag = compute_advantages(batch, cfg)
+    labels = step_group_labels(batch, cfg)
+    ref_adv, ref_diag, ref_groups = reference.compute_advantages_reference(batch, cfg, return_groups=True)
+    assert _partition(labels) == sorted(sorted(s) for s in ref_groups)
+    np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-4, atol=1e-4)
+    assert not np.isnan(np.asarray(adv)).any()
+    assert set(diag) == set(ref_diag)
+    for k, v in ref_diag.items():
+        np.testing.assert_allclose(float(diag[k]), float(v), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-common = dict(seed=st.integers(0, 2**32 - 1), gamma=st.sampled_from(GAMMAS),
-              omega=st.sampled_from((1.0, 0.5)))
+common = dict(seed=st.integers(0, 2**32 - 1), gamma=st.sampled_from(GAMMAS), omega=st.sampled_from((1.0, 0.5)))
 
 
 @SETTINGS
 @given(norm=st.sampled_from(("mean_std", "mean")), **common)
 def test_grpo_matches_oracle_on_random_batches(seed, gamma, omega, norm):
-  _check(_batch(seed), EstimatorConfig(name="grpo", gamma=gamma, omega=omega, norm=norm))
+    _check(_batch(seed), EstimatorConfig(name="grpo", gamma=gamma, omega=omega, norm=norm))
 
 
 @SETTINGS
 @given(norm=st.sampled_from(("mean_std", "mean")), **common)
 def test_gigpo_matches_oracle_on_random_batches(seed, gamma, omega, norm):
-  _check(_batch(seed), EstimatorConfig(name="gigpo", gamma=gamma, omega=omega, norm=norm))
+    _check(_batch(seed), EstimatorConfig(name="gigpo", gamma=gamma, omega=omega, norm=norm))
 
 
 @pytest.mark.parametrize("name", ["bigpo", "bipace_q", "bipace_diff"])
 @SETTINGS
 @given(variant=st.sampled_from((0, 1)), epsilon=st.sampled_from(EPSILONS), **common)
 def test_clustering_estimators_match_oracle_partitions_advantages_and_diagnostics(
-    name, seed, gamma, omega, variant, epsilon):
-  norm, centroid, capacity = CLUSTER_VARIANTS[name][variant]
-  cfg = EstimatorConfig(name=name, gamma=gamma, omega=omega, norm=norm, epsilon=epsilon,
-                        centroid=centroid, capacity=capacity)
-  _check(_batch(seed), cfg)
+    name, seed, gamma, omega, variant, epsilon
+):
+    norm, centroid, capacity = CLUSTER_VARIANTS[name][variant]
+    cfg = EstimatorConfig(
+        name=name, gamma=gamma, omega=omega, norm=norm, epsilon=epsilon, centroid=centroid, capacity=capacity
+    )
+    _check(_batch(seed), cfg)
 
 
 @settings(max_examples=int(os.environ.get("EST_EXAMPLES", 500)), deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), epsilon=st.sampled_from(EPSILONS),
-       centroid=st.sampled_from(("mean", "leader")), capacity=st.sampled_from((24, 3)))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    epsilon=st.sampled_from(EPSILONS),
+    centroid=st.sampled_from(("mean", "leader")),
+    capacity=st.sampled_from((24, 3)),
+)
 def test_kernel_blocks_and_chunks_give_the_oracle_greedy_clusters(seed, epsilon, centroid, capacity):
-  """Small blocks (4 rows) and chunks (8 slots) exercise the cross-block bookkeeping."""
-  rng = np.random.default_rng(seed)
-  g, r = 3, 24
-  kind = rng.choice(["palette", "gaussian"])
-  if kind == "palette":
-    pal = np.zeros((int(rng.integers(1, 12)), D), np.float32)
-    for i in range(len(pal)):
-      idx = rng.choice(D, 1 if rng.random() < 0.5 else 4, replace=False)
-      pal[i, idx] = rng.choice([-1.0, 1.0], len(idx))
-    fp = pal[rng.integers(0, len(pal), (g, r))]
-  else:
-    fp = rng.standard_normal((g, r, D)).astype(np.float32)
-    fp[:, 1::3] = fp[:, 0:-1:3]
-  fp[rng.random((g, r)) < 0.05] = 0.0
-  present = rng.random((g, r)) < 0.9
-  max_abs, nrm, degenerate = _SCALES(jnp.asarray(fp.reshape(g * r, D)))
-  shape = (g, r)
-  degenerate = degenerate.reshape(shape)
-  ok = jnp.asarray(present) & ~degenerate
-  slot, over = _KERNEL(jnp.asarray(fp.reshape(g * r, D)), jnp.arange(g * r).reshape(shape),
-                       max_abs.reshape(shape), nrm.reshape(shape), ok,
-                       clustering.join_threshold(epsilon), capacity=capacity, centroid=centroid,
-                       block=4, chunk=8)
-  slot, over = np.asarray(slot), np.asarray(over)
-  for gi in range(g):
-    rows = [i for i in range(r) if present[gi, i]]
-    assign, deg, ovf = reference.greedy_clusters([fp[gi, i] for i in rows], epsilon, centroid,
-                                                 capacity, np.float32)
-    for i, a, d, o in zip(rows, assign, deg, ovf):
-      assert slot[gi, i] == (-1 if a is None else a)
-      assert bool(over[gi, i]) == o
-      assert bool(degenerate[gi, i]) == d
+    """Small blocks (4 rows) and chunks (8 slots) exercise the cross-block bookkeeping."""
+    rng = np.random.default_rng(seed)
+    g, r = 3, 24
+    kind = rng.choice(["palette", "gaussian"])
+    if kind == "palette":
+        pal = np.zeros((int(rng.integers(1, 12)), D), np.float32)
+        for i in range(len(pal)):
+            idx = rng.choice(D, 1 if rng.random() < 0.5 else 4, replace=False)
+            pal[i, idx] = rng.choice([-1.0, 1.0], len(idx))
+        fp = pal[rng.integers(0, len(pal), (g, r))]
+    else:
+        fp = rng.standard_normal((g, r, D)).astype(np.float32)
+        fp[:, 1::3] = fp[:, 0:-1:3]
+    fp[rng.random((g, r)) < 0.05] = 0.0
+    present = rng.random((g, r)) < 0.9
+    max_abs, nrm, degenerate = _SCALES(jnp.asarray(fp.reshape(g * r, D)))
+    shape = (g, r)
+    degenerate = degenerate.reshape(shape)
+    ok = jnp.asarray(present) & ~degenerate
+    slot, over = _KERNEL(
+        jnp.asarray(fp.reshape(g * r, D)),
+        jnp.arange(g * r).reshape(shape),
+        max_abs.reshape(shape),
+        nrm.reshape(shape),
+        ok,
+        clustering.join_threshold(epsilon),
+        capacity=capacity,
+        centroid=centroid,
+        block=4,
+        chunk=8,
+    )
+    slot, over = np.asarray(slot), np.asarray(over)
+    for gi in range(g):
+        rows = [i for i in range(r) if present[gi, i]]
+        assign, deg, ovf = reference.greedy_clusters([fp[gi, i] for i in rows], epsilon, centroid, capacity, np.float32)
+        for i, a, d, o in zip(rows, assign, deg, ovf):
+            assert slot[gi, i] == (-1 if a is None else a)
+            assert bool(over[gi, i]) == o
+            assert bool(degenerate[gi, i]) == d

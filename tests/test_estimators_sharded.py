@@ -39,9 +39,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_over_eight_devices_equals_one_device():
-  env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
-  out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-4000:]
-  assert "CHECKED 8" in out.stdout
+    env = dict(
+        os.environ,
+        JAX_NUM_CPU_DEVICES="8",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=str(ROOT),
+    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "CHECKED 8" in out.stdout

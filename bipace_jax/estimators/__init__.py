@@ -15,7 +15,14 @@ from bipace_jax.estimators.diagnostics import DIAGNOSTIC_KEYS
 from bipace_jax.estimators.epsilon import EpsilonController, calibrate_epsilon
 
 __all__ = [
-    "CLUSTERING_ESTIMATORS", "DIAGNOSTIC_KEYS", "ESTIMATORS", "EpsilonController", "EstimatorConfig",
-    "StepBatch", "assign_ids", "calibrate_epsilon", "compute_advantages",
+    "CLUSTERING_ESTIMATORS",
+    "DIAGNOSTIC_KEYS",
+    "ESTIMATORS",
+    "EpsilonController",
+    "EstimatorConfig",
+    "StepBatch",
+    "assign_ids",
+    "calibrate_epsilon",
+    "compute_advantages",
     "step_group_labels",
 ]

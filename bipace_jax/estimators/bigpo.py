@@ -12,5 +12,5 @@ from bipace_jax.estimators import gigpo
 
 
 def step_advantage(returns, cluster_labels, include, num_segments: int, norm: str):
-  """GiGPO's normalised step advantage inside each cluster; float32[N]."""
-  return gigpo.step_advantage(returns, cluster_labels, include, num_segments, norm)
+    """GiGPO's normalised step advantage inside each cluster; float32[N]."""
+    return gigpo.step_advantage(returns, cluster_labels, include, num_segments, norm)

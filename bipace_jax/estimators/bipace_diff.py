@@ -13,11 +13,11 @@ from bipace_jax.estimators import pace
 
 
 def _diff_peers(returns, t: pace.PaceTerms):
-  others = jnp.maximum(t.n_c - t.n_k, 1).astype(jnp.float32)
-  return returns - (t.sum_c - t.sum_k) / others
+    others = jnp.maximum(t.n_c - t.n_k, 1).astype(jnp.float32)
+    return returns - (t.sum_c - t.sum_k) / others
 
 
 def step_advantage(returns, cluster_labels, action_key, include, num_segments: int):
-  """Returns (A_step float32[N], loo rows bool[N], pace rows bool[N])."""
-  terms = pace.pace_terms(returns, cluster_labels, action_key, include, num_segments)
-  return pace.combine(returns, terms, include, _diff_peers)
+    """Returns (A_step float32[N], loo rows bool[N], pace rows bool[N])."""
+    terms = pace.pace_terms(returns, cluster_labels, action_key, include, num_segments)
+    return pace.combine(returns, terms, include, _diff_peers)

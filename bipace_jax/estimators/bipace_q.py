@@ -14,11 +14,11 @@ from bipace_jax.estimators import pace
 
 
 def _q_minus_v(returns, t: pace.PaceTerms):
-  del returns
-  return t.sum_k / jnp.maximum(t.n_k, 1).astype(jnp.float32) - t.sum_c / jnp.maximum(t.n_c, 1).astype(jnp.float32)
+    del returns
+    return t.sum_k / jnp.maximum(t.n_k, 1).astype(jnp.float32) - t.sum_c / jnp.maximum(t.n_c, 1).astype(jnp.float32)
 
 
 def step_advantage(returns, cluster_labels, action_key, include, num_segments: int):
-  """Returns (A_step float32[N], loo rows bool[N], pace rows bool[N])."""
-  terms = pace.pace_terms(returns, cluster_labels, action_key, include, num_segments)
-  return pace.combine(returns, terms, include, _q_minus_v)
+    """Returns (A_step float32[N], loo rows bool[N], pace rows bool[N])."""
+    terms = pace.pace_terms(returns, cluster_labels, action_key, include, num_segments)
+    return pace.combine(returns, terms, include, _q_minus_v)

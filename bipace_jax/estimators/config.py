@@ -18,64 +18,65 @@ KEYS = ("action_tag", "first_tokens")
 
 @dataclasses.dataclass(frozen=True)
 class EstimatorConfig:
-  """Hyper-parameters of one advantage estimator; validated on construction.
+    """Hyper-parameters of one advantage estimator; validated on construction.
 
-  Attributes:
-    name: one of `ESTIMATORS` ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff").
-    gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1] (spec "Returns").
-    omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float.
-    norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
-      level and the gigpo/bigpo step level; the BiPACE step level never divides by a std.
-    epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
-      Only read by the clustering estimators; it is a traced value, so changing it does not recompile.
-    centroid: "mean" (re-normalised running sum of members) or "leader" (the cluster's first member).
-    key: the PACE action key the rollout puts in `StepBatch.action_key` ("action_tag" or
-      "first_tokens"); carried for the caller, the estimators only read the integer ids.
-    capacity: fixed number of clusters per task group (K), or None for the batch's row capacity per
-      task group (which never overflows). Rows that would open a cluster beyond it become singletons
-      counted in the `overflow_rows` diagnostic.
+    Attributes:
+      name: one of `ESTIMATORS` ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff").
+      gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1] (spec "Returns").
+      omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float.
+      norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
+        level and the gigpo/bigpo step level; the BiPACE step level never divides by a std.
+      epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
+        Only read by the clustering estimators; it is a traced value, so changing it does not recompile.
+      centroid: "mean" (re-normalised running sum of members) or "leader" (the cluster's first member).
+      key: the PACE action key the rollout puts in `StepBatch.action_key` ("action_tag" or
+        "first_tokens"); carried for the caller, the estimators only read the integer ids.
+      capacity: fixed number of clusters per task group (K), or None for the batch's row capacity per
+        task group (which never overflows). Rows that would open a cluster beyond it become singletons
+        counted in the `overflow_rows` diagnostic.
 
-  Raises:
-    ValueError: on an unknown name, norm, centroid or key, gamma outside [0, 1], epsilon outside
-      [0, 1), a non-finite omega, or a capacity below 1.
-  """
+    Raises:
+      ValueError: on an unknown name, norm, centroid or key, gamma outside [0, 1], epsilon outside
+        [0, 1), a non-finite omega, or a capacity below 1.
+    """
 
-  name: str = "bipace_q"
-  gamma: float = 0.95
-  omega: float = 1.0
-  norm: str = "mean_std"
-  epsilon: float = 0.05
-  centroid: str = "mean"
-  key: str = "action_tag"
-  capacity: int | None = None
+    name: str = "bipace_q"
+    gamma: float = 0.95
+    omega: float = 1.0
+    norm: str = "mean_std"
+    epsilon: float = 0.05
+    centroid: str = "mean"
+    key: str = "action_tag"
+    capacity: int | None = None
 
-  def __post_init__(self):
-    if self.name not in ESTIMATORS:
-      raise ValueError(f"EstimatorConfig.name: expected one of {ESTIMATORS}, got {self.name!r}")
-    for field, value in (("gamma", self.gamma), ("omega", self.omega), ("epsilon", self.epsilon)):
-      if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"EstimatorConfig.{field}: expected a float, got {value!r}")
-    if not 0.0 <= self.gamma <= 1.0:
-      raise ValueError(f"EstimatorConfig.gamma: expected a value in [0, 1], got {self.gamma!r}")
-    if not math.isfinite(self.omega):
-      raise ValueError(f"EstimatorConfig.omega: expected a finite float, got {self.omega!r}")
-    if not 0.0 <= self.epsilon < 1.0:
-      raise ValueError(f"EstimatorConfig.epsilon: expected a value in [0, 1), got {self.epsilon!r}")
-    if self.norm not in NORMS:
-      raise ValueError(f"EstimatorConfig.norm: expected one of {NORMS}, got {self.norm!r}")
-    if self.centroid not in CENTROIDS:
-      raise ValueError(f"EstimatorConfig.centroid: expected one of {CENTROIDS}, got {self.centroid!r}")
-    if self.key not in KEYS:
-      raise ValueError(f"EstimatorConfig.key: expected one of {KEYS}, got {self.key!r}")
-    if self.capacity is not None and (isinstance(self.capacity, bool)
-                                      or not isinstance(self.capacity, int) or self.capacity < 1):
-      raise ValueError(f"EstimatorConfig.capacity: expected None or an int >= 1, got {self.capacity!r}")
+    def __post_init__(self):
+        if self.name not in ESTIMATORS:
+            raise ValueError(f"EstimatorConfig.name: expected one of {ESTIMATORS}, got {self.name!r}")
+        for field, value in (("gamma", self.gamma), ("omega", self.omega), ("epsilon", self.epsilon)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"EstimatorConfig.{field}: expected a float, got {value!r}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"EstimatorConfig.gamma: expected a value in [0, 1], got {self.gamma!r}")
+        if not math.isfinite(self.omega):
+            raise ValueError(f"EstimatorConfig.omega: expected a finite float, got {self.omega!r}")
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ValueError(f"EstimatorConfig.epsilon: expected a value in [0, 1), got {self.epsilon!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"EstimatorConfig.norm: expected one of {NORMS}, got {self.norm!r}")
+        if self.centroid not in CENTROIDS:
+            raise ValueError(f"EstimatorConfig.centroid: expected one of {CENTROIDS}, got {self.centroid!r}")
+        if self.key not in KEYS:
+            raise ValueError(f"EstimatorConfig.key: expected one of {KEYS}, got {self.key!r}")
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1
+        ):
+            raise ValueError(f"EstimatorConfig.capacity: expected None or an int >= 1, got {self.capacity!r}")
 
-  @property
-  def clusters(self) -> bool:
-    """True when the step groups are fingerprint clusters (bigpo, bipace_q, bipace_diff)."""
-    return self.name in CLUSTERING_ESTIMATORS
+    @property
+    def clusters(self) -> bool:
+        """True when the step groups are fingerprint clusters (bigpo, bipace_q, bipace_diff)."""
+        return self.name in CLUSTERING_ESTIMATORS
 
-  def replace(self, **changes) -> "EstimatorConfig":
-    """A copy with `changes` applied (validated again)."""
-    return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> EstimatorConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)

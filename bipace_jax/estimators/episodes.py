@@ -20,156 +20,165 @@ EQUAL_RTOL = 1e-5
 
 
 class Rows(NamedTuple):
-  """The batch in canonical order (all arrays [N], position k = k-th row in canonical order)."""
-  perm: jax.Array        # int32: batch row of canonical position k
-  real: jax.Array        # bool: mask
-  valid: jax.Array       # bool: real and its trajectory passed every check
-  group_idx: jax.Array   # int32: 0-based rank of the task group among the real rows' groups
-  traj_idx: jax.Array    # int32: 0-based rank of the (group, trajectory) segment among real rows
-  pos: jax.Array         # int32: position of the row inside its task group (real rows)
-  first_of_traj: jax.Array  # bool: valid and step 0 of its trajectory
-  obs_hash: jax.Array    # int32
-  action_key: jax.Array  # int32
-  reward: jax.Array      # float32, 0 where not valid
-  invalid_rows: jax.Array  # int32 scalar: real rows that are not valid
+    """The batch in canonical order (all arrays [N], position k = k-th row in canonical order)."""
+
+    perm: jax.Array  # int32: batch row of canonical position k
+    real: jax.Array  # bool: mask
+    valid: jax.Array  # bool: real and its trajectory passed every check
+    group_idx: jax.Array  # int32: 0-based rank of the task group among the real rows' groups
+    traj_idx: jax.Array  # int32: 0-based rank of the (group, trajectory) segment among real rows
+    pos: jax.Array  # int32: position of the row inside its task group (real rows)
+    first_of_traj: jax.Array  # bool: valid and step 0 of its trajectory
+    obs_hash: jax.Array  # int32
+    action_key: jax.Array  # int32
+    reward: jax.Array  # float32, 0 where not valid
+    invalid_rows: jax.Array  # int32 scalar: real rows that are not valid
 
 
 def _shift_right(x, fill):
-  return jnp.concatenate([jnp.full((1,), fill, x.dtype), x[:-1]])
+    return jnp.concatenate([jnp.full((1,), fill, x.dtype), x[:-1]])
 
 
 def _shift_left(x, fill):
-  return jnp.concatenate([x[1:], jnp.full((1,), fill, x.dtype)])
+    return jnp.concatenate([x[1:], jnp.full((1,), fill, x.dtype)])
 
 
 def canonical_rows(batch, group_capacity: int | None, row_capacity: int | None) -> Rows:
-  """Sorts rows canonically and marks invalid trajectories (the jitted path never raises).
+    """Sorts rows canonically and marks invalid trajectories (the jitted path never raises).
 
-  A real row is invalid when its trajectory (all real rows with its traj_id) has a non-finite
-  reward, rows in two task groups, steps that are not exactly 0..T-1 (negative, duplicate or
-  missing steps), or, when capacities are given, a row beyond `group_capacity` task groups or
-  beyond `row_capacity` rows of its task group. Invalid rows are treated as padding (advantage 0,
-  in no statistic) and counted in `invalid_rows`.
-  """
-  n = batch.reward.shape[0]
-  k = jnp.arange(n, dtype=jnp.int32)
-  real_in = batch.mask.astype(bool)
-  pad_key = (~real_in).astype(jnp.int32)
-  _, g, t, s, perm = lax.sort((pad_key, batch.group_id, batch.traj_id, batch.step, k),
-                              num_keys=4, is_stable=True)
-  real = real_in[perm]
-  new_group = real & ((k == 0) | (g != _shift_right(g, 0)))
-  new_traj = real & (new_group | (t != _shift_right(t, 0)))
-  group_idx = jnp.cumsum(new_group, dtype=jnp.int32) - 1
-  traj_idx = jnp.cumsum(new_traj, dtype=jnp.int32) - 1
-  traj_start = lax.cummax(jnp.where(new_traj, k, 0))
-  group_start = lax.cummax(jnp.where(new_group, k, 0))
-  pos = k - group_start
-  reward = batch.reward.astype(jnp.float32)[perm]
+    A real row is invalid when its trajectory (all real rows with its traj_id) has a non-finite
+    reward, rows in two task groups, steps that are not exactly 0..T-1 (negative, duplicate or
+    missing steps), or, when capacities are given, a row beyond `group_capacity` task groups or
+    beyond `row_capacity` rows of its task group. Invalid rows are treated as padding (advantage 0,
+    in no statistic) and counted in `invalid_rows`.
+    """
+    n = batch.reward.shape[0]
+    k = jnp.arange(n, dtype=jnp.int32)
+    real_in = batch.mask.astype(bool)
+    pad_key = (~real_in).astype(jnp.int32)
+    _, g, t, s, perm = lax.sort((pad_key, batch.group_id, batch.traj_id, batch.step, k), num_keys=4, is_stable=True)
+    real = real_in[perm]
+    new_group = real & ((k == 0) | (g != _shift_right(g, 0)))
+    new_traj = real & (new_group | (t != _shift_right(t, 0)))
+    group_idx = jnp.cumsum(new_group, dtype=jnp.int32) - 1
+    traj_idx = jnp.cumsum(new_traj, dtype=jnp.int32) - 1
+    traj_start = lax.cummax(jnp.where(new_traj, k, 0))
+    group_start = lax.cummax(jnp.where(new_group, k, 0))
+    pos = k - group_start
+    reward = batch.reward.astype(jnp.float32)[perm]
 
-  bad = (s != k - traj_start) | ~jnp.isfinite(reward)
-  # A traj_id in two task groups: sort by (traj_id, group_id) and look for a change of group.
-  _, t2, g2, perm2 = lax.sort((pad_key, batch.traj_id, batch.group_id, k), num_keys=3, is_stable=True)
-  real2 = real_in[perm2]
-  same_traj = real2 & (k > 0) & (t2 == _shift_right(t2, 0))
-  seg2 = jnp.cumsum(real2 & ~same_traj, dtype=jnp.int32) - 1
-  change = same_traj & (g2 != _shift_right(g2, 0))
-  split_seg = jax.ops.segment_max(change.astype(jnp.int32), jnp.where(real2, seg2, n), n)
-  split2 = real2 & (split_seg[jnp.clip(seg2, 0, n - 1)] > 0)
-  split = jnp.zeros((n,), bool).at[perm2].set(split2)[perm]
-  bad = bad | split
-  if group_capacity is not None:
-    bad = bad | (group_idx >= group_capacity)
-  if row_capacity is not None:
-    bad = bad | (pos >= row_capacity)
-  seg = jnp.where(real, traj_idx, n)
-  traj_bad = jax.ops.segment_max((real & bad).astype(jnp.int32), seg, n)
-  valid = real & (traj_bad[jnp.clip(traj_idx, 0, n - 1)] <= 0)
-  return Rows(perm=perm, real=real, valid=valid, group_idx=group_idx, traj_idx=traj_idx, pos=pos,
-              first_of_traj=valid & new_traj, obs_hash=batch.obs_hash[perm],
-              action_key=batch.action_key[perm], reward=jnp.where(valid, reward, 0.0),
-              invalid_rows=jnp.sum(real & ~valid, dtype=jnp.int32))
+    bad = (s != k - traj_start) | ~jnp.isfinite(reward)
+    # A traj_id in two task groups: sort by (traj_id, group_id) and look for a change of group.
+    _, t2, g2, perm2 = lax.sort((pad_key, batch.traj_id, batch.group_id, k), num_keys=3, is_stable=True)
+    real2 = real_in[perm2]
+    same_traj = real2 & (k > 0) & (t2 == _shift_right(t2, 0))
+    seg2 = jnp.cumsum(real2 & ~same_traj, dtype=jnp.int32) - 1
+    change = same_traj & (g2 != _shift_right(g2, 0))
+    split_seg = jax.ops.segment_max(change.astype(jnp.int32), jnp.where(real2, seg2, n), n)
+    split2 = real2 & (split_seg[jnp.clip(seg2, 0, n - 1)] > 0)
+    split = jnp.zeros((n,), bool).at[perm2].set(split2)[perm]
+    bad = bad | split
+    if group_capacity is not None:
+        bad = bad | (group_idx >= group_capacity)
+    if row_capacity is not None:
+        bad = bad | (pos >= row_capacity)
+    seg = jnp.where(real, traj_idx, n)
+    traj_bad = jax.ops.segment_max((real & bad).astype(jnp.int32), seg, n)
+    valid = real & (traj_bad[jnp.clip(traj_idx, 0, n - 1)] <= 0)
+    return Rows(
+        perm=perm,
+        real=real,
+        valid=valid,
+        group_idx=group_idx,
+        traj_idx=traj_idx,
+        pos=pos,
+        first_of_traj=valid & new_traj,
+        obs_hash=batch.obs_hash[perm],
+        action_key=batch.action_key[perm],
+        reward=jnp.where(valid, reward, 0.0),
+        invalid_rows=jnp.sum(real & ~valid, dtype=jnp.int32),
+    )
 
 
 def discounted_returns(rows: Rows, gamma) -> jax.Array:
-  """R[t] = reward[t] + gamma * R[t+1] inside each trajectory (spec "Returns"); float32[N].
+    """R[t] = reward[t] + gamma * R[t+1] inside each trajectory (spec "Returns"); float32[N].
 
-  The invalid-action penalty is an ordinary reward term here, so it is discounted back to earlier
-  steps like any reward (verl-agent subtracts it from its own row only). Computed as a segmented
-  linear recurrence with `lax.associative_scan` (log-depth); gamma = 0 is exact because the
-  coefficient of R[t+1] is then exactly 0.
-  """
-  n = rows.reward.shape[0]
-  nxt_same = (_shift_left(rows.traj_idx, -1) == rows.traj_idx) & _shift_left(rows.valid, False) & rows.valid
-  a = jnp.where(nxt_same, jnp.asarray(gamma, jnp.float32), 0.0)
-  # Reverse time: y[u] = a'[u] * y[u-1] + b[u] with a'[u] = a[u] (coefficient of the later row).
-  a_rev, b_rev = a[::-1], rows.reward[::-1]
+    The invalid-action penalty is an ordinary reward term here, so it is discounted back to earlier
+    steps like any reward (verl-agent subtracts it from its own row only). Computed as a segmented
+    linear recurrence with `lax.associative_scan` (log-depth); gamma = 0 is exact because the
+    coefficient of R[t+1] is then exactly 0.
+    """
+    n = rows.reward.shape[0]
+    nxt_same = (_shift_left(rows.traj_idx, -1) == rows.traj_idx) & _shift_left(rows.valid, False) & rows.valid
+    a = jnp.where(nxt_same, jnp.asarray(gamma, jnp.float32), 0.0)
+    # Reverse time: y[u] = a'[u] * y[u-1] + b[u] with a'[u] = a[u] (coefficient of the later row).
+    a_rev, b_rev = a[::-1], rows.reward[::-1]
 
-  def combine(earlier, later):
-    a1, b1 = earlier
-    a2, b2 = later
-    return a1 * a2, a2 * b1 + b2
+    def combine(earlier, later):
+        a1, b1 = earlier
+        a2, b2 = later
+        return a1 * a2, a2 * b1 + b2
 
-  _, y = lax.associative_scan(combine, (a_rev, b_rev))
-  del n
-  return jnp.where(rows.valid, y[::-1], 0.0)
+    _, y = lax.associative_scan(combine, (a_rev, b_rev))
+    del n
+    return jnp.where(rows.valid, y[::-1], 0.0)
 
 
 class GroupStats(NamedTuple):
-  count: jax.Array
-  mean: jax.Array
-  std: jax.Array       # unbiased (ddof = 1); 0 for groups of size < 2
-  all_equal: jax.Array  # span <= EQUAL_RTOL * max(1, max |value|)
+    count: jax.Array
+    mean: jax.Array
+    std: jax.Array  # unbiased (ddof = 1); 0 for groups of size < 2
+    all_equal: jax.Array  # span <= EQUAL_RTOL * max(1, max |value|)
 
 
 def group_stats(values, labels, include, num_segments: int) -> GroupStats:
-  """Per-segment count, mean, unbiased std and the all-equal flag over rows where `include`.
+    """Per-segment count, mean, unbiased std and the all-equal flag over rows where `include`.
 
-  Args: values float32[N]; labels int32[N] in [0, num_segments); include bool[N].
-  Returns: `GroupStats` of [num_segments] arrays.
-  """
-  ids = jnp.where(include, labels, num_segments)
-  cnt = jax.ops.segment_sum(include.astype(jnp.int32), ids, num_segments)
-  tot = jax.ops.segment_sum(jnp.where(include, values, 0.0), ids, num_segments)
-  mean = tot / jnp.maximum(cnt, 1).astype(jnp.float32)
-  dev = jnp.where(include, values - mean[jnp.clip(labels, 0, num_segments - 1)], 0.0)
-  ss = jax.ops.segment_sum(dev * dev, ids, num_segments)
-  std = jnp.sqrt(ss / jnp.maximum(cnt - 1, 1).astype(jnp.float32))
-  hi = jax.ops.segment_max(jnp.where(include, values, -jnp.inf), ids, num_segments)
-  lo = jax.ops.segment_min(jnp.where(include, values, jnp.inf), ids, num_segments)
-  scale = jnp.maximum(1.0, jnp.maximum(jnp.abs(hi), jnp.abs(lo)))
-  all_equal = (cnt > 0) & ((hi - lo) <= EQUAL_RTOL * scale)
-  return GroupStats(cnt, mean, std, all_equal)
+    Args: values float32[N]; labels int32[N] in [0, num_segments); include bool[N].
+    Returns: `GroupStats` of [num_segments] arrays.
+    """
+    ids = jnp.where(include, labels, num_segments)
+    cnt = jax.ops.segment_sum(include.astype(jnp.int32), ids, num_segments)
+    tot = jax.ops.segment_sum(jnp.where(include, values, 0.0), ids, num_segments)
+    mean = tot / jnp.maximum(cnt, 1).astype(jnp.float32)
+    dev = jnp.where(include, values - mean[jnp.clip(labels, 0, num_segments - 1)], 0.0)
+    ss = jax.ops.segment_sum(dev * dev, ids, num_segments)
+    std = jnp.sqrt(ss / jnp.maximum(cnt - 1, 1).astype(jnp.float32))
+    hi = jax.ops.segment_max(jnp.where(include, values, -jnp.inf), ids, num_segments)
+    lo = jax.ops.segment_min(jnp.where(include, values, jnp.inf), ids, num_segments)
+    scale = jnp.maximum(1.0, jnp.maximum(jnp.abs(hi), jnp.abs(lo)))
+    all_equal = (cnt > 0) & ((hi - lo) <= EQUAL_RTOL * scale)
+    return GroupStats(cnt, mean, std, all_equal)
 
 
 def normalised_advantage(values, labels, include, num_segments: int, norm: str) -> jax.Array:
-  """`(v - mean_S) / (std_S + 1e-6)` ("mean_std") or `v - mean_S` ("mean") per segment S.
+    """`(v - mean_S) / (std_S + 1e-6)` ("mean_std") or `v - mean_S` ("mean") per segment S.
 
-  Singletons and all-equal segments get 0 (spec "Equal values stay equal"). float32[N], 0 where
-  not `include`. Used by the episode level (values = episode returns, one row per trajectory) and
-  the gigpo/bigpo step level (values = step returns).
-  """
-  st = group_stats(values, labels, include, num_segments)
-  lab = jnp.clip(labels, 0, num_segments - 1)
-  centred = values - st.mean[lab]
-  if norm == "mean_std":
-    centred = centred / (st.std[lab] + STD_EPS)
-  keep = include & (st.count[lab] > 1) & ~st.all_equal[lab]
-  return jnp.where(keep, centred, 0.0)
+    Singletons and all-equal segments get 0 (spec "Equal values stay equal"). float32[N], 0 where
+    not `include`. Used by the episode level (values = episode returns, one row per trajectory) and
+    the gigpo/bigpo step level (values = step returns).
+    """
+    st = group_stats(values, labels, include, num_segments)
+    lab = jnp.clip(labels, 0, num_segments - 1)
+    centred = values - st.mean[lab]
+    if norm == "mean_std":
+        centred = centred / (st.std[lab] + STD_EPS)
+    keep = include & (st.count[lab] > 1) & ~st.all_equal[lab]
+    return jnp.where(keep, centred, 0.0)
 
 
 def episode_advantage(rows: Rows, norm: str) -> jax.Array:
-  """A_ep per row (spec "Episode level"): GRPO over the trajectories of each task group.
+    """A_ep per row (spec "Episode level"): GRPO over the trajectories of each task group.
 
-  One value per trajectory (not per row): G = sum_t reward[t] (undiscounted), normalised inside the
-  task group over its valid trajectories; a group with one trajectory gets 0; every row of a
-  trajectory carries its trajectory's A_ep. float32[N] in canonical order.
-  """
-  n = rows.reward.shape[0]
-  seg = jnp.where(rows.valid, rows.traj_idx, n)
-  ep_return = jax.ops.segment_sum(rows.reward, seg, n)
-  traj = jnp.clip(rows.traj_idx, 0, n - 1)
-  g_row = ep_return[traj]
-  a_first = normalised_advantage(g_row, rows.group_idx, rows.first_of_traj, n, norm)
-  a_traj = jax.ops.segment_sum(a_first, jnp.where(rows.first_of_traj, rows.traj_idx, n), n)
-  return jnp.where(rows.valid, a_traj[traj], 0.0)
+    One value per trajectory (not per row): G = sum_t reward[t] (undiscounted), normalised inside the
+    task group over its valid trajectories; a group with one trajectory gets 0; every row of a
+    trajectory carries its trajectory's A_ep. float32[N] in canonical order.
+    """
+    n = rows.reward.shape[0]
+    seg = jnp.where(rows.valid, rows.traj_idx, n)
+    ep_return = jax.ops.segment_sum(rows.reward, seg, n)
+    traj = jnp.clip(rows.traj_idx, 0, n - 1)
+    g_row = ep_return[traj]
+    a_first = normalised_advantage(g_row, rows.group_idx, rows.first_of_traj, n, norm)
+    a_traj = jax.ops.segment_sum(a_first, jnp.where(rows.first_of_traj, rows.traj_idx, n), n)
+    return jnp.where(rows.valid, a_traj[traj], 0.0)

@@ -16,19 +16,20 @@ from bipace_jax.estimators.episodes import Rows, normalised_advantage
 
 
 def hash_labels(rows: Rows):
-  """Dense step-group ids of the exact-hash partition over (group_id, obs_hash); int32[N] in [0, N).
+    """Dense step-group ids of the exact-hash partition over (group_id, obs_hash); int32[N] in [0, N).
 
-  Also the `hash_` diagnostics partition for every estimator.
-  """
-  n = rows.reward.shape[0]
-  k = jnp.arange(n, dtype=jnp.int32)
-  _, g, h, idx = lax.sort(((~rows.valid).astype(jnp.int32), rows.group_idx, rows.obs_hash, k),
-                          num_keys=3, is_stable=True)
-  first = (k == 0) | (g != jnp.roll(g, 1)) | (h != jnp.roll(h, 1))
-  dense = jnp.cumsum(first, dtype=jnp.int32) - 1
-  return jnp.zeros((n,), jnp.int32).at[idx].set(dense)
+    Also the `hash_` diagnostics partition for every estimator.
+    """
+    n = rows.reward.shape[0]
+    k = jnp.arange(n, dtype=jnp.int32)
+    _, g, h, idx = lax.sort(
+        ((~rows.valid).astype(jnp.int32), rows.group_idx, rows.obs_hash, k), num_keys=3, is_stable=True
+    )
+    first = (k == 0) | (g != jnp.roll(g, 1)) | (h != jnp.roll(h, 1))
+    dense = jnp.cumsum(first, dtype=jnp.int32) - 1
+    return jnp.zeros((n,), jnp.int32).at[idx].set(dense)
 
 
 def step_advantage(returns, labels, include, num_segments: int, norm: str):
-  """Normalised step advantage inside each step group `labels` (the formula above); float32[N]."""
-  return normalised_advantage(returns, labels, include, num_segments, norm)
+    """Normalised step advantage inside each step group `labels` (the formula above); float32[N]."""
+    return normalised_advantage(returns, labels, include, num_segments, norm)

@@ -10,5 +10,5 @@ import jax.numpy as jnp
 
 
 def step_advantage(returns):
-  """A_step = 0 for every row (GRPO has no step level). float32[N]."""
-  return jnp.zeros_like(returns)
+    """A_step = 0 for every row (GRPO has no step level). float32[N]."""
+    return jnp.zeros_like(returns)

@@ -17,46 +17,48 @@ from jax import lax
 
 
 class PaceTerms(NamedTuple):
-  """Per-row sums (all [N]): cluster size/sum, same-key size/sum, distinct keys in the cluster."""
-  n_c: jax.Array
-  sum_c: jax.Array
-  n_k: jax.Array
-  sum_k: jax.Array
-  distinct: jax.Array
+    """Per-row sums (all [N]): cluster size/sum, same-key size/sum, distinct keys in the cluster."""
+
+    n_c: jax.Array
+    sum_c: jax.Array
+    n_k: jax.Array
+    sum_k: jax.Array
+    distinct: jax.Array
 
 
 def pace_terms(returns, labels, action_key, include, num_segments: int) -> PaceTerms:
-  """Segment sums over clusters `labels` and over (cluster, key) sub-groups of the rows `include`."""
-  n = returns.shape[0]
-  k = jnp.arange(n, dtype=jnp.int32)
-  neg = action_key < 0
-  key = jnp.where(neg, k, action_key)       # an unparsable key is unique to its row
-  _, lab, ng, ky, idx = lax.sort(((~include).astype(jnp.int32), labels, neg.astype(jnp.int32), key, k),
-                                 num_keys=4, is_stable=True)
-  new = (k == 0) | (lab != jnp.roll(lab, 1)) | (ng != jnp.roll(ng, 1)) | (ky != jnp.roll(ky, 1))
-  sub = jnp.zeros((n,), jnp.int32).at[idx].set(jnp.cumsum(new, dtype=jnp.int32) - 1)
-  first_of_key = jnp.zeros((n,), bool).at[idx].set(new) & include
-  seg_c = jnp.where(include, labels, num_segments)
-  seg_k = jnp.where(include, sub, n)
-  r = jnp.where(include, returns, 0.0)
-  one = include.astype(jnp.int32)
-  lab_c = jnp.clip(labels, 0, num_segments - 1)
-  n_c = jax.ops.segment_sum(one, seg_c, num_segments)[lab_c]
-  sum_c = jax.ops.segment_sum(r, seg_c, num_segments)[lab_c]
-  distinct = jax.ops.segment_sum(first_of_key.astype(jnp.int32), seg_c, num_segments)[lab_c]
-  n_k = jax.ops.segment_sum(one, seg_k, n)[sub]
-  sum_k = jax.ops.segment_sum(r, seg_k, n)[sub]
-  return PaceTerms(n_c, sum_c, n_k, sum_k, distinct)
+    """Segment sums over clusters `labels` and over (cluster, key) sub-groups of the rows `include`."""
+    n = returns.shape[0]
+    k = jnp.arange(n, dtype=jnp.int32)
+    neg = action_key < 0
+    key = jnp.where(neg, k, action_key)  # an unparsable key is unique to its row
+    _, lab, ng, ky, idx = lax.sort(
+        ((~include).astype(jnp.int32), labels, neg.astype(jnp.int32), key, k), num_keys=4, is_stable=True
+    )
+    new = (k == 0) | (lab != jnp.roll(lab, 1)) | (ng != jnp.roll(ng, 1)) | (ky != jnp.roll(ky, 1))
+    sub = jnp.zeros((n,), jnp.int32).at[idx].set(jnp.cumsum(new, dtype=jnp.int32) - 1)
+    first_of_key = jnp.zeros((n,), bool).at[idx].set(new) & include
+    seg_c = jnp.where(include, labels, num_segments)
+    seg_k = jnp.where(include, sub, n)
+    r = jnp.where(include, returns, 0.0)
+    one = include.astype(jnp.int32)
+    lab_c = jnp.clip(labels, 0, num_segments - 1)
+    n_c = jax.ops.segment_sum(one, seg_c, num_segments)[lab_c]
+    sum_c = jax.ops.segment_sum(r, seg_c, num_segments)[lab_c]
+    distinct = jax.ops.segment_sum(first_of_key.astype(jnp.int32), seg_c, num_segments)[lab_c]
+    n_k = jax.ops.segment_sum(one, seg_k, n)[sub]
+    sum_k = jax.ops.segment_sum(r, seg_k, n)[sub]
+    return PaceTerms(n_c, sum_c, n_k, sum_k, distinct)
 
 
 def combine(returns, terms: PaceTerms, include, pace_branch):
-  """Singleton / leave-one-out / PACE dispatch; returns (A_step, loo rows, pace rows), all [N].
+    """Singleton / leave-one-out / PACE dispatch; returns (A_step, loo rows, pace rows), all [N].
 
-  `pace_branch(returns, terms)` gives the estimator's value where C has more than one key.
-  """
-  single = terms.n_c <= 1
-  same_key = terms.distinct <= 1
-  fc = terms.n_c.astype(jnp.float32)
-  loo = returns - (terms.sum_c - returns) / jnp.maximum(fc - 1.0, 1.0)
-  a = jnp.where(single, 0.0, jnp.where(same_key, loo, pace_branch(returns, terms)))
-  return (jnp.where(include, a, 0.0), include & ~single & same_key, include & ~single & ~same_key)
+    `pace_branch(returns, terms)` gives the estimator's value where C has more than one key.
+    """
+    single = terms.n_c <= 1
+    same_key = terms.distinct <= 1
+    fc = terms.n_c.astype(jnp.float32)
+    loo = returns - (terms.sum_c - returns) / jnp.maximum(fc - 1.0, 1.0)
+    a = jnp.where(single, 0.0, jnp.where(same_key, loo, pace_branch(returns, terms)))
+    return (jnp.where(include, a, 0.0), include & ~single & same_key, include & ~single & ~same_key)

@@ -17,247 +17,267 @@ from bipace_jax.estimators.config import EstimatorConfig
 STD_EPS = 1e-6
 EQUAL_RTOL = 1e-5
 JOIN_SLACK = 1e-6
-SIZE_STATS = ("num_step_groups", "singleton_group_rate", "singleton_row_rate", "mean_group_size",
-              "p90_group_size", "max_group_size", "pairs")
+SIZE_STATS = (
+    "num_step_groups",
+    "singleton_group_rate",
+    "singleton_row_rate",
+    "mean_group_size",
+    "p90_group_size",
+    "max_group_size",
+    "pairs",
+)
 
 
 def _fields(batch):
-  names = ("group_id", "traj_id", "step", "reward", "obs_hash", "fingerprint", "action_key", "mask")
-  return {k: np.asarray(getattr(batch, k)) for k in names}
+    names = ("group_id", "traj_id", "step", "reward", "obs_hash", "fingerprint", "action_key", "mask")
+    return {k: np.asarray(getattr(batch, k)) for k in names}
 
 
 def valid_rows(batch, group_capacity=None, row_capacity=None) -> tuple[list[int], int]:
-  """Real rows whose trajectory passes every check (spec "Inputs"), in canonical order.
+    """Real rows whose trajectory passes every check (spec "Inputs"), in canonical order.
 
-  A trajectory (all real rows of one traj_id) is invalid when it has a non-finite reward, rows in
-  two task groups, steps that are not exactly 0..T-1, or (capacities given) a row whose task group
-  ranks at or beyond `group_capacity` or which sits at or beyond `row_capacity` in its task group.
-  Returns (valid rows in canonical order, number of real rows that are invalid).
-  """
-  a = _fields(batch)
-  real = [i for i in range(len(a["mask"])) if a["mask"][i]]
-  canonical = sorted(real, key=lambda i: (a["group_id"][i], a["traj_id"][i], a["step"][i], i))
-  group_rank = {g: r for r, g in enumerate(sorted({int(a["group_id"][i]) for i in real}))}
-  rows_seen = defaultdict(int)
-  position = {}
-  for i in canonical:
-    position[i] = rows_seen[int(a["group_id"][i])]
-    rows_seen[int(a["group_id"][i])] += 1
-  by_traj = defaultdict(list)
-  for i in canonical:
-    by_traj[int(a["traj_id"][i])].append(i)
-  bad_traj = set()
-  for t, members in by_traj.items():
-    groups = {int(a["group_id"][i]) for i in members}
-    steps = sorted(int(a["step"][i]) for i in members)
-    if len(groups) > 1 or steps != list(range(len(members))):
-      bad_traj.add(t)
-    for i in members:
-      if not math.isfinite(float(a["reward"][i])):
-        bad_traj.add(t)
-      if group_capacity is not None and group_rank[int(a["group_id"][i])] >= group_capacity:
-        bad_traj.add(t)
-      if row_capacity is not None and position[i] >= row_capacity:
-        bad_traj.add(t)
-  valid = [i for i in canonical if int(a["traj_id"][i]) not in bad_traj]
-  return valid, len(real) - len(valid)
+    A trajectory (all real rows of one traj_id) is invalid when it has a non-finite reward, rows in
+    two task groups, steps that are not exactly 0..T-1, or (capacities given) a row whose task group
+    ranks at or beyond `group_capacity` or which sits at or beyond `row_capacity` in its task group.
+    Returns (valid rows in canonical order, number of real rows that are invalid).
+    """
+    a = _fields(batch)
+    real = [i for i in range(len(a["mask"])) if a["mask"][i]]
+    canonical = sorted(real, key=lambda i: (a["group_id"][i], a["traj_id"][i], a["step"][i], i))
+    group_rank = {g: r for r, g in enumerate(sorted({int(a["group_id"][i]) for i in real}))}
+    rows_seen = defaultdict(int)
+    position = {}
+    for i in canonical:
+        position[i] = rows_seen[int(a["group_id"][i])]
+        rows_seen[int(a["group_id"][i])] += 1
+    by_traj = defaultdict(list)
+    for i in canonical:
+        by_traj[int(a["traj_id"][i])].append(i)
+    bad_traj = set()
+    for t, members in by_traj.items():
+        groups = {int(a["group_id"][i]) for i in members}
+        steps = sorted(int(a["step"][i]) for i in members)
+        if len(groups) > 1 or steps != list(range(len(members))):
+            bad_traj.add(t)
+        for i in members:
+            if not math.isfinite(float(a["reward"][i])):
+                bad_traj.add(t)
+            if group_capacity is not None and group_rank[int(a["group_id"][i])] >= group_capacity:
+                bad_traj.add(t)
+            if row_capacity is not None and position[i] >= row_capacity:
+                bad_traj.add(t)
+    valid = [i for i in canonical if int(a["traj_id"][i]) not in bad_traj]
+    return valid, len(real) - len(valid)
 
 
 def normalise(values: list, norm: str, dtype) -> list:
-  """(v - mean) / (std + 1e-6) with the unbiased std ("mean_std") or v - mean ("mean").
+    """(v - mean) / (std + 1e-6) with the unbiased std ("mean_std") or v - mean ("mean").
 
-  A single value or values spanning at most 1e-5 * max(1, max|v|) give zeros (spec "Equal values
-  stay equal").
-  """
-  v = np.asarray(values, dtype=dtype)
-  if len(v) < 2:
-    return [dtype(0.0)] * len(v)
-  if v.max() - v.min() <= EQUAL_RTOL * max(1.0, float(np.abs(v).max())):
-    return [dtype(0.0)] * len(v)
-  centred = v - v.mean(dtype=dtype)
-  if norm == "mean_std":
-    centred = centred / (v.std(ddof=1, dtype=dtype) + dtype(STD_EPS))
-  return [dtype(x) for x in centred]
+    A single value or values spanning at most 1e-5 * max(1, max|v|) give zeros (spec "Equal values
+    stay equal").
+    """
+    v = np.asarray(values, dtype=dtype)
+    if len(v) < 2:
+        return [dtype(0.0)] * len(v)
+    if v.max() - v.min() <= EQUAL_RTOL * max(1.0, float(np.abs(v).max())):
+        return [dtype(0.0)] * len(v)
+    centred = v - v.mean(dtype=dtype)
+    if norm == "mean_std":
+        centred = centred / (v.std(ddof=1, dtype=dtype) + dtype(STD_EPS))
+    return [dtype(x) for x in centred]
 
 
 def renormalise(f: np.ndarray, dtype):
-  """f / max|f| / ||.||; None when f is degenerate (a non-finite element or all zeros)."""
-  f = np.asarray(f).astype(dtype)
-  if not np.all(np.isfinite(f)):
-    return None
-  m = np.max(np.abs(f))
-  if m == 0:
-    return None
-  g = f / m
-  return g / np.sqrt(np.dot(g, g))
+    """f / max|f| / ||.||; None when f is degenerate (a non-finite element or all zeros)."""
+    f = np.asarray(f).astype(dtype)
+    if not np.all(np.isfinite(f)):
+        return None
+    m = np.max(np.abs(f))
+    if m == 0:
+        return None
+    g = f / m
+    return g / np.sqrt(np.dot(g, g))
 
 
 def greedy_clusters(fingerprints: list, epsilon: float, centroid: str, capacity: int, dtype):
-  """BiGPO greedy clustering of one task group's rows, given in canonical order (spec "Clustering").
+    """BiGPO greedy clustering of one task group's rows, given in canonical order (spec "Clustering").
 
-  Returns (cluster index per row or None for a singleton, degenerate flags, overflow flags).
-  For each row: re-normalise; degenerate rows are singletons that open nothing. Compare with EVERY
-  existing cluster (nearest, not first fit): cos = f . s / ||s|| (s = sum of members) or
-  cos = f . leader; a strictly larger cos replaces the best, so an equal cos stays with the cluster
-  created first. Join when best cos >= 1 - epsilon - 1e-6, else open a new cluster, unless
-  `capacity` clusters exist: then the row overflows into a singleton.
-  """
-  threshold = dtype(np.float32(1.0 - epsilon - JOIN_SLACK))
-  sums, leaders = [], []
-  assignment, degenerate, overflow = [], [], []
-  for fp in fingerprints:
-    f = renormalise(fp, dtype)
-    if f is None:
-      assignment.append(None); degenerate.append(True); overflow.append(False)
-      continue
-    best, best_cos = None, -math.inf
-    for c in range(len(sums)):
-      if centroid == "mean":
-        cos = np.dot(f, sums[c]) / np.sqrt(np.dot(sums[c], sums[c]))
-      else:
-        cos = np.dot(f, leaders[c])
-      if cos > best_cos:
-        best, best_cos = c, cos
-    if best is not None and best_cos >= threshold:
-      sums[best] = sums[best] + f
-      assignment.append(best); degenerate.append(False); overflow.append(False)
-    elif len(sums) < capacity:
-      sums.append(f.copy()); leaders.append(f.copy())
-      assignment.append(len(sums) - 1); degenerate.append(False); overflow.append(False)
-    else:
-      assignment.append(None); degenerate.append(False); overflow.append(True)
-  return assignment, degenerate, overflow
+    Returns (cluster index per row or None for a singleton, degenerate flags, overflow flags).
+    For each row: re-normalise; degenerate rows are singletons that open nothing. Compare with EVERY
+    existing cluster (nearest, not first fit): cos = f . s / ||s|| (s = sum of members) or
+    cos = f . leader; a strictly larger cos replaces the best, so an equal cos stays with the cluster
+    created first. Join when best cos >= 1 - epsilon - 1e-6, else open a new cluster, unless
+    `capacity` clusters exist: then the row overflows into a singleton.
+    """
+    threshold = dtype(np.float32(1.0 - epsilon - JOIN_SLACK))
+    sums, leaders = [], []
+    assignment, degenerate, overflow = [], [], []
+    for fp in fingerprints:
+        f = renormalise(fp, dtype)
+        if f is None:
+            assignment.append(None)
+            degenerate.append(True)
+            overflow.append(False)
+            continue
+        best, best_cos = None, -math.inf
+        for c in range(len(sums)):
+            if centroid == "mean":
+                cos = np.dot(f, sums[c]) / np.sqrt(np.dot(sums[c], sums[c]))
+            else:
+                cos = np.dot(f, leaders[c])
+            if cos > best_cos:
+                best, best_cos = c, cos
+        if best is not None and best_cos >= threshold:
+            sums[best] = sums[best] + f
+            assignment.append(best)
+            degenerate.append(False)
+            overflow.append(False)
+        elif len(sums) < capacity:
+            sums.append(f.copy())
+            leaders.append(f.copy())
+            assignment.append(len(sums) - 1)
+            degenerate.append(False)
+            overflow.append(False)
+        else:
+            assignment.append(None)
+            degenerate.append(False)
+            overflow.append(True)
+    return assignment, degenerate, overflow
 
 
 def size_stats(groups: list, num_rows: int, prefix: str = "") -> dict:
-  """The seven size statistics of a partition (spec "Diagnostics")."""
-  sizes = [len(s) for s in groups]
-  n = len(sizes)
-  singles = sum(1 for s in sizes if s == 1)
-  out = {
-      "num_step_groups": n,
-      "singleton_group_rate": singles / n if n else 0.0,
-      "singleton_row_rate": singles / num_rows if num_rows else 0.0,
-      "mean_group_size": num_rows / n if n else 0.0,
-      "p90_group_size": float(np.percentile(sizes, 90)) if n else 0.0,
-      "max_group_size": max(sizes) if n else 0,
-      "pairs": sum(s * (s - 1) // 2 for s in sizes),
-  }
-  return {prefix + k: v for k, v in out.items()}
+    """The seven size statistics of a partition (spec "Diagnostics")."""
+    sizes = [len(s) for s in groups]
+    n = len(sizes)
+    singles = sum(1 for s in sizes if s == 1)
+    out = {
+        "num_step_groups": n,
+        "singleton_group_rate": singles / n if n else 0.0,
+        "singleton_row_rate": singles / num_rows if num_rows else 0.0,
+        "mean_group_size": num_rows / n if n else 0.0,
+        "p90_group_size": float(np.percentile(sizes, 90)) if n else 0.0,
+        "max_group_size": max(sizes) if n else 0,
+        "pairs": sum(s * (s - 1) // 2 for s in sizes),
+    }
+    return {prefix + k: v for k, v in out.items()}
 
 
-def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32,
-                                 return_groups: bool = False):
-  """The oracle of `compute_advantages`: (advantages [N] numpy, diagnostics dict[str, float|int]).
+def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32, return_groups: bool = False):
+    """The oracle of `compute_advantages`: (advantages [N] numpy, diagnostics dict[str, float|int]).
 
-  With `return_groups`, also returns the step groups as a list of frozensets of batch row indices
-  (empty for grpo).
-  """
-  a = _fields(batch)
-  n = len(a["mask"])
-  gamma, omega = dtype(cfg.gamma), dtype(cfg.omega)
-  caps = (batch.group_capacity, batch.row_capacity) if cfg.clusters else (None, None)
-  rows, invalid = valid_rows(batch, *caps)
-  num_rows = len(rows)
+    With `return_groups`, also returns the step groups as a list of frozensets of batch row indices
+    (empty for grpo).
+    """
+    a = _fields(batch)
+    n = len(a["mask"])
+    gamma, omega = dtype(cfg.gamma), dtype(cfg.omega)
+    caps = (batch.group_capacity, batch.row_capacity) if cfg.clusters else (None, None)
+    rows, invalid = valid_rows(batch, *caps)
+    num_rows = len(rows)
 
-  # Returns (spec "Returns"): backward recursion per trajectory; episode return G = sum of rewards.
-  by_traj = defaultdict(list)
-  for i in rows:
-    by_traj[int(a["traj_id"][i])].append(i)      # canonical order: ascending step
-  step_return, episode_return = {}, {}
-  for t, members in by_traj.items():
-    later = dtype(0.0)
-    for i in reversed(members):
-      later = dtype(a["reward"][i]) + gamma * later
-      step_return[i] = later
-    total = dtype(0.0)
-    for i in members:
-      total = dtype(total + dtype(a["reward"][i]))
-    episode_return[t] = total
-
-  # Episode level (spec "Episode level"): one value per trajectory, normalised in its task group.
-  trajs_of_group = defaultdict(list)
-  for t, members in by_traj.items():
-    trajs_of_group[int(a["group_id"][members[0]])].append(t)
-  a_ep_traj = {}
-  for g, trajs in trajs_of_group.items():
-    for t, v in zip(trajs, normalise([episode_return[t] for t in trajs], cfg.norm, dtype)):
-      a_ep_traj[t] = v
-
-  # Exact-hash partition over (group_id, obs_hash), for gigpo and the hash_ diagnostics.
-  hash_groups = defaultdict(list)
-  for i in rows:
-    hash_groups[(int(a["group_id"][i]), int(a["obs_hash"][i]))].append(i)
-  hash_groups = list(hash_groups.values())
-
-  # Step groups.
-  degenerate_rows = overflow_rows = 0
-  if cfg.name == "grpo":
-    step_groups = []
-  elif cfg.name == "gigpo":
-    step_groups = hash_groups
-  else:
-    capacity = cfg.capacity or batch.row_capacity
-    rows_of_group = defaultdict(list)
+    # Returns (spec "Returns"): backward recursion per trajectory; episode return G = sum of rewards.
+    by_traj = defaultdict(list)
     for i in rows:
-      rows_of_group[int(a["group_id"][i])].append(i)
-    step_groups = []
-    for g, members in rows_of_group.items():
-      assignment, degenerate, overflow = greedy_clusters(
-          [a["fingerprint"][i] for i in members], cfg.epsilon, cfg.centroid, capacity, dtype)
-      clusters = defaultdict(list)
-      for i, c, d, o in zip(members, assignment, degenerate, overflow):
-        degenerate_rows += int(d)
-        overflow_rows += int(o)
-        if c is None:
-          step_groups.append([i])
-        else:
-          clusters[c].append(i)
-      step_groups.extend(clusters.values())
+        by_traj[int(a["traj_id"][i])].append(i)  # canonical order: ascending step
+    step_return, episode_return = {}, {}
+    for t, members in by_traj.items():
+        later = dtype(0.0)
+        for i in reversed(members):
+            later = dtype(a["reward"][i]) + gamma * later
+            step_return[i] = later
+        total = dtype(0.0)
+        for i in members:
+            total = dtype(total + dtype(a["reward"][i]))
+        episode_return[t] = total
 
-  # Step level (spec "Step level").
-  a_step = {i: dtype(0.0) for i in rows}
-  loo_rows = pace_rows = 0
-  for members in step_groups:
-    ret = [step_return[i] for i in members]
-    if cfg.name in ("gigpo", "bigpo"):
-      for i, v in zip(members, normalise(ret, cfg.norm, dtype)):
-        a_step[i] = v
-      continue
-    if len(members) == 1:
-      continue                                            # singleton: 0
-    keys = [int(a["action_key"][i]) for i in members]
-    # An unparsable (negative) key matches no other row: give each such row its own key.
-    keys = [k if k >= 0 else ("unparsable", i) for k, i in zip(keys, members)]
-    if len(set(keys)) == 1:
-      loo_rows += len(members)
-      for i in members:
-        others = [step_return[j] for j in members if j != i]
-        a_step[i] = dtype(step_return[i] - np.mean(others, dtype=dtype))
-      continue
-    pace_rows += len(members)
-    v_mean = np.mean(ret, dtype=dtype)
-    for i, key in zip(members, keys):
-      same = [step_return[j] for j, kj in zip(members, keys) if kj == key]
-      other = [step_return[j] for j, kj in zip(members, keys) if kj != key]
-      if cfg.name == "bipace_q":
-        a_step[i] = dtype(np.mean(same, dtype=dtype) - v_mean)
-      else:
-        a_step[i] = dtype(step_return[i] - np.mean(other, dtype=dtype))
+    # Episode level (spec "Episode level"): one value per trajectory, normalised in its task group.
+    trajs_of_group = defaultdict(list)
+    for t, members in by_traj.items():
+        trajs_of_group[int(a["group_id"][members[0]])].append(t)
+    a_ep_traj = {}
+    for trajs in trajs_of_group.values():
+        for t, v in zip(trajs, normalise([episode_return[t] for t in trajs], cfg.norm, dtype)):
+            a_ep_traj[t] = v
 
-  adv = np.zeros((n,), dtype)
-  for i in rows:
-    adv[i] = a_ep_traj[int(a["traj_id"][i])] + omega * a_step[i]
+    # Exact-hash partition over (group_id, obs_hash), for gigpo and the hash_ diagnostics.
+    hash_groups = defaultdict(list)
+    for i in rows:
+        hash_groups[(int(a["group_id"][i]), int(a["obs_hash"][i]))].append(i)
+    hash_groups = list(hash_groups.values())
 
-  diag = size_stats(hash_groups, num_rows, prefix="hash_")
-  if cfg.name == "grpo":
-    diag.update({k: 0 for k in SIZE_STATS})
-  else:
-    diag.update(size_stats(step_groups, num_rows))
-  bipace = cfg.name in ("bipace_q", "bipace_diff")
-  diag.update(pace_row_rate=pace_rows / num_rows if bipace and num_rows else 0.0,
-              loo_row_rate=loo_rows / num_rows if bipace and num_rows else 0.0,
-              overflow_rows=overflow_rows, degenerate_rows=degenerate_rows, invalid_rows=invalid)
-  if return_groups:
-    return adv, diag, [frozenset(s) for s in step_groups]
-  return adv, diag
+    # Step groups.
+    degenerate_rows = overflow_rows = 0
+    if cfg.name == "grpo":
+        step_groups = []
+    elif cfg.name == "gigpo":
+        step_groups = hash_groups
+    else:
+        capacity = cfg.capacity or batch.row_capacity
+        rows_of_group = defaultdict(list)
+        for i in rows:
+            rows_of_group[int(a["group_id"][i])].append(i)
+        step_groups = []
+        for members in rows_of_group.values():
+            assignment, degenerate, overflow = greedy_clusters(
+                [a["fingerprint"][i] for i in members], cfg.epsilon, cfg.centroid, capacity, dtype
+            )
+            clusters = defaultdict(list)
+            for i, c, d, o in zip(members, assignment, degenerate, overflow):
+                degenerate_rows += int(d)
+                overflow_rows += int(o)
+                if c is None:
+                    step_groups.append([i])
+                else:
+                    clusters[c].append(i)
+            step_groups.extend(clusters.values())
+
+    # Step level (spec "Step level").
+    a_step = {i: dtype(0.0) for i in rows}
+    loo_rows = pace_rows = 0
+    for members in step_groups:
+        ret = [step_return[i] for i in members]
+        if cfg.name in ("gigpo", "bigpo"):
+            for i, v in zip(members, normalise(ret, cfg.norm, dtype)):
+                a_step[i] = v
+            continue
+        if len(members) == 1:
+            continue  # singleton: 0
+        keys = [int(a["action_key"][i]) for i in members]
+        # An unparsable (negative) key matches no other row: give each such row its own key.
+        keys = [k if k >= 0 else ("unparsable", i) for k, i in zip(keys, members)]
+        if len(set(keys)) == 1:
+            loo_rows += len(members)
+            for i in members:
+                others = [step_return[j] for j in members if j != i]
+                a_step[i] = dtype(step_return[i] - np.mean(others, dtype=dtype))
+            continue
+        pace_rows += len(members)
+        v_mean = np.mean(ret, dtype=dtype)
+        for i, key in zip(members, keys):
+            same = [step_return[j] for j, kj in zip(members, keys) if kj == key]
+            other = [step_return[j] for j, kj in zip(members, keys) if kj != key]
+            if cfg.name == "bipace_q":
+                a_step[i] = dtype(np.mean(same, dtype=dtype) - v_mean)
+            else:
+                a_step[i] = dtype(step_return[i] - np.mean(other, dtype=dtype))
+
+    adv = np.zeros((n,), dtype)
+    for i in rows:
+        adv[i] = a_ep_traj[int(a["traj_id"][i])] + omega * a_step[i]
+
+    diag = size_stats(hash_groups, num_rows, prefix="hash_")
+    if cfg.name == "grpo":
+        diag.update({k: 0 for k in SIZE_STATS})
+    else:
+        diag.update(size_stats(step_groups, num_rows))
+    bipace = cfg.name in ("bipace_q", "bipace_diff")
+    diag.update(
+        pace_row_rate=pace_rows / num_rows if bipace and num_rows else 0.0,
+        loo_row_rate=loo_rows / num_rows if bipace and num_rows else 0.0,
+        overflow_rows=overflow_rows,
+        degenerate_rows=degenerate_rows,
+        invalid_rows=invalid,
+    )
+    if return_groups:
+        return adv, diag, [frozenset(s) for s in step_groups]
+    return adv, diag
