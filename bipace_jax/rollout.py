@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from bipace_jax.estimators import StepBatch, assign_ids
-from environments.prompts import action_tag, build_prompt, parse_action
 from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
+from environments.prompts import action_tag, build_prompt, parse_action
 
-__all__ = ["RolloutConfig", "RolloutResult", "PromptTooLongError", "collect", "encode_prompt", "FIRST_TOKENS"]
+__all__ = ["Episode", "FIRST_TOKENS", "PromptTooLongError", "RolloutConfig", "RolloutResult", "StepRecord",
+           "chat_prompt_ids", "collect", "encode_prompt"]
 
-#: Number of response tokens in the ``first_tokens`` PACE key (spec ``estimators.md``, "PACE keys").
+#: Number of response tokens in the ``first_tokens`` PACE key (``docs/estimators.md``, "PACE keys").
 FIRST_TOKENS = 8
 _ACTION_KEYS = ("action_tag", "first_tokens")
 
@@ -60,8 +62,8 @@ class RolloutConfig:
       history_length: earlier (observation, action) pairs shown in the prompt (verl-agent: 2).
       max_prompt_length: most prompt tokens (chat template included); must not exceed the sampler's
         largest length bucket.
-      invalid_penalty: subtracted from a step's reward when its response has no parsable action.
-      success_reward: multiplies the game's own reward (1.0 on success) (verl-agent: 10).
+      invalid_penalty: (>= 0) subtracted from a step's reward when its response has no parsable action.
+      success_reward: (> 0) multiplies the game's own reward (1.0 on success) (verl-agent: 10).
       fallback_action: the command sent to the game for an invalid response.
       require_think: a response without ``<think>...</think>`` before the action is invalid.
       action_key: PACE key: ``"action_tag"`` or ``"first_tokens"``.
@@ -98,12 +100,78 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.action_key must be one of {_ACTION_KEYS}, got {self.action_key!r}")
         if not isinstance(self.fallback_action, str) or not self.fallback_action.strip():
             raise ValueError(f"RolloutConfig.fallback_action must be a non-empty str, got {self.fallback_action!r}")
-        for name in ("invalid_penalty", "success_reward"):
+        for name, lo, ok in (("invalid_penalty", ">= 0", np.greater_equal), ("success_reward", "> 0", np.greater)):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and np.isfinite(v)):
-                raise ValueError(f"RolloutConfig.{name} must be a finite number, got {v!r}")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and ok(v, 0)):
+                raise ValueError(f"RolloutConfig.{name} must be a finite number {lo}, got {v!r}")
         if not isinstance(self.sampler, SamplerConfig):
             raise ValueError(f"RolloutConfig.sampler must be a SamplerConfig, got {type(self.sampler).__name__}")
+
+
+@dataclasses.dataclass
+class Episode:
+    """One game of a ``collect`` call.
+
+    Attributes:
+      task_id, seed: the game played; ``group_id``: its task group; ``traj_id``: its pool env index.
+      won: the game reported success. ``length``: steps taken. ``invalid_count``: unparsable responses.
+      episode_return: undiscounted sum of the step rewards (success and invalid-action terms).
+      env_error: the pool's error text when the game failed, else None.
+      truncated: ended by ``max_steps`` (or the game's own cap) without success or error.
+      task_info: the game's ``task_info`` of the task (e.g. ``goal``, ``depth``).
+    """
+
+    task_id: int
+    seed: int
+    group_id: int
+    traj_id: int
+    won: bool = False
+    length: int = 0
+    invalid_count: int = 0
+    episode_return: float = 0.0
+    env_error: str | None = None
+    truncated: bool = False
+    task_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One (trajectory, step) row as played, before the rows are packed into arrays."""
+
+    traj: int
+    group: int
+    step: int
+    reward: float
+    anchor: str
+    fingerprint: np.ndarray  # float32[D]
+    pace: Any  # the PACE key (action tag text or first token ids)
+    prompt: list[int]
+    tokens: np.ndarray  # int32[M]
+    logprobs: np.ndarray  # float32[M]
+    length: int
+    text: str
+    action: str
+    valid: bool
+    label: str | None = None
+
+
+@dataclasses.dataclass
+class TokenBatch:
+    """Host-side token arrays of N rows for the learner: [prompt (left-padded) | response (right-padded)]."""
+
+    input_ids: np.ndarray  # int32[N, T], T = P + M
+    attention_mask: np.ndarray  # int32[N, T]
+    response_ids: np.ndarray  # int32[N, M], 0 past each response
+    response_mask: np.ndarray  # bool[N, M]
+    prompt_len: int  # P
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def prompt_lengths(self) -> np.ndarray:
+        """int64[N] real prompt tokens of each row."""
+        return self.attention_mask[:, : self.prompt_len].sum(1).astype(np.int64)
 
 
 @dataclasses.dataclass
@@ -121,10 +189,7 @@ class RolloutResult:
         masked rows to ``len(task_ids) * group_size * max_steps`` rows and fixed capacities
         (``group_capacity`` = task groups, ``row_capacity`` = G * max_steps rounded up to 16), so
         its shape, and the estimator's compiled program, is the same every call.
-      episodes: one dict per trajectory (in traj order): ``won``, ``length`` (steps), ``return``
-        (undiscounted sum of step rewards), ``invalid_count``, ``env_error`` (str or None),
-        ``truncated`` (ended by ``max_steps``), ``task_id``, ``seed``, ``group_id``, ``traj_id``, plus
-        the game's ``task_info``.
+      episodes: one ``Episode`` per trajectory, in traj order.
       timing: seconds spent in ``sampling_s`` (sampler calls; of which ``prefill_s`` and ``decode_s`` as the
         sampler reports them), ``env_s`` (pool reset/step) and ``host_s`` (prompts, tokenization, parsing,
         assembling), and ``total_s``.
@@ -132,6 +197,8 @@ class RolloutResult:
         ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``budget_hits`` (responses that
         used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate``, ``env_errors``.
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
+      labels: N labels from ``collect``'s ``labeler`` (e.g. the oracle's action from the state the
+        prompt showed, for DAgger), or None without a labeler.
     """
 
     prompt_ids: np.ndarray
@@ -140,11 +207,39 @@ class RolloutResult:
     response_mask: np.ndarray
     sample_logprobs: np.ndarray
     steps: StepBatch
-    episodes: list[dict[str, Any]]
+    episodes: list[Episode]
     timing: dict[str, float]
     stats: dict[str, float]
     responses: list[str]
     actions: list[str]
+    labels: list[str | None] | None = None
+
+    @property
+    def rows(self) -> int:
+        """N, the played (trajectory, step) rows: the token rows and the first N rows of ``steps``."""
+        return self.prompt_ids.shape[0]
+
+    def token_batch(self) -> TokenBatch:
+        """The rows as one ``TokenBatch`` (response columns stay M = ``max_new_tokens``)."""
+        rmask = self.response_mask.astype(bool)
+        rid = np.where(rmask, self.response_ids, 0).astype(np.int32)
+        return TokenBatch(np.concatenate([self.prompt_ids, rid], 1).astype(np.int32),
+                          np.concatenate([self.prompt_mask, rmask.astype(np.int32)], 1), rid, rmask,
+                          self.prompt_ids.shape[1])
+
+    def row_values(self, values) -> np.ndarray:
+        """float32[N] of a per-``steps``-row array (e.g. advantages [num_rows]): its real rows, checked
+        against ``steps.mask`` so token rows and step rows cannot drift apart.
+
+        Raises:
+          ValueError: ``values`` is not one entry per ``steps`` row, or the real rows are not the first N.
+        """
+        values = np.asarray(values, np.float32)
+        mask = np.asarray(self.steps.mask)
+        if values.shape != mask.shape or not mask[: self.rows].all() or mask[self.rows :].any():
+            raise ValueError(f"values must have one entry per StepBatch row ({mask.shape}) whose first "
+                             f"{self.rows} rows are the real ones, got shape {values.shape}, {int(mask.sum())} real rows")
+        return values[: self.rows]
 
 
 def encode_prompt(tokenizer, rcfg: RolloutConfig, obs, history: Sequence[tuple[str, str]], step: int,
@@ -224,7 +319,8 @@ def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
 
 
 def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], seeds: Sequence[int],
-            rcfg: RolloutConfig, key: jax.Array, progress: bool = True) -> RolloutResult:
+            rcfg: RolloutConfig, key: jax.Array, progress: bool = True,
+            labeler: Callable[[list[int]], Sequence[str | None]] | None = None) -> RolloutResult:
     """Plays G rollouts of every task in lockstep and returns the step rows.
 
     Args:
@@ -238,6 +334,8 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
       rcfg: ``RolloutConfig``.
       key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
       progress: show a tqdm bar over turns (live games, tokens/s).
+      labeler: called each turn with the live env indices before they step; returns one label per env
+        for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
 
     Returns:
       ``RolloutResult`` (see its docstring).
@@ -264,11 +362,10 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     timing["env_s"] += time.perf_counter() - t0
 
     history: list[list[tuple[str, str]]] = [[] for _ in env_idx]
-    episodes = [dict(won=False, length=0, invalid_count=0, env_error=None, truncated=False, task_id=env_task[i],
-                     seed=env_seed[i], group_id=i // g_size, traj_id=i, **(infos[i] or {})) for i in env_idx]
-    returns = np.zeros(n, np.float64)
+    episodes = [Episode(task_id=env_task[i], seed=env_seed[i], group_id=i // g_size, traj_id=i,
+                        task_info=dict(infos[i] or {})) for i in env_idx]
     live = [i for i in env_idx if not obs[i].won]
-    rows: list[dict[str, Any]] = []
+    rows: list[StepRecord] = []
     stats = dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
 
     bar = None
@@ -282,10 +379,11 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
             prompts = []
             for i in live:
                 where = f"env {i} (task {env_task[i]}, seed {env_seed[i]})"
-                ids, dropped = encode_prompt(tokenizer, rcfg, obs[i], history[i], episodes[i]["length"], where)
+                ids, dropped = encode_prompt(tokenizer, rcfg, obs[i], history[i], episodes[i].length, where)
                 stats["truncations"] += dropped > 0
                 stats["history_dropped"] += dropped
                 prompts.append(ids)
+            labels = list(labeler(list(live))) if labeler is not None else [None] * len(live)
             t0 = time.perf_counter()
             out = sampler.generate(actor, prompts, jax.random.fold_in(key, turn))
             dt_sample = time.perf_counter() - t0
@@ -318,24 +416,23 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
                     pace = tuple(int(t) for t in toks[:FIRST_TOKENS])
                 reward = rcfg.success_reward * float(res.reward) - rcfg.invalid_penalty * (not valid[r])
                 ep = episodes[i]
-                rows.append(dict(traj=i, group=i // g_size, step=ep["length"], reward=reward, anchor=obs[i].anchor,
-                                 fingerprint=np.asarray(out.fingerprints[r], np.float32), pace=pace,
-                                 prompt=prompts[r], tokens=np.asarray(out.tokens[r]), logprobs=np.asarray(out.logprobs[r]),
-                                 length=n_tok, text=texts[r], action=actions[r], valid=valid[r]))
-                returns[i] += reward
-                ep["length"] += 1
-                ep["invalid_count"] += not valid[r]
+                rows.append(StepRecord(traj=i, group=i // g_size, step=ep.length, reward=reward, anchor=obs[i].anchor,
+                                       fingerprint=np.asarray(out.fingerprints[r], np.float32), pace=pace,
+                                       prompt=prompts[r], tokens=np.asarray(out.tokens[r]),
+                                       logprobs=np.asarray(out.logprobs[r]), length=n_tok, text=texts[r],
+                                       action=actions[r], valid=valid[r], label=labels[r]))
+                ep.episode_return += reward
+                ep.length += 1
+                ep.invalid_count += not valid[r]
                 history[i].append((obs[i].text, actions[r]))
                 obs[i] = res.obs
                 if res.info.get("env_error"):
-                    ep["env_error"] = str(res.info["env_error"])
-                ep["won"] = bool(res.obs.won)
-                done = bool(res.done) or ep["env_error"] is not None
-                if not done and ep["length"] >= rcfg.max_steps:
-                    done = True
+                    ep.env_error = str(res.info["env_error"])
+                ep.won = bool(res.obs.won)
+                done = bool(res.done) or ep.env_error is not None or ep.length >= rcfg.max_steps
                 if done:
-                    ep["truncated"] = bool(res.info.get("truncated", False)) or (not ep["won"] and ep["env_error"] is None
-                                                                             and ep["length"] >= rcfg.max_steps)
+                    ep.truncated = bool(res.info.get("truncated", False)) or (
+                        not ep.won and ep.env_error is None and ep.length >= rcfg.max_steps)
                 else:
                     still.append(i)
             live = still
@@ -350,10 +447,9 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     # Assemble in canonical order (group, traj, step): rows of one traj were appended in step order.
     if not rows:
         raise RuntimeError(f"collect: every {rcfg.game} game was already over at reset; no step was played")
-    order = sorted(range(len(rows)), key=lambda k: (rows[k]["group"], rows[k]["traj"], rows[k]["step"]))
-    rows = [rows[k] for k in order]
+    rows.sort(key=lambda r: (r.group, r.traj, r.step))
     n_rows = len(rows)
-    p_max = max(len(r["prompt"]) for r in rows)
+    p_max = max(len(r.prompt) for r in rows)
     length_bucket = getattr(sampler, "length_bucket", None)
     width = length_bucket(p_max) if callable(length_bucket) else p_max
     pad_id = getattr(sampler, "pad_id", None)
@@ -362,12 +458,12 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     prompt_ids = np.full((n_rows, width), pad_id, np.int32)
     prompt_mask = np.zeros((n_rows, width), np.int32)
     for k, r in enumerate(rows):
-        p = r["prompt"]
+        p = r.prompt
         prompt_ids[k, width - len(p):] = p
         prompt_mask[k, width - len(p):] = 1
-    response_ids = np.stack([r["tokens"] for r in rows]).astype(np.int32)
-    sample_logprobs = np.stack([r["logprobs"] for r in rows]).astype(np.float32)
-    resp_len = np.array([r["length"] for r in rows], np.int32)
+    response_ids = np.stack([r.tokens for r in rows]).astype(np.int32)
+    sample_logprobs = np.stack([r.logprobs for r in rows]).astype(np.float32)
+    resp_len = np.array([r.length for r in rows], np.int32)
     response_mask = (np.arange(response_ids.shape[1])[None, :] < resp_len[:, None]).astype(np.int32)
     # The StepBatch has a fixed shape per (groups, G, max_steps): rows padded to the most a collect
     # can produce (mask False), static capacities set, so the jitted estimator compiles once a run.
@@ -379,29 +475,27 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
         return out
 
     steps = StepBatch.from_numpy(
-        group_id=padded([r["group"] for r in rows], np.int32),
-        traj_id=padded([r["traj"] for r in rows], np.int32),
-        step=padded([r["step"] for r in rows], np.int32),
-        reward=padded([r["reward"] for r in rows], np.float32),
-        obs_hash=padded(assign_ids([r["anchor"] for r in rows]), np.int32),
-        fingerprint=padded(np.stack([r["fingerprint"] for r in rows]), np.float32),
-        action_key=padded(assign_ids([r["pace"] for r in rows]), np.int32, fill=-1),
+        group_id=padded([r.group for r in rows], np.int32),
+        traj_id=padded([r.traj for r in rows], np.int32),
+        step=padded([r.step for r in rows], np.int32),
+        reward=padded([r.reward for r in rows], np.float32),
+        obs_hash=padded(assign_ids([r.anchor for r in rows]), np.int32),
+        fingerprint=padded(np.stack([r.fingerprint for r in rows]), np.float32),
+        action_key=padded(assign_ids([r.pace for r in rows]), np.int32, fill=-1),
         mask=padded(np.ones(n_rows, bool), bool, fill=False),
         group_capacity=len(task_ids),
         row_capacity=-(-g_size * rcfg.max_steps // 16) * 16,
     )
-    for i, ep in enumerate(episodes):
-        ep["return"] = float(returns[i])
     timing["total_s"] = time.perf_counter() - t_start
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     stats.update(
         rows=n_rows,
         prompt_tokens_max=p_max,
-        invalid_rate=float(np.mean([not r["valid"] for r in rows])),
-        success_rate=float(np.mean([ep["won"] for ep in episodes])),
-        env_errors=sum(ep["env_error"] is not None for ep in episodes),
+        invalid_rate=float(np.mean([not r.valid for r in rows])),
+        success_rate=float(np.mean([ep.won for ep in episodes])),
+        env_errors=sum(ep.env_error is not None for ep in episodes),
     )
     return RolloutResult(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                          response_mask=response_mask, sample_logprobs=sample_logprobs, steps=steps, episodes=episodes,
-                         timing=timing, stats=stats, responses=[r["text"] for r in rows],
-                         actions=[r["action"] for r in rows])
+                         timing=timing, stats=stats, responses=[r.text for r in rows],
+                         actions=[r.action for r in rows], labels=[r.label for r in rows] if labeler else None)

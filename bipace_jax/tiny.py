@@ -110,3 +110,56 @@ def tiny_actor_config(vocab_size: int, **overrides) -> dict:
         raise ValueError(f"hidden_size {cfg['hidden_size']} must be divisible by "
                          f"num_attention_heads {cfg['num_attention_heads']}")
     return cfg
+
+
+def build_game_tokenizer(config, path: str, num_tasks: int = 64):
+    """Train a small byte-level BPE on the game's own text and save it as an HF tokenizer folder.
+
+    For a run config without a tokenizer (random tiny init): the corpus is the prompts (the config's
+    template and options) and expert actions of ``num_tasks`` oracle episodes of ``config.env``, so
+    the vocabulary fits the game. Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``,
+    ``<|im_end|>`` (EOS of a response); the Qwen2.5 chat template is added by ``load_tokenizer``.
+    Deterministic for a config. Returns the loaded tokenizer.
+    """
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import environments
+    from bipace_jax.config import resolve_template
+    from bipace_jax.models import load_tokenizer
+    from environments.prompts import build_prompt
+
+    env = environments.make(config.env.name, max_steps=config.env.max_steps)
+    template = resolve_template(config.rollout.template)
+    texts = []
+    for i in range(num_tasks):
+        task = (i * 7919) % env.num_tasks
+        obs = env.reset(task, i)
+        history = []
+        for step in range(config.env.max_steps):
+            texts.append(build_prompt(config.env.name, obs, history, step,
+                                      history_length=min(config.rollout.history_length, len(history)),
+                                      template=template, show_inventory=config.rollout.show_inventory))
+            action = env.oracle_action()
+            if action is None:
+                break
+            texts.append(f"<think>I will {action}.</think><action>{action}</action>")
+            new_obs, _, done, _ = env.step(action)
+            history.append((obs.text, action))
+            obs = new_obs
+            if done:
+                break
+    texts.append("You are a helpful assistant. system user assistant")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=config.model.vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                   bos_token=None, unk_token=None)
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return load_tokenizer(path)

@@ -1,5 +1,9 @@
-"""Run configs (ml_collections): ``base.py`` documents every field; one file per setting."""
+"""Run configs (ml_collections): ``base.py`` documents every field; one file per setting.
 
-from configs.validation import ConfigError, mesh_shape, resolve_path, validate, validate_selector
+The checks live with the library (``bipace_jax.config``); they are re-exported here for callers that
+hold a config.
+"""
+
+from bipace_jax.config import ConfigError, mesh_shape, resolve_path, validate, validate_selector
 
 __all__ = ["ConfigError", "mesh_shape", "resolve_path", "validate", "validate_selector"]

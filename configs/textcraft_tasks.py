@@ -1,16 +1,18 @@
 """The embedded default's TextCraft task set, prompt options and validation panel (issue 7).
 
-Shared by the warm start (`launch/sft.py`, `configs/sft_textcraft_tiny.py`) and the RL default
+Shared by the warm start (`bipace_jax/sft.py`, `configs/sft_textcraft_tiny.py`) and the RL default
 (`configs/textcraft_tiny.py`), so both play exactly the same prompts.
 
-Task set: the TextCraft goals selected by `TRAIN` (a task selector in the trainer's syntax,
-`configs/base.py`: "key=v1,v2" filters on `env.task_info`). Held-out goals: every
+Task set: the TextCraft goals selected by `TRAIN` (a task selector, `bipace_jax.tasks.select_tasks`: "key=v1,v2" filters on `env.task_info`). Held-out goals: every
 `HOLDOUT_EVERY`-th goal of that set in task-id order (ids listed by `heldout_ids`), never trained on,
 validated separately. Training game seeds are `< VAL_SEED_BASE`; the validation panel uses seeds
 from `VAL_SEED_BASE` up (new distractor recipes and order).
 """
 
 from __future__ import annotations
+
+from bipace_jax.tasks import select_tasks, split_holdout
+from bipace_jax.tasks import validation_panel as panels
 
 GAME = "textcraft"
 # The default task set: the first 80 (by task id, i.e. alphabetical) depth-2 goals whose oracle
@@ -50,39 +52,9 @@ VAL_SEEDS_PER_GOAL = 3        # ...each played with 3 unseen seeds: 54 + 30 game
 VAL_TEMPERATURE = 0.4
 
 
-def select(env, selector: str) -> list[int]:
-    """Task ids of `env` matching `selector` ("all" | "a:b" | "3,7" | "key=v1,v2", "&"-joined).
-
-    Raises:
-      ValueError: on a malformed selector (names it).
-    """
-    ids = set(range(env.num_tasks))
-    for part in selector.split("&"):
-        part = part.strip()
-        if part in ("", "all"):
-            continue
-        if "=" in part:
-            key, values = part.split("=", 1)
-            allowed = {v.strip() for v in values.split(",")}
-            ids &= {t for t in ids if str(env.task_info(t).get(key.strip())) in allowed}
-        else:
-            try:
-                if ":" in part:
-                    a, b = part.split(":")
-                    ids &= set(range(int(a), int(b)))
-                else:
-                    ids &= {int(v) for v in part.split(",")}
-            except ValueError:
-                raise ValueError(f"task selector part {part!r} is not all | a:b | ids | key=values") from None
-    return sorted(ids)
-
-
 def split(env, selector: str = TRAIN, holdout_every: int = HOLDOUT_EVERY) -> tuple[list[int], list[int]]:
     """(training goals, held-out goals) of the task set: every `holdout_every`-th id is held out."""
-    ids = select(env, selector)
-    held = ids[holdout_every - 1::holdout_every] if holdout_every else []
-    held_set = set(held)
-    return [t for t in ids if t not in held_set], held
+    return split_holdout(select_tasks(selector, env.num_tasks, env.task_info), [], holdout_every)
 
 
 def validation_panel(train_ids, heldout_ids, num_seen: int = VAL_NUM_SEEN,
@@ -90,14 +62,12 @@ def validation_panel(train_ids, heldout_ids, num_seen: int = VAL_NUM_SEEN,
                      seeds_per_goal: int = VAL_SEEDS_PER_GOAL, rl_every: int = RL_EVERY) -> list[tuple[int, int]]:
     """The fixed, seeded validation panel: (task_id, game_seed) pairs, seen games first.
 
-    Exactly the RL trainer's panel (`bipace_jax.trainer.validation_panel`, mode "spread") for the
+    Exactly the RL trainer's panel (`bipace_jax.tasks.validation_panel`, mode "spread") for the
     RL task set `train_ids[::rl_every]`: `num_seen` of those goals and `num_heldout` held-out
     goals (all when fewer), each with `seeds_per_goal` game seeds from `VAL_SEED_BASE + seed * 10_000`.
     """
-    from bipace_jax.trainer import validation_panel as trainer_panel
-
-    seen, held = trainer_panel(list(train_ids)[::rl_every], list(heldout_ids), num_seen, num_heldout,
-                               VAL_SEED_BASE + seed * 10_000, "spread", seeds_per_goal)
+    seen, held = panels(list(train_ids)[::rl_every], list(heldout_ids), num_seen, num_heldout,
+                        VAL_SEED_BASE + seed * 10_000, "spread", seeds_per_goal)
     return seen + held
 
 

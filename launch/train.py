@@ -79,25 +79,26 @@ def format_report(summary: dict) -> str:
 def main(argv):
     del argv
     t_start = time.perf_counter()
-    import configs
+    from bipace_jax import config as config_lib
 
     if not flags.FLAGS["verbosity"].present:  # orbax/absl INFO lines drown the progress bars
         logging.set_verbosity(logging.WARNING)
 
     config = _CONFIG.value
     try:  # every field is checked before JAX starts or anything compiles
-        configs.validate(config)
-    except configs.ConfigError as e:
+        config_lib.validate(config)
+    except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
+    from bipace_jax import distributed
     from bipace_jax import trainer as trainer_lib
 
-    trainer_lib.initialize_distributed(_COORD.value, _NPROC.value, _PID.value)
+    distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
     import jax
 
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
     try:
         tr = trainer_lib.Trainer(config, _WORKDIR.value, resume=_RESUME.value)
-    except (configs.ConfigError, FileExistsError) as e:
+    except (config_lib.ConfigError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     try:
         summary = tr.run()

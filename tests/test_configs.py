@@ -97,7 +97,7 @@ def test_command_line_overrides_reach_nested_fields():
     ("env.name", "minecraft", "config.env.name must be one of"),
     ("model.checkpoint", "/nonexistent/ckpt", "config.model.checkpoint must be a Hugging Face folder holding config.json"),
     ("mesh.data", 0, "config.mesh.data must be an int >= 1 or -1"),
-    ("sampler.length_buckets", (512, 256), "config.sampler.length_buckets must be a non-empty increasing tuple"),
+    ("sampler.length_buckets", (512, 256), "config.sampler.length_buckets must be a non-empty strictly ascending tuple"),
 ])
 def test_bad_field_fails_with_one_line_naming_it(field, value, message):
     c = _load("textcraft_tiny")

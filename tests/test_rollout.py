@@ -89,15 +89,15 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
     res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
     eps = res.episodes
-    assert [e["traj_id"] for e in eps] == [0, 1, 2, 3] and [e["group_id"] for e in eps] == [0, 0, 1, 1]
-    assert [e["task_id"] for e in eps] == [16, 16, 12, 12] and eps[0]["goal"] == "beetroot soup"
+    assert [e.traj_id for e in eps] == [0, 1, 2, 3] and [e.group_id for e in eps] == [0, 0, 1, 1]
+    assert [e.task_id for e in eps] == [16, 16, 12, 12] and eps[0].task_info["goal"] == "beetroot soup"
     # Envs 0, 2, 3 follow the oracle and win; env 1 answers gibberish: fallback "inventory", capped.
-    assert [e["won"] for e in eps] == [True, False, True, True]
-    assert eps[1]["length"] == 8 and eps[1]["truncated"] and eps[1]["invalid_count"] == 8
-    assert 2 <= eps[0]["length"] < 8 and eps[2]["length"] == eps[3]["length"] < 8
-    assert not any(e["truncated"] for k, e in enumerate(eps) if k != 1)
+    assert [e.won for e in eps] == [True, False, True, True]
+    assert eps[1].length == 8 and eps[1].truncated and eps[1].invalid_count == 8
+    assert 2 <= eps[0].length < 8 and eps[2].length == eps[3].length < 8
+    assert not any(e.truncated for k, e in enumerate(eps) if k != 1)
     s = res.steps
-    n = sum(e["length"] for e in eps)
+    n = sum(e.length for e in eps)
     # Fixed shape: padded to groups * G * max_steps rows (= 4 * 8), real rows first, padding masked.
     assert s.num_rows == 4 * 8 and s.group_capacity == 2 and s.row_capacity == 16
     np.testing.assert_array_equal(np.asarray(s.mask), np.arange(s.num_rows) < n)
@@ -107,15 +107,15 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     order = np.lexsort((step, tid, gid))
     np.testing.assert_array_equal(order, np.arange(n))  # canonical order
     for e in eps:
-        rows = tid == e["traj_id"]
-        np.testing.assert_array_equal(step[rows], np.arange(e["length"]))
-        expected = np.zeros(e["length"])
-        if e["won"]:
+        rows = tid == e.traj_id
+        np.testing.assert_array_equal(step[rows], np.arange(e.length))
+        expected = np.zeros(e.length)
+        if e.won:
             expected[-1] = 10.0
-        if e["traj_id"] == 1:
+        if e.traj_id == 1:
             expected -= 0.1
         np.testing.assert_allclose(reward[rows], expected, atol=1e-6)
-        assert e["return"] == pytest.approx(expected.sum(), abs=1e-6)
+        assert e.episode_return == pytest.approx(expected.sum(), abs=1e-6)
     # Fallback action sent for the gibberish env; action keys: unparsable -> -1, equal tags -> equal ids.
     assert all(a == "inventory" for a, t in zip(res.actions, tid) if t == 1)
     assert (akey[tid == 1] == -1).all() and (akey[tid != 1] >= 0).all()
@@ -134,7 +134,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     assert (res.prompt_mask[:, -1] == 1).all() and res.prompt_ids.shape[1] in (512, 1024)
     text0 = tokenizer.decode(res.prompt_ids[0][res.prompt_mask[0] == 1])
     assert text0.startswith("<|im_start|>system") and text0.endswith("<|im_start|>assistant\n")
-    assert f"Goal: craft {eps[0]['goal']}" in text0
+    assert f"Goal: craft {eps[0].task_info['goal']}" in text0
     assert res.stats["invalid_rate"] == pytest.approx(8 / n)
     assert res.stats["success_rate"] == 0.75 and res.stats["env_errors"] == 0
     assert set(res.timing) == {"sampling_s", "prefill_s", "decode_s", "env_s", "host_s", "total_s"}

@@ -43,7 +43,7 @@ def test_validation_panel_is_fixed_and_uses_unseen_seeds(env):
 
 def test_the_rl_default_validates_on_the_same_panel(env):
     import configs.textcraft_tiny
-    from bipace_jax.trainer import validation_panel, select_tasks, split_holdout
+    from bipace_jax.tasks import select_tasks, split_holdout, validation_panel
 
     c = configs.textcraft_tiny.get_config()
     train, held = split_holdout(select_tasks(c.tasks.train, env.num_tasks, env.task_info),
@@ -54,11 +54,13 @@ def test_the_rl_default_validates_on_the_same_panel(env):
     assert seen + held_panel == tasks.validation_panel(*tasks.split(env))
 
 
-def test_selector_syntax_matches_the_trainers(env):
-    assert tasks.select(env, "depth=2&128:131") == [128, 129, 130]
-    assert tasks.select(env, "5,3") == [3, 5]
+def test_selectors_filter_on_task_info_and_intersect(env):
+    from bipace_jax.tasks import select_tasks
+
+    assert select_tasks("depth=2&128:131", env.num_tasks, env.task_info) == [128, 129, 130]
+    assert select_tasks("5,3", env.num_tasks, env.task_info) == [3, 5]
     with pytest.raises(ValueError, match="selector"):
-        tasks.select(env, "x:y:z,")
+        select_tasks("0:0", env.num_tasks, env.task_info)
 
 
 def test_compact_template_shows_recipes_goal_step_feedback_and_inventory(env):

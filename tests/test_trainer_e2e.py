@@ -37,7 +37,7 @@ TINY = [
 def shared(tmp_path_factory):
     """A tokenizer folder built once (the project's game BPE) and a compilation cache folder."""
     import configs.textcraft_tiny
-    from bipace_jax.trainer import build_game_tokenizer
+    from bipace_jax.tiny import build_game_tokenizer
 
     base = tmp_path_factory.mktemp("e2e_shared")
     cfg = configs.textcraft_tiny.get_config()

@@ -9,7 +9,8 @@ from flax import nnx
 
 from bipace_jax import losses, sharding
 from bipace_jax.models import Qwen2Actor, Qwen2Config
-from bipace_jax.trainer import Batch, NonFiniteError, PPOLearner
+from bipace_jax.ppo import NonFiniteError, PPOLearner
+from bipace_jax.rollout import TokenBatch as Batch
 
 V = 48
 SGD = optax.sgd(0.5)  # shared transformations: learners of one model + loss + optimizer share compiled programs

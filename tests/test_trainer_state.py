@@ -11,8 +11,8 @@ import pytest
 
 from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
-from bipace_jax.trainer import (TRAIN_SEED_RANGE, resolve_template, select_tasks, split_holdout, train_task,
-                                validation_panel)
+from bipace_jax.config import ConfigError, resolve_template
+from bipace_jax.tasks import TRAIN_SEED_RANGE, select_tasks, split_holdout, train_task, validation_panel
 
 
 def _tree():
@@ -126,7 +126,6 @@ def test_random_validation_panel_is_fixed_with_unseen_seeds():
 def test_prompt_template_from_json_or_reference():
     assert resolve_template("") is None
     assert resolve_template('{"task_echo": "start"}') == {"task_echo": "start"}
-    assert resolve_template("configs.validation:GAMES") == ("textcraft", "alfworld", "webshop")
-    import configs
-    with pytest.raises(configs.ConfigError, match="config.rollout.template must name"):
-        resolve_template("configs.validation:NOPE")
+    assert resolve_template("configs.textcraft_tasks:TEMPLATE")["task_echo"] == "start"
+    with pytest.raises(ConfigError, match="config.rollout.template must name"):
+        resolve_template("bipace_jax.config:NOPE")

@@ -1,20 +1,44 @@
-"""Validation of a run config: every check runs on the host before anything compiles.
+"""A run config (``configs/base.py`` layout) -> the library's dataclasses, and its checks.
+
+Each config section maps onto the dataclass it configures, in one builder here:
+``sampler`` -> ``SamplerConfig``, ``rollout`` -> ``RolloutConfig``, ``ppo`` -> ``PPOLossConfig`` (and
+the learner's batching), ``estimator`` -> ``EstimatorConfig``, ``optim`` -> an optax transformation.
+A field a dataclass checks is checked there only: ``validate`` builds the dataclasses and reports
+their errors under the config's own field name. ``validate`` adds the checks that span sections or
+have no dataclass (paths, task selectors, mesh). Every check runs on the host before anything compiles.
 
 A bad field raises ``ConfigError`` (a ``ValueError``) whose message is one line naming the field,
 the expected value and the value found, e.g.
-``config.estimator.epsilon must lie in [0, 1), got 1.5``.
+``config.estimator.epsilon must be a number in [0, 1), got 1.5``.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import re
+from typing import Any
 
 import ml_collections
+import optax
 
-GAMES = ("textcraft", "alfworld", "webshop")
-ESTIMATORS = ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff")
-PRESETS = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_3b", "qwen2_5_7b")
+import environments
+from bipace_jax import losses
+from bipace_jax.estimators import EstimatorConfig
+from bipace_jax.models import Qwen2Config
+
+try:  # TEMP_FALLBACK until the estimator registry lands
+    from bipace_jax.estimators import registry
+except ImportError:
+    import types
+
+    from bipace_jax.estimators import ESTIMATORS as _E
+
+    registry = types.SimpleNamespace(names=lambda: _E)
+from bipace_jax.rollout import RolloutConfig
+from bipace_jax.sampling import SamplerConfig
+
 DTYPES = ("float32", "bfloat16")
 _SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
 
@@ -101,7 +125,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     ckpt = _get(c, "model.checkpoint")
     if not isinstance(ckpt, str):
         _fail("model.checkpoint", "be a path string ('' = random init)", ckpt)
-    _choice(c, "model.preset", PRESETS)
+    try:
+        Qwen2Config.preset(_get(c, "model.preset"))
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"config.model.preset must name a Qwen2Config preset ({e})") from None
     if ckpt:
         if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
             _fail("model.checkpoint", "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
@@ -124,7 +151,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _choice(c, "model.dtype", DTYPES)
     _choice(c, "model.param_dtype", DTYPES)
     # env and tasks
-    _choice(c, "env.name", GAMES)
+    _choice(c, "env.name", environments.registered())
     _int(c, "env.max_steps", 1)
     _int(c, "env.num_workers", 0)
     _float(c, "env.timeout_s", 0, lo_open=True)
@@ -133,29 +160,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "tasks.holdout_every", 0)
     # rollout / sampler
     _int(c, "rollout.num_groups", 1)
-    _int(c, "rollout.group_size", 1)
-    _int(c, "rollout.history_length", 0)
-    _int(c, "rollout.max_prompt_length", 16)
     for f in ("system_prompt", "template", "fallback_action"):
         if not isinstance(_get(c, f"rollout.{f}"), str):
             _fail(f"rollout.{f}", "be a string", _get(c, f"rollout.{f}"))
     tpl = c.rollout.template
     if tpl and not (tpl.lstrip().startswith("{") or re.match(r"^[\w.]+:\w+$", tpl)):
         _fail("rollout.template", "be '', a JSON object of PromptTemplate fields, or 'module:ATTR'", tpl)
-    _float(c, "rollout.invalid_penalty", 0)
-    _float(c, "rollout.success_reward", 0, lo_open=True)
-    _int(c, "sampler.max_new_tokens", 1)
-    _float(c, "sampler.temperature", 0, lo_open=True)
-    _float(c, "sampler.top_p", 0, 1, lo_open=True)
-    _int(c, "sampler.top_k", 0)
-    for f in ("batch_buckets", "length_buckets"):
-        b = _get(c, f"sampler.{f}")
-        if not b or any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
-            _fail(f"sampler.{f}", "be a non-empty increasing tuple of positive ints", b)
+    scfg = _checked("sampler", lambda: sampler_config(c))
+    _checked("rollout", lambda: rollout_config(c, group_size=c.rollout.group_size, sampler=scfg))
     if c.sampler.length_buckets[-1] < c.rollout.max_prompt_length:
         _fail("sampler.length_buckets", f"reach rollout.max_prompt_length={c.rollout.max_prompt_length}", tuple(c.sampler.length_buckets))
     # estimator
-    _choice(c, "estimator.name", ESTIMATORS)
+    _choice(c, "estimator.name", registry.names())
     _float(c, "estimator.gamma", 0, 1)
     _float(c, "estimator.omega", 0)
     _choice(c, "estimator.norm", ("mean_std", "mean"))
@@ -238,3 +254,85 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int
     for s in sizes:
         fixed *= s if s != -1 else 1
     return tuple(num_devices // fixed if s == -1 else s for s in sizes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections -> dataclasses (the only place a config field is mapped onto a library field).
+_CLASS_OF_SECTION = {"sampler": "SamplerConfig", "rollout": "RolloutConfig"}
+
+
+def _checked(section: str, build):
+    """``build()``, its ``ValueError`` re-raised as a ``ConfigError`` under the config's field name."""
+    try:
+        return build()
+    except ValueError as e:
+        raise ConfigError(str(e).replace(f"{_CLASS_OF_SECTION[section]}.", f"config.{section}.")) from None
+
+
+def sampler_config(c: ml_collections.ConfigDict, *, temperature: float | None = None,
+                   eos_token_ids: tuple[int, ...] | None = None) -> SamplerConfig:
+    """``SamplerConfig`` of ``c.sampler`` (``temperature`` overrides it, e.g. ``val.temperature``)."""
+    s = c.sampler
+    return SamplerConfig(
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature if temperature is None else temperature,
+        top_p=s.top_p, top_k=s.top_k, greedy=False, stop_strings=tuple(s.stop_strings),
+        batch_buckets=tuple(s.batch_buckets), length_buckets=tuple(s.length_buckets), eos_token_ids=eos_token_ids)
+
+
+def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: SamplerConfig) -> RolloutConfig:
+    """``RolloutConfig`` of ``c.rollout`` with the game and step cap of ``c.env`` and the PACE key of
+    ``c.estimator``; ``group_size`` is ``rollout.group_size`` for training, ``val.group_size`` for validation."""
+    r = c.rollout
+    kw = {"fallback_action": r.fallback_action} if r.fallback_action else {}
+    return RolloutConfig(
+        game=c.env.name, group_size=group_size, max_steps=c.env.max_steps, history_length=r.history_length,
+        max_prompt_length=r.max_prompt_length, invalid_penalty=r.invalid_penalty, success_reward=r.success_reward,
+        require_think=r.require_think, action_key=c.estimator.key, show_inventory=r.show_inventory,
+        system_prompt=None if r.system_prompt == "default" else r.system_prompt,
+        template=resolve_template(r.template), sampler=sampler, **kw)
+
+
+def loss_config(c: ml_collections.ConfigDict) -> losses.PPOLossConfig:
+    """``PPOLossConfig`` of ``c.ppo``; the trained policy is the one that played, softmax(logits / rollout
+    temperature), as in verl."""
+    p = c.ppo
+    return losses.PPOLossConfig(clip_eps=p.clip_eps, dual_clip=p.dual_clip or None, kl_coef=p.kl_coef,
+                                entropy_coef=p.entropy_coef, kl_bound=p.kl_bound, temperature=c.sampler.temperature)
+
+
+def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None) -> EstimatorConfig:
+    """``EstimatorConfig`` of ``c.estimator``; ``epsilon`` overrides it (calibrated or controlled)."""
+    e = c.estimator
+    return EstimatorConfig(name=e.name, gamma=e.gamma, omega=e.omega, norm=e.norm,
+                           epsilon=e.epsilon if epsilon is None else epsilon, centroid=e.centroid, key=e.key,
+                           capacity=e.capacity or None)
+
+
+def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay) after global-norm clipping; constant LR after linear warmup."""
+    lr = optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps) if optim.warmup_steps else optim.learning_rate
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
+    )
+
+
+def resolve_template(spec: str) -> Any:
+    """A prompt template from a config string: "" (the game's default), a JSON object of
+    ``PromptTemplate`` field overrides, or ``"module:ATTR"`` naming such a mapping.
+
+    Raises:
+      ConfigError: a reference that does not import or a malformed JSON object.
+    """
+    if not spec:
+        return None
+    if spec.lstrip().startswith("{"):
+        try:
+            return json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config.rollout.template must be valid JSON, got {spec!r} ({e})") from None
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"config.rollout.template must name 'module:ATTR', got {spec!r} ({e})") from None
