@@ -11,6 +11,7 @@ from `VAL_SEED_BASE` up (new distractor recipes and order).
 
 from __future__ import annotations
 
+import environments
 from bipace_jax.tasks import select_tasks, split_holdout
 from bipace_jax.tasks import validation_panel as panels
 
@@ -90,6 +91,4 @@ def single_craft_goals(env, depth: int = 2, limit: int | None = 80, seeds=(0, 1)
 
 def heldout_ids() -> list[int]:
     """The held-out goal ids of the default task set (builds a TextCraft env to read depths)."""
-    import environments
-
     return split(environments.make(GAME, max_steps=MAX_STEPS))[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 from typing import Any, Callable
 
 
@@ -121,10 +122,6 @@ def make(name: str, **options) -> TextEnv:
     A lazily registered game's module is imported here on first use; an ImportError from its own
     dependencies (e.g. WebShop not installed) propagates with the module's message.
     """
-    import importlib
-
-    import environments  # noqa: F401  (imports the game modules, which register themselves)
-
     if name not in _REGISTRY and name in _LAZY:
         try:
             importlib.import_module(_LAZY[name])

@@ -41,7 +41,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, NamedTuple, Sequence
 
-from environments.base import Observation, TextEnv
+from environments.base import Observation, TextEnv, make, registered
 
 __all__ = ["EnvPool", "StepResult", "EnvPoolError"]
 
@@ -92,8 +92,6 @@ def _worker_main() -> None:
                 sys.path.append(entry)
         spec = pickle.loads(spec_bytes)
         if isinstance(spec, str):
-            from environments.base import make
-
             envs: dict[int, TextEnv] = {i: make(spec, **options) for i in env_ids}
         else:
             envs = {i: spec(**options) for i in env_ids}
@@ -209,8 +207,6 @@ class EnvPool:
         if not isinstance(hash_seed, int) or not 0 <= hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be an int in [0, 4294967295], got {hash_seed!r}")
         if isinstance(env, str):
-            from environments.base import registered
-
             if env not in registered():
                 raise ValueError(f"env {env!r} is not registered; known: {registered()}")
         try:
