@@ -10,7 +10,7 @@ the batch divided by the number of real tokens. For gradient accumulation the de
 given explicitly (the token count of the whole mini-batch), so the sum of micro-batch losses equals
 the mini-batch token mean exactly.
 
-Defaults are the verl-agent / GiGPO / BiPACE ones (spec ``facts.md``): clip 0.2, dual clip 3.0,
+Defaults are the verl-agent / GiGPO / BiPACE ones (their training scripts, as ``configs/_paper.py`` sets them): clip 0.2, dual clip 3.0,
 low-variance KL coefficient 0.01, entropy coefficient 0.001.
 """
 
@@ -141,7 +141,7 @@ def low_var_kl(logprobs: jax.Array, ref_logprobs: jax.Array, bound: float = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class PPOLossConfig:
-    """Coefficients of the PPO objective (defaults: verl-agent / BiPACE paper, ``facts.md``).
+    """Coefficients of the PPO objective (defaults: verl-agent / BiPACE paper).
 
     Attributes:
       clip_eps: PPO clip range (0.2).

@@ -8,7 +8,7 @@ response is parsed into a command (``parse_action``); invalid responses are char
 once. Games end when the game says so, when they reach ``max_steps``, or on an environment error.
 
 Every (trajectory, step) becomes one row of the output, in the canonical order of the estimator
-spec (ascending group, trajectory, step; spec ``estimators.md``): the token arrays the trainer needs
+contract (ascending group, trajectory, step; ``docs/estimators.md``): the token arrays the trainer needs
 (prompt, response, masks, sampling log-probs) and a ``StepBatch`` with the same rows:
 
 * ``group_id``: task group index k (the k-th entry of ``task_ids``).

@@ -1,4 +1,4 @@
-"""Shared settings of the BiPACE paper configs (verl-agent / GiGPO defaults, ``facts.md``)."""
+"""Shared settings of the BiPACE paper configs (verl-agent / GiGPO training-script defaults)."""
 
 import ml_collections
 

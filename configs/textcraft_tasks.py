@@ -1,4 +1,4 @@
-"""The embedded default's TextCraft task set, prompt options and validation panel (issue 7).
+"""The embedded default's TextCraft task set, prompt options and validation panel.
 
 Shared by the warm start (`bipace_jax/sft.py`, `configs/sft_textcraft_tiny.py`) and the RL default
 (`configs/textcraft_tiny.py`), so both play exactly the same prompts.

@@ -6,7 +6,7 @@ where the game lists them, and asks for reasoning inside ``<think>...</think>`` 
 inside ``<action>...</action>``. Templates are data (``PromptTemplate``: ``str.format`` strings),
 overridable field by field from a config mapping.
 
-Action parsing follows the spec's ``action_tag`` PACE key (``/spec/estimators.md``, "PACE keys"):
+Action parsing follows the spec's ``action_tag`` PACE key (``docs/estimators.md``, "PACE keys"):
 lower-case the whole response, take the text inside the first ``<action>...</action>``, strip
 surrounding Unicode white space and collapse inner runs to one space; a missing closing tag or
 an empty body is unparsable. ``parse_action`` returns that same text as the command, so the
@@ -296,7 +296,7 @@ def _tag_span(lowered: str) -> tuple[int, int] | None:
 
 
 def action_tag(response: Any) -> str | None:
-    """The spec's ``action_tag`` PACE key of a response (``/spec/estimators.md``, "PACE keys").
+    """The spec's ``action_tag`` PACE key of a response (``docs/estimators.md``, "PACE keys").
 
     Lower-cases the whole response, takes the text inside the first ``<action>...</action>``,
     strips surrounding Unicode white space and collapses inner runs to one space (Python's

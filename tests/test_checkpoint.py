@@ -242,7 +242,7 @@ def test_config_reads_both_hf_layouts_to_the_same_fields():
 
 
 def test_presets_have_the_published_qwen2_5_shapes():
-    rows = {  # D, L, N, K, Hd, F, V, tied (spec facts.md)
+    rows = {  # D, L, N, K, Hd, F, V, tied (the released Qwen2.5 config.json files)
         "0.5b": (896, 24, 14, 2, 64, 4864, 151936, True),
         "1.5b": (1536, 28, 12, 2, 128, 8960, 151936, True),
         "3b": (2048, 36, 16, 2, 128, 11008, 151936, True),
