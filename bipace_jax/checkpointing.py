@@ -41,7 +41,7 @@ class Checkpointer:
             max_to_keep=keep,
             create=True,
             enable_async_checkpointing=False,  # a save returns only once the step is committed
-            cleanup_tmp_directories=True,      # remove half-written steps of a killed run
+            cleanup_tmp_directories=True,  # remove half-written steps of a killed run
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 

@@ -20,26 +20,20 @@ import os
 import re
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
 
 import environments
 from bipace_jax import losses
-from bipace_jax.estimators import EstimatorConfig
-from bipace_jax.models import Qwen2Config
-
-try:  # TEMP_FALLBACK until the estimator registry lands
-    from bipace_jax.estimators import registry
-except ImportError:
-    import types
-
-    from bipace_jax.estimators import ESTIMATORS as _E
-
-    registry = types.SimpleNamespace(names=lambda: _E)
+from bipace_jax.estimators import EpsilonController, EstimatorConfig
+from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
+from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
 
-DTYPES = ("float32", "bfloat16")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
 
 
@@ -131,10 +125,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
         raise ConfigError(f"config.model.preset must name a Qwen2Config preset ({e})") from None
     if ckpt:
         if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
-            _fail("model.checkpoint", "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
-                  "--config.model.checkpoint= for a random tiny init)", ckpt)
+            _fail(
+                "model.checkpoint",
+                "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
+                "--config.model.checkpoint= for a random tiny init)",
+                ckpt,
+            )
     elif _get(c, "model.preset") != "tiny":
-        _fail("model.checkpoint", f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)", ckpt)
+        _fail(
+            "model.checkpoint",
+            f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)",
+            ckpt,
+        )
     tok = _get(c, "model.tokenizer")
     if not isinstance(tok, str):
         _fail("model.tokenizer", "be a path string ('' = the checkpoint's)", tok)
@@ -148,8 +150,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     if c.model.hidden_size % c.model.num_heads:
         _fail("model.hidden_size", f"be a multiple of model.num_heads={c.model.num_heads}", c.model.hidden_size)
     _int(c, "model.fingerprint_layer")
-    _choice(c, "model.dtype", DTYPES)
-    _choice(c, "model.param_dtype", DTYPES)
+    _choice(c, "model.dtype", tuple(_DTYPES))
+    _choice(c, "model.param_dtype", tuple(_DTYPES))
     # env and tasks
     _choice(c, "env.name", environments.registered())
     _int(c, "env.max_steps", 1)
@@ -169,50 +171,50 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     scfg = _checked("sampler", lambda: sampler_config(c))
     _checked("rollout", lambda: rollout_config(c, group_size=c.rollout.group_size, sampler=scfg))
     if c.sampler.length_buckets[-1] < c.rollout.max_prompt_length:
-        _fail("sampler.length_buckets", f"reach rollout.max_prompt_length={c.rollout.max_prompt_length}", tuple(c.sampler.length_buckets))
+        _fail(
+            "sampler.length_buckets",
+            f"reach rollout.max_prompt_length={c.rollout.max_prompt_length}",
+            tuple(c.sampler.length_buckets),
+        )
     # estimator
-    _choice(c, "estimator.name", registry.names())
-    _float(c, "estimator.gamma", 0, 1)
-    _float(c, "estimator.omega", 0)
-    _choice(c, "estimator.norm", ("mean_std", "mean"))
-    _float(c, "estimator.epsilon", 0, 1, hi_open=True)
-    _choice(c, "estimator.centroid", ("mean", "leader"))
-    _choice(c, "estimator.key", ("action_tag", "first_tokens"))
-    _int(c, "estimator.capacity", 0)
+    _checked("estimator", lambda: estimator_config(c))
     if c.estimator.calibration.enabled:
         _float(c, "estimator.calibration.target_singleton_rate", 0, 1)
         grid = tuple(c.estimator.calibration.grid)
-        if (not grid or any(not isinstance(e, (int, float)) or not 0 <= e < 1 for e in grid)
-                or any(b <= a for a, b in zip(grid, grid[1:]))):
+        if (
+            not grid
+            or any(not isinstance(e, (int, float)) or not 0 <= e < 1 for e in grid)
+            or any(b <= a for a, b in zip(grid, grid[1:]))
+        ):
             _fail("estimator.calibration.grid", "be a non-empty, strictly ascending tuple of values in [0, 1)", grid)
     if c.estimator.controller.enabled:
-        _float(c, "estimator.controller.target_singleton_rate", 0, 1)
-        _float(c, "estimator.controller.gain", 0)
-        _float(c, "estimator.controller.max_step", 0)
-        _float(c, "estimator.controller.min_epsilon", 0, 1, hi_open=True)
-        _float(c, "estimator.controller.max_epsilon", c.estimator.controller.min_epsilon, 1, hi_open=True)
-        if not c.estimator.controller.min_epsilon <= c.estimator.epsilon <= c.estimator.controller.max_epsilon:
-            _fail("estimator.epsilon", "lie in [controller.min_epsilon, controller.max_epsilon] when the controller is enabled", c.estimator.epsilon)
+        _checked("estimator.controller", lambda: epsilon_controller(c))
     # ppo / optim
-    _float(c, "ppo.clip_eps", 0, 1, lo_open=True, hi_open=True)
-    dc = _get(c, "ppo.dual_clip")
-    if not (dc == 0 or (isinstance(dc, (int, float)) and dc > 1)):
-        _fail("ppo.dual_clip", "be > 1 (or 0 = off)", dc)
-    _float(c, "ppo.kl_coef", 0)
-    _float(c, "ppo.kl_bound", 0, lo_open=True)
-    _float(c, "ppo.entropy_coef", 0)
+    _checked("ppo", lambda: loss_config(c))
     _int(c, "ppo.epochs", 1)
     _int(c, "ppo.mini_batch_rows", 0)
     _int(c, "ppo.micro_batch_rows", 1)
     if c.ppo.mini_batch_rows and c.ppo.mini_batch_rows % c.ppo.micro_batch_rows:
-        _fail("ppo.mini_batch_rows", f"be a multiple of ppo.micro_batch_rows={c.ppo.micro_batch_rows} (or 0)", c.ppo.mini_batch_rows)
+        _fail(
+            "ppo.mini_batch_rows",
+            f"be a multiple of ppo.micro_batch_rows={c.ppo.micro_batch_rows} (or 0)",
+            c.ppo.mini_batch_rows,
+        )
     _choice(c, "ppo.old_logprobs", ("recompute", "sampler", "fused"))
     if c.ppo.old_logprobs == "fused" and (c.ppo.epochs != 1 or c.ppo.mini_batch_rows != 0):
-        _fail("ppo.old_logprobs", "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)", c.ppo.old_logprobs)
+        _fail(
+            "ppo.old_logprobs",
+            "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)",
+            c.ppo.old_logprobs,
+        )
     if c.ppo.old_logprobs == "sampler" and (c.sampler.top_p != 1.0 or c.sampler.top_k):
         # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
         # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
-        _fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)", c.ppo.old_logprobs)
+        _fail(
+            "ppo.old_logprobs",
+            "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)",
+            c.ppo.old_logprobs,
+        )
     _float(c, "optim.learning_rate", 0, lo_open=True)
     _int(c, "optim.warmup_steps", 0)
     _float(c, "optim.weight_decay", 0)
@@ -244,7 +246,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
         for s in sizes:
             fixed *= s if s != -1 else 1
         if (-1 in sizes and num_devices % fixed) or (-1 not in sizes and fixed != num_devices):
-            _fail("mesh", f"fit the {num_devices} devices (data*fsdp*tensor)", dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]))
+            _fail(
+                "mesh",
+                f"fit the {num_devices} devices (data*fsdp*tensor)",
+                dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]),
+            )
 
 
 def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
@@ -258,7 +264,13 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int
 
 # ------------------------------------------------------------------------------------------------
 # Sections -> dataclasses (the only place a config field is mapped onto a library field).
-_CLASS_OF_SECTION = {"sampler": "SamplerConfig", "rollout": "RolloutConfig"}
+_CLASS_OF_SECTION = {
+    "sampler": "SamplerConfig",
+    "rollout": "RolloutConfig",
+    "estimator": "EstimatorConfig",
+    "estimator.controller": "EpsilonController",
+    "ppo": "PPOLossConfig",
+}
 
 
 def _checked(section: str, build):
@@ -269,14 +281,68 @@ def _checked(section: str, build):
         raise ConfigError(str(e).replace(f"{_CLASS_OF_SECTION[section]}.", f"config.{section}.")) from None
 
 
-def sampler_config(c: ml_collections.ConfigDict, *, temperature: float | None = None,
-                   eos_token_ids: tuple[int, ...] | None = None) -> SamplerConfig:
+def epsilon_controller(c: ml_collections.ConfigDict) -> EpsilonController | None:
+    """The online epsilon controller of ``c.estimator.controller`` (None when disabled: the paper's fixed epsilon)."""
+    cc = c.estimator.controller
+    return EpsilonController(epsilon=c.estimator.epsilon, **cc.to_dict()) if cc.enabled else None
+
+
+def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
+    """The actor of ``c.model``: loaded from ``checkpoint``, or a random ``preset`` init.
+
+    A random tiny init takes its sizes from ``model.*`` and its vocabulary and EOS from the tokenizer;
+    parameters are drawn from ``nnx.Rngs(c.seed)``.
+    """
+    m, dtype = c.model, _DTYPES[c.model.dtype]
+    if m.checkpoint:
+        return load_hf_checkpoint(resolve_path(m.checkpoint), dtype=dtype, fingerprint_layer=m.fingerprint_layer)
+    cfg = Qwen2Config.preset(m.preset)
+    if m.preset == "tiny":
+        sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
+        heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        cfg = Qwen2Config.tiny(
+            vocab_size=len(tokenizer), eos_token_id=eos, max_position_embeddings=8192, **sizes, **heads
+        )
+    rngs = nnx.Rngs(c.seed)
+    return Qwen2Actor(
+        cfg, fingerprint_layer=m.fingerprint_layer, dtype=dtype, param_dtype=_DTYPES[m.param_dtype], rngs=rngs
+    )
+
+
+def ppo_learner(c: ml_collections.ConfigDict, actor: Qwen2Actor, mesh, local_mesh) -> PPOLearner:
+    """The ``PPOLearner`` of ``c.ppo`` (batching, old log-probs), ``c.optim`` and the sampler's length buckets."""
+    p = c.ppo
+    return PPOLearner(
+        actor,
+        mesh,
+        loss_config(c),
+        make_optimizer(c.optim),
+        local_mesh=local_mesh,
+        epochs=p.epochs,
+        micro_batch_rows=p.micro_batch_rows,
+        mini_batch_rows=p.mini_batch_rows,
+        fused_old_logprobs=p.old_logprobs == "fused",
+        prompt_buckets=c.sampler.length_buckets,
+    )
+
+
+def sampler_config(
+    c: ml_collections.ConfigDict, *, temperature: float | None = None, eos_token_ids: tuple[int, ...] | None = None
+) -> SamplerConfig:
     """``SamplerConfig`` of ``c.sampler`` (``temperature`` overrides it, e.g. ``val.temperature``)."""
     s = c.sampler
     return SamplerConfig(
-        max_new_tokens=s.max_new_tokens, temperature=s.temperature if temperature is None else temperature,
-        top_p=s.top_p, top_k=s.top_k, greedy=False, stop_strings=tuple(s.stop_strings),
-        batch_buckets=tuple(s.batch_buckets), length_buckets=tuple(s.length_buckets), eos_token_ids=eos_token_ids)
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature if temperature is None else temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        greedy=False,
+        stop_strings=tuple(s.stop_strings),
+        batch_buckets=tuple(s.batch_buckets),
+        length_buckets=tuple(s.length_buckets),
+        eos_token_ids=eos_token_ids,
+    )
 
 
 def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: SamplerConfig) -> RolloutConfig:
@@ -285,32 +351,59 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
     r = c.rollout
     kw = {"fallback_action": r.fallback_action} if r.fallback_action else {}
     return RolloutConfig(
-        game=c.env.name, group_size=group_size, max_steps=c.env.max_steps, history_length=r.history_length,
-        max_prompt_length=r.max_prompt_length, invalid_penalty=r.invalid_penalty, success_reward=r.success_reward,
-        require_think=r.require_think, action_key=c.estimator.key, show_inventory=r.show_inventory,
+        game=c.env.name,
+        group_size=group_size,
+        max_steps=c.env.max_steps,
+        history_length=r.history_length,
+        max_prompt_length=r.max_prompt_length,
+        invalid_penalty=r.invalid_penalty,
+        success_reward=r.success_reward,
+        require_think=r.require_think,
+        action_key=c.estimator.key,
+        show_inventory=r.show_inventory,
         system_prompt=None if r.system_prompt == "default" else r.system_prompt,
-        template=resolve_template(r.template), sampler=sampler, **kw)
+        template=resolve_template(r.template),
+        sampler=sampler,
+        **kw,
+    )
 
 
 def loss_config(c: ml_collections.ConfigDict) -> losses.PPOLossConfig:
     """``PPOLossConfig`` of ``c.ppo``; the trained policy is the one that played, softmax(logits / rollout
     temperature), as in verl."""
     p = c.ppo
-    return losses.PPOLossConfig(clip_eps=p.clip_eps, dual_clip=p.dual_clip or None, kl_coef=p.kl_coef,
-                                entropy_coef=p.entropy_coef, kl_bound=p.kl_bound, temperature=c.sampler.temperature)
+    return losses.PPOLossConfig(
+        clip_eps=p.clip_eps,
+        dual_clip=p.dual_clip or None,
+        kl_coef=p.kl_coef,
+        entropy_coef=p.entropy_coef,
+        kl_bound=p.kl_bound,
+        temperature=c.sampler.temperature,
+    )
 
 
 def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None) -> EstimatorConfig:
     """``EstimatorConfig`` of ``c.estimator``; ``epsilon`` overrides it (calibrated or controlled)."""
     e = c.estimator
-    return EstimatorConfig(name=e.name, gamma=e.gamma, omega=e.omega, norm=e.norm,
-                           epsilon=e.epsilon if epsilon is None else epsilon, centroid=e.centroid, key=e.key,
-                           capacity=e.capacity or None)
+    return EstimatorConfig(
+        name=e.name,
+        gamma=e.gamma,
+        omega=e.omega,
+        norm=e.norm,
+        epsilon=e.epsilon if epsilon is None else epsilon,
+        centroid=e.centroid,
+        key=e.key,
+        capacity=e.capacity or None,
+    )
 
 
 def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """AdamW (decoupled weight decay) after global-norm clipping; constant LR after linear warmup."""
-    lr = optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps) if optim.warmup_steps else optim.learning_rate
+    lr = (
+        optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
+        if optim.warmup_steps
+        else optim.learning_rate
+    )
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
         optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),

@@ -78,8 +78,15 @@ class Learner:
     without gradient use (the same arrays on one process).
     """
 
-    def __init__(self, actor: nnx.Module, mesh, tx: optax.GradientTransformation, *, local_mesh=None,
-                 keep_reference: bool = False):
+    def __init__(
+        self,
+        actor: nnx.Module,
+        mesh,
+        tx: optax.GradientTransformation,
+        *,
+        local_mesh=None,
+        keep_reference: bool = False,
+    ):
         self.actor, self.mesh, self.tx = actor, mesh, tx
         self.graphdef, params, self.rest = nnx.split(actor, nnx.Param, ...)
         self.param_shardings = sharding.param_shardings(params, mesh)
@@ -98,8 +105,9 @@ class Learner:
         self.params_local = distributed.host_local(self.params, self.local_shardings)
         nnx.update(self.actor, self.params_local)
 
-    def step(self, loss_fn: LossFn, micro_batches: Iterable[Any], denom: float, stat_keys: Sequence[str],
-             where: str = "") -> tuple[dict[str, float], float]:
+    def step(
+        self, loss_fn: LossFn, micro_batches: Iterable[Any], denom: float, stat_keys: Sequence[str], where: str = ""
+    ) -> tuple[dict[str, float], float]:
         """One optimizer step on the summed gradients of ``loss_fn`` over ``micro_batches``.
 
         Args:

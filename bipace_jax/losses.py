@@ -163,18 +163,22 @@ class PPOLossConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if not self.clip_eps > 0:
-            raise ValueError(f"clip_eps must be > 0, got {self.clip_eps}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"PPOLossConfig.clip_eps must lie in (0, 1), got {self.clip_eps}")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+            raise ValueError(
+                f"PPOLossConfig.dual_clip must be > 1 (None or, in a run config, 0 = off), got {self.dual_clip}"
+            )
         if not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+            raise ValueError(f"PPOLossConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if not self.entropy_coef >= 0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+            raise ValueError(f"PPOLossConfig.entropy_coef must be >= 0, got {self.entropy_coef}")
         if not self.kl_bound > 0:
-            raise ValueError(f"kl_bound must be > 0, got {self.kl_bound}")
+            raise ValueError(f"PPOLossConfig.kl_bound must be > 0, got {self.kl_bound}")
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got {self.temperature}")
+            raise ValueError(
+                f"PPOLossConfig.temperature must be > 0 (the rollout's sampling temperature), got {self.temperature}"
+            )
 
 
 def ppo_loss(

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -109,8 +110,13 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def make_plots(workdir: str, rows: Iterable[dict] | None = None, *, train_temperature: float | None = None,
-               val_temperature: float | None = None) -> list[str]:
+def make_plots(
+    workdir: str,
+    rows: Iterable[dict] | None = None,
+    *,
+    train_temperature: float | None = None,
+    val_temperature: float | None = None,
+) -> list[str]:
     """PNG plots from the metrics: success curve, singleton rate hash vs clusters, PACE row mix.
 
     ``train_temperature`` / ``val_temperature``: the rollout and validation sampling temperatures,
@@ -149,13 +155,28 @@ def make_plots(workdir: str, rows: Iterable[dict] | None = None, *, train_temper
     def named(label, t):
         return label if t is None else f"{label} (T={t:g})"
 
-    line_plot("success.png", (("train/success_rate", named("train", train_temperature)),
-                              ("val/success_rate", named("validation", val_temperature)),
-                              ("val/holdout/success_rate", "validation, held-out goals")),
-              "PPO iterations completed", "success rate", "Success", ylim=(-0.02, 1.02))
-    line_plot("singleton_rate.png", (("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),
-                                     ("estimator/singleton_group_rate", "clusters (BiGPO)")),
-              "iteration", "singleton step-group rate", "Singleton rate: hash vs clusters")
+    line_plot(
+        "success.png",
+        (
+            ("train/success_rate", named("train", train_temperature)),
+            ("val/success_rate", named("validation", val_temperature)),
+            ("val/holdout/success_rate", "validation, held-out goals"),
+        ),
+        "PPO iterations completed",
+        "success rate",
+        "Success",
+        ylim=(-0.02, 1.02),
+    )
+    line_plot(
+        "singleton_rate.png",
+        (
+            ("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),
+            ("estimator/singleton_group_rate", "clusters (BiGPO)"),
+        ),
+        "iteration",
+        "singleton step-group rate",
+        "Singleton rate: hash vs clusters",
+    )
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs, pace = _series(rows, "estimator/pace_row_rate")

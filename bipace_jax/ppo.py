@@ -110,12 +110,25 @@ class PPOLearner(Learner):
       ValueError: ``fused_old_logprobs`` with more than one optimizer step per update.
     """
 
-    def __init__(self, actor: nnx.Module, mesh, loss_cfg: losses.PPOLossConfig, tx: optax.GradientTransformation,
-                 *, micro_batch_rows: int, mini_batch_rows: int = 0, epochs: int = 1, local_mesh=None,
-                 fused_old_logprobs: bool = False, prompt_buckets: Sequence[int] = ()):
+    def __init__(
+        self,
+        actor: nnx.Module,
+        mesh,
+        loss_cfg: losses.PPOLossConfig,
+        tx: optax.GradientTransformation,
+        *,
+        micro_batch_rows: int,
+        mini_batch_rows: int = 0,
+        epochs: int = 1,
+        local_mesh=None,
+        fused_old_logprobs: bool = False,
+        prompt_buckets: Sequence[int] = (),
+    ):
         if fused_old_logprobs and (epochs != 1 or mini_batch_rows != 0):
-            raise ValueError(f"fused_old_logprobs needs one optimizer step per update (epochs=1, mini_batch_rows=0), "
-                             f"got epochs={epochs}, mini_batch_rows={mini_batch_rows}")
+            raise ValueError(
+                f"fused_old_logprobs needs one optimizer step per update (epochs=1, mini_batch_rows=0), "
+                f"got epochs={epochs}, mini_batch_rows={mini_batch_rows}"
+            )
         super().__init__(actor, mesh, tx, local_mesh=local_mesh, keep_reference=loss_cfg.kl_coef > 0)
         self.loss_cfg = loss_cfg
         self.objective = PPOObjective(loss_cfg, fused_old_logprobs)
@@ -135,7 +148,13 @@ class PPOLearner(Learner):
             width = self._prompt_width(int(plen[r].max()), batch.prompt_len)
             ids, att = (self._micro_rows(x, r, batch, width) for x in (batch.input_ids, batch.attention_mask))
             att[:, -1] |= att.sum(1) == 0  # padding rows get one real token (no empty softmax)
-            lp = fn(params_local, self.rest, jnp.asarray(ids), jnp.asarray(att), jnp.asarray(_pad_rows(batch.response_ids[r], B)))
+            lp = fn(
+                params_local,
+                self.rest,
+                jnp.asarray(ids),
+                jnp.asarray(att),
+                jnp.asarray(_pad_rows(batch.response_ids[r], B)),
+            )
             out[r] = np.asarray(lp)[: len(r)]
         return out
 
@@ -162,13 +181,25 @@ class PPOLearner(Learner):
         att[:, -1] |= att.sum(1) == 0
         ref = ref_lp[r] if ref_lp is not None else np.zeros_like(old_lp[r])
         mb = MicroBatch(
-            input_ids=self._micro_rows(batch.input_ids, r, batch, width), attention_mask=att,
-            response_ids=_pad_rows(batch.response_ids[r], B), response_mask=_pad_rows(batch.response_mask[r], B),
-            old_logprobs=_pad_rows(old_lp[r], B), ref_logprobs=_pad_rows(ref, B), advantages=_pad_rows(adv[r], B))
+            input_ids=self._micro_rows(batch.input_ids, r, batch, width),
+            attention_mask=att,
+            response_ids=_pad_rows(batch.response_ids[r], B),
+            response_mask=_pad_rows(batch.response_mask[r], B),
+            old_logprobs=_pad_rows(old_lp[r], B),
+            ref_logprobs=_pad_rows(ref, B),
+            advantages=_pad_rows(adv[r], B),
+        )
         return shard_rows(self.mesh, mb)
 
-    def update(self, batch: TokenBatch, old_lp: np.ndarray, ref_lp: np.ndarray | None, adv: np.ndarray,
-               key: jax.Array, where: str = "") -> dict[str, float]:
+    def update(
+        self,
+        batch: TokenBatch,
+        old_lp: np.ndarray,
+        ref_lp: np.ndarray | None,
+        adv: np.ndarray,
+        key: jax.Array,
+        where: str = "",
+    ) -> dict[str, float]:
         """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.
 
         Every process must call it (with its own rows); the number of mini- and micro-batches is agreed
@@ -197,22 +228,42 @@ class PPOLearner(Learner):
         # Every process's micro-batch must have the same shape: the widest prompt length of all.
         widest = int(distributed.allgather(np.array([batch.prompt_len], np.int64)).max())
         for epoch in range(self.epochs):
-            perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local)) if n_local else np.zeros(0, int)
+            perm = (
+                np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local))
+                if n_local
+                else np.zeros(0, int)
+            )
             # Rows ordered by prompt length inside a mini-batch (the gradient sum ignores order), so
             # each micro-batch keeps only the prompt columns its longest prompt needs.
             minis = [perm[j * mb_rows : (j + 1) * mb_rows] for j in range(n_mini)]
             minis = [r[np.argsort(plen[r], kind="stable")] for r in minis]
-            info = distributed.allgather(np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64))
+            info = distributed.allgather(
+                np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64)
+            )
             k_micros = [max(math.ceil(info[:, j, 0].max() / B), 1) for j in range(n_mini)]
-            needs = distributed.allgather(np.array(
-                [int(plen[r[m * B : (m + 1) * B]].max(initial=1)) for r, k in zip(minis, k_micros) for m in range(k)],
-                np.int64)).max(0)
+            needs = distributed.allgather(
+                np.array(
+                    [
+                        int(plen[r[m * B : (m + 1) * B]].max(initial=1))
+                        for r, k in zip(minis, k_micros)
+                        for m in range(k)
+                    ],
+                    np.int64,
+                )
+            ).max(0)
             widths = iter([self._prompt_width(int(nd), widest) for nd in needs])
             for j, rows in enumerate(minis):
-                micro = (self._micro_batch(batch, rows[m * B : (m + 1) * B], next(widths), old_lp, ref_lp, adv)
-                         for m in range(k_micros[j]))
-                stats, gnorm = self.step(self.objective, micro, float(max(info[:, j, 1].sum(), 1)), STAT_KEYS,
-                                         where=f"PPO update ({where}epoch {epoch}, mini-batch {j})")
+                micro = (
+                    self._micro_batch(batch, rows[m * B : (m + 1) * B], next(widths), old_lp, ref_lp, adv)
+                    for m in range(k_micros[j])
+                )
+                stats, gnorm = self.step(
+                    self.objective,
+                    micro,
+                    float(max(info[:, j, 1].sum(), 1)),
+                    STAT_KEYS,
+                    where=f"PPO update ({where}epoch {epoch}, mini-batch {j})",
+                )
                 for k in totals:
                     totals[k] += stats[k]
                 gnorms.append(gnorm)

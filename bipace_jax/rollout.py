@@ -39,8 +39,17 @@ from bipace_jax.estimators import StepBatch, assign_ids
 from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
 from environments.prompts import action_tag, build_prompt, parse_action
 
-__all__ = ["Episode", "FIRST_TOKENS", "PromptTooLongError", "RolloutConfig", "RolloutResult", "StepRecord",
-           "chat_prompt_ids", "collect", "encode_prompt"]
+__all__ = [
+    "Episode",
+    "FIRST_TOKENS",
+    "PromptTooLongError",
+    "RolloutConfig",
+    "RolloutResult",
+    "StepRecord",
+    "chat_prompt_ids",
+    "collect",
+    "encode_prompt",
+]
 
 #: Number of response tokens in the ``first_tokens`` PACE key (``docs/estimators.md``, "PACE keys").
 FIRST_TOKENS = 8
@@ -223,9 +232,13 @@ class RolloutResult:
         """The rows as one ``TokenBatch`` (response columns stay M = ``max_new_tokens``)."""
         rmask = self.response_mask.astype(bool)
         rid = np.where(rmask, self.response_ids, 0).astype(np.int32)
-        return TokenBatch(np.concatenate([self.prompt_ids, rid], 1).astype(np.int32),
-                          np.concatenate([self.prompt_mask, rmask.astype(np.int32)], 1), rid, rmask,
-                          self.prompt_ids.shape[1])
+        return TokenBatch(
+            np.concatenate([self.prompt_ids, rid], 1).astype(np.int32),
+            np.concatenate([self.prompt_mask, rmask.astype(np.int32)], 1),
+            rid,
+            rmask,
+            self.prompt_ids.shape[1],
+        )
 
     def row_values(self, values) -> np.ndarray:
         """float32[N] of a per-``steps``-row array (e.g. advantages [num_rows]): its real rows, checked
@@ -237,13 +250,16 @@ class RolloutResult:
         values = np.asarray(values, np.float32)
         mask = np.asarray(self.steps.mask)
         if values.shape != mask.shape or not mask[: self.rows].all() or mask[self.rows :].any():
-            raise ValueError(f"values must have one entry per StepBatch row ({mask.shape}) whose first "
-                             f"{self.rows} rows are the real ones, got shape {values.shape}, {int(mask.sum())} real rows")
+            raise ValueError(
+                f"values must have one entry per StepBatch row ({mask.shape}) whose first "
+                f"{self.rows} rows are the real ones, got shape {values.shape}, {int(mask.sum())} real rows"
+            )
         return values[: self.rows]
 
 
-def encode_prompt(tokenizer, rcfg: RolloutConfig, obs, history: Sequence[tuple[str, str]], step: int,
-                  where: str = "") -> tuple[list[int], int]:
+def encode_prompt(
+    tokenizer, rcfg: RolloutConfig, obs, history: Sequence[tuple[str, str]], step: int, where: str = ""
+) -> tuple[list[int], int]:
     """The chat-formatted prompt token ids of one turn, shortened to ``max_prompt_length``.
 
     Shows the last ``history_length`` entries of ``history``; while the prompt is longer than
@@ -266,22 +282,24 @@ def encode_prompt(tokenizer, rcfg: RolloutConfig, obs, history: Sequence[tuple[s
     shown = min(rcfg.history_length, len(history))
     dropped = 0
     while True:
-        hist = list(history[len(history) - shown:]) if shown else []
-        text = build_prompt(rcfg.game, obs, hist, step, history_length=shown, template=rcfg.template,
-                            show_inventory=rcfg.show_inventory)
+        hist = list(history[len(history) - shown :]) if shown else []
+        text = build_prompt(
+            rcfg.game, obs, hist, step, history_length=shown, template=rcfg.template, show_inventory=rcfg.show_inventory
+        )
         ids = chat_prompt_ids(tokenizer, text, rcfg.system_prompt)
         if len(ids) <= rcfg.max_prompt_length:
             return ids, dropped
         if shown == 0:
             raise PromptTooLongError(
                 f"{rcfg.game} {where} step {step}: the prompt has {len(ids)} tokens with no history, more than "
-                f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length}")
+                f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length}"
+            )
         shown -= 1
         dropped += 1
 
 
 def _chat_text(tokenizer, user_text: str, system_prompt: str | None) -> str:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": user_text})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -306,21 +324,34 @@ def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
         raise ValueError(f"seeds must have one entry per task group: {len(task_ids)} task_ids, {len(seeds)} seeds")
     n = len(task_ids) * rcfg.group_size
     if len(pool) < n:
-        raise ValueError(f"pool has {len(pool)} envs, fewer than len(task_ids) * group_size = "
-                         f"{len(task_ids)} * {rcfg.group_size} = {n}")
+        raise ValueError(
+            f"pool has {len(pool)} envs, fewer than len(task_ids) * group_size = "
+            f"{len(task_ids)} * {rcfg.group_size} = {n}"
+        )
     env_name = getattr(pool, "env", None)
     if isinstance(env_name, str) and env_name != rcfg.game:
         raise ValueError(f"RolloutConfig.game is {rcfg.game!r} but the pool runs {env_name!r}")
     buckets = getattr(getattr(sampler, "config", None), "length_buckets", None)
     if buckets and rcfg.max_prompt_length > buckets[-1]:
-        raise ValueError(f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length} exceeds the sampler's largest "
-                         f"length bucket {buckets[-1]}")
+        raise ValueError(
+            f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length} exceeds the sampler's largest "
+            f"length bucket {buckets[-1]}"
+        )
     return task_ids, seeds, n
 
 
-def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], seeds: Sequence[int],
-            rcfg: RolloutConfig, key: jax.Array, progress: bool = True,
-            labeler: Callable[[list[int]], Sequence[str | None]] | None = None) -> RolloutResult:
+def collect(
+    actor,
+    sampler: Sampler,
+    pool,
+    tokenizer,
+    task_ids: Sequence[int],
+    seeds: Sequence[int],
+    rcfg: RolloutConfig,
+    key: jax.Array,
+    progress: bool = True,
+    labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
+) -> RolloutResult:
     """Plays G rollouts of every task in lockstep and returns the step rows.
 
     Args:
@@ -362,8 +393,10 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     timing["env_s"] += time.perf_counter() - t0
 
     history: list[list[tuple[str, str]]] = [[] for _ in env_idx]
-    episodes = [Episode(task_id=env_task[i], seed=env_seed[i], group_id=i // g_size, traj_id=i,
-                        task_info=dict(infos[i] or {})) for i in env_idx]
+    episodes = [
+        Episode(task_id=env_task[i], seed=env_seed[i], group_id=i // g_size, traj_id=i, task_info=dict(infos[i] or {}))
+        for i in env_idx
+    ]
     live = [i for i in env_idx if not obs[i].won]
     rows: list[StepRecord] = []
     stats = dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
@@ -371,6 +404,7 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     bar = None
     if progress:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
     try:
         for turn in range(rcfg.max_steps):
@@ -391,8 +425,9 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
             for k in ("prefill_s", "decode_s"):
                 timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
             lengths = np.asarray(out.lengths)
-            texts = tokenizer.batch_decode([out.tokens[r, :lengths[r]].tolist() for r in range(len(live))],
-                                           skip_special_tokens=True)
+            texts = tokenizer.batch_decode(
+                [out.tokens[r, : lengths[r]].tolist() for r in range(len(live))], skip_special_tokens=True
+            )
             texts = [truncate_at_stop(t, stop_strings) for t in texts]
             actions, valid = [], []
             for text in texts:
@@ -408,7 +443,9 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
                 n_tok = int(lengths[r])
                 toks = out.tokens[r, :n_tok]
                 stats["response_tokens"] += n_tok
-                hit_budget = n_tok == max_new and int(toks[-1]) not in eos and not any(s in texts[r] for s in stop_strings)
+                hit_budget = (
+                    n_tok == max_new and int(toks[-1]) not in eos and not any(s in texts[r] for s in stop_strings)
+                )
                 stats["budget_hits"] += hit_budget
                 if rcfg.action_key == "action_tag":
                     pace = action_tag(texts[r])
@@ -416,11 +453,25 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
                     pace = tuple(int(t) for t in toks[:FIRST_TOKENS])
                 reward = rcfg.success_reward * float(res.reward) - rcfg.invalid_penalty * (not valid[r])
                 ep = episodes[i]
-                rows.append(StepRecord(traj=i, group=i // g_size, step=ep.length, reward=reward, anchor=obs[i].anchor,
-                                       fingerprint=np.asarray(out.fingerprints[r], np.float32), pace=pace,
-                                       prompt=prompts[r], tokens=np.asarray(out.tokens[r]),
-                                       logprobs=np.asarray(out.logprobs[r]), length=n_tok, text=texts[r],
-                                       action=actions[r], valid=valid[r], label=labels[r]))
+                rows.append(
+                    StepRecord(
+                        traj=i,
+                        group=i // g_size,
+                        step=ep.length,
+                        reward=reward,
+                        anchor=obs[i].anchor,
+                        fingerprint=np.asarray(out.fingerprints[r], np.float32),
+                        pace=pace,
+                        prompt=prompts[r],
+                        tokens=np.asarray(out.tokens[r]),
+                        logprobs=np.asarray(out.logprobs[r]),
+                        length=n_tok,
+                        text=texts[r],
+                        action=actions[r],
+                        valid=valid[r],
+                        label=labels[r],
+                    )
+                )
                 ep.episode_return += reward
                 ep.length += 1
                 ep.invalid_count += not valid[r]
@@ -432,7 +483,8 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
                 done = bool(res.done) or ep.env_error is not None or ep.length >= rcfg.max_steps
                 if done:
                     ep.truncated = bool(res.info.get("truncated", False)) or (
-                        not ep.won and ep.env_error is None and ep.length >= rcfg.max_steps)
+                        not ep.won and ep.env_error is None and ep.length >= rcfg.max_steps
+                    )
                 else:
                     still.append(i)
             live = still
@@ -459,8 +511,8 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
     prompt_mask = np.zeros((n_rows, width), np.int32)
     for k, r in enumerate(rows):
         p = r.prompt
-        prompt_ids[k, width - len(p):] = p
-        prompt_mask[k, width - len(p):] = 1
+        prompt_ids[k, width - len(p) :] = p
+        prompt_mask[k, width - len(p) :] = 1
     response_ids = np.stack([r.tokens for r in rows]).astype(np.int32)
     sample_logprobs = np.stack([r.logprobs for r in rows]).astype(np.float32)
     resp_len = np.array([r.length for r in rows], np.int32)
@@ -495,7 +547,17 @@ def collect(actor, sampler: Sampler, pool, tokenizer, task_ids: Sequence[int], s
         success_rate=float(np.mean([ep.won for ep in episodes])),
         env_errors=sum(ep.env_error is not None for ep in episodes),
     )
-    return RolloutResult(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                         response_mask=response_mask, sample_logprobs=sample_logprobs, steps=steps, episodes=episodes,
-                         timing=timing, stats=stats, responses=[r.text for r in rows],
-                         actions=[r.action for r in rows], labels=[r.label for r in rows] if labeler else None)
+    return RolloutResult(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        sample_logprobs=sample_logprobs,
+        steps=steps,
+        episodes=episodes,
+        timing=timing,
+        stats=stats,
+        responses=[r.text for r in rows],
+        actions=[r.action for r in rows],
+        labels=[r.label for r in rows] if labeler else None,
+    )

@@ -30,7 +30,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -40,10 +39,10 @@ import environments
 from bipace_jax import config as config_lib
 from bipace_jax import distributed, sharding, tasks
 from bipace_jax.checkpointing import Checkpointer
-from bipace_jax.estimators import EpsilonController, calibrate_epsilon, compute_advantages
+from bipace_jax.estimators import calibrate_epsilon, compute_advantages
 from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer, save_hf_checkpoint
-from bipace_jax.ppo import NonFiniteError, PPOLearner
+from bipace_jax.models import load_tokenizer, save_hf_checkpoint
+from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
 from bipace_jax.sampling import Sampler
 from bipace_jax.tiny import build_game_tokenizer
@@ -51,30 +50,7 @@ from environments.pool import EnvPool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "Trainer", "build_actor"]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def build_actor(config: ml_collections.ConfigDict, tokenizer: Any) -> nnx.Module:
-    """The actor of a run: loaded from ``model.checkpoint``, or a random ``model.preset`` init.
-
-    A random tiny init takes its sizes from ``model.*`` and its vocabulary and EOS from the tokenizer;
-    parameters are drawn from ``nnx.Rngs(config.seed)``.
-    """
-    m = config.model
-    if m.checkpoint:
-        return load_hf_checkpoint(config_lib.resolve_path(m.checkpoint), dtype=_DTYPES[m.dtype],
-                                  fingerprint_layer=m.fingerprint_layer)
-    if m.preset == "tiny":
-        cfg = Qwen2Config.tiny(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-                               intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
-                               num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-                               eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), max_position_embeddings=8192)
-    else:
-        cfg = Qwen2Config.preset(m.preset)
-    return Qwen2Actor(cfg, fingerprint_layer=m.fingerprint_layer, dtype=_DTYPES[m.dtype],
-                      param_dtype=_DTYPES[m.param_dtype], rngs=nnx.Rngs(config.seed))
+__all__ = ["NonFiniteError", "Trainer"]
 
 
 class Trainer:
@@ -86,56 +62,60 @@ class Trainer:
       resume: restore the latest checkpoint in ``workdir`` when there is one (a run started again in
         the same folder continues; pass False to refuse, which raises if a checkpoint exists).
       actor, tokenizer: optional pre-built actor/tokenizer (hooks for warm starts and tests);
-        default: ``build_actor`` / the checkpoint's or the project's game tokenizer.
+        default: ``config.build_actor`` / the checkpoint's or the project's game tokenizer.
 
     Raises:
       ConfigError: a bad config field (before anything compiles).
       FileExistsError: ``resume=False`` and ``workdir`` already has checkpoints.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, resume: bool = True,
-                 actor: nnx.Module | None = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        workdir: str,
+        *,
+        resume: bool = True,
+        actor: nnx.Module | None = None,
+        tokenizer: Any = None,
+    ):
         config_lib.validate(config, num_devices=jax.device_count())
         c = self.config = config
         self.workdir = workdir
         self.is_primary = jax.process_index() == 0
         self.num_hosts = jax.process_count()
         if c.rollout.num_groups % self.num_hosts:
-            raise config_lib.ConfigError(f"config.rollout.num_groups must be a multiple of the process count "
-                                         f"{self.num_hosts}, got {c.rollout.num_groups}")
+            raise config_lib.ConfigError(
+                f"config.rollout.num_groups must be a multiple of the process count "
+                f"{self.num_hosts}, got {c.rollout.num_groups}"
+            )
         data, fsdp, tensor = config_lib.mesh_shape(c, jax.device_count())
         if (c.ppo.micro_batch_rows * self.num_hosts) % (data * fsdp):
             raise config_lib.ConfigError(
                 f"config.ppo.micro_batch_rows x processes must be a multiple of mesh data*fsdp={data * fsdp}, "
-                f"got {c.ppo.micro_batch_rows} x {self.num_hosts}")
+                f"got {c.ppo.micro_batch_rows} x {self.num_hosts}"
+            )
         os.makedirs(workdir, exist_ok=True)
         self.mesh = sharding.make_mesh(data, fsdp, tensor)
         self.local_mesh = distributed.local_mesh(self.mesh, c.mesh.tensor)
 
         # Model and learner.
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.actor = actor if actor is not None else build_actor(c, self.tokenizer)
-        self.learner = PPOLearner(
-            self.actor, self.mesh, config_lib.loss_config(c), config_lib.make_optimizer(c.optim),
-            micro_batch_rows=c.ppo.micro_batch_rows, mini_batch_rows=c.ppo.mini_batch_rows, epochs=c.ppo.epochs,
-            local_mesh=self.local_mesh, fused_old_logprobs=c.ppo.old_logprobs == "fused",
-            prompt_buckets=c.sampler.length_buckets)
+        self.actor = actor if actor is not None else config_lib.build_actor(c, self.tokenizer)
+        self.learner = config_lib.ppo_learner(c, self.actor, self.mesh, self.local_mesh)
 
         # Run state, restored from the latest checkpoint when there is one.
         self.iteration, self.task_cursor = 0, 0
         self.rng = jax.random.PRNGKey(c.seed)
         self.epsilon = float(c.estimator.epsilon)
         self.needs_calibration = bool(c.estimator.calibration.enabled)  # done on iteration 0
-        cc = c.estimator.controller
-        self.controller = EpsilonController(
-            epsilon=self.epsilon, target_singleton_rate=cc.target_singleton_rate, gain=cc.gain, max_step=cc.max_step,
-            min_epsilon=cc.min_epsilon, max_epsilon=cc.max_epsilon, enabled=True) if cc.enabled else None
+        self.controller = config_lib.epsilon_controller(c)
         self.checkpointer = Checkpointer(workdir, keep=c.checkpoint.keep)
         latest = self.checkpointer.latest_step()
         if latest is not None:
             if not resume:
-                raise FileExistsError(f"{workdir} already holds checkpoints (latest step {latest}); "
-                                      f"pass --resume or use a new --workdir")
+                raise FileExistsError(
+                    f"{workdir} already holds checkpoints (latest step {latest}); pass --resume or use a new --workdir"
+                )
             self._restore(latest)
 
         # Tasks: training goals, held-out goals, the fixed validation panels.
@@ -143,21 +123,25 @@ class Trainer:
         self._task_info = probe.task_info
         self.train_ids, self.holdout_ids = tasks.split_holdout(
             tasks.select_tasks(c.tasks.train, probe.num_tasks, probe.task_info),
-            tasks.select_tasks(c.tasks.holdout, probe.num_tasks, probe.task_info), c.tasks.holdout_every)
+            tasks.select_tasks(c.tasks.holdout, probe.num_tasks, probe.task_info),
+            c.tasks.holdout_every,
+        )
         if not self.train_ids:
             raise config_lib.ConfigError(
-                f"config.tasks.train selects no task outside the held-out goals, got {c.tasks.train!r}")
-        self.val_panel, self.holdout_panel = tasks.validation_panel(
-            self.train_ids, self.holdout_ids, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed, c.val.panel,
-            c.val.seeds_per_goal)
+                f"config.tasks.train selects no task outside the held-out goals, got {c.tasks.train!r}"
+            )
+        v = c.val
+        panel_options = (v.num_tasks, v.num_holdout_tasks, v.seed, v.panel, v.seeds_per_goal)
+        self.val_panel, self.holdout_panel = tasks.validation_panel(self.train_ids, self.holdout_ids, *panel_options)
 
         # Rollout: one env pool for training and validation, a sampler per temperature.
         self.groups_per_host = c.rollout.num_groups // self.num_hosts
         val_rows = max(len(self.val_panel), len(self.holdout_panel)) * c.val.group_size
         val_rows = math.ceil(val_rows / self.num_hosts) if c.val.every or c.val.at_start else 0
         pool_kw = {"num_workers": c.env.num_workers} if c.env.num_workers else {}
-        self.pool = EnvPool(c.env.name, max(self.groups_per_host * c.rollout.group_size, val_rows),
-                            env_options={"max_steps": c.env.max_steps}, timeout_s=c.env.timeout_s, **pool_kw)
+        num_envs = max(self.groups_per_host * c.rollout.group_size, val_rows)
+        env_options = {"max_steps": c.env.max_steps}
+        self.pool = EnvPool(c.env.name, num_envs, env_options=env_options, timeout_s=c.env.timeout_s, **pool_kw)
         eos = tuple(self.actor.config.eos_token_ids) or None
         scfg = config_lib.sampler_config(c, eos_token_ids=eos)
         vcfg = config_lib.sampler_config(c, eos_token_ids=eos, temperature=c.val.temperature)
@@ -182,6 +166,12 @@ class Trainer:
             raise config_lib.ConfigError("config.model.tokenizer must be set for a multi-host random init, got ''")
         return build_game_tokenizer(self.config, path)
 
+    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array):
+        """``rollout.collect`` of one task group per (task_id, game_seed) pair."""
+        progress = self.config.log.progress and self.is_primary
+        tids, seeds = [t for t, _ in games], [s for _, s in games]
+        return collect(self.actor, sampler, self.pool, self.tokenizer, tids, seeds, rcfg, key, progress=progress)
+
     # ------------------------------------------------------------------------------------------
     def train_iteration(self) -> dict[str, Any]:
         """Run iteration ``self.iteration`` and advance the run state (not the checkpoint)."""
@@ -193,8 +183,7 @@ class Trainer:
         # 1. Collect.
         first = self.task_cursor + jax.process_index() * self.groups_per_host
         groups = [tasks.train_task(self.train_ids, c.seed, first + i) for i in range(self.groups_per_host)]
-        res = collect(self.actor, self.sampler, self.pool, self.tokenizer, [g for g, _ in groups],
-                      [s for _, s in groups], self.rollout_cfg, k_roll, progress=c.log.progress and self.is_primary)
+        res = self._play(self.sampler, self.rollout_cfg, groups, k_roll)
         batch = res.token_batch()
         t["rollout"] = time.perf_counter()
 
@@ -211,15 +200,19 @@ class Trainer:
         adv = res.row_values(jax.block_until_ready(adv))
         t["estimator"] = time.perf_counter()
         if not np.all(np.isfinite(adv)):
-            raise NonFiniteError(f"non-finite advantages at iteration {self.iteration} from estimator "
-                                 f"{c.estimator.name}; no update applied")
+            raise NonFiniteError(
+                f"non-finite advantages at iteration {self.iteration} from estimator "
+                f"{c.estimator.name}; no update applied"
+            )
 
         # 5. Update.
         try:
             upd = L.update(batch, old_lp, ref_lp, adv, k_ppo, where=f"iteration {self.iteration}, ")
         except NonFiniteError as e:
-            raise NonFiniteError(f"{e}; the last good checkpoint is step {self.checkpointer.latest_step()} "
-                                 f"in {self.checkpointer.directory}") from None
+            raise NonFiniteError(
+                f"{e}; the last good checkpoint is step {self.checkpointer.latest_step()} "
+                f"in {self.checkpointer.directory}"
+            ) from None
         t["update"] = time.perf_counter()
 
         # 6. Record.
@@ -261,10 +254,8 @@ class Trainer:
         return rec
 
     def _episode_metrics(self, episodes: list[Episode], prefix: str) -> dict[str, float]:
-        n, won, steps, invalid, errors, ret = distributed.host_sum([
-            len(episodes), sum(e.won for e in episodes), sum(e.length for e in episodes),
-            sum(e.invalid_count for e in episodes), sum(e.env_error is not None for e in episodes),
-            sum(e.episode_return for e in episodes)])
+        counts = [(1, e.won, e.length, e.invalid_count, e.env_error is not None, e.episode_return) for e in episodes]
+        n, won, steps, invalid, errors, ret = distributed.host_sum(np.sum(counts, 0) if counts else np.zeros(6))
         return {
             f"{prefix}/success_rate": won / max(n, 1.0),
             f"{prefix}/episode_length": steps / max(n, 1.0),
@@ -285,16 +276,18 @@ class Trainer:
           ValueError: no grid value reaches ``estimator.calibration.target_singleton_rate`` (lists the rates).
         """
         cc, e = self.config.estimator.calibration, self.config.estimator
+        sweep = dict(target_singleton_rate=cc.target_singleton_rate, grid=tuple(cc.grid), return_rates=True)
         failure = None
         try:
-            eps, rates = calibrate_epsilon(steps, target_singleton_rate=cc.target_singleton_rate, grid=tuple(cc.grid),
-                                           centroid=e.centroid, capacity=e.capacity or None, return_rates=True)
+            eps, rates = calibrate_epsilon(steps, centroid=e.centroid, capacity=e.capacity or None, **sweep)
         except ValueError as err:
             failure, eps, rates = str(err), 2.0, {}  # 2.0: "no value" (every host joins the gather below)
         chosen = float(distributed.allgather(np.array([eps], np.float64))[:, 0].max())
         if chosen >= 1.0:
-            raise ValueError(f"config.estimator.calibration: {failure or 'another host found no epsilon'} "
-                             f"(raise target_singleton_rate or extend the grid)")
+            raise ValueError(
+                f"config.estimator.calibration: {failure or 'another host found no epsilon'} "
+                f"(raise target_singleton_rate or extend the grid)"
+            )
         self.epsilon = chosen
         if self.controller is not None:
             self.controller.epsilon = chosen
@@ -320,9 +313,7 @@ class Trainer:
             won, length = np.full((len(panel),), -1.0), np.full((len(panel),), -1.0)
             if mine:
                 key = jax.random.fold_in(jax.random.PRNGKey(self.config.val.seed), 1 + len(name))
-                res = collect(self.actor, self.val_sampler, self.pool, self.tokenizer, [panel[i][0] for i in mine],
-                              [panel[i][1] for i in mine], self.val_rollout_cfg, key,
-                              progress=self.config.log.progress and self.is_primary)
+                res = self._play(self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key)
                 for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order
                     chunk = res.episodes[j * G : (j + 1) * G]
                     won[i] = np.mean([e.won for e in chunk])
@@ -351,8 +342,14 @@ class Trainer:
         record), ``iterations_run`` in this process's lifetime, ``workdir``.
         """
         c = self.config
-        summary: dict[str, Any] = {"workdir": self.workdir, "first_val": None, "last_val": None,
-                                   "last_train": None, "iterations_run": 0, "start_iteration": self.iteration}
+        summary: dict[str, Any] = {
+            "workdir": self.workdir,
+            "first_val": None,
+            "last_val": None,
+            "last_train": None,
+            "iterations_run": 0,
+            "start_iteration": self.iteration,
+        }
         pending_val, last_checkpoint_s = None, None
         if c.val.at_start and self.iteration == 0 and c.num_iterations > 0:
             pending_val = summary["first_val"] = self.validate()
@@ -360,8 +357,13 @@ class Trainer:
             first = next((r for r in read_metrics(self.workdir) if r.get("iteration") == 0), {})
             before = {"val/" + k.split("/", 1)[1]: v for k, v in first.items() if k.startswith("val_before/")}
             summary["first_val"] = before or None
-        bar = tqdm(total=c.num_iterations, initial=self.iteration, desc="RL iterations",
-                   disable=not (c.log.progress and self.is_primary), dynamic_ncols=True)
+        bar = tqdm(
+            total=c.num_iterations,
+            initial=self.iteration,
+            desc="RL iterations",
+            disable=not (c.log.progress and self.is_primary),
+            dynamic_ncols=True,
+        )
         try:
             while self.iteration < c.num_iterations:
                 rec = self.train_iteration()
@@ -390,17 +392,23 @@ class Trainer:
             bar.close()
         if self.is_primary:
             if c.log.plots:
-                summary["plots"] = make_plots(self.workdir, train_temperature=c.sampler.temperature,
-                                              val_temperature=c.val.temperature)
+                summary["plots"] = make_plots(
+                    self.workdir, train_temperature=c.sampler.temperature, val_temperature=c.val.temperature
+                )
             if c.checkpoint.export_hf:
                 summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
         return summary
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        meta = {"iteration": self.iteration, "task_cursor": self.task_cursor, "epsilon": self.epsilon,
-                "controller": self.controller.state_dict() if self.controller is not None else None,
-                "estimator": self.config.estimator.name, "seed": self.config.seed}
+        meta = {
+            "iteration": self.iteration,
+            "task_cursor": self.task_cursor,
+            "epsilon": self.epsilon,
+            "controller": self.controller.state_dict() if self.controller is not None else None,
+            "estimator": self.config.estimator.name,
+            "seed": self.config.seed,
+        }
         self.checkpointer.save(self.iteration, self.learner.params, self.learner.opt_state, self.rng, meta)
 
     def _restore(self, step: int) -> None:

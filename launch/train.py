@@ -23,11 +23,15 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "textcraft_tiny.py")
+_DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "textcraft_tiny.py"
+)
 
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (metrics, events, plots, checkpoints).", required=True)
-_RESUME = flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in --workdir (--noresume: fail if one exists).")
+_RESUME = flags.DEFINE_bool(
+    "resume", True, "Resume from the latest checkpoint in --workdir (--noresume: fail if one exists)."
+)
 _COORD = flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator host:port (multi-host).")
 _NPROC = flags.DEFINE_integer("num_processes", 0, "Number of processes (multi-host).")
 _PID = flags.DEFINE_integer("process_id", -1, "This process's index (multi-host).")
@@ -41,11 +45,12 @@ def _fmt(x, pct=True):
 
 def format_report(summary: dict) -> str:
     """A short text report: validation before/after RL (overall, by category), time split, BiPACE diagnostics."""
-    lines = [f"Run folder: {summary['workdir']}  (iterations {summary['start_iteration']} -> "
-             f"{summary['start_iteration'] + summary['iterations_run']})"]
+    lines = [
+        f"Run folder: {summary['workdir']}  (iterations {summary['start_iteration']} -> "
+        f"{summary['start_iteration'] + summary['iterations_run']})"
+    ]
     first, last = summary.get("first_val") or {}, summary.get("last_val") or {}
-    keys = sorted({k for k in list(first) + list(last) if "success_rate" in k},
-                  key=lambda k: (k.count("/"), k))
+    keys = sorted({k for k in list(first) + list(last) if "success_rate" in k}, key=lambda k: (k.count("/"), k))
     if keys:
         lines.append("Validation success (T=val.temperature)      before RL   after RL")
         for k in keys:
@@ -59,14 +64,22 @@ def format_report(summary: dict) -> str:
             if v is not None:
                 lines.append(f"  {k[:-2]:14s} {v:8.2f} s  {100 * v / total:5.1f}%")
         lines.append(f"  BiPACE-specific share (grouping + advantages): {100 * tr.get('time/bipace_share', 0):.2f}%")
-        diag = [("singleton step groups, hash", "estimator/hash_singleton_group_rate"),
-                ("singleton step groups, clusters", "estimator/singleton_group_rate"),
-                ("PACE rows", "estimator/pace_row_rate"), ("leave-one-out rows", "estimator/loo_row_rate"),
-                ("singleton rows", "estimator/singleton_row_rate")]
-        lines.append("BiPACE diagnostics (last iteration): " + ", ".join(
-            f"{name} {_fmt(tr.get(k))}" for name, k in diag if k in tr) + f", epsilon {tr.get('estimator/epsilon')}")
-        lines.append(f"Train success {_fmt(tr.get('train/success_rate'))}, KL {_fmt(tr.get('loss/kl'), False)}, "
-                     f"entropy {_fmt(tr.get('loss/entropy'), False)}, clip frac {_fmt(tr.get('loss/clip_frac'))}")
+        diag = [
+            ("singleton step groups, hash", "estimator/hash_singleton_group_rate"),
+            ("singleton step groups, clusters", "estimator/singleton_group_rate"),
+            ("PACE rows", "estimator/pace_row_rate"),
+            ("leave-one-out rows", "estimator/loo_row_rate"),
+            ("singleton rows", "estimator/singleton_row_rate"),
+        ]
+        lines.append(
+            "BiPACE diagnostics (last iteration): "
+            + ", ".join(f"{name} {_fmt(tr.get(k))}" for name, k in diag if k in tr)
+            + f", epsilon {tr.get('estimator/epsilon')}"
+        )
+        lines.append(
+            f"Train success {_fmt(tr.get('train/success_rate'))}, KL {_fmt(tr.get('loss/kl'), False)}, "
+            f"entropy {_fmt(tr.get('loss/entropy'), False)}, clip frac {_fmt(tr.get('loss/clip_frac'))}"
+        )
     if summary.get("plots"):
         lines.append("Plots: " + ", ".join(summary["plots"]))
     if summary.get("hf_export"):

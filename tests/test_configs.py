@@ -82,11 +82,11 @@ def test_command_line_overrides_reach_nested_fields():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("estimator.epsilon", 1.5, "config.estimator.epsilon must be a number in [0, 1), got 1.5"),
-    ("estimator.name", "gipgo", "config.estimator.name must be one of"),
+    ("estimator.epsilon", 1.5, "config.estimator.epsilon: expected a value in [0, 1), got 1.5"),
+    ("estimator.name", "gipgo", "config.estimator.name: expected one of"),
     ("estimator.gamma", -0.1, "config.estimator.gamma"),
     ("rollout.group_size", 0, "config.rollout.group_size must be an int >= 1, got 0"),
-    ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (or 0 = off), got 0.5"),
+    ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (None or, in a run config, 0 = off), got 0.5"),
     ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),
     ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),
     ("ppo.epochs", 2, "config.ppo.old_logprobs must not be 'fused' unless ppo.epochs == 1"),

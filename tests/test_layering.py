@@ -74,15 +74,25 @@ GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_lower_layers_never_import_higher_ones(package):
-    bad = [f"{m}:{line} imports {t}" for m, deps in GRAPH.items() if m.split(".")[0] == package
-           for t, _, line in deps if t.split(".")[0] in FORBIDDEN[package]]
+    bad = [
+        f"{m}:{line} imports {t}"
+        for m, deps in GRAPH.items()
+        if m.split(".")[0] == package
+        for t, _, line in deps
+        if t.split(".")[0] in FORBIDDEN[package]
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_no_library_module_imports_a_project_module_inside_a_function():
     # Entry points (launch/) may defer imports until their flags are parsed; the library may not.
-    bad = [f"{m}:{line} imports {t} inside a function" for m, deps in GRAPH.items()
-           if not m.startswith("launch") for t, f, line in deps if f]
+    bad = [
+        f"{m}:{line} imports {t} inside a function"
+        for m, deps in GRAPH.items()
+        if not m.startswith("launch")
+        for t, f, line in deps
+        if f
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -95,7 +105,7 @@ def test_the_module_graph_has_no_cycle():
         stack.append(m)
         for t in edges[m]:
             if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [t]))
             elif t not in state:
                 dfs(t)
         stack.pop()
@@ -111,8 +121,7 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
     # The rules above are only as good as the import parser: it must resolve relative and ``from``
     # imports to project modules.
     p = tmp_path / "mod.py"
-    p.write_text("from . import trainer\nfrom bipace_jax.estimators import gigpo\n"
-                 "def f():\n    import configs.base\n")
+    p.write_text("from . import trainer\nfrom bipace_jax.estimators import gigpo\ndef f():\n    import configs.base\n")
     deps = _imports("bipace_jax.x", str(p))
     assert ("bipace_jax.trainer", False, 1) in deps and ("bipace_jax.estimators.gigpo", False, 2) in deps
     assert ("configs.base", True, 4) in deps

@@ -131,7 +131,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     trained = nnx.state(load_hf_checkpoint(str(w / "hf_final")), nnx.Param)
     import configs.textcraft_tiny
     from bipace_jax.models import load_tokenizer
-    from bipace_jax.trainer import build_actor
+    from bipace_jax.config import build_actor
     cfg = configs.textcraft_tiny.get_config()
     cfg.model.checkpoint = ""
     for flag in TINY[:5]:
