@@ -1,6 +1,7 @@
 """Estimators: hand-computed cases for every estimator, equivalences, invariances, bad input.
 
-Expected numbers are written from the formulas of the spec (estimators.md), not from the oracle.
+Expected numbers are written from the formulas of `docs/estimators.md` ("Step level", "Clustering", "Diagnostics"),
+not from the oracle.
 """
 
 import math

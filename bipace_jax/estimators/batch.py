@@ -1,6 +1,6 @@
 """`StepBatch`, the padded batch of step records every estimator reads, and `assign_ids`.
 
-Spec: estimators.md, section "Inputs (`StepBatch`, N rows, padded; D = fingerprint width)".
+Contract: `docs/estimators.md`, section "Inputs".
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _round_up(x: int, multiple: int) -> int:
 class StepBatch:
     """N padded step records (one row per (trajectory, step)); a JAX pytree.
 
-    Fields (spec table; N rows, D = fingerprint width):
+    Fields (`docs/estimators.md`, "Inputs"; N rows, D = fingerprint width):
       group_id: int32[N] task group.
       traj_id: int32[N] trajectory, unique across the batch.
       step: int32[N] step index inside the trajectory (0..T-1).
@@ -88,7 +88,7 @@ class StepBatch:
           reward: floating array [N] (stored as float32).
           fingerprint: floating array [N, D]; float32 and bfloat16 are kept, other float dtypes become
             float32. Non-finite or all-zero rows are allowed: the clustering makes them degenerate
-            singletons (spec "Clustering").
+            singletons (`docs/estimators.md`, "Clustering").
           mask: bool [N], True for real rows; None means every row is real.
           group_capacity: static number of task-group slots; default: the number of task groups.
           row_capacity: static number of row slots per task group; default: the largest group's real
@@ -168,7 +168,7 @@ class StepBatch:
 
 
 def _validate_real_rows(a: dict[str, np.ndarray]) -> tuple[int, int]:
-    """Spec "Inputs": the caller errors on real rows. Returns (number of task groups, max rows/group)."""
+    """The caller errors on real rows (`docs/estimators.md`, "Inputs"); returns (task groups, max rows/group)."""
     m = a["mask"]
     idx = np.flatnonzero(m)
     if idx.size == 0:

@@ -1,4 +1,4 @@
-"""BiPACE_diff (diff-peer variant) (spec: estimators.md, "Step level").
+"""BiPACE_diff, the diff-peer variant (`docs/estimators.md`, "Step level").
 
 As BiPACE_Q (singleton 0, leave-one-out when every key of the cluster is equal), except the PACE
 branch compares with the rows of the cluster that took a different action:
@@ -8,8 +8,10 @@ branch compares with the rows of the cluster that took a different action:
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from bipace_jax.estimators import pace
+from bipace_jax.estimators.base import CLUSTER, EstimatorSpec, StepInputs, StepOutput
 
 
 def _diff_peers(returns, t: pace.PaceTerms):
@@ -17,7 +19,20 @@ def _diff_peers(returns, t: pace.PaceTerms):
     return returns - (t.sum_c - t.sum_k) / others
 
 
-def step_advantage(returns, cluster_labels, action_key, include, num_segments: int):
-    """Returns (A_step float32[N], loo rows bool[N], pace rows bool[N])."""
-    terms = pace.pace_terms(returns, cluster_labels, action_key, include, num_segments)
-    return pace.combine(returns, terms, include, _diff_peers)
+def _diff_peers_reference(returns, keys, i, dtype):
+    other = [r for r, k in zip(returns, keys) if k != keys[i]]
+    return returns[i] - np.mean(other, dtype=dtype)
+
+
+def step_advantage(inputs: StepInputs) -> StepOutput:
+    """A_step with the leave-one-out and PACE rows."""
+    return pace.step_advantage(inputs, _diff_peers)
+
+
+def reference_step(returns, keys, norm, dtype) -> StepOutput:
+    """NumPy twin for one cluster."""
+    del norm
+    return pace.reference_step(returns, keys, dtype, _diff_peers_reference)
+
+
+SPEC = EstimatorSpec("bipace_diff", CLUSTER, step_advantage, reference_step, uses_action_keys=True)

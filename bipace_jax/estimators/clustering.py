@@ -1,6 +1,6 @@
 """The BiGPO clustering kernel: exact greedy cosine clustering per task group, jitted.
 
-Spec: estimators.md, section "Clustering (BiGPO), per task group".
+Contract: `docs/estimators.md`, section "Clustering".
 
 Layout: the rows of task group g sit at `[g, 0:rows]` of a `[Gc, R]` table in canonical order
 (ascending traj_id, step); the kernel scans the R positions in blocks of B rows, all task groups at
@@ -34,7 +34,7 @@ from jax import lax
 
 HIGHEST = lax.Precision.HIGHEST
 JOIN_SLACK = 1e-6
-"""Join when cos >= 1 - epsilon - JOIN_SLACK (spec)."""
+"""Join when cos >= 1 - epsilon - JOIN_SLACK (`docs/estimators.md`, "Clustering")."""
 
 
 def join_threshold(epsilon: float):
@@ -61,7 +61,7 @@ def row_scales(f):
 
     Args: f float32/bfloat16 [..., D].
     Returns: (max_abs float32 [...], norm float32 [...], degenerate bool [...]); on degenerate rows
-    (any non-finite element, or all zeros; spec "Clustering") max_abs and norm are 1. Two reading
+    (any non-finite element, or all zeros; `docs/estimators.md`, "Clustering") max_abs and norm are 1. Two reading
     passes over f and no copy of it: the kernel applies the factors to each block it loads.
     """
     f = f.astype(jnp.float32)

@@ -1,15 +1,11 @@
-"""`EstimatorConfig`: the hyper-parameters of one advantage estimator (spec: estimators.md)."""
+"""`EstimatorConfig`: the hyper-parameters of one advantage estimator (`docs/estimators.md`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-ESTIMATORS = ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff")
-"""Registry names, spec section "Step level"."""
-
-CLUSTERING_ESTIMATORS = ("bigpo", "bipace_q", "bipace_diff")
-"""Estimators whose step groups are fingerprint clusters (spec section "Clustering (BiGPO)")."""
+from bipace_jax.estimators import registry
 
 NORMS = ("mean_std", "mean")
 CENTROIDS = ("mean", "leader")
@@ -21,8 +17,10 @@ class EstimatorConfig:
     """Hyper-parameters of one advantage estimator; validated on construction.
 
     Attributes:
-      name: one of `ESTIMATORS` ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff").
-      gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1] (spec "Returns").
+      name: a registered estimator, `registry.names()` (built-in: "grpo", "gigpo", "bigpo",
+        "bipace_q", "bipace_diff").
+      gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1]
+        (`docs/estimators.md`, "Returns").
       omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float.
       norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
         level and the gigpo/bigpo step level; the BiPACE step level never divides by a std.
@@ -50,8 +48,8 @@ class EstimatorConfig:
     capacity: int | None = None
 
     def __post_init__(self):
-        if self.name not in ESTIMATORS:
-            raise ValueError(f"EstimatorConfig.name: expected one of {ESTIMATORS}, got {self.name!r}")
+        if self.name not in registry.names():
+            raise ValueError(f"EstimatorConfig.name: expected one of {registry.names()}, got {self.name!r}")
         for field, value in (("gamma", self.gamma), ("omega", self.omega), ("epsilon", self.epsilon)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"EstimatorConfig.{field}: expected a float, got {value!r}")
@@ -73,9 +71,14 @@ class EstimatorConfig:
             raise ValueError(f"EstimatorConfig.capacity: expected None or an int >= 1, got {self.capacity!r}")
 
     @property
+    def spec(self) -> registry.EstimatorSpec:
+        """The registered `EstimatorSpec` of `name`."""
+        return registry.get(self.name)
+
+    @property
     def clusters(self) -> bool:
-        """True when the step groups are fingerprint clusters (bigpo, bipace_q, bipace_diff)."""
-        return self.name in CLUSTERING_ESTIMATORS
+        """True when the step groups are fingerprint clusters (e.g. bigpo, bipace_q, bipace_diff)."""
+        return self.spec.clusters
 
     def replace(self, **changes) -> EstimatorConfig:
         """A copy with `changes` applied (validated again)."""

@@ -1,8 +1,9 @@
-"""`compute_advantages`: the jitted entry point (spec: estimators.md, all sections).
+"""`compute_advantages`: the jitted entry point (`docs/estimators.md`, all sections).
 
-One compiled function per (estimator name, norm, centroid, capacity, batch shapes and capacities,
-mesh); gamma, omega and epsilon are traced scalars, so tuning them (e.g. `EpsilonController`)
-never recompiles.
+The estimator's `registry.EstimatorSpec` chooses the step grouping and the step level; everything
+else (canonical order, returns, episode level, diagnostics) is shared. One compiled function per
+(estimator, norm, centroid, capacity, batch shapes and capacities, mesh); gamma, omega and epsilon
+are traced scalars, so tuning them (e.g. `EpsilonController`) never recompiles.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bipace_jax.estimators import bigpo, bipace_diff, bipace_q, clustering, diagnostics, gigpo, grpo
+from bipace_jax.estimators import clustering, diagnostics, registry
 from bipace_jax.estimators.batch import StepBatch
 from bipace_jax.estimators.config import EstimatorConfig
-from bipace_jax.estimators.episodes import canonical_rows, discounted_returns, episode_advantage
+from bipace_jax.estimators.episodes import canonical_rows, discounted_returns, episode_advantage, hash_labels
 
 
 def _advantages(
@@ -24,35 +25,30 @@ def _advantages(
     omega,
     threshold,
     *,
-    name: str,
+    spec: registry.EstimatorSpec,
     norm: str,
     centroid: str,
     capacity: int | None,
     mesh,
     data_axis: str,
 ):
-    clusters = name in ("bigpo", "bipace_q", "bipace_diff")
-    caps = (batch.group_capacity, batch.row_capacity) if clusters else (None, None)
+    caps = (batch.group_capacity, batch.row_capacity) if spec.clusters else (None, None)
     rows = canonical_rows(batch, *caps)
     n = rows.reward.shape[0]
     include = rows.valid
     returns = discounted_returns(rows, gamma)
     a_ep = episode_advantage(rows, norm)
-    hash_lab = gigpo.hash_labels(rows)
+    hash_lab = hash_labels(rows)
     diag = diagnostics.partition_stats(hash_lab, include, n, prefix="hash_")
-    zero_rate = jnp.float32(0.0)
-    loo_rate = pace_rate = zero_rate
     over_rows = deg_rows = jnp.int32(0)
-    if name == "grpo":
-        a_step = grpo.step_advantage(returns)
-        step_label = jnp.full((n,), -1, jnp.int32)
+    if spec.grouping == registry.NO_GROUPS:
+        step_label, num_segments = jnp.full((n,), -1, jnp.int32), n
         diag.update(diagnostics.empty_size_stats())
-    elif name == "gigpo":
-        a_step = gigpo.step_advantage(returns, hash_lab, include, n, norm)
-        step_label = hash_lab
+    elif spec.grouping == registry.OBS_HASH:
+        step_label, num_segments = hash_lab, n
         diag.update(diagnostics.partition_stats(hash_lab, include, n))
     else:
-        label, deg, over, m = clustering.cluster_rows(
+        step_label, deg, over, num_segments = clustering.cluster_rows(
             rows,
             batch.fingerprint,
             threshold,
@@ -63,37 +59,44 @@ def _advantages(
             mesh=mesh,
             data_axis=data_axis,
         )
-        step_label = label
         deg_rows = jnp.sum(deg, dtype=jnp.int32)
         over_rows = jnp.sum(over, dtype=jnp.int32)
-        diag.update(diagnostics.partition_stats(label, include, m))
-        if name == "bigpo":
-            a_step = bigpo.step_advantage(returns, label, include, m, norm)
-        else:
-            module = bipace_q if name == "bipace_q" else bipace_diff
-            a_step, loo, pace_rows = module.step_advantage(returns, label, rows.action_key, include, m)
-            loo_rate = diagnostics.row_rate(loo, include)
-            pace_rate = diagnostics.row_rate(pace_rows, include)
+        diag.update(diagnostics.partition_stats(step_label, include, num_segments))
+    action_key = rows.action_key if spec.uses_action_keys else None
+    out = spec.step_advantage(registry.StepInputs(returns, step_label, action_key, include, num_segments, norm))
+    zero_rate = jnp.float32(0.0)
     diag.update(
-        pace_row_rate=pace_rate,
-        loo_row_rate=loo_rate,
+        pace_row_rate=zero_rate if out.pace_rows is None else diagnostics.row_rate(out.pace_rows, include),
+        loo_row_rate=zero_rate if out.loo_rows is None else diagnostics.row_rate(out.loo_rows, include),
         overflow_rows=over_rows,
         degenerate_rows=deg_rows,
         invalid_rows=rows.invalid_rows,
     )
-    a = jnp.where(include, a_ep + jnp.asarray(omega, jnp.float32) * a_step, 0.0)
+    a = jnp.where(include, a_ep + jnp.asarray(omega, jnp.float32) * out.advantage, 0.0)
     adv = jnp.zeros((n,), jnp.float32).at[rows.perm].set(a)
     labels = jnp.zeros((n,), jnp.int32).at[rows.perm].set(jnp.where(include, step_label, -1))
     return adv, {k: diag[k] for k in diagnostics.DIAGNOSTIC_KEYS}, labels
 
 
 @functools.cache
-def _jitted(name, norm, centroid, capacity, mesh, data_axis):
+def _jitted(spec, norm, centroid, capacity, mesh, data_axis):
+    # Keyed by the spec itself, so re-registering a name never reuses a stale compiled function.
     return jax.jit(
         functools.partial(
-            _advantages, name=name, norm=norm, centroid=centroid, capacity=capacity, mesh=mesh, data_axis=data_axis
+            _advantages, spec=spec, norm=norm, centroid=centroid, capacity=capacity, mesh=mesh, data_axis=data_axis
         )
     )
+
+
+def jitted_advantages(cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
+    """(jitted fn, its traced scalar arguments) behind `compute_advantages(batch, cfg)`.
+
+    `fn(batch, *scalars)` returns (advantages, diagnostics, step-group labels); for benchmarks that
+    lower and compile it themselves.
+    """
+    spec = registry.get(cfg.name)
+    fn = _jitted(spec, cfg.norm, cfg.centroid, cfg.capacity, mesh if spec.clusters else None, data_axis)
+    return fn, (jnp.float32(cfg.gamma), jnp.float32(cfg.omega), clustering.join_threshold(cfg.epsilon))
 
 
 def _run(batch, cfg, mesh, data_axis):
@@ -108,8 +111,8 @@ def _run(batch, cfg, mesh, data_axis):
         )
     if mesh is not None and data_axis not in mesh.axis_names:
         raise ValueError(f"compute_advantages: mesh has no axis {data_axis!r} (axes {mesh.axis_names})")
-    fn = _jitted(cfg.name, cfg.norm, cfg.centroid, cfg.capacity, mesh if cfg.clusters else None, data_axis)
-    return fn(batch, jnp.float32(cfg.gamma), jnp.float32(cfg.omega), clustering.join_threshold(cfg.epsilon))
+    fn, scalars = jitted_advantages(cfg, mesh=mesh, data_axis=data_axis)
+    return fn(batch, *scalars)
 
 
 def step_group_labels(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
@@ -122,11 +125,11 @@ def step_group_labels(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data
 
 
 def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
-    """Advantages of every row and the batch diagnostics, jitted (spec: estimators.md).
+    """Advantages of every row and the batch diagnostics, jitted (`docs/estimators.md`).
 
     A = A_ep + omega * A_step for valid real rows, 0 for padding and invalid rows. A_ep is GRPO over
-    each task group's trajectories; A_step is the estimator's step level (`grpo`, `gigpo`, `bigpo`,
-    `bipace_q`, `bipace_diff`; see each module). Pure and shape-stable: one compile per config
+    each task group's trajectories; A_step is the step level of the registered estimator `cfg.name`
+    (`registry.names()`; the built-ins are documented in their modules). Pure and shape-stable: one compile per config
     (name, norm, centroid, capacity), batch shapes/dtypes and capacities, and mesh; gamma, omega and
     epsilon are traced. Results do not depend on the order of the rows.
 

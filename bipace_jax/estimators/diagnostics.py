@@ -1,4 +1,4 @@
-"""Step-group size statistics and row rates (spec: estimators.md, section "Diagnostics").
+"""Step-group size statistics and row rates (`docs/estimators.md`, "Diagnostics").
 
 All statistics are over valid real rows (mask True and not counted in `invalid_rows`), pooled over
 the step groups of the whole batch; an empty denominator gives 0.0. Counts are int32 scalars

@@ -1,7 +1,7 @@
 """Canonical row order, row validity, discounted returns and the episode (GRPO) level, jitted.
 
-Spec: estimators.md, sections "Terms", "Inputs", "Returns", "Episode level" and the
-"Equal values stay equal" rule. Everything here runs on the rows sorted into the canonical order
+`docs/estimators.md`, sections "Terms", "Inputs", "Returns" and "Episode level" (with its
+"Equal values stay equal" rule). Everything here runs on the rows sorted into the canonical order
 (real rows first, ascending (group_id, traj_id, step)); `Rows.perm` maps back to the batch order.
 """
 
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 
 STD_EPS = 1e-6
-"""Added to the std before dividing (spec "Episode level")."""
+"""Added to the std before dividing (`docs/estimators.md`, "Episode level")."""
 EQUAL_RTOL = 1e-5
-"""A group whose values span at most EQUAL_RTOL * max(1, max |value|) is all-equal (spec)."""
+"""Values spanning at most EQUAL_RTOL * max(1, max |value|) are all-equal (`docs/estimators.md`, "Episode level")."""
 
 
 class Rows(NamedTuple):
@@ -101,7 +101,7 @@ def canonical_rows(batch, group_capacity: int | None, row_capacity: int | None) 
 
 
 def discounted_returns(rows: Rows, gamma) -> jax.Array:
-    """R[t] = reward[t] + gamma * R[t+1] inside each trajectory (spec "Returns"); float32[N].
+    """R[t] = reward[t] + gamma * R[t+1] inside each trajectory (`docs/estimators.md`, "Returns"); float32[N].
 
     The invalid-action penalty is an ordinary reward term here, so it is discounted back to earlier
     steps like any reward (verl-agent subtracts it from its own row only). Computed as a segmented
@@ -154,7 +154,7 @@ def group_stats(values, labels, include, num_segments: int) -> GroupStats:
 def normalised_advantage(values, labels, include, num_segments: int, norm: str) -> jax.Array:
     """`(v - mean_S) / (std_S + 1e-6)` ("mean_std") or `v - mean_S` ("mean") per segment S.
 
-    Singletons and all-equal segments get 0 (spec "Equal values stay equal"). float32[N], 0 where
+    Singletons and all-equal segments get 0 (`docs/estimators.md`, "Episode level"). float32[N], 0 where
     not `include`. Used by the episode level (values = episode returns, one row per trajectory) and
     the gigpo/bigpo step level (values = step returns).
     """
@@ -168,7 +168,7 @@ def normalised_advantage(values, labels, include, num_segments: int, norm: str) 
 
 
 def episode_advantage(rows: Rows, norm: str) -> jax.Array:
-    """A_ep per row (spec "Episode level"): GRPO over the trajectories of each task group.
+    """A_ep per row (`docs/estimators.md`, "Episode level"): GRPO over the trajectories of each task group.
 
     One value per trajectory (not per row): G = sum_t reward[t] (undiscounted), normalised inside the
     task group over its valid trajectories; a group with one trajectory gets 0; every row of a
@@ -182,3 +182,18 @@ def episode_advantage(rows: Rows, norm: str) -> jax.Array:
     a_first = normalised_advantage(g_row, rows.group_idx, rows.first_of_traj, n, norm)
     a_traj = jax.ops.segment_sum(a_first, jnp.where(rows.first_of_traj, rows.traj_idx, n), n)
     return jnp.where(rows.valid, a_traj[traj], 0.0)
+
+
+def hash_labels(rows: Rows):
+    """Dense ids of the exact-hash partition over (group_id, obs_hash); int32[N] in [0, N).
+
+    gigpo's step groups, and the `hash_` diagnostics partition of every estimator.
+    """
+    n = rows.reward.shape[0]
+    k = jnp.arange(n, dtype=jnp.int32)
+    _, g, h, idx = lax.sort(
+        ((~rows.valid).astype(jnp.int32), rows.group_idx, rows.obs_hash, k), num_keys=3, is_stable=True
+    )
+    first = (k == 0) | (g != jnp.roll(g, 1)) | (h != jnp.roll(h, 1))
+    dense = jnp.cumsum(first, dtype=jnp.int32) - 1
+    return jnp.zeros((n,), jnp.int32).at[idx].set(dense)

@@ -1,6 +1,6 @@
 """Choosing the clustering slack epsilon: the paper's one-shot sweep and an online controller.
 
-Spec: estimators.md, "Clustering (BiGPO)" (epsilon in [0, 1); default 0.05, 0.10 at 7B). The paper
+`docs/estimators.md`, "Clustering" (epsilon in [0, 1); default 0.05, 0.10 at 7B). The paper
 fixes epsilon for all of training after a one-shot sweep (its named limitation); the controller is
 the opt-in alternative.
 """
@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from bipace_jax.estimators.config import EstimatorConfig
+from bipace_jax.estimators.core import compute_advantages
 
 DEFAULT_GRID = tuple(round(0.01 * i, 2) for i in range(31))
 """0.00, 0.01, ..., 0.30."""
@@ -44,7 +45,6 @@ def calibrate_epsilon(
       ValueError: on a target outside [0, 1], an empty, unsorted or out-of-range grid, or when no
         grid value reaches the target (the message lists the rates).
     """
-    from bipace_jax.estimators.core import compute_advantages  # avoid an import cycle
 
     if not 0.0 <= target_singleton_rate <= 1.0:
         raise ValueError(f"calibrate_epsilon: target_singleton_rate must lie in [0, 1], got {target_singleton_rate}")

@@ -1,6 +1,6 @@
 """PACE: action-conditioned baselines inside a cluster, shared by BiPACE_Q and BiPACE_diff.
 
-Spec: estimators.md, "Step level" (`bipace_q`, `bipace_diff`). For row i in cluster C with key x_i:
+`docs/estimators.md`, "Step level" (`bipace_q`, `bipace_diff`) and "PACE keys". For row i in cluster C with key x_i:
 |C| = 1 -> singleton (0); every row of C has the same key -> leave-one-out
 `R_i - mean_{j in C, j != i} R_j`; otherwise the PACE branch (estimator specific). A negative key
 is unparsable and matches no other row (each such row is its own key), so a cluster of only
@@ -13,7 +13,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from bipace_jax.estimators.base import StepInputs, StepOutput
 
 
 class PaceTerms(NamedTuple):
@@ -62,3 +65,28 @@ def combine(returns, terms: PaceTerms, include, pace_branch):
     loo = returns - (terms.sum_c - returns) / jnp.maximum(fc - 1.0, 1.0)
     a = jnp.where(single, 0.0, jnp.where(same_key, loo, pace_branch(returns, terms)))
     return (jnp.where(include, a, 0.0), include & ~single & same_key, include & ~single & ~same_key)
+
+
+def step_advantage(inputs: StepInputs, pace_branch) -> StepOutput:
+    """The jitted PACE step level with the estimator's `pace_branch(returns, terms)`."""
+    terms = pace_terms(inputs.returns, inputs.labels, inputs.action_key, inputs.include, inputs.num_segments)
+    return StepOutput(*combine(inputs.returns, terms, inputs.include, pace_branch))
+
+
+def reference_step(returns, keys, dtype, pace_branch) -> StepOutput:
+    """NumPy twin for one cluster: `pace_branch(returns, keys, i, dtype)` gives row i's PACE value."""
+    n = len(returns)
+    out = np.zeros(n, dtype)
+    loo, pace = np.zeros(n, bool), np.zeros(n, bool)
+    if n == 1:
+        return StepOutput(out, loo, pace)
+    if len(set(keys)) == 1:
+        loo[:] = True
+        for i in range(n):
+            others = [r for j, r in enumerate(returns) if j != i]
+            out[i] = dtype(returns[i] - np.mean(others, dtype=dtype))
+        return StepOutput(out, loo, pace)
+    pace[:] = True
+    for i in range(n):
+        out[i] = dtype(pace_branch(returns, keys, i, dtype))
+    return StepOutput(out, loo, pace)

@@ -1,8 +1,10 @@
-"""The plain NumPy oracle of the estimator contract: explicit loops, read it next to the spec.
+"""The plain NumPy oracle of the estimator contract (`docs/estimators.md`): explicit loops.
 
-Spec: estimators.md. This is the test oracle for `compute_advantages`; it is deliberately simple
-(Python loops over rows, trajectories, task groups and clusters) and slow. `dtype` chooses the
-arithmetic (float32 like the jitted path, or float64 for exactness checks).
+The test oracle for `compute_advantages`; deliberately simple (Python loops over rows,
+trajectories, task groups and clusters) and slow. The shared parts (validity, returns, episode
+level, grouping, clustering, diagnostics) live here; each estimator's step level is the
+`reference_step` twin of its `EstimatorSpec` (`cfg.spec`), next to its jitted formula. `dtype`
+chooses the arithmetic (float32 like the jitted path, or float64 for exactness checks).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from bipace_jax.estimators.config import EstimatorConfig
+from bipace_jax.estimators import base
 
 STD_EPS = 1e-6
 EQUAL_RTOL = 1e-5
@@ -34,7 +36,7 @@ def _fields(batch):
 
 
 def valid_rows(batch, group_capacity=None, row_capacity=None) -> tuple[list[int], int]:
-    """Real rows whose trajectory passes every check (spec "Inputs"), in canonical order.
+    """Real rows whose trajectory passes every check (`docs/estimators.md`, "Inputs"), canonical order.
 
     A trajectory (all real rows of one traj_id) is invalid when it has a non-finite reward, rows in
     two task groups, steps that are not exactly 0..T-1, or (capacities given) a row whose task group
@@ -73,8 +75,8 @@ def valid_rows(batch, group_capacity=None, row_capacity=None) -> tuple[list[int]
 def normalise(values: list, norm: str, dtype) -> list:
     """(v - mean) / (std + 1e-6) with the unbiased std ("mean_std") or v - mean ("mean").
 
-    A single value or values spanning at most 1e-5 * max(1, max|v|) give zeros (spec "Equal values
-    stay equal").
+    A single value or values spanning at most 1e-5 * max(1, max|v|) give zeros
+    (`docs/estimators.md`, "Episode level": equal values stay equal).
     """
     v = np.asarray(values, dtype=dtype)
     if len(v) < 2:
@@ -100,7 +102,7 @@ def renormalise(f: np.ndarray, dtype):
 
 
 def greedy_clusters(fingerprints: list, epsilon: float, centroid: str, capacity: int, dtype):
-    """BiGPO greedy clustering of one task group's rows, given in canonical order (spec "Clustering").
+    """BiGPO greedy clustering of one task group's rows, in canonical order (`docs/estimators.md`, "Clustering").
 
     Returns (cluster index per row or None for a singleton, degenerate flags, overflow flags).
     For each row: re-normalise; degenerate rows are singletons that open nothing. Compare with EVERY
@@ -146,7 +148,7 @@ def greedy_clusters(fingerprints: list, epsilon: float, centroid: str, capacity:
 
 
 def size_stats(groups: list, num_rows: int, prefix: str = "") -> dict:
-    """The seven size statistics of a partition (spec "Diagnostics")."""
+    """The seven size statistics of a partition (`docs/estimators.md`, "Diagnostics")."""
     sizes = [len(s) for s in groups]
     n = len(sizes)
     singles = sum(1 for s in sizes if s == 1)
@@ -162,11 +164,13 @@ def size_stats(groups: list, num_rows: int, prefix: str = "") -> dict:
     return {prefix + k: v for k, v in out.items()}
 
 
-def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32, return_groups: bool = False):
+def compute_advantages_reference(batch, cfg, dtype=np.float32, return_groups: bool = False):
     """The oracle of `compute_advantages`: (advantages [N] numpy, diagnostics dict[str, float|int]).
 
-    With `return_groups`, also returns the step groups as a list of frozensets of batch row indices
-    (empty for grpo).
+    `cfg` is an `EstimatorConfig`; its registered spec (`cfg.spec`) gives the grouping and the
+    NumPy step level (the config is not imported here: the registry imports the estimator modules,
+    which import this one). With `return_groups`, also returns the step groups as a list of
+    frozensets of batch row indices (empty for grpo).
     """
     a = _fields(batch)
     n = len(a["mask"])
@@ -175,7 +179,7 @@ def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32, 
     rows, invalid = valid_rows(batch, *caps)
     num_rows = len(rows)
 
-    # Returns (spec "Returns"): backward recursion per trajectory; episode return G = sum of rewards.
+    # "Returns": backward recursion per trajectory; episode return G = sum of rewards.
     by_traj = defaultdict(list)
     for i in rows:
         by_traj[int(a["traj_id"][i])].append(i)  # canonical order: ascending step
@@ -190,7 +194,7 @@ def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32, 
             total = dtype(total + dtype(a["reward"][i]))
         episode_return[t] = total
 
-    # Episode level (spec "Episode level"): one value per trajectory, normalised in its task group.
+    # "Episode level": one value per trajectory, normalised in its task group.
     trajs_of_group = defaultdict(list)
     for t, members in by_traj.items():
         trajs_of_group[int(a["group_id"][members[0]])].append(t)
@@ -205,11 +209,12 @@ def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32, 
         hash_groups[(int(a["group_id"][i]), int(a["obs_hash"][i]))].append(i)
     hash_groups = list(hash_groups.values())
 
-    # Step groups.
+    # Step groups: the registered estimator's grouping.
+    spec = cfg.spec
     degenerate_rows = overflow_rows = 0
-    if cfg.name == "grpo":
+    if spec.grouping == base.NO_GROUPS:
         step_groups = []
-    elif cfg.name == "gigpo":
+    elif spec.grouping == base.OBS_HASH:
         step_groups = hash_groups
     else:
         capacity = cfg.capacity or batch.row_capacity
@@ -231,49 +236,33 @@ def compute_advantages_reference(batch, cfg: EstimatorConfig, dtype=np.float32, 
                     clusters[c].append(i)
             step_groups.extend(clusters.values())
 
-    # Step level (spec "Step level").
+    # Step level ("Step level"): the estimator's NumPy twin, one step group at a time.
     a_step = {i: dtype(0.0) for i in rows}
     loo_rows = pace_rows = 0
     for members in step_groups:
-        ret = [step_return[i] for i in members]
-        if cfg.name in ("gigpo", "bigpo"):
-            for i, v in zip(members, normalise(ret, cfg.norm, dtype)):
-                a_step[i] = v
-            continue
-        if len(members) == 1:
-            continue  # singleton: 0
-        keys = [int(a["action_key"][i]) for i in members]
-        # An unparsable (negative) key matches no other row: give each such row its own key.
-        keys = [k if k >= 0 else ("unparsable", i) for k, i in zip(keys, members)]
-        if len(set(keys)) == 1:
-            loo_rows += len(members)
-            for i in members:
-                others = [step_return[j] for j in members if j != i]
-                a_step[i] = dtype(step_return[i] - np.mean(others, dtype=dtype))
-            continue
-        pace_rows += len(members)
-        v_mean = np.mean(ret, dtype=dtype)
-        for i, key in zip(members, keys):
-            same = [step_return[j] for j, kj in zip(members, keys) if kj == key]
-            other = [step_return[j] for j, kj in zip(members, keys) if kj != key]
-            if cfg.name == "bipace_q":
-                a_step[i] = dtype(np.mean(same, dtype=dtype) - v_mean)
-            else:
-                a_step[i] = dtype(step_return[i] - np.mean(other, dtype=dtype))
+        keys = None
+        if spec.uses_action_keys:
+            # An unparsable (negative) key matches no other row: give each such row its own key.
+            keys = [int(a["action_key"][i]) for i in members]
+            keys = [k if k >= 0 else ("unparsable", i) for k, i in zip(keys, members)]
+        out = spec.reference_step([step_return[i] for i in members], keys, cfg.norm, dtype)
+        for i, v in zip(members, out.advantage):
+            a_step[i] = v
+        loo_rows += 0 if out.loo_rows is None else int(np.sum(out.loo_rows))
+        pace_rows += 0 if out.pace_rows is None else int(np.sum(out.pace_rows))
 
     adv = np.zeros((n,), dtype)
     for i in rows:
         adv[i] = a_ep_traj[int(a["traj_id"][i])] + omega * a_step[i]
 
     diag = size_stats(hash_groups, num_rows, prefix="hash_")
-    if cfg.name == "grpo":
+    if spec.grouping == base.NO_GROUPS:
         diag.update({k: 0 for k in SIZE_STATS})
     else:
         diag.update(size_stats(step_groups, num_rows))
-    bipace = cfg.name in ("bipace_q", "bipace_diff")
     diag.update(
-        pace_row_rate=pace_rows / num_rows if bipace and num_rows else 0.0,
-        loo_row_rate=loo_rows / num_rows if bipace and num_rows else 0.0,
+        pace_row_rate=pace_rows / num_rows if num_rows else 0.0,
+        loo_row_rate=loo_rows / num_rows if num_rows else 0.0,
         overflow_rows=overflow_rows,
         degenerate_rows=degenerate_rows,
         invalid_rows=invalid,

@@ -1,0 +1,91 @@
+"""What an estimator is: `EstimatorSpec` and the `StepInputs` -> `StepOutput` step-level interface.
+
+Estimator modules build their `SPEC` from these; `registry` lists the specs by name (and re-exports
+everything here). Contract: `docs/estimators.md`, sections "Step level" and "Registry".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+NO_GROUPS = "none"
+"""No step level: no step groups, `A_step = 0` (grpo)."""
+OBS_HASH = "obs_hash"
+"""Step groups are the rows with equal `(group_id, obs_hash)` (gigpo)."""
+CLUSTER = "cluster"
+"""Step groups are greedy cosine clusters of the fingerprints per task group (bigpo, bipace_*)."""
+GROUPINGS = (NO_GROUPS, OBS_HASH, CLUSTER)
+
+
+class StepInputs(NamedTuple):
+    """What the jitted step level sees; every array is [N] in canonical row order.
+
+    returns: float32 discounted step returns (0 on rows that are not `include`).
+    labels: int32 step group of each row, in [0, num_segments); -1 everywhere for `NO_GROUPS`.
+    action_key: int32 PACE key ids (negative = unparsable), or None unless the spec sets
+      `uses_action_keys`.
+    include: bool, the valid real rows.
+    num_segments: static number of label slots.
+    norm: static "mean_std" or "mean" (`EstimatorConfig.norm`).
+    """
+
+    returns: Any
+    labels: Any
+    action_key: Any
+    include: Any
+    num_segments: int
+    norm: str
+
+
+class StepOutput(NamedTuple):
+    """A step level's result, jitted (jax arrays [N]) or reference (numpy arrays, one step group).
+
+    advantage: float32 A_step per row (0 where not `include`).
+    loo_rows, pace_rows: bool rows that took the leave-one-out / PACE branch (the `loo_row_rate`
+      and `pace_row_rate` diagnostics), or None for an estimator without those branches (rates 0).
+    """
+
+    advantage: Any
+    loo_rows: Any = None
+    pace_rows: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+    """One advantage estimator.
+
+    Attributes:
+      name: the `EstimatorConfig.name` that selects it.
+      grouping: one of `GROUPINGS`: how rows are partitioned into step groups.
+      step_advantage: jittable `fn(StepInputs) -> StepOutput` (jax arrays), the step level over the
+        whole batch; traced once per compiled configuration.
+      reference_step: `fn(returns, keys, norm, dtype) -> StepOutput` (numpy arrays), the plain NumPy
+        step level of ONE step group: `returns` a list of `dtype` scalars in canonical order,
+        `keys` the members' PACE keys (hashable; each unparsable key already unique to its row) or
+        None unless `uses_action_keys`. Only called for estimators with step groups.
+      uses_action_keys: the step level reads `StepBatch.action_key`; otherwise it is not passed.
+    """
+
+    name: str
+    grouping: str
+    step_advantage: Callable[[StepInputs], StepOutput]
+    reference_step: Callable[..., StepOutput]
+    uses_action_keys: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"EstimatorSpec.name: expected a Python identifier string, got {self.name!r}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"EstimatorSpec.grouping: expected one of {GROUPINGS}, got {self.grouping!r}")
+        for field in ("step_advantage", "reference_step"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"EstimatorSpec.{field}: expected a callable, got {getattr(self, field)!r}")
+        if not isinstance(self.uses_action_keys, bool):
+            raise ValueError(f"EstimatorSpec.uses_action_keys: expected a bool, got {self.uses_action_keys!r}")
+
+    @property
+    def clusters(self) -> bool:
+        """True when the step groups are fingerprint clusters (the batch needs its capacities)."""
+        return self.grouping == CLUSTER
