@@ -32,17 +32,31 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bipace_jax import sharding as shd
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
+from bipace_jax.models import Qwen2Actor, Qwen2Config, count_params, load_hf_checkpoint
 
 # Dense bf16 peak TFLOP/s per chip, by substring of `device_kind` (vendor data sheets).
 PEAK_BF16_TFLOPS = {
-    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
-    "TPU v6": 918.0, "TPU v5p": 459.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "TPU v6": 918.0,
+    "TPU v5p": 459.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v4": 275.0,
 }
 
-CPU_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+CPU_CONFIG = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
 
 def _batch(batch: int, length: int, vocab: int, seed: int = 0):
@@ -71,16 +85,20 @@ def bench_cpu(batch: int, length: int, repeats: int) -> dict:
     import transformers
 
     torch.manual_seed(0)
-    hf_cfg = transformers.Qwen2Config(**CPU_CONFIG, rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
-                                      attn_implementation="sdpa")
+    hf_cfg = transformers.Qwen2Config(
+        **CPU_CONFIG, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, attn_implementation="sdpa"
+    )
     model = transformers.Qwen2ForCausalLM(hf_cfg).eval().to(torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         actor = load_hf_checkpoint(tmp)
     ids, mask = _batch(batch, length, CPU_CONFIG["vocab_size"])
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    t_ids, t_mask, t_pos = (torch.tensor(ids, dtype=torch.long), torch.tensor(mask),
-                            torch.tensor(pos, dtype=torch.long))
+    t_ids, t_mask, t_pos = (
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(mask),
+        torch.tensor(pos, dtype=torch.long),
+    )
 
     def hf():
         with torch.inference_mode():
@@ -105,21 +123,29 @@ def bench_cpu(batch: int, length: int, repeats: int) -> dict:
     ours_tps = tokens / statistics.median(times_ours)
     hf_tps = tokens / statistics.median(times_hf)
     return {
-        "config": CPU_CONFIG, "batch": batch, "length": length, "repeats": repeats,
-        "jax_forward_tokens_per_s": ours_tps, "hf_torch_forward_tokens_per_s": hf_tps,
-        "speedup_vs_hf": ours_tps / hf_tps, "jax_compile_s": compile_s,
-        "jax_median_s": statistics.median(times_ours), "hf_median_s": statistics.median(times_hf),
-        "max_abs_logit_diff": max_err, "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__, "torch": torch.__version__,
+        "config": CPU_CONFIG,
+        "batch": batch,
+        "length": length,
+        "repeats": repeats,
+        "jax_forward_tokens_per_s": ours_tps,
+        "hf_torch_forward_tokens_per_s": hf_tps,
+        "speedup_vs_hf": ours_tps / hf_tps,
+        "jax_compile_s": compile_s,
+        "jax_median_s": statistics.median(times_ours),
+        "hf_median_s": statistics.median(times_hf),
+        "max_abs_logit_diff": max_err,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
     }
 
 
 def forward_flops(cfg: Qwen2Config, batch: int, length: int) -> float:
     """Model FLOPs of one forward over [batch, length] (see module docstring)."""
-    matmul_params = shd.count_params(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    matmul_params = count_params(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
     # The embedding lookup is not a matmul; the head is (when tied, the embedding is the head).
     dense = 2.0 * matmul_params * batch * length
-    attention = 2.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * batch * length ** 2
+    attention = 2.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * batch * length**2
     return dense + attention
 
 
@@ -146,12 +172,21 @@ def bench_accelerator(batch: int, length: int, repeats: int, peak_tflops: float 
             times.append(time.perf_counter() - t0)
         sec = statistics.median(times)
         flops = forward_flops(cfg, batch, length)
-        rows.append({
-            "model": name, "batch": batch, "length": length, "dtype": "bfloat16",
-            "forward_tokens_per_s": batch * length / sec, "median_s": sec, "compile_s": compile_s,
-            "model_tflops_per_s": flops / sec / 1e12, "peak_bf16_tflops": peak,
-            "mfu": (flops / sec / 1e12 / peak) if peak else None, "device_kind": kind,
-        })
+        rows.append(
+            {
+                "model": name,
+                "batch": batch,
+                "length": length,
+                "dtype": "bfloat16",
+                "forward_tokens_per_s": batch * length / sec,
+                "median_s": sec,
+                "compile_s": compile_s,
+                "model_tflops_per_s": flops / sec / 1e12,
+                "peak_bf16_tflops": peak,
+                "mfu": (flops / sec / 1e12 / peak) if peak else None,
+                "device_kind": kind,
+            }
+        )
         del actor, ours
     return rows
 
@@ -169,8 +204,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     backend = jax.default_backend()
-    result = {"backend": backend, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-              "machine": platform.machine(), "cpu_count": os.cpu_count()}
+    result = {
+        "backend": backend,
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
     if backend == "cpu" or not args.skip_cpu:
         if backend != "cpu":
             # HF runs on the CPU; compare against our actor on the CPU too.
@@ -182,7 +222,9 @@ def main(argv=None):
         print(f"\nForward, {args.batch} x {args.length} tokens, config {CPU_CONFIG} (fp32, CPU)")
         print(f"{'implementation':<28}{'tokens/s':>12}{'median s':>11}")
         print(f"{'bipace_jax (jit)':<28}{cpu['jax_forward_tokens_per_s']:>12.0f}{cpu['jax_median_s']:>11.4f}")
-        print(f"{'HF transformers (torch)':<28}{cpu['hf_torch_forward_tokens_per_s']:>12.0f}{cpu['hf_median_s']:>11.4f}")
+        print(
+            f"{'HF transformers (torch)':<28}{cpu['hf_torch_forward_tokens_per_s']:>12.0f}{cpu['hf_median_s']:>11.4f}"
+        )
         print(f"speedup_vs_hf = {cpu['speedup_vs_hf']:.2f}x   max |dlogit| = {cpu['max_abs_logit_diff']:.2e}")
     if backend != "cpu":
         rows = bench_accelerator(args.accel_batch, args.accel_length, args.repeats, args.peak_tflops)

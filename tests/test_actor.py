@@ -15,6 +15,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 
 from bipace_jax.models import ActorOutput, KVCache, Qwen2Actor, Qwen2Config, load_hf_checkpoint  # noqa: E402
+from bipace_jax.models import attention as attn  # noqa: E402
 from tests.qwen_fixtures import build_hf_model, random_batch  # noqa: E402
 
 TOL = 1e-4
@@ -23,10 +24,11 @@ TOL = 1e-4
 ARCHS = [
     ("tied_n4_k2", dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2)),
     ("untied_n4_k1", dict(tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=1)),
-    ("tied_n4_k4", dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=4,
-                        num_hidden_layers=3)),
-    ("untied_n6_k2_hd8", dict(tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=2,
-                              head_dim=8, vocab_size=320)),
+    ("tied_n4_k4", dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3)),
+    (
+        "untied_n6_k2_hd8",
+        dict(tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=2, head_dim=8, vocab_size=320),
+    ),
 ]
 
 
@@ -44,8 +46,12 @@ def hf_forward(model, ids, mask):
     """HF forward with generate()'s position ids (cumsum of the mask)."""
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                    position_ids=torch.tensor(pos, dtype=torch.long), output_hidden_states=True)
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+            output_hidden_states=True,
+        )
     return out.logits.numpy(), [h.numpy() for h in out.hidden_states]
 
 
@@ -86,12 +92,12 @@ def test_fingerprint_layer_selects_hf_hidden_state(hf_pair):
     for layer in (0, 1, -2):
         actor = load_hf_checkpoint(path, fingerprint_layer=layer)
         out = actor(ids, mask)
-        np.testing.assert_allclose(np.asarray(out.fingerprint),
-                                   normalise(ref_hidden[layer][rows, last_real(mask)]), atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, last_real(mask)]), atol=1e-5
+        )
         # An explicit column per row picks that column instead.
         out = actor(ids, mask, fingerprint_index=cols)
-        np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, cols]),
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, cols]), atol=1e-5)
 
 
 def test_left_and_right_padding_give_the_same_outputs_at_real_tokens():
@@ -147,8 +153,10 @@ def test_bf16_activations_keep_fp32_logits_and_stay_close(tmp_path):
 # KV cache.
 def _extend(ids, mask, new_tokens):
     """The full-forward view of prompt + decoded tokens: [B, T + M] ids and mask."""
-    return (np.concatenate([ids, new_tokens], axis=1),
-            np.concatenate([mask, np.ones_like(new_tokens, dtype=mask.dtype)], axis=1))
+    return (
+        np.concatenate([ids, new_tokens], axis=1),
+        np.concatenate([mask, np.ones_like(new_tokens, dtype=mask.dtype)], axis=1),
+    )
 
 
 @pytest.mark.parametrize("padding,layer", [("left", -1), ("right", 1)])
@@ -164,8 +172,9 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 16, 12) and cache.v.shape == (3, 3, 1, 12, 16)
     out, cache = actor.prefill(ids, mask, cache)
     assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
-    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out.logits), np.asarray(full.logits)[np.arange(3), last_real(mask)], atol=1e-5
+    )
     np.testing.assert_allclose(np.asarray(out.fingerprint), np.asarray(full.fingerprint), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(cache.lengths), mask.sum(1))
     assert int(cache.index) == 6
@@ -247,8 +256,9 @@ def test_padding_columns_may_hold_any_id():
     actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
     ids, mask = random_batch(3, 5, 512, padding="left", seed=13, min_real=2)
     odd = np.where(mask == 1, ids, -1).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(actor(odd, mask).logits)[mask == 1],
-                                  np.asarray(actor(ids, mask).logits)[mask == 1])
+    np.testing.assert_array_equal(
+        np.asarray(actor(odd, mask).logits)[mask == 1], np.asarray(actor(ids, mask).logits)[mask == 1]
+    )
 
 
 def test_forward_hidden_and_lm_logits_compose_to_the_forward():
@@ -259,7 +269,7 @@ def test_forward_hidden_and_lm_logits_compose_to_the_forward():
     assert h.shape == (2, 6, 64)
     np.testing.assert_allclose(np.asarray(fp), np.asarray(full.fingerprint), atol=1e-6)
     # Chunked over T, as a trainer would do for a large vocabulary.
-    chunks = [actor.lm_logits(h[:, i:i + 2]) for i in range(0, 6, 2)]
+    chunks = [actor.lm_logits(h[:, i : i + 2]) for i in range(0, 6, 2)]
     np.testing.assert_allclose(np.concatenate(chunks, axis=1), np.asarray(full.logits), atol=1e-6)
 
 
@@ -278,23 +288,129 @@ def test_remat_leaves_outputs_and_gradients_unchanged():
     value_r, grads_r = grad(actor)
     np.testing.assert_allclose(float(value_r), float(value), rtol=1e-6)
     for (path, g), (_, g_r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_r)):
-        np.testing.assert_allclose(np.asarray(g_r.get_value()), np.asarray(g.get_value()), rtol=1e-4, atol=1e-5,
-                                   err_msg=str(path))
+        np.testing.assert_allclose(
+            np.asarray(g_r.get_value()), np.asarray(g.get_value()), rtol=1e-4, atol=1e-5, err_msg=str(path)
+        )
 
 
-def test_attention_row_chunk_is_the_largest_divisor_whose_scores_fit(monkeypatch):
-    from bipace_jax.models import qwen2
-    monkeypatch.setattr(qwen2, "_CPU_SCORES_BYTES", 100)
-    assert qwen2._attention_row_chunk(6, 10) == 6       # 60 bytes fit: no chunking
-    assert qwen2._attention_row_chunk(12, 30) == 3      # 3 rows fit (90 <= 100), 3 divides 12
-    assert qwen2._attention_row_chunk(10, 30) == 2      # 3 does not divide 10
-    assert qwen2._attention_row_chunk(7, 30) == 1       # prime batch: one row at a time
-    assert qwen2._attention_row_chunk(4, 500) == 1      # one row exceeds the budget
+# --------------------------------------------------------------------------------------------------
+# Attention schedules (bipace_jax.models.attention): each must give the reference path's values.
+def test_row_chunk_is_the_largest_divisor_whose_scores_fit():
+    assert attn.row_chunk(6, 10, budget=100) == 6  # 60 bytes fit: no chunking
+    assert attn.row_chunk(12, 30, budget=100) == 3  # 3 rows fit (90 <= 100), 3 divides 12
+    assert attn.row_chunk(10, 30, budget=100) == 2  # 3 does not divide 10
+    assert attn.row_chunk(7, 30, budget=100) == 1  # prime batch: one row at a time
+    assert attn.row_chunk(4, 500, budget=100) == 1  # one row exceeds the budget
+
+
+def test_causal_blocks_split_equally():
+    assert attn.CPU_CAUSAL_BLOCK == 32 and attn.CPU_MAX_CAUSAL_BLOCKS == 8
+    assert [attn.causal_blocks(t) for t in (6, 32, 48, 64, 96, 128, 256, 512, 2048)] == [1, 1, 1, 2, 3, 4, 8, 8, 8]
+    assert attn.causal_blocks(256, max_blocks=5) == 4  # 8 blocks capped at 5 -> the largest divisor, 4
+    assert attn.causal_blocks(12, block=3) == 4
+
+
+def test_schedule_is_chosen_by_the_devices_the_computation_runs_on(monkeypatch):
+    assert attn.device_platform() == "cpu"
+    # CPU without a mesh: 64 rows of [4 heads x 128 x 128] fp32 scores are 16 MiB -> chunks of 8 rows.
+    assert attn.choose_schedule(64, 128, 128, 4, causal=True) == attn.Schedule(row_chunk=8, causal_blocks=4)
+    assert attn.choose_schedule(64, 1, 192, 4, causal=False) == attn.Schedule(row_chunk=64, causal_blocks=1)
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):  # a mesh: the partitioner's call
+        assert attn.device_platform() == "cpu"
+        assert attn.choose_schedule(64, 128, 128, 4, causal=True) == attn.REFERENCE
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert attn.device_platform() == "cpu"
+    monkeypatch.setattr(attn, "device_platform", lambda: "gpu")  # accelerators fuse attention themselves
+    assert attn.choose_schedule(64, 128, 128, 4, causal=True) == attn.REFERENCE
+
+
+def _self_attention_inputs(padding, b=6, t=12, n=4, k=2, hd=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q, kk, v = (
+        jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, t, n, hd), (b, t, k, hd), (b, t, k, hd))
+    )
+    _, pad = random_batch(b, t, 100, padding=padding, seed=seed + 1, min_real=2)
+    real = pad.astype(bool)
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None] & real[:, None, :])
+    return q, kk, v, mask, real
+
+
+SELF_SCHEDULES = [
+    attn.Schedule(row_chunk=1),
+    attn.Schedule(row_chunk=3),
+    attn.Schedule(causal_blocks=2),
+    attn.Schedule(causal_blocks=4),
+    attn.Schedule(row_chunk=2, causal_blocks=3),
+]
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("schedule", SELF_SCHEDULES, ids=str)
+def test_every_self_attention_schedule_equals_the_reference(schedule, padding):
+    """Values at real query columns and gradients of q, k, v (padding columns attend nothing: their
+    outputs are meaningless either way and weighted 0 here, as everywhere downstream)."""
+    q, k, v, mask, real = _self_attention_inputs(padding)
+    weights = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32) * real[:, :, None, None]
+
+    def run(s):
+        def loss(q, k, v):
+            out = attn.attention(q, k, v, mask, causal=True, schedule=s)
+            return jnp.sum(out * weights), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    out, grads = run(schedule)
+    ref, ref_grads = run(attn.REFERENCE)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(ref)[real]).max() > 0.1
+    for g, g_ref, name in zip(grads, ref_grads, "qkv"):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "schedule", [attn.Schedule(row_chunk=1), attn.Schedule(row_chunk=2), attn.Schedule(row_chunk=3)], ids=str
+)
+def test_every_decode_schedule_over_the_cache_layout_equals_the_reference(schedule):
+    """One query per row over a KV cache (keys [B, K, Hd, S], values [B, K, S, Hd]) with scattered
+    real slots; the reference over the cache layout also equals it over the [B, S, K, Hd] layout."""
+    b, n, kh, hd, s = 6, 6, 2, 8, 9
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(b, 1, n, hd)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(b, s, kh, hd)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(b, s, kh, hd)), jnp.float32)
+    slots = rng.random((b, s)) < 0.6
+    slots[:, 0] = True
+    mask = jnp.asarray(slots[:, None, :])
+    k_cache, v_cache = jnp.transpose(keys, (0, 2, 3, 1)), jnp.transpose(values, (0, 2, 1, 3))
+
+    def run(s):
+        f = lambda q, k, v: jnp.sum(attn.attention(q, k, v, mask, cache_layout=True, schedule=s) ** 2)
+        return attn.attention(q, k_cache, v_cache, mask, cache_layout=True, schedule=s), jax.grad(f, argnums=(0, 1, 2))(
+            q, k_cache, v_cache
+        )
+
+    out, grads = run(schedule)
+    ref, ref_grads = run(attn.REFERENCE)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6)
+    plain = attn.attention(q, keys, values, mask, schedule=attn.REFERENCE)
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_refuses_a_schedule_that_does_not_fit():
+    q, k, v, mask, _ = _self_attention_inputs("left")
+    with pytest.raises(ValueError, match="row_chunk 4 does not divide the batch 6"):
+        attn.attention(q, k, v, mask, causal=True, schedule=attn.Schedule(row_chunk=4))
+    with pytest.raises(ValueError, match="causal blocks need causal self-attention"):
+        attn.attention(q, k, v, mask, schedule=attn.Schedule(causal_blocks=2))
+    with pytest.raises(ValueError, match="causal blocks need causal self-attention"):
+        attn.attention(q, k, v, mask, causal=True, schedule=attn.Schedule(causal_blocks=5))
 
 
 def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(monkeypatch):
-    """Attention over row chunks (what large CPU batches get) gives the unchunked outputs."""
-    from bipace_jax.models import qwen2
+    """The actor with attention over row chunks (what large CPU batches get) gives the unchunked outputs."""
     actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(10))
     ids, mask = random_batch(6, 7, 512, padding="left", seed=16)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
@@ -312,32 +428,21 @@ def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(
     ref = run(actor)
     ref_grads = nnx.grad(loss)(actor)
     # One row's scores in the forward: T * N * S * 4 bytes; allow two rows -> chunks of 2 of 6.
-    monkeypatch.setattr(qwen2, "_CPU_SCORES_BYTES", 2 * 7 * 4 * 7 * 4)
-    assert qwen2._attention_row_chunk(6, 7 * 4 * 7 * 4) == 2
+    monkeypatch.setattr(attn, "CPU_SCORES_BYTES", 2 * 7 * 4 * 7 * 4)
+    assert attn.choose_schedule(6, 7, 7, 4, causal=False).row_chunk == 2
     for a, b in zip(run(actor), ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     grads = nnx.grad(loss)(actor)
     for (path, g), (_, g_ref) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
-        np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(g_ref.get_value()), rtol=1e-4, atol=1e-5,
-                                   err_msg=str(path))
-
-
-def test_causal_blocks_split_equally_and_only_on_cpu_without_a_mesh(monkeypatch):
-    from bipace_jax.models import qwen2
-    assert qwen2._CPU_CAUSAL_BLOCK == 32 and qwen2._CPU_MAX_CAUSAL_BLOCKS == 8
-    assert [qwen2._causal_blocks(t) for t in (6, 32, 48, 64, 96, 128, 256, 512, 2048)] == [1, 1, 1, 2, 3, 4, 8, 8, 8]
-    monkeypatch.setattr(qwen2, "_CPU_MAX_CAUSAL_BLOCKS", 5)
-    assert qwen2._causal_blocks(256) == 4                   # 8 blocks capped at 5 -> the largest divisor, 4
-    with jax.set_mesh(jax.make_mesh((1,), ("data",))):      # a mesh: one block (the partitioner's call)
-        assert qwen2._causal_blocks(256) == 1
+        np.testing.assert_allclose(
+            np.asarray(g.get_value()), np.asarray(g_ref.get_value()), rtol=1e-4, atol=1e-5, err_msg=str(path)
+        )
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monkeypatch, padding):
-    """Causal self-attention in query blocks (CPU, T >= 2 blocks) gives the one-block outputs at
-    real tokens (padding columns attend nothing either way: their outputs are meaningless and
-    masked everywhere downstream), the same cache at real slots and the same gradients."""
-    from bipace_jax.models import qwen2
+    """The actor with causal self-attention in query blocks (CPU, T >= 2 blocks) gives the one-block
+    outputs at real tokens, the same cache at real slots and the same gradients."""
     actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), fingerprint_layer=1, rngs=nnx.Rngs(13))
     ids, mask = random_batch(4, 12, 512, padding=padding, seed=21, min_real=2)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
@@ -351,14 +456,13 @@ def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monke
         # Cache slots [0, 12) hold the prompt columns: keys [L, B, K, Hd, S], values [L, B, K, S, Hd].
         k = np.moveaxis(np.asarray(cache.k)[..., :12], -1, 2)[:, real]
         v = np.moveaxis(np.asarray(cache.v)[..., :12, :], -2, 2)[:, real]
-        return [*at_real, out.fingerprint, first.logits, k, v,
-                *[g.get_value() for _, g in nnx.to_flat_state(grads)]]
+        return [*at_real, out.fingerprint, first.logits, k, v, *[g.get_value() for _, g in nnx.to_flat_state(grads)]]
 
-    monkeypatch.setattr(qwen2, "_CPU_CAUSAL_BLOCK", 10 ** 6)
-    assert qwen2._causal_blocks(12) == 1
+    monkeypatch.setattr(attn, "CPU_CAUSAL_BLOCK", 10**6)
+    assert attn.choose_schedule(4, 12, 12, 4, causal=True).causal_blocks == 1
     ref = run()
-    monkeypatch.setattr(qwen2, "_CPU_CAUSAL_BLOCK", 3)
-    assert qwen2._causal_blocks(12) == 4
+    monkeypatch.setattr(attn, "CPU_CAUSAL_BLOCK", 3)
+    assert attn.choose_schedule(4, 12, 12, 4, causal=True).causal_blocks == 4
     for a, b in zip(run(), ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
@@ -386,6 +490,7 @@ def test_per_layer_cache_form_gives_the_stacked_forms_values():
 
 def test_rope_tables_looked_up_by_position_equal_the_direct_ones():
     from bipace_jax.models.qwen2 import rope_cos_sin
+
     positions = jnp.asarray([[0, 1, 2, 7], [3, 3, 0, 5]], jnp.int32)
     direct = rope_cos_sin(positions, 16, 10000.0)
     looked_up = rope_cos_sin(positions, 16, 10000.0, num_positions=8)

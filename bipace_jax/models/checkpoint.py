@@ -32,13 +32,13 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from bipace_jax import sharding as shd
 from bipace_jax.models.config import Qwen2Config
@@ -52,7 +52,7 @@ SAFE_INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _CONVERT_HINT = (
-    "convert it once with torch + transformers: python -c \"from transformers import "
+    'convert it once with torch + transformers: python -c "from transformers import '
     "AutoModelForCausalLM as M; M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\" "
     "(writes model.safetensors; transformers>=5 always saves safetensors)"
 )
@@ -86,6 +86,7 @@ def _identity(x):
 
 def _linear(out_split: tuple[int, ...] | None, in_split: tuple[int, ...] | None):
     """HF weight [out, in] <-> actor kernel [*in_split or in, *out_split or out]."""
+
     def to_actor(w):
         k = w.T
         shape = (in_split or (k.shape[0],)) + (out_split or (k.shape[1],))
@@ -94,6 +95,7 @@ def _linear(out_split: tuple[int, ...] | None, in_split: tuple[int, ...] | None)
     def to_hf(k):
         n_in = int(np.prod(in_split)) if in_split else k.shape[0]
         return k.reshape(n_in, -1).T
+
     return to_actor, to_hf
 
 
@@ -104,27 +106,52 @@ def _bias(split: tuple[int, ...]):
 def hf_tensor_specs(config: Qwen2Config) -> list[TensorSpec]:
     """Every HF tensor of a Qwen2ForCausalLM with this config, in file order, with its mapping."""
     c = config
-    d, f, v, n, k, hd = (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_attention_heads,
-                         c.num_key_value_heads, c.head_dim)
+    d, f, v, n, k, hd = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.vocab_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    )
     specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"), (v, d), _identity, _identity)]
     for i in range(c.num_hidden_layers):
         pre = f"model.layers.{i}."
         lp = ("layers", i)
-        specs.append(TensorSpec(pre + "input_layernorm.weight", lp + ("input_norm", "scale"), (d,), _identity, _identity))
+        specs.append(
+            TensorSpec(pre + "input_layernorm.weight", lp + ("input_norm", "scale"), (d,), _identity, _identity)
+        )
         for name, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k)):
-            specs.append(TensorSpec(pre + f"self_attn.{name}.weight", lp + ("attn", name, "kernel"),
-                                    (heads * hd, d), *_linear((heads, hd), None)))
-            specs.append(TensorSpec(pre + f"self_attn.{name}.bias", lp + ("attn", name, "bias"),
-                                    (heads * hd,), *_bias((heads, hd))))
-        specs.append(TensorSpec(pre + "self_attn.o_proj.weight", lp + ("attn", "o_proj", "kernel"),
-                                (d, n * hd), *_linear(None, (n, hd))))
-        specs.append(TensorSpec(pre + "post_attention_layernorm.weight", lp + ("post_attn_norm", "scale"),
-                                (d,), _identity, _identity))
+            specs.append(
+                TensorSpec(
+                    pre + f"self_attn.{name}.weight",
+                    lp + ("attn", name, "kernel"),
+                    (heads * hd, d),
+                    *_linear((heads, hd), None),
+                )
+            )
+            specs.append(
+                TensorSpec(
+                    pre + f"self_attn.{name}.bias", lp + ("attn", name, "bias"), (heads * hd,), *_bias((heads, hd))
+                )
+            )
+        specs.append(
+            TensorSpec(
+                pre + "self_attn.o_proj.weight", lp + ("attn", "o_proj", "kernel"), (d, n * hd), *_linear(None, (n, hd))
+            )
+        )
+        specs.append(
+            TensorSpec(
+                pre + "post_attention_layernorm.weight", lp + ("post_attn_norm", "scale"), (d,), _identity, _identity
+            )
+        )
         for name in ("gate_proj", "up_proj"):
-            specs.append(TensorSpec(pre + f"mlp.{name}.weight", lp + ("mlp", name, "kernel"), (f, d),
-                                    *_linear(None, None)))
-        specs.append(TensorSpec(pre + "mlp.down_proj.weight", lp + ("mlp", "down_proj", "kernel"), (d, f),
-                                *_linear(None, None)))
+            specs.append(
+                TensorSpec(pre + f"mlp.{name}.weight", lp + ("mlp", name, "kernel"), (f, d), *_linear(None, None))
+            )
+        specs.append(
+            TensorSpec(pre + "mlp.down_proj.weight", lp + ("mlp", "down_proj", "kernel"), (d, f), *_linear(None, None))
+        )
     specs.append(TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), _identity, _identity))
     if not c.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (v, d), *_linear(None, None)))
@@ -159,27 +186,37 @@ def _weight_files(path: str) -> dict[str, str]:
                 present = set(fh.keys())
             absent = sorted(names - present)
             if absent:
-                raise CheckpointError(f"{index_path}: tensor {absent[0]!r} is mapped to "
-                                      f"{os.path.basename(full)!r} but that file does not contain it")
+                raise CheckpointError(
+                    f"{index_path}: tensor {absent[0]!r} is mapped to "
+                    f"{os.path.basename(full)!r} but that file does not contain it"
+                )
         return files
     if os.path.isfile(single_path):
         with safe_open(single_path, framework="numpy") as fh:
             return {name: single_path for name in fh.keys()}
-    pickles = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.bin"))
-                     + glob.glob(os.path.join(path, "*.pt")) + glob.glob(os.path.join(path, "*.pth")))
+    pickles = sorted(
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(path, "*.bin"))
+        + glob.glob(os.path.join(path, "*.pt"))
+        + glob.glob(os.path.join(path, "*.pth"))
+    )
     if pickles:
         raise CheckpointError(
             f"{path}: only safetensors checkpoints are read, found pickle file(s) {pickles} "
-            f"(pickle can execute code on load); " + _CONVERT_HINT.format(src=path))
+            f"(pickle can execute code on load); " + _CONVERT_HINT.format(src=path)
+        )
     others = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
     if others:
-        raise CheckpointError(f"{path}: found {others} but neither {SAFE_SINGLE} nor {SAFE_INDEX} "
-                              f"(sharded checkpoints need their index file)")
+        raise CheckpointError(
+            f"{path}: found {others} but neither {SAFE_SINGLE} nor {SAFE_INDEX} "
+            f"(sharded checkpoints need their index file)"
+        )
     raise CheckpointError(f"{path}: no weights found (expected {SAFE_SINGLE} or {SAFE_INDEX})")
 
 
-def _check_names_and_shapes(files: dict[str, str], specs: list[TensorSpec], config: Qwen2Config,
-                            path: str) -> dict[str, tuple[int, ...]]:
+def _check_names_and_shapes(
+    files: dict[str, str], specs: list[TensorSpec], config: Qwen2Config, path: str
+) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
@@ -193,38 +230,51 @@ def _check_names_and_shapes(files: dict[str, str], specs: list[TensorSpec], conf
     expected = {s.hf_name for s in specs}
     missing = [s.hf_name for s in specs if s.hf_name not in shapes]
     if missing:
-        raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (expected shape "
-                              f"{next(s.hf_shape for s in specs if s.hf_name == missing[0])})"
-                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{path}: missing tensor {missing[0]!r} (expected shape "
+            f"{next(s.hf_shape for s in specs if s.hf_name == missing[0])})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     unexpected = sorted(n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected == ["lm_head.weight"] and config.tie_word_embeddings:
         pass  # checked for equality with the embedding at load time
     elif unexpected:
-        raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} with shape "
-                              f"{shapes[unexpected[0]]} (not part of a Qwen2 model with this config.json)"
-                              + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+        raise CheckpointError(
+            f"{path}: unexpected tensor {unexpected[0]!r} with shape "
+            f"{shapes[unexpected[0]]} (not part of a Qwen2 model with this config.json)"
+            + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else "")
+        )
     for s in specs:
         if shapes[s.hf_name] != s.hf_shape:
-            raise CheckpointError(f"{path}: tensor {s.hf_name!r} has shape {shapes[s.hf_name]} in the "
-                                  f"checkpoint, expected {s.hf_shape} from config.json")
+            raise CheckpointError(
+                f"{path}: tensor {s.hf_name!r} has shape {shapes[s.hf_name]} in the "
+                f"checkpoint, expected {s.hf_shape} from config.json"
+            )
     return shapes
 
 
 def _read(full: str, name: str) -> np.ndarray:
     from safetensors import safe_open
+
     with safe_open(full, framework="numpy") as fh:
         return fh.get_tensor(name)
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
-                       dtype: Any = jnp.float32, param_dtype: Any | None = None,
-                       fingerprint_layer: int = -1, remat: bool = False) -> Qwen2Actor:
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: Any = jnp.float32,
+    param_dtype: Any | None = None,
+    fingerprint_layer: int = -1,
+    remat: bool = False,
+) -> Qwen2Actor:
     """Loads a HF Qwen2/Qwen2.5 folder into a `Qwen2Actor`.
 
     Args:
       path: folder with config.json and model.safetensors or model.safetensors.index.json + shards.
-      mesh: when given, every parameter is placed with its `NamedSharding` from
-        `bipace_jax.sharding.PARAM_RULES`; each device receives only its shard.
+      mesh: when given, every parameter is placed with the `NamedSharding` of the logical axes
+        it declares (`bipace_jax.sharding.param_shardings`); each device receives only its shard.
       dtype: activation dtype of the actor (and parameter dtype unless `param_dtype` is given).
       param_dtype: parameter storage dtype (default: `dtype`).
       fingerprint_layer: HF hidden-state index of the fingerprint (see `Qwen2Actor`).
@@ -249,8 +299,16 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | Non
     specs = hf_tensor_specs(config)
     _check_names_and_shapes(files, specs, config, path)
 
-    abstract = nnx.eval_shape(lambda: Qwen2Actor(config, fingerprint_layer=fingerprint_layer, dtype=dtype,
-                                                 param_dtype=param_dtype, rngs=nnx.Rngs(0), remat=remat))
+    abstract = nnx.eval_shape(
+        lambda: Qwen2Actor(
+            config,
+            fingerprint_layer=fingerprint_layer,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=nnx.Rngs(0),
+            remat=remat,
+        )
+    )
     graphdef, state = nnx.split(abstract)
     flat = {tuple(k): v for k, v in nnx.to_flat_state(state)}
 
@@ -261,8 +319,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | Non
         if host.shape != want:  # the mapping is internal; a mismatch here is a bug, not user error
             raise AssertionError(f"{s.hf_name}: mapped shape {host.shape} != parameter {want}")
         if mesh is not None:
-            sharding = NamedSharding(mesh, shd.param_spec("/".join(map(str, s.path)), host.shape, mesh))
-            value = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+            target = shd.logical_sharding(shd.logical_axes(variable), host.shape, mesh)
+            value = jax.make_array_from_callback(host.shape, target, lambda idx, h=host: h[idx])
         else:
             value = jnp.asarray(host)
         variable.set_value(value) if hasattr(variable, "set_value") else setattr(variable, "value", value)
@@ -272,8 +330,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | Non
         head = _read(files["lm_head.weight"], "lm_head.weight")
         emb = _read(files["model.embed_tokens.weight"], "model.embed_tokens.weight")
         if head.shape != emb.shape or not np.array_equal(head, emb):
-            raise CheckpointError(f"{path}: config.json has tie_word_embeddings=true but lm_head.weight "
-                                  f"differs from model.embed_tokens.weight; set tie_word_embeddings=false")
+            raise CheckpointError(
+                f"{path}: config.json has tie_word_embeddings=true but lm_head.weight "
+                f"differs from model.embed_tokens.weight; set tie_word_embeddings=false"
+            )
     state = nnx.from_flat_state([(k, v) for k, v in flat.items()])
     return nnx.merge(graphdef, state)
 
@@ -286,12 +346,19 @@ _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float1
 def _to_host(x: jax.Array) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
+
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 
 
-def save_hf_checkpoint(actor: Qwen2Actor, path: str | os.PathLike, tokenizer: Any = None, *,
-                       dtype: Any | None = None, max_shard_bytes: int = 5 * 1024 ** 3) -> str:
+def save_hf_checkpoint(
+    actor: Qwen2Actor,
+    path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    dtype: Any | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> str:
     """Writes `actor` as a HF Qwen2ForCausalLM folder (safetensors) that transformers/vLLM load.
 
     Files: config.json, generation_config.json (eos/bos ids), model.safetensors or, when the
@@ -359,8 +426,10 @@ def save_hf_checkpoint(actor: Qwen2Actor, path: str | os.PathLike, tokenizer: An
                 os.remove(os.path.join(path, SAFE_SINGLE))
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
             json.dump(config.to_hf_dict(torch_dtype=_DTYPE_NAMES[out_dtype.name]), fh, indent=2)
-        gen = {"bos_token_id": config.bos_token_id,
-               "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else config.eos_token_id}
+        gen = {
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else config.eos_token_id,
+        }
         with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as fh:
             json.dump({k: v for k, v in gen.items() if v is not None}, fh, indent=2)
         if tokenizer is not None:

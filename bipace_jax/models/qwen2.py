@@ -1,19 +1,16 @@
 """The Qwen2 / Qwen2.5 decoder in Flax NNX: logits and BiPACE fingerprints from one forward pass.
 
-Architecture (the HF `Qwen2ForCausalLM` computation, spec facts.md):
+Architecture (the HF `Qwen2ForCausalLM` computation):
   x_0 = E[ids]                                         token embedding                [B, T, D]
   for l in 1..L:   h = RMSNorm(x)                       (fp32 statistics)
                    x = x + Attn(h)                       GQA, RoPE, q/k/v bias, no o bias
                    x = x + W_down(silu(W_gate h) * W_up h)   SwiGLU, no bias
   logits = RMSNorm(x_L) @ E^T  (tied)  or  @ W_head    computed and returned in fp32  [B, T, V]
 
-Grouped-query attention never repeats K/V: per (row, KV head) the G = N // K query heads that share
-it are stacked as G*T query rows and contracted against that head's K/V (K/V laid out [B, K, S, Hd];
-the KV cache keeps keys as [B, K, Hd, S], slots minor, and values as [B, K, S, Hd], so that both
-decode contractions read the cache as it lies and scores [B, K, G*T, S] need no transposes). On the CPU
-backend, batches whose fp32 scores exceed a few MiB are attended in row chunks (`lax.map`), which
-keeps the scores cache-resident, and causal self-attention runs in query blocks against the keys up
-to each block's end, which skips the masked upper triangle; the values at real tokens are unchanged.
+Attention (grouped-query, K/V never repeated) is `bipace_jax.models.attention.attention`; the KV
+cache keeps keys as [B, K, Hd, S] (slots minor) and values as [B, K, S, Hd], so both decode
+contractions read the cache as it lies. Parameters carry their logical axes as metadata where they
+are created (`nnx.Param(..., logical_axes=...)`), which `bipace_jax.sharding.param_shardings` reads.
 
 Prefill runs the last layer's attention output and MLP only at each row's last real token (its
 keys/values still cover every column): the next-token logits and a final-layer fingerprint need
@@ -33,7 +30,8 @@ Dtypes: parameters are stored in `param_dtype`, matmuls and the residual stream 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -41,13 +39,40 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bipace_jax import sharding
+from bipace_jax.models.attention import attention
 from bipace_jax.models.config import Qwen2Config
-from bipace_jax.sharding import constrain, gather_param
 
-__all__ = ["ActorOutput", "KVCache", "Qwen2Actor"]
+__all__ = ["ACTIVATION_AXES", "ActorOutput", "KVCache", "Qwen2Actor", "cache_shardings"]
 
 Array = jax.Array
-_NEG_INF = -1e30  # finite, so fully masked (padding) query rows give a uniform softmax, not NaN
+
+# Logical axes of the activations the actor constrains under a mesh (see `bipace_jax.sharding`).
+ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
+    "hidden": ("batch", "seq", "act_embed"),  # [B, T, D]
+    "q": ("batch", "seq", "heads", "head_dim"),  # [B, T, N, Hd]
+    "kv": ("batch", "seq", "kv_heads", "head_dim"),  # [B, T, K, Hd]
+    "mlp": ("batch", "seq", "mlp"),  # [B, T, F]
+    "logits": ("batch", "seq", "vocab"),  # [B, T, V]
+    "last_logits": ("batch", "vocab"),  # [B, V]
+    "cache_k": ("layers", "batch", "kv_heads", "head_dim", "cache_seq"),  # keys [L, B, K, Hd, S]
+    "cache_k_layer": ("batch", "kv_heads", "head_dim", "cache_seq"),  # [B, K, Hd, S] (per-layer form)
+    "cache_v": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # values [L, B, K, S, Hd]
+    "cache_v_layer": ("batch", "kv_heads", "cache_seq", "head_dim"),  # [B, K, S, Hd] (per-layer form)
+    "cache_mask": ("batch", "cache_seq"),  # [B, S]
+    "per_row": ("batch",),  # [B]
+}
+
+
+def _act(x: Array, kind: str) -> Array:
+    """Pins activation `x` to the logical axes `ACTIVATION_AXES[kind]` when a mesh is set."""
+    return sharding.constrain(x, ACTIVATION_AXES[kind])
+
+
+def _use(param: nnx.Param, dtype: Any = None) -> Array:
+    """A parameter's value (cast to `dtype`), FSDP-gathered at its point of use under a mesh."""
+    w = param[...] if dtype is None else param[...].astype(dtype)
+    return sharding.gather_param(w, sharding.logical_axes(param))
 
 
 @flax.struct.dataclass
@@ -74,16 +99,15 @@ class KVCache:
 
     Attributes:
       k: [L, B, K, Hd, S] in the actor's `dtype`: keys (after RoPE) per layer and KV head, slots
-        minor: the decode step's scores q [G, Hd] @ k [Hd, S] then read each (row, head) block as a
-        plain [Hd, S] matrix (with slots second-minor, the scores dot took ~2x longer per decode
-        step on XLA's CPU backend at B=64, measured in the decode loop).
+        minor, so the decode step's scores q [G, Hd] @ k [Hd, S] read each (row, head) block as a
+        plain [Hd, S] matrix (faster on XLA's CPU backend; docs/performance.md).
       v: [L, B, K, S, Hd]: values, slots second-minor, the layout of the probabilities-times-values
         contraction p [G, S] @ v [S, Hd]. Neither is transposed per step; a decode step writes one
         [Hd] column of k and one [Hd] row of v per (row, head).
         Per-layer form (`per_layer()`, `init_cache(..., per_layer=True)`): tuples of L arrays
-        [B, K, Hd, S] / [B, K, S, Hd] instead. Same values; a compiled decode loop should carry this form, because
-        the attention contraction reads layer i's block directly, whereas `k[i]` of the stacked
-        array is a copy of that block on every step (XLA materialises the slice before the dot).
+        [B, K, Hd, S] / [B, K, S, Hd] instead. Same values; a compiled decode loop should carry
+        this form: attention reads layer i's block in place, whereas `k[i]` of the stacked array
+        is copied out on every step (XLA materialises the slice before the dot).
         `prefill` and `decode_step` return the form they were given.
       slot_mask: bool [B, S], True where a slot holds a real token of that row.
       lengths: int32 [B], real tokens so far per row = the position id of the row's next token.
@@ -111,15 +135,16 @@ class KVCache:
         """True when k, v are tuples of per-layer arrays (k [B, K, Hd, S], v [B, K, S, Hd])."""
         return isinstance(self.k, (tuple, list))
 
-    def per_layer(self) -> "KVCache":
+    def per_layer(self) -> KVCache:
         """The same cache with k, v as tuples of L arrays [B, K, Hd, S] / [B, K, S, Hd] (unchanged if
         already)."""
         if self.is_per_layer:
             return self
-        return self.replace(k=tuple(self.k[i] for i in range(self.k.shape[0])),
-                            v=tuple(self.v[i] for i in range(self.v.shape[0])))
+        return self.replace(
+            k=tuple(self.k[i] for i in range(self.k.shape[0])), v=tuple(self.v[i] for i in range(self.v.shape[0]))
+        )
 
-    def stacked(self) -> "KVCache":
+    def stacked(self) -> KVCache:
         """The same cache with k, v as stacked [L, B, K, Hd, S] / [L, B, K, S, Hd] arrays (unchanged if
         already)."""
         if not self.is_per_layer:
@@ -127,26 +152,45 @@ class KVCache:
         return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
 
+def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:
+    """`NamedSharding`s for a `KVCache` (stacked or per-layer form) on `mesh`, from `ACTIVATION_AXES`."""
+
+    def spec(kind, leaf):
+        return sharding.logical_sharding(ACTIVATION_AXES[kind], leaf.shape, mesh)
+
+    def kv(x, kind):
+        if isinstance(x, (tuple, list)):
+            return tuple(spec(kind + "_layer", a) for a in x)
+        return spec(kind, x)
+
+    return KVCache(
+        k=kv(cache.k, "cache_k"),
+        v=kv(cache.v, "cache_v"),
+        slot_mask=spec("cache_mask", cache.slot_mask),
+        lengths=spec("per_row", cache.lengths),
+        index=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # Small pieces.
-def rope_cos_sin(positions: Array, head_dim: int, theta: float,
-                 num_positions: int | None = None) -> tuple[Array, Array]:
+def rope_cos_sin(
+    positions: Array, head_dim: int, theta: float, num_positions: int | None = None
+) -> tuple[Array, Array]:
     """RoPE tables for integer `positions` [B, T]: cos, sin float32 [B, T, Hd].
 
     Frequencies theta^(-2i/Hd), i < Hd/2, duplicated over both halves (HF's rotate-half layout).
 
     With `num_positions` (static; every position must lie in [0, num_positions): a position outside
     gets NaN tables, never a clamped one), cos and sin are evaluated once per position
-    0..num_positions-1 and looked up by position: the same values. Otherwise XLA fuses them into
-    every consumer (q and k of each layer, the KV-cache writes) and evaluates them again per element
-    and head there (measured, tiny model at B=64, T=128, 2 cores: prefill 1.6-3.3 ms and the 63-step
-    decode loop ~2 ms slower).
+    0..num_positions-1 and looked up by position: the same values, computed once instead of being
+    fused into (and recomputed in) every q/k consumer (docs/performance.md).
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if num_positions is None:
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     else:
-        table = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq     # [P, Hd/2]
+        table = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq  # [P, Hd/2]
         cos_t, sin_t = jnp.cos(table), jnp.sin(table)
         cos = jnp.take(cos_t, positions, axis=0, mode="fill", fill_value=jnp.nan)
         sin = jnp.take(sin_t, positions, axis=0, mode="fill", fill_value=jnp.nan)
@@ -177,53 +221,6 @@ def positions_from_mask(attention_mask: Array) -> Array:
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
 
 
-# CPU attention working-set target: the fp32 scores of one row chunk (a few MiB stay in cache; the
-# full [B, K, G, T, S] scores of a batch go to memory several times per layer, ~4x slower on CPU).
-_CPU_SCORES_BYTES = 2 * 1024 * 1024
-
-
-# Causal self-attention on the CPU backend is computed in query blocks of this many columns, each
-# against the keys up to its last column: ~(1 + 1/n) / 2 of the scores, softmax and value work of n
-# blocks (the masked upper triangle is skipped). Measured on 2 cores against one block: the
-# sampler's prefill (tests' tiny model, B=64, T=128) 13.3 -> 11.0 ms; the shipped textcraft_tiny
-# forward at B=16, T=256 105 -> 81 ms and its gradient 328 -> 317 ms; B=8, T=512: 103 -> 85 ms and
-# 441 -> 354 ms. Blocks of 64 were ~1 ms slower on the prefill.
-_CPU_CAUSAL_BLOCK = 32
-_CPU_MAX_CAUSAL_BLOCKS = 8
-
-
-def _cpu_without_mesh() -> bool:
-    """True when tracing for XLA's CPU backend outside any mesh: where the CPU-only attention
-    schedules apply (accelerators fuse attention themselves, and a mesh splits the batch across
-    devices)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() == "cpu" and (mesh is None or getattr(mesh, "empty", True))
-
-
-def _causal_blocks(t: int) -> int:
-    """Query blocks for causal self-attention over T columns: 1 (one block, all keys) unless on the
-    CPU backend without a mesh with T a multiple of `_CPU_CAUSAL_BLOCK` and at least two such
-    blocks; then T / `_CPU_CAUSAL_BLOCK` blocks, at most `_CPU_MAX_CAUSAL_BLOCKS` (equal sizes)."""
-    if not _cpu_without_mesh():
-        return 1
-    n = t // _CPU_CAUSAL_BLOCK if t % _CPU_CAUSAL_BLOCK == 0 else 1
-    while n > _CPU_MAX_CAUSAL_BLOCKS or (n > 1 and t % n):
-        n -= 1
-    return max(n, 1)
-
-
-def _attention_row_chunk(batch: int, scores_bytes_per_row: int) -> int:
-    """Rows per attention chunk: `batch` (no chunking) unless on the CPU backend without a mesh
-    (`_cpu_without_mesh`) and the fp32 scores exceed `_CPU_SCORES_BYTES`; then the largest divisor
-    of `batch` whose scores fit (at least 1)."""
-    if not _cpu_without_mesh():
-        return batch
-    if batch * scores_bytes_per_row <= _CPU_SCORES_BYTES:
-        return batch
-    fit = max(1, _CPU_SCORES_BYTES // max(scores_bytes_per_row, 1))
-    return max(c for c in range(1, min(fit, batch) + 1) if batch % c == 0)
-
-
 def _normal(stddev: float):
     return jax.nn.initializers.normal(stddev)
 
@@ -237,7 +234,7 @@ class RMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
         self.dtype = dtype
 
@@ -258,113 +255,53 @@ class Attention(nnx.Module):
     def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         d, n, k, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         init = _normal(cfg.initializer_range)
-        self.q_proj = _Proj(init(rngs.params(), (d, n, hd), param_dtype), jnp.zeros((n, hd), param_dtype))
-        self.k_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), jnp.zeros((k, hd), param_dtype))
-        self.v_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), jnp.zeros((k, hd), param_dtype))
-        self.o_proj = _Proj(init(rngs.params(), (n, hd, d), param_dtype), None)
-        self.num_kv_heads, self.num_groups, self.head_dim = k, cfg.num_groups, hd
+        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.q_proj = _Proj(init(rngs.params(), (d, n, hd), param_dtype), q_axes, jnp.zeros((n, hd), param_dtype))
+        self.k_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), kv_axes, jnp.zeros((k, hd), param_dtype))
+        self.v_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), kv_axes, jnp.zeros((k, hd), param_dtype))
+        self.o_proj = _Proj(init(rngs.params(), (n, hd, d), param_dtype), ("heads", "head_dim", "embed"))
         self.dtype = dtype
 
     def qkv(self, h: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """h [B, T, D] -> q [B, T, N, Hd], k, v [B, T, K, Hd] (q and k rotated), in `dtype`."""
         dt = self.dtype
-        wq = gather_param(self.q_proj.kernel[...].astype(dt), ("embed", "heads", "head_dim"))
-        wk = gather_param(self.k_proj.kernel[...].astype(dt), ("embed", "kv_heads", "head_dim"))
-        wv = gather_param(self.v_proj.kernel[...].astype(dt), ("embed", "kv_heads", "head_dim"))
+        wq = _use(self.q_proj.kernel, dt)
+        wk = _use(self.k_proj.kernel, dt)
+        wv = _use(self.v_proj.kernel, dt)
         q = jnp.einsum("btd,dnh->btnh", h, wq) + self.q_proj.bias[...].astype(dt)
         k = jnp.einsum("btd,dkh->btkh", h, wk) + self.k_proj.bias[...].astype(dt)
         v = jnp.einsum("btd,dkh->btkh", h, wv) + self.v_proj.bias[...].astype(dt)
-        q = constrain(apply_rope(q, cos, sin), "q")
-        k = constrain(apply_rope(k, cos, sin), "kv")
-        v = constrain(v, "kv")
+        q = _act(apply_rope(q, cos, sin), "q")
+        k = _act(apply_rope(k, cos, sin), "kv")
+        v = _act(v, "kv")
         return q, k, v
 
-    def attend(self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False,
-               causal: bool = False) -> Array:
-        """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D].
-
-        `causal` (static) promises that the mask is causal, S = T and query column j never attends
-        key column > j (the mask may hide more, e.g. padding); on the CPU backend the queries are
-        then taken in blocks against the keys up to each block's end (`_causal_blocks`): the same
-        values without the masked upper triangle's work, at every column that attends at least
-        one key (a fully masked padding column averages the values of its block's keys instead of
-        all T; its output is meaningless either way).
+    def attend(
+        self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False, causal: bool = False
+    ) -> Array:
+        """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D] through o_proj.
 
         Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`, one
-        layer of the `KVCache` read as it lies: keys [B, K, Hd, S], values [B, K, S, Hd]. Scores and softmax in fp32;
-        the unnormalised probabilities exp(score - max) are cast to `dtype` for the value
-        contraction and the result is divided by their fp32 sum afterwards (one division per
-        output element instead of one per score; the same softmax up to rounding).
-
-        Both contractions are batched over (B, K) with the G*T queries as rows and the S slots as
-        the minor axis of the scores, so neither the [B, K, G*T, S] scores nor the keys/values
-        are transposed. On the CPU backend without a mesh, rows are processed in chunks whose
-        fp32 scores fit in `_CPU_SCORES_BYTES` (a `lax.map` over row chunks; see
-        `_attention_row_chunk`): the same values, computed cache-resident.
+        layer of the `KVCache` read as it lies (keys [B, K, Hd, S], values [B, K, S, Hd]).
+        `causal` (static): the mask is causal self-attention. See `attention.attention`.
         """
-        b = q.shape[0]
-        blocks = _causal_blocks(q.shape[1]) if causal and not cache_layout else 1
-        chunk = _attention_row_chunk(b, q.shape[1] * q.shape[2] * mask.shape[-1] * 4)
-        if chunk == b:
-            return self._project_out(self._attend_blocks(q, k, v, mask, cache_layout, blocks))
-
-        def split(a):
-            return a.reshape((b // chunk, chunk) + a.shape[1:])
-        out = jax.lax.map(lambda xs: self._attend_blocks(*xs, cache_layout, blocks),
-                          (split(q), split(k), split(v), split(mask)))
-        return self._project_out(out.reshape((b,) + out.shape[2:]))
-
-    def _attend_blocks(self, q: Array, k: Array, v: Array, mask: Array, cache_layout: bool,
-                       blocks: int) -> Array:
-        """`_attend_rows` with the T query columns in `blocks` equal blocks, block i against keys
-        [0, (i + 1) T / blocks) only (causal self-attention; keys/values [B, T, K, Hd])."""
-        if blocks == 1:
-            return self._attend_rows(q, k, v, mask, cache_layout)
-        tb = q.shape[1] // blocks
-        outs = [self._attend_rows(q[:, i * tb:(i + 1) * tb], k[:, :(i + 1) * tb], v[:, :(i + 1) * tb],
-                                  mask[:, i * tb:(i + 1) * tb, :(i + 1) * tb], cache_layout)
-                for i in range(blocks)]
-        return jnp.concatenate(outs, axis=1)
-
-    def _attend_rows(self, q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Array:
-        """`attend` on a block of rows, before the output projection: -> [B, T, N, Hd]."""
-        b, t, n, hd = q.shape
-        kh, g = self.num_kv_heads, self.num_groups
-        qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
-        batch = ((0, 1), (0, 1))
-        if cache_layout:                                                  # k [B, K, Hd, S]
-            scores = jax.lax.dot_general(qg, k, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
-        else:
-            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)         # [B, K, S, Hd]
-            scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-        if t == 1:
-            # One query per row (decode): the [B, K, G, S] scores need no [G, T] split, which keeps
-            # the masked softmax in the dot's output layout (no relayout copy of the scores).
-            scores = jnp.where(mask[:, :, None, :], scores * (hd ** -0.5), _NEG_INF)   # [B, K, G, S]
-        else:
-            scores = scores.reshape(b, kh, g, t, -1) * (hd ** -0.5)      # [B, K, G, T, S]
-            scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        denom = jnp.sum(e, axis=-1).reshape(b, kh, g, t, 1)
-        e = e.astype(self.dtype).reshape(b, kh, g * t, -1)
-        out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
-        out = (out.reshape(b, kh, g, t, hd) / denom).astype(self.dtype)
-        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
+        return self._project_out(attention(q, k, v, mask, cache_layout=cache_layout, causal=causal))
 
     def _project_out(self, out: Array) -> Array:
         """Attention output [B, T, N, Hd] -> [B, T, D] through o_proj."""
-        out = constrain(out, "q")
-        wo = gather_param(self.o_proj.kernel[...].astype(self.dtype), ("heads", "head_dim", "embed"))
+        out = _act(out, "q")
+        wo = _use(self.o_proj.kernel, self.dtype)
         return jnp.einsum("btnh,nhd->btd", out, wo)
 
 
 class _Proj(nnx.Module):
-    """A projection's parameters: `kernel` and optional `bias` (applied by the owner's einsum)."""
+    """A projection's parameters: `kernel` with its logical axes and an optional `bias` (its axes are
+    the kernel's output axes; applied by the owner's einsum)."""
 
-    def __init__(self, kernel: Array, bias: Array | None):
-        self.kernel = nnx.Param(kernel)
+    def __init__(self, kernel: Array, kernel_axes: tuple[str | None, ...], bias: Array | None = None):
+        self.kernel = nnx.Param(kernel, logical_axes=kernel_axes)
         if bias is not None:
-            self.bias = nnx.Param(bias)
+            self.bias = nnx.Param(bias, logical_axes=kernel_axes[kernel.ndim - bias.ndim :])
 
 
 class MLP(nnx.Module):
@@ -376,17 +313,17 @@ class MLP(nnx.Module):
     def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
         init = _normal(cfg.initializer_range)
-        self.gate_proj = _Proj(init(rngs.params(), (d, f), param_dtype), None)
-        self.up_proj = _Proj(init(rngs.params(), (d, f), param_dtype), None)
-        self.down_proj = _Proj(init(rngs.params(), (f, d), param_dtype), None)
+        self.gate_proj = _Proj(init(rngs.params(), (d, f), param_dtype), ("embed", "mlp"))
+        self.up_proj = _Proj(init(rngs.params(), (d, f), param_dtype), ("embed", "mlp"))
+        self.down_proj = _Proj(init(rngs.params(), (f, d), param_dtype), ("mlp", "embed"))
         self.dtype = dtype
 
     def __call__(self, h: Array) -> Array:
         dt = self.dtype
-        gate = h @ gather_param(self.gate_proj.kernel[...].astype(dt), ("embed", "mlp"))
-        up = h @ gather_param(self.up_proj.kernel[...].astype(dt), ("embed", "mlp"))
-        act = constrain(jax.nn.silu(gate) * up, "mlp")
-        return act @ gather_param(self.down_proj.kernel[...].astype(dt), ("mlp", "embed"))
+        gate = h @ _use(self.gate_proj.kernel, dt)
+        up = h @ _use(self.up_proj.kernel, dt)
+        act = _act(jax.nn.silu(gate) * up, "mlp")
+        return act @ _use(self.down_proj.kernel, dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -399,9 +336,16 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
-                 kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None,
-                 query_index: Array | None = None, causal: bool = False):
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        mask: Array,
+        kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None,
+        query_index: Array | None = None,
+        causal: bool = False,
+    ):
         """One layer over x [B, T, D]. Returns (x [B, T, D], k [B, T, K, Hd], v [B, T, K, Hd]).
 
         With `query_index` int32 [B] (the prefill's last layer), keys/values are computed for all
@@ -418,16 +362,23 @@ class DecoderLayer(nnx.Module):
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
         if query_index is not None:
+
             def pick(a):
                 return jnp.take_along_axis(a, query_index.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+
             q, x, mask = pick(q), pick(x), pick(mask)
         k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
-        x = x + self.attn.attend(q, k_ctx.astype(q.dtype), v_ctx.astype(q.dtype), mask,
-                                 cache_layout=kv_update is not None,
-                                 causal=causal and query_index is None and kv_update is None)
-        x = constrain(x, "hidden")
+        x = x + self.attn.attend(
+            q,
+            k_ctx.astype(q.dtype),
+            v_ctx.astype(q.dtype),
+            mask,
+            cache_layout=kv_update is not None,
+            causal=causal and query_index is None and kv_update is None,
+        )
+        x = _act(x, "hidden")
         x = x + self.mlp(self.post_attn_norm(x))
-        return constrain(x, "hidden"), k, v
+        return _act(x, "hidden"), k, v
 
 
 class Qwen2Actor(nnx.Module):
@@ -451,14 +402,24 @@ class Qwen2Actor(nnx.Module):
       ValueError: fingerprint_layer out of range, or config not a Qwen2Config.
     """
 
-    def __init__(self, config: Qwen2Config, *, fingerprint_layer: int = -1, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = False):
+    def __init__(
+        self,
+        config: Qwen2Config,
+        *,
+        fingerprint_layer: int = -1,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        remat: bool = False,
+    ):
         if not isinstance(config, Qwen2Config):
             raise ValueError(f"Qwen2Actor: config must be a Qwen2Config, got {type(config).__name__}")
         n_layers = config.num_hidden_layers
         if not isinstance(fingerprint_layer, (int, np.integer)) or not -(n_layers + 1) <= fingerprint_layer <= n_layers:
-            raise ValueError(f"Qwen2Actor: fingerprint_layer must be an int in [{-(n_layers + 1)}, {n_layers}] "
-                             f"(HF hidden_states index, L={n_layers}), got {fingerprint_layer!r}")
+            raise ValueError(
+                f"Qwen2Actor: fingerprint_layer must be an int in [{-(n_layers + 1)}, {n_layers}] "
+                f"(HF hidden_states index, L={n_layers}), got {fingerprint_layer!r}"
+            )
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config = config
         self.fingerprint_layer = int(fingerprint_layer)
@@ -466,13 +427,18 @@ class Qwen2Actor(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.remat = bool(remat)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        self.embed = _Embed(_normal(config.initializer_range)(
-            rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype))
+        self.embed = _Embed(
+            _normal(config.initializer_range)(rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype)
+        )
         self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw) for _ in range(n_layers)])
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         if not config.tie_word_embeddings:
-            self.lm_head = _Proj(_normal(config.initializer_range)(
-                rngs.params(), (config.hidden_size, config.vocab_size), self.param_dtype), None)
+            self.lm_head = _Proj(
+                _normal(config.initializer_range)(
+                    rngs.params(), (config.hidden_size, config.vocab_size), self.param_dtype
+                ),
+                ("embed", "vocab"),
+            )
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -483,9 +449,9 @@ class Qwen2Actor(nnx.Module):
 
     def _embed(self, ids: Array) -> Array:
         # Out-of-range ids give NaN rows (mode="fill"), never a silently clamped token.
-        table = gather_param(self.embed.embedding[...], ("vocab", "embed"))
+        table = _use(self.embed.embedding)
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
-        return constrain(x.astype(self.dtype), "hidden")
+        return _act(x.astype(self.dtype), "hidden")
 
     def lm_logits(self, h: Array) -> Array:
         """LM head: final normed hidden states h [..., D] (any float dtype) -> fp32 logits [..., V].
@@ -495,9 +461,9 @@ class Qwen2Actor(nnx.Module):
         """
         h = h.astype(self.dtype)
         if self.config.tie_word_embeddings:
-            w = gather_param(self.embed.embedding[...].astype(self.dtype), ("vocab", "embed"))
+            w = _use(self.embed.embedding, self.dtype)
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-        w = gather_param(self.lm_head.kernel[...].astype(self.dtype), ("embed", "vocab"))
+        w = _use(self.lm_head.kernel, self.dtype)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
     def _check_tokens(self, input_ids: Any, attention_mask: Any, where: str):
@@ -515,8 +481,10 @@ class Qwen2Actor(nnx.Module):
         if isinstance(input_ids, np.ndarray) and isinstance(attention_mask, np.ndarray) and input_ids.size:
             real = input_ids[attention_mask.astype(bool)]
             if real.size and (real.min() < 0 or real.max() >= self.config.vocab_size):
-                raise ValueError(f"{where}: input_ids at real tokens must lie in [0, {self.config.vocab_size}), "
-                                 f"got [{real.min()}, {real.max()}]")
+                raise ValueError(
+                    f"{where}: input_ids at real tokens must lie in [0, {self.config.vocab_size}), "
+                    f"got [{real.min()}, {real.max()}]"
+                )
         if isinstance(attention_mask, np.ndarray) and attention_mask.size:
             if not np.all(attention_mask.astype(bool).any(axis=1)):
                 bad = int(np.flatnonzero(~attention_mask.astype(bool).any(axis=1))[0])
@@ -529,8 +497,14 @@ class Qwen2Actor(nnx.Module):
         norm = jnp.sqrt(jnp.sum(rows * rows, axis=-1, keepdims=True))
         return rows / jnp.maximum(norm, 1e-12)
 
-    def _run(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array,
-             output_hidden_states: bool, last_query_only: bool = False):
+    def _run(
+        self,
+        input_ids: Array,
+        attention_mask: Array,
+        fingerprint_index: Array,
+        output_hidden_states: bool,
+        last_query_only: bool = False,
+    ):
         """Full causal forward over [B, T]; returns (final normed h, fingerprint, hidden, ks, vs).
 
         With `last_query_only` (prefill), the last layer runs its attention output and MLP only at
@@ -567,8 +541,9 @@ class Qwen2Actor(nnx.Module):
         if output_hidden_states:
             hidden.append(h)
         if fp_at == n_layers:
-            fingerprint = self._fingerprint(h, jnp.zeros_like(fingerprint_index) if last_query_only
-                                            else fingerprint_index)
+            fingerprint = self._fingerprint(
+                h, jnp.zeros_like(fingerprint_index) if last_query_only else fingerprint_index
+            )
         return h, fingerprint, hidden, ks, vs
 
     # ----------------------------------------------------------------------------------------------
@@ -579,12 +554,20 @@ class Qwen2Actor(nnx.Module):
         if fingerprint_index is None:
             fingerprint_index = last_real_index(attention_mask)
         elif np.shape(fingerprint_index) != (input_ids.shape[0],):
-            raise ValueError(f"{where}: fingerprint_index must be int32[B={input_ids.shape[0]}], "
-                             f"got shape {np.shape(fingerprint_index)}")
+            raise ValueError(
+                f"{where}: fingerprint_index must be int32[B={input_ids.shape[0]}], "
+                f"got shape {np.shape(fingerprint_index)}"
+            )
         return input_ids, attention_mask, jnp.asarray(fingerprint_index, jnp.int32)
 
-    def __call__(self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None,
-                 *, output_hidden_states: bool = False) -> ActorOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Array,
+        fingerprint_index: Array | None = None,
+        *,
+        output_hidden_states: bool = False,
+    ) -> ActorOutput:
         """Full causal forward: logits for every column and the fingerprint, from one pass.
 
         Args:
@@ -604,22 +587,24 @@ class Qwen2Actor(nnx.Module):
             without real tokens.
         """
         input_ids, attention_mask, fingerprint_index = self._prepare(
-            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.__call__")
-        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, fingerprint_index,
-                                                 output_hidden_states)
-        logits = constrain(self.lm_logits(h), "logits")
+            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.__call__"
+        )
+        h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, fingerprint_index, output_hidden_states)
+        logits = _act(self.lm_logits(h), "logits")
         if output_hidden_states:
             hidden = tuple(a.astype(jnp.float32) for a in hidden)
         return ActorOutput(logits=logits, fingerprint=fingerprint, hidden_states=hidden)
 
-    def forward_hidden(self, input_ids: Array, attention_mask: Array,
-                       fingerprint_index: Array | None = None) -> tuple[Array, Array]:
+    def forward_hidden(
+        self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None
+    ) -> tuple[Array, Array]:
         """The forward without the LM head: (final normed hidden [B, T, D] in `dtype`, fingerprint [B, D]).
 
         `lm_logits(h)` gives the logits; same arguments and errors as `__call__`.
         """
         input_ids, attention_mask, fingerprint_index = self._prepare(
-            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.forward_hidden")
+            input_ids, attention_mask, fingerprint_index, "Qwen2Actor.forward_hidden"
+        )
         h, fingerprint, _, _, _ = self._run(input_ids, attention_mask, fingerprint_index, False)
         return h, fingerprint
 
@@ -640,11 +625,11 @@ class Qwen2Actor(nnx.Module):
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
         k_shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
         if per_layer:
-            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_k_layer") for _ in range(c.num_hidden_layers))
-            v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_v_layer") for _ in range(c.num_hidden_layers))
+            k = tuple(_act(jnp.zeros(k_shape, self.dtype), "cache_k_layer") for _ in range(c.num_hidden_layers))
+            v = tuple(_act(jnp.zeros(shape, self.dtype), "cache_v_layer") for _ in range(c.num_hidden_layers))
         else:
-            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_k")
-            v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_v")
+            k = _act(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_k")
+            v = _act(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_v")
         return KVCache(
             k=k,
             v=v,
@@ -685,20 +670,24 @@ class Qwen2Actor(nnx.Module):
         # Only the last real token's logits are needed: the last layer runs its attention output
         # and MLP at that column alone, and the LM head sees [B, D], not [B, T, D].
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False, last_query_only=True)
-        logits = constrain(self.lm_logits(h[:, 0]), "last_logits")
+        logits = _act(self.lm_logits(h[:, 0]), "last_logits")
         # Each layer's [B, T, K, Hd] -> the cache layout (keys [B, K, Hd, T], values [B, K, T, Hd]),
         # zero-padded to S slots.
         pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
         k_pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
         dt = cache.k[0].dtype
-        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k_layer") for x in ks)
-        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v_layer") for x in vs)
+        k = tuple(_act(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k_layer") for x in ks)
+        v = tuple(_act(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v_layer") for x in vs)
         if not cache.is_per_layer:
-            k, v = constrain(jnp.stack(k), "cache_k"), constrain(jnp.stack(v), "cache_v")
+            k, v = _act(jnp.stack(k), "cache_k"), _act(jnp.stack(v), "cache_v")
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
-        new_cache = KVCache(k=k, v=v, slot_mask=slot_mask,
-                            lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
-                            index=jnp.asarray(t, jnp.int32))
+        new_cache = KVCache(
+            k=k,
+            v=v,
+            slot_mask=slot_mask,
+            lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
+            index=jnp.asarray(t, jnp.int32),
+        )
         return ActorOutput(logits=logits, fingerprint=fingerprint), new_cache
 
     def decode_step(self, token_ids: Array, cache: KVCache) -> tuple[Array, KVCache]:
@@ -727,13 +716,15 @@ class Qwen2Actor(nnx.Module):
         index = cache.index
         slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((b, 1), bool), (0, index))
         attn_mask = slot_mask[:, None, :]  # [B, 1, S]
-        cos, sin = rope_cos_sin(cache.lengths[:, None], self.config.head_dim, self.config.rope_theta,
-                                num_positions=cache.max_length)
+        cos, sin = rope_cos_sin(
+            cache.lengths[:, None], self.config.head_dim, self.config.rope_theta, num_positions=cache.max_length
+        )
         x = self._embed(token_ids[:, None])
         per_layer = cache.is_per_layer
         k_all = list(cache.k) if per_layer else cache.k
         v_all = list(cache.v) if per_layer else cache.v
         for i, layer in enumerate(self.layers):
+
             def kv_update(k, v, i=i):
                 # Write the new token's k/v, [B, 1, K, Hd] -> k [B, K, Hd, 1], v [B, K, 1, Hd], at
                 # (layer i, slot index) in place; attend over layer i's k [B, K, Hd, S], v [B, K, S, Hd].
@@ -746,14 +737,15 @@ class Qwen2Actor(nnx.Module):
                 k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, 0, 0, index))
                 v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, 0, index, 0))
                 return k_all[i], v_all[i]
+
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
-        logits = constrain(self.lm_logits(h), "last_logits")
+        logits = _act(self.lm_logits(h), "last_logits")
         if per_layer:
-            k_new = tuple(constrain(a, "cache_k_layer") for a in k_all)
-            v_new = tuple(constrain(a, "cache_v_layer") for a in v_all)
+            k_new = tuple(_act(a, "cache_k_layer") for a in k_all)
+            v_new = tuple(_act(a, "cache_v_layer") for a in v_all)
         else:
-            k_new, v_new = constrain(k_all, "cache_k"), constrain(v_all, "cache_v")
+            k_new, v_new = _act(k_all, "cache_k"), _act(v_all, "cache_v")
         new_cache = KVCache(k=k_new, v=v_new, slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
 
@@ -767,4 +759,4 @@ class _Embed(nnx.Module):
     """Token embedding table `embedding` [V, D]."""
 
     def __init__(self, table: Array):
-        self.embedding = nnx.Param(table)
+        self.embedding = nnx.Param(table, logical_axes=("vocab", "embed"))

@@ -1,0 +1,213 @@
+"""Grouped-query attention: one function, a plain reference path, and CPU schedules behind it.
+
+`attention(q, k, v, mask)` computes softmax(q k^T / sqrt(Hd)) v per (row, KV head) without
+repeating K/V: the G = N // K query heads that share a KV head are stacked as G*T query rows and
+contracted against that head's keys/values, batched over (B, K), with the S key slots as the minor
+axis of the scores (so neither the scores nor the keys/values are transposed). Scores and softmax
+are fp32; the unnormalised probabilities exp(score - max) are cast to q's dtype for the value
+contraction and the result is divided by their fp32 sum afterwards (one division per output
+element instead of one per score).
+
+A `Schedule` says how the same values are computed:
+  * `row_chunk`: rows per step of a `lax.map` over the batch (keeps a chunk's scores in cache);
+  * `causal_blocks`: causal self-attention in equal query blocks, block i against the keys up to
+    its end only (skips the masked upper triangle).
+`REFERENCE` (all rows, one block) is the plain path; `choose_schedule` is the one place that picks
+a schedule, from the devices the computation runs on. Why and how much each schedule saves:
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "NEG_INF",
+    "Schedule",
+    "REFERENCE",
+    "CPU_SCORES_BYTES",
+    "CPU_CAUSAL_BLOCK",
+    "CPU_MAX_CAUSAL_BLOCKS",
+    "device_platform",
+    "row_chunk",
+    "causal_blocks",
+    "choose_schedule",
+    "attention",
+]
+
+Array = jax.Array
+NEG_INF = -1e30  # finite, so fully masked (padding) query rows give a uniform softmax, not NaN
+
+# CPU: the fp32 scores of one row chunk should stay cache-resident (a few MiB).
+CPU_SCORES_BYTES = 2 * 1024 * 1024
+# CPU causal query blocks: 32 columns each (64 was slower), at most 8 blocks.
+CPU_CAUSAL_BLOCK = 32
+CPU_MAX_CAUSAL_BLOCKS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How `attention` walks its work; every schedule gives the reference path's values.
+
+    Attributes:
+      row_chunk: rows per `lax.map` step (must divide the batch); None or >= B: all rows at once.
+      causal_blocks: equal query blocks of causal self-attention (must divide T); 1: one block.
+    """
+
+    row_chunk: int | None = None
+    causal_blocks: int = 1
+
+
+REFERENCE = Schedule()
+
+
+def device_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices a computation traced now runs on: the
+    current mesh's devices when one is set (`jax.set_mesh`), else the default device's
+    (`jax.default_device` honoured), not merely `jax.default_backend()`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not getattr(mesh, "empty", True):
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None:
+            return device.platform
+    default = jax.config.jax_default_device
+    if isinstance(default, str):
+        return jax.devices(default)[0].platform
+    if default is not None:
+        return default.platform
+    return jax.devices()[0].platform
+
+
+def row_chunk(batch: int, scores_bytes_per_row: int, budget: int | None = None) -> int:
+    """Rows per chunk whose fp32 scores fit in `budget` (default `CPU_SCORES_BYTES`): `batch`
+    when all fit, else the largest divisor of `batch` that fits (at least 1)."""
+    budget = CPU_SCORES_BYTES if budget is None else budget
+    if batch * scores_bytes_per_row <= budget:
+        return batch
+    fit = max(1, budget // max(scores_bytes_per_row, 1))
+    return max(c for c in range(1, min(fit, batch) + 1) if batch % c == 0)
+
+
+def causal_blocks(t: int, block: int | None = None, max_blocks: int | None = None) -> int:
+    """Equal query blocks for causal self-attention over T columns: T / `block` (default
+    `CPU_CAUSAL_BLOCK`) when T is a multiple of it, capped at `max_blocks` (default
+    `CPU_MAX_CAUSAL_BLOCKS`) by the largest divisor of T below the cap; else 1."""
+    block = CPU_CAUSAL_BLOCK if block is None else block
+    max_blocks = CPU_MAX_CAUSAL_BLOCKS if max_blocks is None else max_blocks
+    n = t // block if t % block == 0 else 1
+    while n > max_blocks or (n > 1 and t % n):
+        n -= 1
+    return max(n, 1)
+
+
+def choose_schedule(batch: int, queries: int, keys: int, query_heads: int, *, causal: bool) -> Schedule:
+    """The schedule for q [B=batch, T=queries, N=query_heads, Hd] over S=keys slots.
+
+    CPU without a mesh: row chunks (`row_chunk`) and, for causal self-attention, query blocks
+    (`causal_blocks`). Accelerators fuse attention themselves and a mesh hands the batch to the
+    partitioner: `REFERENCE` there.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if (mesh is not None and not getattr(mesh, "empty", True)) or device_platform() != "cpu":
+        return REFERENCE
+    return Schedule(
+        row_chunk=row_chunk(batch, queries * query_heads * keys * 4),
+        causal_blocks=causal_blocks(queries) if causal else 1,
+    )
+
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    *,
+    cache_layout: bool = False,
+    causal: bool = False,
+    schedule: Schedule | None = None,
+) -> Array:
+    """Attention of q [B, T, N, Hd] over keys/values where mask bool [B, T, S] is True -> [B, T, N, Hd].
+
+    Keys/values are [B, S, K, Hd] or, with `cache_layout`, one layer of a KV cache read as it
+    lies: keys [B, K, Hd, S], values [B, K, S, Hd]. The result is in q's dtype.
+
+    `causal` (static) promises that the mask is causal self-attention (S = T, column j attends no
+    key after j; the mask may hide more, e.g. padding), which lets a schedule use query blocks.
+    Blocks give the reference values at every column that attends at least one key; a fully
+    masked padding column averages its block's values instead of all T (meaningless either way).
+
+    `schedule`: None picks one (`choose_schedule`); pass `REFERENCE` for the plain path.
+
+    Raises:
+      ValueError: a schedule that does not fit (row_chunk not dividing B, causal blocks without
+        `causal`, with `cache_layout`, or not dividing T).
+    """
+    b, t, n, _ = q.shape
+    s = mask.shape[-1]
+    if schedule is None:
+        schedule = choose_schedule(b, t, s, n, causal=causal and not cache_layout)
+    blocks = schedule.causal_blocks
+    if blocks > 1 and (not causal or cache_layout or t % blocks or s != t):
+        raise ValueError(
+            f"attention: {blocks} causal blocks need causal self-attention with T={t} "
+            f"divisible by them and S=T (got S={s}, cache_layout={cache_layout})"
+        )
+    chunk = b if schedule.row_chunk is None else min(schedule.row_chunk, b)
+    if b % chunk:
+        raise ValueError(f"attention: row_chunk {schedule.row_chunk} does not divide the batch {b}")
+    if chunk == b:
+        return _attend_blocks(q, k, v, mask, cache_layout, blocks)
+
+    def split(a):
+        return a.reshape((b // chunk, chunk) + a.shape[1:])
+
+    out = jax.lax.map(lambda xs: _attend_blocks(*xs, cache_layout, blocks), (split(q), split(k), split(v), split(mask)))
+    return out.reshape((b,) + out.shape[2:])
+
+
+def _attend_blocks(q: Array, k: Array, v: Array, mask: Array, cache_layout: bool, blocks: int) -> Array:
+    """`_attend` with the T query columns in `blocks` equal blocks, block i against keys
+    [0, (i + 1) T / blocks) only (causal self-attention; keys/values [B, T, K, Hd])."""
+    if blocks == 1:
+        return _attend(q, k, v, mask, cache_layout)
+    tb = q.shape[1] // blocks
+    outs = [
+        _attend(
+            q[:, i * tb : (i + 1) * tb],
+            k[:, : (i + 1) * tb],
+            v[:, : (i + 1) * tb],
+            mask[:, i * tb : (i + 1) * tb, : (i + 1) * tb],
+            cache_layout,
+        )
+        for i in range(blocks)
+    ]
+    return jnp.concatenate(outs, axis=1)
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Array:
+    """The reference computation on all the rows and columns it is given: -> [B, T, N, Hd]."""
+    b, t, n, hd = q.shape
+    kh = k.shape[1] if cache_layout else k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
+    batch = ((0, 1), (0, 1))
+    if cache_layout:  # k [B, K, Hd, S]
+        scores = jax.lax.dot_general(qg, k, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+    else:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, S, Hd]
+        scores = jax.lax.dot_general(qg, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
+    if t == 1:
+        # Decode: mask the [B, K, G, S] scores as the dot laid them out (no relayout copy).
+        scores = jnp.where(mask[:, :, None, :], scores * (hd**-0.5), NEG_INF)
+    else:
+        scores = scores.reshape(b, kh, g, t, -1) * (hd**-0.5)  # [B, K, G, T, S]
+        scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    denom = jnp.sum(e, axis=-1).reshape(b, kh, g, t, 1)
+    e = e.astype(q.dtype).reshape(b, kh, g * t, -1)
+    out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+    out = (out.reshape(b, kh, g, t, hd) / denom).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
