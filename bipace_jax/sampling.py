@@ -7,7 +7,7 @@ the KV cache and yields the first token and the prompt fingerprints, and a ``lax
 device runs ``decode_step`` until every row has stopped (EOS, a stop string, or ``max_new_tokens``).
 Nothing inside the loop calls back to Python.
 
-Shape letters (spec ``architecture.md``): B batch (rows), T prompt tokens, M new tokens, V vocabulary,
+Shape letters: B batch (rows), T prompt tokens, M new tokens, V vocabulary,
 D hidden width, S stop strings, Q stop-string states.
 
 Sampling (per row, per step), in the order Hugging Face's logits processors apply them:
@@ -31,13 +31,15 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "SamplerConfig",
@@ -91,8 +93,10 @@ class SamplerConfig:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise ValueError(f"SamplerConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"SamplerConfig.temperature must be finite and > 0 (use greedy=True for argmax), "
-                             f"got {self.temperature!r}")
+            raise ValueError(
+                f"SamplerConfig.temperature must be finite and > 0 (use greedy=True for argmax), "
+                f"got {self.temperature!r}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplerConfig.top_p must lie in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -100,7 +104,9 @@ class SamplerConfig:
         for name in ("batch_buckets", "length_buckets"):
             b = getattr(self, name)
             if not b or any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
-                raise ValueError(f"SamplerConfig.{name} must be a non-empty strictly ascending tuple of ints >= 1, got {b!r}")
+                raise ValueError(
+                    f"SamplerConfig.{name} must be a non-empty strictly ascending tuple of ints >= 1, got {b!r}"
+                )
         if any((not isinstance(s, str)) or not s for s in self.stop_strings):
             raise ValueError(f"SamplerConfig.stop_strings must be non-empty strings, got {self.stop_strings!r}")
         if self.eos_token_ids is not None and any((not isinstance(t, int)) or t < 0 for t in self.eos_token_ids):
@@ -117,7 +123,7 @@ class SampleOutput(NamedTuple):
         temperature, before top-k/top-p truncation: ``log_softmax(logits / temperature)[token]``
         (temperature 1 when greedy); 0 past ``lengths``.
       fingerprints: float32[B, D] the actor's prompt fingerprints from the prefill (hidden state at the
-        last prompt token, L2-normalised; spec ``estimators.md``).
+        last prompt token, L2-normalised; docs/estimators.md).
     """
 
     tokens: np.ndarray
@@ -152,9 +158,8 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
     apply_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
     if top_k <= 0 and not apply_p:
         return logits
-    # No sort over V (XLA's CPU sort calls a comparator per comparison: ~4 ms per decode step at
-    # B=64, V=512). Both thresholds are found by bisection over the logits' order-preserving int32
-    # keys, 32 halvings of the key range, each one masked count or sum over V.
+    # No sort over V: XLA's CPU sort calls a comparator per comparison (docs/performance.md). Both
+    # thresholds are bisected over the logits' order-preserving int32 keys (32 masked reductions).
     key = _order_key(logits)
     lo = jnp.min(key, axis=-1, keepdims=True)
     hi = jnp.max(key, axis=-1, keepdims=True)
@@ -166,6 +171,7 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
             mid = _mid_key(lo_, hi_, up=True)
             ok = jnp.sum(key >= mid, axis=-1, keepdims=True) >= top_k
             return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid - 1)
+
         t_k, _ = jax.lax.fori_loop(0, 32, kth, (lo, hi))
         logits = jnp.where(key >= t_k, logits, -jnp.inf)
         key = jnp.where(key >= t_k, key, _order_key(jnp.float32(-jnp.inf)))
@@ -175,11 +181,13 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
         # < top_p (renormalised over the top-k set): the sorted rule above, ties included. The kept
         # set is {key >= t} for the smallest key t whose strictly-larger mass is < top_p.
         probs = jax.nn.softmax(logits, axis=-1)
+
         def nucleus(_, bounds):
             lo_, hi_ = bounds
             mid = _mid_key(lo_, hi_, up=False)
             ok = jnp.sum(jnp.where(key > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
             return jnp.where(ok, lo_, mid + 1), jnp.where(ok, mid, hi_)
+
         _, t_p = jax.lax.fori_loop(0, 32, nucleus, (lo, hi))
         logits = jnp.where(key >= t_p, logits, -jnp.inf)
     return logits
@@ -202,8 +210,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """int32[...]: ``jnp.argmax(x, axis=-1)`` (first maximum; first NaN if any) for float ``x[..., V]``.
 
     Computed as the smallest index where ``x`` equals its maximum (or is NaN): two plain reductions,
-    which XLA's CPU backend vectorises, instead of the (value, index) pair reduction of
-    ``jnp.argmax`` (~10x slower per decode step there). Same result for every input.
+    which XLA's CPU backend vectorises, instead of ``jnp.argmax``'s slower (value, index) pair
+    reduction (docs/performance.md). Same result for every input.
     """
     v = x.shape[-1]
     peak = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row holds a NaN
@@ -212,8 +220,16 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, iota, v), axis=-1).astype(jnp.int32)
 
 
-def sample_tokens(logits: jax.Array, row_keys: jax.Array, step: jax.Array | int, temperature: jax.Array | float,
-                  *, greedy: bool, top_k: int = 0, top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def sample_tokens(
+    logits: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array | int,
+    temperature: jax.Array | float,
+    *,
+    greedy: bool,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
     Args:
@@ -251,8 +267,9 @@ def sample_tokens(logits: jax.Array, row_keys: jax.Array, step: jax.Array | int,
 
 def _byte_decoder() -> dict[str, int]:
     """The inverse of the byte-level BPE alphabet (GPT-2 / Qwen): printable unicode char -> byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = list(printable)
     extra = 0
     for b in range(256):
@@ -342,7 +359,7 @@ def stop_string_table(token_texts: Sequence[bytes], stop_strings: Sequence[str])
     mat = np.zeros((v, max(width, 1)), np.uint8)
     for i, t in enumerate(token_texts):
         if t:
-            mat[i, :len(t)] = np.frombuffer(t, np.uint8)
+            mat[i, : len(t)] = np.frombuffer(t, np.uint8)
     for s, pat in enumerate(patterns):
         dfa = _kmp_dfa(pat)
         length = len(pat)
@@ -411,8 +428,21 @@ def _advance_stop(table: jax.Array, stop_lens: jax.Array, state: jax.Array, toke
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"))
-def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_mask, key, temperature,
-                     table, stop_lens, eos_ids, *, static: _Static):
+def _prefill_program(
+    graphdef,
+    state,
+    input_ids,
+    attention_mask,
+    row_ids,
+    row_mask,
+    key,
+    temperature,
+    table,
+    stop_lens,
+    eos_ids,
+    *,
+    static: _Static,
+):
     """Prefill + the first token. Returns the first-step carry and the filled KV cache."""
     actor = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
@@ -424,8 +454,9 @@ def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_ma
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     logits = out.logits
     keys = _row_keys(key, row_ids)
-    token, logp = sample_tokens(logits, keys, 0, temperature, greedy=static.greedy, top_k=static.top_k,
-                                top_p=static.top_p)
+    token, logp = sample_tokens(
+        logits, keys, 0, temperature, greedy=static.greedy, top_k=static.top_k, top_p=static.top_p
+    )
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     token = jnp.where(row_mask, token, static.pad_id)
@@ -435,8 +466,24 @@ def _prefill_program(graphdef, state, input_ids, attention_mask, row_ids, row_ma
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("cache",))
-def _decode_program(graphdef, state, cache, first_token, first_logp, done, stop_state, row_ids,
-                    row_mask, key, temperature, table, stop_lens, eos_ids, *, static: _Static):
+def _decode_program(
+    graphdef,
+    state,
+    cache,
+    first_token,
+    first_logp,
+    done,
+    stop_state,
+    row_ids,
+    row_mask,
+    key,
+    temperature,
+    table,
+    stop_lens,
+    eos_ids,
+    *,
+    static: _Static,
+):
     """The decode loop (``lax.while_loop``) from the prefilled cache (donated: updated in place)."""
     actor = nnx.merge(graphdef, state)
     b = first_token.shape[0]
@@ -453,8 +500,9 @@ def _decode_program(graphdef, state, cache, first_token, first_logp, done, stop_
     def body(carry):
         i, cache, tokens, logps, lengths, done, stop_state, last = carry
         logits, cache = actor.decode_step(last, cache)
-        token, logp = sample_tokens(logits, keys, i, temperature, greedy=static.greedy, top_k=static.top_k,
-                                    top_p=static.top_p)
+        token, logp = sample_tokens(
+            logits, keys, i, temperature, greedy=static.greedy, top_k=static.top_k, top_p=static.top_p
+        )
         token = jnp.where(done, static.pad_id, token)
         logp = jnp.where(done, 0.0, logp)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
@@ -506,8 +554,13 @@ class Sampler:
       ValueError: no EOS id can be found (tokenizer without ``eos_token_id`` and none configured).
     """
 
-    def __init__(self, tokenizer, config: SamplerConfig, mesh: jax.sharding.Mesh | None = None,
-                 batch_axes: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        config: SamplerConfig,
+        mesh: jax.sharding.Mesh | None = None,
+        batch_axes: tuple[str, ...] | None = None,
+    ):
         if not isinstance(config, SamplerConfig):
             raise TypeError(f"Sampler config must be a SamplerConfig, got {type(config).__name__}")
         self.config = config
@@ -515,7 +568,9 @@ class Sampler:
         self.mesh = mesh
         eos = config.eos_token_ids if config.eos_token_ids is not None else _default_eos_ids(tokenizer)
         if not eos:
-            raise ValueError("Sampler: no EOS token id: the tokenizer has no eos_token_id; set SamplerConfig.eos_token_ids")
+            raise ValueError(
+                "Sampler: no EOS token id: the tokenizer has no eos_token_id; set SamplerConfig.eos_token_ids"
+            )
         self.eos_token_ids = tuple(int(e) for e in eos)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else self.eos_token_ids[0]
@@ -553,8 +608,9 @@ class Sampler:
         for x in self.config.length_buckets:
             if x >= t:
                 return x
-        raise ValueError(f"prompt length {t} exceeds the largest SamplerConfig.length_buckets entry "
-                         f"{self.config.length_buckets[-1]}")
+        raise ValueError(
+            f"prompt length {t} exceeds the largest SamplerConfig.length_buckets entry {self.config.length_buckets[-1]}"
+        )
 
     def _put(self, x, spec):
         if self.mesh is None:
@@ -565,9 +621,11 @@ class Sampler:
         """Device copies of (stop table [S, Q, V], stop lengths [S], EOS ids), per model vocabulary V."""
         if vocab not in self._device_consts:
             rep = P()
-            self._device_consts[vocab] = (self._put(_padded_table(self._table, vocab), rep),
-                                          self._put(self._stop_lens, rep),
-                                          self._put(np.asarray(self.eos_token_ids, np.int32), rep))
+            self._device_consts[vocab] = (
+                self._put(_padded_table(self._table, vocab), rep),
+                self._put(self._stop_lens, rep),
+                self._put(np.asarray(self.eos_token_ids, np.int32), rep),
+            )
         return self._device_consts[vocab]
 
     def _validate(self, prompts, vocab: int):
@@ -583,14 +641,16 @@ class Sampler:
             if not np.issubdtype(a.dtype, np.integer):
                 raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {a.dtype}")
             if a.min() < 0 or a.max() >= vocab:
-                raise ValueError(f"prompts[{i}] holds token id {int(a.min() if a.min() < 0 else a.max())} "
-                                 f"outside [0, {vocab})")
+                raise ValueError(
+                    f"prompts[{i}] holds token id {int(a.min() if a.min() < 0 else a.max())} outside [0, {vocab})"
+                )
             arrays.append(a.astype(np.int32))
         return arrays
 
     # -- the call ---------------------------------------------------------------------------------
-    def generate(self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array,
-                 temperature: float | None = None) -> SampleOutput:
+    def generate(
+        self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array, temperature: float | None = None
+    ) -> SampleOutput:
         """Samples one response per prompt.
 
         Args:
@@ -616,13 +676,17 @@ class Sampler:
         t_bucket = self.length_bucket(max(a.size for a in arrays))
         chunk = self.config.batch_buckets[-1]
         graphdef, state = nnx.split(actor)
-        self.last_timing = dict(prefill_s=0.0, decode_s=0.0, prompt_tokens=float(sum(a.size for a in arrays)),
-                                new_tokens=0.0)
+        self.last_timing = dict(
+            prefill_s=0.0, decode_s=0.0, prompt_tokens=float(sum(a.size for a in arrays)), new_tokens=0.0
+        )
         parts = []
-        with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()):
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             for start in range(0, len(arrays), chunk):
-                parts.append(self._generate_chunk(graphdef, state, arrays[start:start + chunk], start, t_bucket,
-                                                  key, temp, vocab))
+                parts.append(
+                    self._generate_chunk(
+                        graphdef, state, arrays[start : start + chunk], start, t_bucket, key, temp, vocab
+                    )
+                )
         return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
 
     @staticmethod
@@ -641,8 +705,8 @@ class Sampler:
         ids = np.full((b_bucket, t_bucket), self.pad_id, np.int32)
         mask = np.zeros((b_bucket, t_bucket), np.int32)
         for i, a in enumerate(arrays):
-            ids[i, t_bucket - a.size:] = a
-            mask[i, t_bucket - a.size:] = 1
+            ids[i, t_bucket - a.size :] = a
+            mask[i, t_bucket - a.size :] = 1
         mask[n:, -1] = 1
         row_mask = np.arange(b_bucket) < n
         return ids, mask, row_mask
@@ -653,23 +717,48 @@ class Sampler:
         ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
         b_bucket = ids.shape[0]
         row_ids = np.arange(offset, offset + b_bucket, dtype=np.int32)
-        static = _Static(greedy=cfg.greedy, top_k=cfg.top_k, top_p=float(cfg.top_p), max_new_tokens=cfg.max_new_tokens,
-                         cache_length=t_bucket + cfg.max_new_tokens, pad_id=self.pad_id)
+        static = _Static(
+            greedy=cfg.greedy,
+            top_k=cfg.top_k,
+            top_p=float(cfg.top_p),
+            max_new_tokens=cfg.max_new_tokens,
+            cache_length=t_bucket + cfg.max_new_tokens,
+            pad_id=self.pad_id,
+        )
         spec2 = P(self.batch_axes or None, None)
         spec1 = P(self.batch_axes or None)
         table, stop_lens, eos_ids = self._consts(vocab)
-        ids, mask, row_ids_d, row_mask_d = (self._put(ids, spec2), self._put(mask, spec2),
-                                            self._put(row_ids, spec1), self._put(row_mask, spec1))
+        ids, mask, row_ids_d, row_mask_d = (
+            self._put(ids, spec2),
+            self._put(mask, spec2),
+            self._put(row_ids, spec1),
+            self._put(row_mask, spec1),
+        )
         temp_d = jnp.float32(temp)
         t0 = time.perf_counter()
         token, logp, done, stop_state, fingerprint, cache = _prefill_program(
-            graphdef, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, table, stop_lens, eos_ids, static=static)
+            graphdef, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, table, stop_lens, eos_ids, static=static
+        )
         token.block_until_ready()
         t1 = time.perf_counter()
         if cfg.max_new_tokens > 1:
             tokens, logps, lengths, cache = _decode_program(
-                graphdef, state, cache, token, logp, done, stop_state, row_ids_d, row_mask_d, key, temp_d,
-                table, stop_lens, eos_ids, static=static)
+                graphdef,
+                state,
+                cache,
+                token,
+                logp,
+                done,
+                stop_state,
+                row_ids_d,
+                row_mask_d,
+                key,
+                temp_d,
+                table,
+                stop_lens,
+                eos_ids,
+                static=static,
+            )
         else:
             tokens, logps, lengths = token[:, None], logp[:, None], row_mask_d.astype(jnp.int32)
         del cache
@@ -678,5 +767,9 @@ class Sampler:
         self.last_timing["prefill_s"] += t1 - t0
         self.last_timing["decode_s"] += t2 - t1
         self.last_timing["new_tokens"] += float(lengths[:n].sum())
-        return (np.asarray(tokens[:n], np.int32), np.asarray(lengths[:n], np.int32),
-                np.asarray(logps[:n], np.float32), np.asarray(fingerprint[:n], np.float32))
+        return (
+            np.asarray(tokens[:n], np.int32),
+            np.asarray(lengths[:n], np.int32),
+            np.asarray(logps[:n], np.float32),
+            np.asarray(fingerprint[:n], np.float32),
+        )

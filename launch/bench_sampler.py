@@ -21,12 +21,9 @@ first model of ``--models`` (target: >= 3 on CPU). Each measurement is the media
 ours and HF alternating so that both see the same machine load, after warm-up (compilation is
 reported as ``compile_s`` and excluded, as in a training run that reuses each compiled bucket). Each
 timed run directly follows an untimed run of the same side (``--warm_each``), so that neither side
-is timed in the state the other left: after 0.2 s of idle cores (about one HF ``generate()`` call at
-B=64), our two-threaded call at B=64 took 66 instead of 52 ms, and 50 ms when three untimed calls
-came between the pause and the timed one. torch runs with
-its faster thread count (1 or all cores, chosen by one timed call each). On a shared 2-core machine,
-runs slow down by 25-45% for seconds at a time (both sides; ours more, being two-threaded); 21 reps
-keep the medians off such stretches.
+is timed in the state the other left (idle cores slow the next call down). torch runs with its
+faster thread count (1 or all cores, chosen by one timed call each). Many reps keep the medians
+off a shared machine's slow stretches. Why this protocol, and past results: docs/performance.md.
 
 On a GPU backend the script measures the Qwen2.5 0.5B and 1.5B presets with random bf16 weights
 against the memory-bandwidth roofline and writes ``benchmarks/sampler_gpu.json``: each decode step
@@ -63,10 +60,26 @@ flags.DEFINE_integer("gpu_new_tokens", 256, "new tokens on the GPU presets")
 # tests/qwen_fixtures.TINY_KWARGS): per-step overheads dominate. "small" has 16x the matrix work per
 # token, where both sides approach the CPU's arithmetic limit.
 BENCH_MODELS = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True),
-    "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    "small": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
 }
 
 # Peak HBM bandwidth by device kind substring (GB/s, vendor data sheets).
@@ -95,15 +108,21 @@ def _tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 600), special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(["<think>craft the planks</think><action>craft 4 oak planks using 1 oak log</action>"] * 50,
-                            trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 600),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        ["<think>craft the planks</think><action>craft 4 oak planks using 1 oak log</action>"] * 50, trainer
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def _prompts(n: int, vocab: int, lo: int, hi: int, seed: int):
     import numpy as np
+
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
@@ -111,10 +130,16 @@ def _prompts(n: int, vocab: int, lo: int, hi: int, seed: int):
 def _ours_runner(actor, tok, prompts, new_tokens):
     """(run, compile_s): ``run()`` -> (SampleOutput, total_s, prefill_s, decode_s), compiled and warm."""
     import jax
+
     from bipace_jax.sampling import Sampler, SamplerConfig
 
-    cfg = SamplerConfig(max_new_tokens=new_tokens, greedy=True, stop_strings=(), batch_buckets=(len(prompts),),
-                        length_buckets=(max(FLAGS.prompt_max, 8),))
+    cfg = SamplerConfig(
+        max_new_tokens=new_tokens,
+        greedy=True,
+        stop_strings=(),
+        batch_buckets=(len(prompts),),
+        length_buckets=(max(FLAGS.prompt_max, 8),),
+    )
     sampler = Sampler(tok, cfg)
     key = jax.random.key(0)
 
@@ -147,8 +172,14 @@ def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids):
             # The prompt pass generate() starts with (it passes logits_to_keep=1: last column's logits only).
             model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
             t1 = time.perf_counter()
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                 eos_token_id=list(eos_ids), pad_token_id=pad_id)
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=list(eos_ids),
+                pad_token_id=pad_id,
+            )
             t2 = time.perf_counter()
         return gen[:, width:].numpy(), t2 - t1, t1 - t0
 
@@ -168,6 +199,7 @@ def _gen_tokens(out):
 
 def run_cpu_model(name: str, model_kwargs: dict) -> dict:
     import numpy as np
+
     from bipace_jax.models import load_hf_checkpoint
 
     folder = tempfile.mkdtemp(prefix=f"bench_sampler_{name}_")
@@ -182,8 +214,9 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
         ours_run, compile_s = _ours_runner(actor, tok, prompts, FLAGS.new_tokens)
         hf_run = None
         if not FLAGS.skip_hf:
-            hf_run, threads, trial = _hf_runner(folder, prompts, FLAGS.new_tokens, tok.pad_token_id,
-                                                (tok.eos_token_id,))
+            hf_run, threads, trial = _hf_runner(
+                folder, prompts, FLAGS.new_tokens, tok.pad_token_id, (tok.eos_token_id,)
+            )
         # Alternate the two sides so that both see the same machine load; medians over reps. With
         # --warm_each, each timed call directly follows an untimed call of the same side, so that
         # neither is timed in the state the other left (see the module docstring).
@@ -201,18 +234,41 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
         med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
         new = _gen_tokens(out)
         steps = int(out.lengths.max()) - 1  # decode-loop iterations (the first token comes from the prefill)
-        ours = dict(total_s=med(ours_t, 0), prefill_s=med(ours_t, 1), decode_s=med(ours_t, 2), compile_s=compile_s,
-                    decode_steps=steps, decode_ms_per_step=1e3 * med(ours_t, 2) / max(steps, 1))
-        row = {"prompt_tokens": n_prompt, "new_tokens": new,
-               "ours": {**ours, "prefill_tok_s": n_prompt / ours["prefill_s"], "decode_tok_s": new / ours["decode_s"],
-                        "end_to_end_tok_s": new / ours["total_s"]}}
+        ours = dict(
+            total_s=med(ours_t, 0),
+            prefill_s=med(ours_t, 1),
+            decode_s=med(ours_t, 2),
+            compile_s=compile_s,
+            decode_steps=steps,
+            decode_ms_per_step=1e3 * med(ours_t, 2) / max(steps, 1),
+        )
+        row = {
+            "prompt_tokens": n_prompt,
+            "new_tokens": new,
+            "ours": {
+                **ours,
+                "prefill_tok_s": n_prompt / ours["prefill_s"],
+                "decode_tok_s": new / ours["decode_s"],
+                "end_to_end_tok_s": new / ours["total_s"],
+            },
+        }
         if hf_run is not None:
-            hf = dict(total_s=med(hf_t, 0), prefill_s=med(hf_t, 1), decode_s=med(hf_t, 2), torch_threads=threads,
-                      threads_trial_s={str(k): v for k, v in trial.items()})
-            match = np.mean([np.array_equal(out.tokens[i, :out.lengths[i]], hf_tokens[i, :out.lengths[i]])
-                             for i in range(b)])
-            row["hf"] = {**hf, "prefill_tok_s": n_prompt / hf["prefill_s"], "decode_tok_s": new / hf["decode_s"],
-                         "end_to_end_tok_s": new / hf["total_s"]}
+            hf = dict(
+                total_s=med(hf_t, 0),
+                prefill_s=med(hf_t, 1),
+                decode_s=med(hf_t, 2),
+                torch_threads=threads,
+                threads_trial_s={str(k): v for k, v in trial.items()},
+            )
+            match = np.mean(
+                [np.array_equal(out.tokens[i, : out.lengths[i]], hf_tokens[i, : out.lengths[i]]) for i in range(b)]
+            )
+            row["hf"] = {
+                **hf,
+                "prefill_tok_s": n_prompt / hf["prefill_s"],
+                "decode_tok_s": new / hf["decode_s"],
+                "end_to_end_tok_s": new / hf["total_s"],
+            }
             row["tokens_match_hf"] = float(match)
             row["speedup_prefill"] = hf["prefill_s"] / ours["prefill_s"]
             row["speedup_decode"] = hf["decode_s"] / ours["decode_s"]
@@ -228,11 +284,17 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
 def run_cpu() -> dict:
     import jax
 
-    results = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-               "new_tokens": FLAGS.new_tokens, "prompt_tokens": [FLAGS.prompt_min, FLAGS.prompt_max],
-               "reps": FLAGS.reps, "warm_each": FLAGS.warm_each, "cpu_count": os.cpu_count(),
-               "load_average_at_start": list(os.getloadavg()),
-               "models": {}}
+    results = {
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "new_tokens": FLAGS.new_tokens,
+        "prompt_tokens": [FLAGS.prompt_min, FLAGS.prompt_max],
+        "reps": FLAGS.reps,
+        "warm_each": FLAGS.warm_each,
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": list(os.getloadavg()),
+        "models": {},
+    }
     names = [m for m in FLAGS.models.split(",") if m]
     for name in names:
         results["models"][name] = run_cpu_model(name, BENCH_MODELS[name])
@@ -248,15 +310,20 @@ def run_gpu() -> dict:
     """Qwen2.5 presets (random bf16 weights) against the HBM roofline; GPU backends only."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
+
     from bipace_jax.models import Qwen2Actor, Qwen2Config
 
     kind = str(jax.devices()[0].device_kind)
     gbps = FLAGS.hbm_gbps or next((v for k, v in _HBM_GBPS.items() if k in kind), 0.0)
     tok = _tokenizer(600)
-    out = {"device": kind, "hbm_gbps": gbps, "prompt": FLAGS.gpu_prompt, "new_tokens": FLAGS.gpu_new_tokens,
-           "presets": {}}
+    out = {
+        "device": kind,
+        "hbm_gbps": gbps,
+        "prompt": FLAGS.gpu_prompt,
+        "new_tokens": FLAGS.gpu_new_tokens,
+        "presets": {},
+    }
     for name in [p for p in FLAGS.gpu_presets.split(",") if p]:
         cfg = getattr(Qwen2Config, name)()
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -265,9 +332,15 @@ def run_gpu() -> dict:
         for b in [int(x) for x in FLAGS.batches.split(",")]:
             prompts = _prompts(b, min(600, cfg.vocab_size), FLAGS.gpu_prompt, FLAGS.gpu_prompt, seed=b)
             from bipace_jax.sampling import Sampler, SamplerConfig
-            scfg = SamplerConfig(max_new_tokens=FLAGS.gpu_new_tokens, greedy=True, stop_strings=(),
-                                 eos_token_ids=(cfg.vocab_size - 1,), batch_buckets=(b,),
-                                 length_buckets=(FLAGS.gpu_prompt,))
+
+            scfg = SamplerConfig(
+                max_new_tokens=FLAGS.gpu_new_tokens,
+                greedy=True,
+                stop_strings=(),
+                eos_token_ids=(cfg.vocab_size - 1,),
+                batch_buckets=(b,),
+                length_buckets=(FLAGS.gpu_prompt,),
+            )
             sampler = Sampler(tok, scfg)
             sampler.generate(actor, prompts, jax.random.key(0))
             times = []
@@ -282,41 +355,54 @@ def run_gpu() -> dict:
             roof = b * gbps * 1e9 / step_bytes if gbps else float("nan")
             decode_tok_s = b * steps / t["decode_s"]
             out["presets"][name]["batches"][str(b)] = {
-                "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"], "decode_tok_s": decode_tok_s,
-                "roofline_decode_tok_s": roof, "fraction_of_roofline": decode_tok_s / roof if gbps else None,
-                "new_tokens": float(res.lengths.sum()), **t}
+                "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
+                "decode_tok_s": decode_tok_s,
+                "roofline_decode_tok_s": roof,
+                "fraction_of_roofline": decode_tok_s / roof if gbps else None,
+                "new_tokens": float(res.lengths.sum()),
+                **t,
+            }
         del actor
     return out
 
 
 def _table(results: dict) -> str:
-    lines = [f"{'model':>5} | {'batch':>5} | {'side':>4} | {'prefill tok/s':>13} | {'decode tok/s':>12} | "
-             f"{'e2e tok/s':>9} | speedup e2e"]
+    lines = [
+        f"{'model':>5} | {'batch':>5} | {'side':>4} | {'prefill tok/s':>13} | {'decode tok/s':>12} | "
+        f"{'e2e tok/s':>9} | speedup e2e"
+    ]
     for name, res in results.get("models", {}).items():
         for b, row in res["batches"].items():
             for side in ("ours", "hf"):
                 if side in row:
                     r = row[side]
                     sp = f"{row['speedup_end_to_end']:.2f}x" if side == "ours" and "speedup_end_to_end" in row else ""
-                    lines.append(f"{name:>5} | {b:>5} | {side:>4} | {r['prefill_tok_s']:>13.0f} | "
-                                 f"{r['decode_tok_s']:>12.0f} | {r['end_to_end_tok_s']:>9.0f} | {sp}")
+                    lines.append(
+                        f"{name:>5} | {b:>5} | {side:>4} | {r['prefill_tok_s']:>13.0f} | "
+                        f"{r['decode_tok_s']:>12.0f} | {r['end_to_end_tok_s']:>9.0f} | {sp}"
+                    )
     for name, p in results.get("gpu", {}).get("presets", {}).items():
         for b, r in p["batches"].items():
-            lines.append(f"{name} B={b}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, "
-                         f"roofline {r['roofline_decode_tok_s']:.0f} tok/s ({(r['fraction_of_roofline'] or 0):.0%})")
+            lines.append(
+                f"{name} B={b}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, "
+                f"roofline {r['roofline_decode_tok_s']:.0f} tok/s ({(r['fraction_of_roofline'] or 0):.0%})"
+            )
     return "\n".join(lines)
 
 
 def main(argv):
     del argv
     import jax
+
     results = run_cpu() if jax.default_backend() == "cpu" else {"backend": jax.default_backend()}
     if jax.default_backend() == "gpu":
         results["gpu"] = run_gpu()
     print(_table(results))
     if "speedup_vs_hf" in results:
-        print(f"speedup_vs_hf ({results['speedup_vs_hf_model']} model, min end-to-end over batches): "
-              f"{results['speedup_vs_hf']:.2f}x")
+        print(
+            f"speedup_vs_hf ({results['speedup_vs_hf_model']} model, min end-to-end over batches): "
+            f"{results['speedup_vs_hf']:.2f}x"
+        )
     out = FLAGS.out
     if jax.default_backend() != "cpu" and out == flags.FLAGS["out"].default:
         out = "benchmarks/sampler_gpu.json"  # keep the CPU-vs-HF headline file

@@ -23,15 +23,28 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "TINY_KWARGS", "SPECIAL_TOKENS", "hf_tiny_config", "build_hf_model", "write_tiny_qwen2_checkpoint",
-    "write_tiny_tokenizer", "write_tiny_qwen2_folder", "random_batch",
+    "TINY_KWARGS",
+    "SPECIAL_TOKENS",
+    "hf_tiny_config",
+    "build_hf_model",
+    "write_tiny_qwen2_checkpoint",
+    "write_tiny_tokenizer",
+    "write_tiny_qwen2_folder",
+    "random_batch",
 ]
 
 # Default tiny architecture (HF Qwen2Config keyword names). Matches `Qwen2Config.tiny()`.
 TINY_KWARGS: dict[str, Any] = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
 )
 
 # Qwen2.5's special tokens, in this order they get ids 0, 1, 2 in the tiny tokenizer.
@@ -49,6 +62,7 @@ _CORPUS_WORDS = (
 def hf_tiny_config(**overrides):
     """A `transformers.Qwen2Config` with `TINY_KWARGS` updated by `overrides` (fp32, eager attention)."""
     import transformers
+
     kwargs = {**TINY_KWARGS, **overrides}
     rope_theta = kwargs.pop("rope_theta")
     cfg = transformers.Qwen2Config(**kwargs, rope_parameters={"rope_theta": rope_theta, "rope_type": "default"})
@@ -64,6 +78,7 @@ def build_hf_model(seed: int = 0, weight_std: float = 0.08, **overrides):
     """
     import torch
     import transformers
+
     cfg = hf_tiny_config(**overrides)
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(cfg).eval().to(torch.float32)
@@ -74,8 +89,7 @@ def build_hf_model(seed: int = 0, weight_std: float = 0.08, **overrides):
     return model
 
 
-def write_tiny_qwen2_checkpoint(path: str | os.PathLike, seed: int = 0, weight_std: float = 0.08,
-                                **overrides) -> str:
+def write_tiny_qwen2_checkpoint(path: str | os.PathLike, seed: int = 0, weight_std: float = 0.08, **overrides) -> str:
     """Writes a random tiny HF Qwen2 checkpoint (config.json + model.safetensors) to `path`.
 
     `overrides` are HF Qwen2Config keywords (e.g. tie_word_embeddings=False, num_key_value_heads=1).
@@ -100,13 +114,21 @@ def write_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384, chat_te
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     rng = np.random.default_rng(0)
     corpus = [" ".join(rng.choice(_CORPUS_WORDS, size=12)) for _ in range(400)]
     tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     path = os.fspath(path)
@@ -114,8 +136,9 @@ def write_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384, chat_te
     return path
 
 
-def write_tiny_qwen2_folder(path: str | os.PathLike, seed: int = 0, tokenizer_vocab_size: int = 384,
-                            **overrides) -> str:
+def write_tiny_qwen2_folder(
+    path: str | os.PathLike, seed: int = 0, tokenizer_vocab_size: int = 384, **overrides
+) -> str:
     """A complete tiny folder: HF checkpoint (see `write_tiny_qwen2_checkpoint`) + tokenizer.
 
     The model vocabulary (default 512) must be >= `tokenizer_vocab_size`.
@@ -125,8 +148,9 @@ def write_tiny_qwen2_folder(path: str | os.PathLike, seed: int = 0, tokenizer_vo
     return os.fspath(path)
 
 
-def random_batch(batch: int, length: int, vocab_size: int, padding: str = "left", seed: int = 0,
-                 min_real: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def random_batch(
+    batch: int, length: int, vocab_size: int, padding: str = "left", seed: int = 0, min_real: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Random (input_ids int32[B, T], attention_mask int32[B, T]) with varied real lengths.
 
     padding: "left" (real tokens at the end of each row), "right", or "none". Row 0 is always

@@ -14,8 +14,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bipace_jax.sampling import (Sampler, SamplerConfig, SampleOutput, filter_logits, first_argmax, sample_tokens,
-                                 stop_string_table, token_byte_texts, truncate_at_stop)
+from bipace_jax.sampling import (
+    SampleOutput,
+    Sampler,
+    SamplerConfig,
+    filter_logits,
+    first_argmax,
+    sample_tokens,
+    stop_string_table,
+    token_byte_texts,
+    truncate_at_stop,
+)
 
 CORPUS = [
     "<think>I need planks first</think><action>craft 4 oak planks using 1 oak log</action>\n",
@@ -24,7 +33,7 @@ CORPUS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def small_tokenizer(vocab_size: int = 400):
     """A byte-level BPE (the Qwen2 tokenizer family) trained on a few game lines."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,11 +42,19 @@ def small_tokenizer(vocab_size: int = 400):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
 
 
 class FakeCache(NamedTuple):
@@ -77,8 +94,12 @@ class FakeLM(nnx.Module):
 
     def init_cache(self, batch_size, max_length):
         d = self.embed.shape[1]
-        return FakeCache(jnp.zeros((batch_size, max_length, d)), jnp.zeros((batch_size, max_length), bool),
-                         jnp.zeros((batch_size,), jnp.int32), jnp.zeros((), jnp.int32))
+        return FakeCache(
+            jnp.zeros((batch_size, max_length, d)),
+            jnp.zeros((batch_size, max_length), bool),
+            jnp.zeros((batch_size,), jnp.int32),
+            jnp.zeros((), jnp.int32),
+        )
 
     def prefill(self, input_ids, attention_mask, cache):
         t = input_ids.shape[1]
@@ -176,7 +197,7 @@ def test_stop_table_finds_stop_text_exactly_where_text_search_does():
     pieces = sorted({i for s in CORPUS for i in tok.encode(s)})
     rng = np.random.default_rng(0)
     hits = 0
-    for trial in range(600):
+    for _ in range(600):
         n = int(rng.integers(1, 12))
         seq = list(rng.choice(pieces, size=n))
         state = np.zeros(3, np.int64)
@@ -203,7 +224,7 @@ def test_stop_table_handles_a_stop_text_spread_over_tokens_and_merged_with_other
         if state == 9:
             cut = k
             break
-    assert tok.decode(seq[:cut + 1]).endswith("</action>") or tok.decode(seq[:cut + 1]).endswith("</action>.")
+    assert tok.decode(seq[: cut + 1]).endswith("</action>") or tok.decode(seq[: cut + 1]).endswith("</action>.")
     assert "</action>" not in tok.decode(seq[:cut])
 
 
@@ -278,7 +299,8 @@ def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top
     n = 20000
     keys = jax.random.split(jax.random.key(1234), n)
     toks, logp = jax.jit(functools.partial(sample_tokens, greedy=False, top_k=top_k, top_p=top_p))(
-        jnp.broadcast_to(jnp.asarray(logits), (n, 8)), keys, 3, temperature)
+        jnp.broadcast_to(jnp.asarray(logits), (n, 8)), keys, 3, temperature
+    )
     toks = np.asarray(toks)
     probs = _filtered_probs_oracle(logits.astype(np.float64), temperature, top_k, top_p)
     counts = np.bincount(toks, minlength=8)
@@ -341,8 +363,9 @@ def test_first_argmax_equals_numpy_argmax_with_ties_infinities_and_nan():
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     np.testing.assert_array_equal(got[[5, 6, 7, 8, 9]], [0, 4, 9, 0, 36])
-    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x.reshape(4, 16, 37)))),
-                                  np.argmax(x.reshape(4, 16, 37), axis=-1))
+    np.testing.assert_array_equal(
+        np.asarray(first_argmax(jnp.asarray(x.reshape(4, 16, 37)))), np.argmax(x.reshape(4, 16, 37), axis=-1)
+    )
 
 
 # -- the Sampler on fake models ------------------------------------------------------------------
@@ -364,10 +387,10 @@ def test_greedy_generate_equals_stepwise_argmax_over_the_full_forward():
     assert isinstance(out, SampleOutput) and out.tokens.shape == (5, 12) and out.fingerprints.shape == (5, 16)
     # Step-by-step argmax for one prompt, the slow way (no cache, one full forward per token).
     ref = greedy_reference(model, prompts[1], 12, (2,))
-    np.testing.assert_array_equal(out.tokens[1, :out.lengths[1]], ref)
+    np.testing.assert_array_equal(out.tokens[1, : out.lengths[1]], ref)
     # All prompts: the full forward (no cache) teacher-forced on the sampled tokens takes the same argmax
     # at every response position (so stepwise greedy decoding reproduces them), with the same log-probs.
-    seqs = [p + out.tokens[i, :out.lengths[i]].tolist() for i, p in enumerate(prompts)]
+    seqs = [p + out.tokens[i, : out.lengths[i]].tolist() for i, p in enumerate(prompts)]
     width = max(map(len, seqs))
     ids = jnp.asarray([s_ + [0] * (width - len(s_)) for s_ in seqs], jnp.int32)
     mask = jnp.asarray([[1] * len(s_) + [0] * (width - len(s_)) for s_ in seqs], jnp.int32)
@@ -387,20 +410,24 @@ def test_greedy_generate_equals_stepwise_argmax_over_the_full_forward():
 def test_sampling_stops_right_after_stop_text_and_at_eos():
     tok = small_tokenizer()
     v = len(tok)
-    texts = ["<think>x</think><action>get 2 iron ingot</action>.\nmore text", "<action>inventory</act", "abc</action>",
-             "a/b <a> café"]
+    texts = [
+        "<think>x</think><action>get 2 iron ingot</action>.\nmore text",
+        "<action>inventory</act",
+        "abc</action>",
+        "a/b <a> café",
+    ]
     prompt_len = 3
     script = np.full((4, 64), tok.encode("b")[0], np.int32)
     for r, t in enumerate(texts):
         ids = tok.encode(t)
-        script[r, prompt_len:prompt_len + len(ids)] = ids
+        script[r, prompt_len : prompt_len + len(ids)] = ids
     script[1, prompt_len + len(tok.encode(texts[1]))] = tok.eos_token_id
     model = ScriptedLM(script, v)
     sampler = Sampler(tok, _cfg(stop_strings=("</action>",), max_new_tokens=40, eos_token_ids=None))
     out = sampler.generate(model, [[5, 6, 7]] * 4, jax.random.key(0), temperature=0.5)
-    decoded = [tok.decode(out.tokens[r, :out.lengths[r]], skip_special_tokens=True) for r in range(4)]
-    assert decoded[0] == "<think>x</think><action>get 2 iron ingot</action>."[:len(decoded[0])]
-    assert "</action>" in decoded[0] and "</action>" not in tok.decode(out.tokens[0, :out.lengths[0] - 1])
+    decoded = [tok.decode(out.tokens[r, : out.lengths[r]], skip_special_tokens=True) for r in range(4)]
+    assert decoded[0] == "<think>x</think><action>get 2 iron ingot</action>."[: len(decoded[0])]
+    assert "</action>" in decoded[0] and "</action>" not in tok.decode(out.tokens[0, : out.lengths[0] - 1])
     assert truncate_at_stop(decoded[0], ["</action>"]) == "<think>x</think><action>get 2 iron ingot</action>"
     assert out.tokens[1, out.lengths[1] - 1] == tok.eos_token_id  # EOS kept, then stop
     assert decoded[1] == "<action>inventory</act"
@@ -448,13 +475,16 @@ def test_max_new_tokens_one_returns_the_prefill_token():
     assert out.tokens[0, 0] == greedy_reference(model, [5, 9, 4], 1, ())[0]
 
 
-@pytest.mark.parametrize("prompts,match", [
-    ([], "at least one prompt"),
-    ([[1, 2], []], r"prompts\[1\] must be a non-empty"),
-    ([[1, 2], [1, 10_000]], r"prompts\[1\] holds token id 10000 outside"),
-    ([[1] * 17], "prompt length 17 exceeds the largest SamplerConfig.length_buckets entry 16"),
-    ([[1.5, 2.0]], r"prompts\[0\] must hold integer token ids"),
-])
+@pytest.mark.parametrize(
+    "prompts,match",
+    [
+        ([], "at least one prompt"),
+        ([[1, 2], []], r"prompts\[1\] must be a non-empty"),
+        ([[1, 2], [1, 10_000]], r"prompts\[1\] holds token id 10000 outside"),
+        ([[1] * 17], "prompt length 17 exceeds the largest SamplerConfig.length_buckets entry 16"),
+        ([[1.5, 2.0]], r"prompts\[0\] must hold integer token ids"),
+    ],
+)
 def test_generate_rejects_bad_prompts_with_the_field_named(prompts, match):
     tok = small_tokenizer()
     sampler = Sampler(tok, _cfg())
@@ -462,14 +492,17 @@ def test_generate_rejects_bad_prompts_with_the_field_named(prompts, match):
         sampler.generate(FakeLM(vocab=len(tok)), prompts, jax.random.key(0))
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(temperature=0.0), "temperature must be finite and > 0"),
-    (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
-    (dict(top_k=-1), "top_k must be an int >= 0"),
-    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
-    (dict(batch_buckets=(8, 4)), "batch_buckets must be a non-empty strictly ascending"),
-    (dict(stop_strings=("",)), "stop_strings must be non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(temperature=0.0), "temperature must be finite and > 0"),
+        (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an int >= 0"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (dict(batch_buckets=(8, 4)), "batch_buckets must be a non-empty strictly ascending"),
+        (dict(stop_strings=("",)), "stop_strings must be non-empty strings"),
+    ],
+)
 def test_sampler_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplerConfig(**kw)

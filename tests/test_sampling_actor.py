@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer
+from bipace_jax.models import load_hf_checkpoint, load_tokenizer
 from bipace_jax.sampling import Sampler, SamplerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     from tests.qwen_fixtures import write_tiny_qwen2_folder
+
     return write_tiny_qwen2_folder(tmp_path_factory.mktemp("qwen") / "ckpt", seed=1, weight_std=0.3)
 
 
@@ -34,22 +35,27 @@ def test_greedy_equals_full_forward_argmax_and_hf_generate(tiny_folder):
     actor = load_hf_checkpoint(tiny_folder)
     tok = load_tokenizer(tiny_folder)
     m = 10
-    sampler = Sampler(tok, SamplerConfig(max_new_tokens=m, greedy=True, stop_strings=(), batch_buckets=(4,),
-                                         length_buckets=(16, 48)))
-    prompts = [tok.encode("craft 4 oak planks using 1 oak log"), tok.encode("get stick"),
-               tok.encode("inventory : you see a cabinet and a drawer , take the apple from the fridge")]
+    sampler = Sampler(
+        tok, SamplerConfig(max_new_tokens=m, greedy=True, stop_strings=(), batch_buckets=(4,), length_buckets=(16, 48))
+    )
+    prompts = [
+        tok.encode("craft 4 oak planks using 1 oak log"),
+        tok.encode("get stick"),
+        tok.encode("inventory : you see a cabinet and a drawer , take the apple from the fridge"),
+    ]
     out = sampler.generate(actor, prompts, jax.random.key(0))
     hf = transformers.Qwen2ForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
     eos = set(sampler.eos_token_ids)
     # Oracle 1: argmax of our actor's full forward (no cache) at every response position, teacher-forced
     # on the sampled tokens: if every position matches, step-by-step argmax decoding gives the same tokens.
-    seqs = [p + out.tokens[i, :out.lengths[i]].tolist() for i, p in enumerate(prompts)]
+    seqs = [p + out.tokens[i, : out.lengths[i]].tolist() for i, p in enumerate(prompts)]
     width = max(map(len, seqs))
     ids = np.array([s + [0] * (width - len(s)) for s in seqs], np.int32)
     mask = np.array([[1] * len(s) + [0] * (width - len(s)) for s in seqs], np.int32)  # right padding
     last_prompt = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
-    full = nnx.jit(lambda a, i, m, f: a(i, m, fingerprint_index=f))(actor, jnp.asarray(ids), jnp.asarray(mask),
-                                                                     last_prompt)
+    full = nnx.jit(lambda a, i, m, f: a(i, m, fingerprint_index=f))(
+        actor, jnp.asarray(ids), jnp.asarray(mask), last_prompt
+    )
     logits = np.asarray(full.logits)
     for i, p in enumerate(prompts):
         n = int(out.lengths[i])
@@ -64,9 +70,15 @@ def test_greedy_equals_full_forward_argmax_and_hf_generate(tiny_folder):
         np.testing.assert_allclose(out.fingerprints[i], np.asarray(full.fingerprint)[i], atol=1e-5)
         # Oracle 2: Hugging Face greedy generate on the same checkpoint.
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=m, do_sample=False, eos_token_id=sorted(eos), pad_token_id=tok.pad_token_id)
-        np.testing.assert_array_equal(gen[0, len(p):].numpy(), resp)
+            gen = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=m,
+                do_sample=False,
+                eos_token_id=sorted(eos),
+                pad_token_id=tok.pad_token_id,
+            )
+        np.testing.assert_array_equal(gen[0, len(p) :].numpy(), resp)
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""
@@ -98,10 +110,16 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_over_8_cpu_devices_equals_one_device():
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    res = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        JAX_NUM_CPU_DEVICES="8",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(res.stdout.strip().splitlines()[-1])
     one, eight = result["one"], result["eight"]

@@ -4,7 +4,7 @@
 It is built from a Hugging Face `config.json` (both the transformers-5 layout, where the RoPE base
 sits in `rope_parameters.rope_theta` and the dtype in `dtype`, and the older layout with top-level
 `rope_theta` / `torch_dtype`), from a preset (`qwen2_5_0_5b`, `qwen2_5_1_5b`, `qwen2_5_3b`,
-`qwen2_5_7b`, shapes from the published Qwen2.5 config.json files, spec facts.md) or as a tiny test
+`qwen2_5_7b`, shapes from the published Qwen2.5 config.json files) or as a tiny test
 configuration (`Qwen2Config.tiny(**overrides)`).
 """
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["Qwen2Config"]
 
@@ -59,8 +60,15 @@ class Qwen2Config:
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -69,15 +77,18 @@ class Qwen2Config:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
                     f"Qwen2Config.hidden_size={self.hidden_size} must be divisible by "
-                    f"num_attention_heads={self.num_attention_heads} when head_dim is not given")
+                    f"num_attention_heads={self.num_attention_heads} when head_dim is not given"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"Qwen2Config.head_dim must be a positive even int (RoPE rotates "
-                             f"pairs), got {self.head_dim!r}")
+            raise ValueError(
+                f"Qwen2Config.head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"Qwen2Config.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)")
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)"
+            )
         if not self.rope_theta > 0:
             raise ValueError(f"Qwen2Config.rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
@@ -101,14 +112,14 @@ class Qwen2Config:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    def replace(self, **overrides) -> "Qwen2Config":
+    def replace(self, **overrides) -> Qwen2Config:
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **overrides)
 
     # ----------------------------------------------------------------------------------------------
     # Hugging Face config.json.
     @classmethod
-    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "Qwen2Config":
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Qwen2Config:
         """Builds the config from a HF `config.json` (a file, the folder holding it, or its dict).
 
         Both layouts are read: transformers >= 5 (`rope_parameters: {rope_theta, rope_type}`,
@@ -135,8 +146,7 @@ class Qwen2Config:
         model_type = hf.get("model_type", "qwen2")
         if model_type != "qwen2":
             raise ValueError(f"{where}: model_type must be 'qwen2' (Qwen2/Qwen2.5), got {model_type!r}")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"{where}: missing required field(s) {missing}")
@@ -147,8 +157,9 @@ class Qwen2Config:
         legacy_type = legacy_scaling.get("rope_type", legacy_scaling.get("type"))
         for t in (rope_type, legacy_type):
             if t not in _DEFAULT_ROPE_TYPES:
-                raise ValueError(f"{where}: rope type {t!r} is not supported (only the default "
-                                 f"unscaled RoPE used by Qwen2.5)")
+                raise ValueError(
+                    f"{where}: rope type {t!r} is not supported (only the default unscaled RoPE used by Qwen2.5)"
+                )
         if "rope_theta" in rope:
             rope_theta = float(rope["rope_theta"])
         elif "rope_theta" in hf:
@@ -156,8 +167,9 @@ class Qwen2Config:
         else:
             rope_theta = 10000.0  # HF's Qwen2Config default.
         if hf.get("use_sliding_window", False):
-            raise ValueError(f"{where}: use_sliding_window=true is not supported (Qwen2.5 uses "
-                             f"full attention in every layer)")
+            raise ValueError(
+                f"{where}: use_sliding_window=true is not supported (Qwen2.5 uses full attention in every layer)"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{where}: hidden_act must be 'silu', got {act!r}")
@@ -220,57 +232,101 @@ class Qwen2Config:
         }
 
     # ----------------------------------------------------------------------------------------------
-    # Presets (shapes from the published Qwen2.5 config.json files; spec facts.md).
+    # Presets (shapes from the published Qwen2.5 config.json files).
     @classmethod
-    def qwen2_5_0_5b(cls, **overrides) -> "Qwen2Config":
+    def qwen2_5_0_5b(cls, **overrides) -> Qwen2Config:
         """Qwen2.5-0.5B: D 896, L 24, N 14, K 2, Hd 64, F 4864, V 151936, tied head (~494M params)."""
-        base = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+        base = dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         return cls(**{**base, **overrides})
 
     @classmethod
-    def qwen2_5_1_5b(cls, **overrides) -> "Qwen2Config":
+    def qwen2_5_1_5b(cls, **overrides) -> Qwen2Config:
         """Qwen2.5-1.5B: D 1536, L 28, N 12, K 2, Hd 128, F 8960, V 151936, tied head (~1.54B)."""
-        base = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                    num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+        base = dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         return cls(**{**base, **overrides})
 
     @classmethod
-    def qwen2_5_3b(cls, **overrides) -> "Qwen2Config":
+    def qwen2_5_3b(cls, **overrides) -> Qwen2Config:
         """Qwen2.5-3B: D 2048, L 36, N 16, K 2, Hd 128, F 11008, V 151936, tied head (~3.09B)."""
-        base = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                    num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True)
+        base = dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         return cls(**{**base, **overrides})
 
     @classmethod
-    def qwen2_5_7b(cls, **overrides) -> "Qwen2Config":
+    def qwen2_5_7b(cls, **overrides) -> Qwen2Config:
         """Qwen2.5-7B: D 3584, L 28, N 28, K 4, Hd 128, F 18944, V 152064, untied head (~7.62B)."""
-        base = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                    num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+        base = dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        )
         return cls(**{**base, **overrides})
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "Qwen2Config":
+    def preset(cls, name: str, **overrides) -> Qwen2Config:
         """A preset by name: "0.5b", "1.5b", "3b", "7b" (also "qwen2.5-7b" etc.) or "tiny".
 
         Raises:
           ValueError: unknown name.
         """
         key = name.lower().replace("qwen2.5-", "").replace("qwen2_5_", "").replace("_", ".")
-        table = {"0.5b": cls.qwen2_5_0_5b, "1.5b": cls.qwen2_5_1_5b, "3b": cls.qwen2_5_3b,
-                 "7b": cls.qwen2_5_7b, "tiny": cls.tiny}
+        table = {
+            "0.5b": cls.qwen2_5_0_5b,
+            "1.5b": cls.qwen2_5_1_5b,
+            "3b": cls.qwen2_5_3b,
+            "7b": cls.qwen2_5_7b,
+            "tiny": cls.tiny,
+        }
         if key not in table:
             raise ValueError(f"Qwen2Config.preset: name must be one of {sorted(table)}, got {name!r}")
         return table[key](**overrides)
 
     @classmethod
-    def tiny(cls, **overrides) -> "Qwen2Config":
+    def tiny(cls, **overrides) -> Qwen2Config:
         """A tiny config for tests and CPU runs: V 512, D 64, F 128, L 2, N 4, K 2, Hd 16, fp32.
 
         Any field can be overridden, e.g. `Qwen2Config.tiny(num_key_value_heads=1)`.
         """
-        base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=None, rope_theta=10000.0,
-                    tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=None,
-                    eos_token_id=None, torch_dtype="float32")
+        base = dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=None,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=2048,
+            bos_token_id=None,
+            eos_token_id=None,
+            torch_dtype="float32",
+        )
         return cls(**{**base, **overrides})

@@ -20,8 +20,9 @@ QWEN2_5_CHAT_TEMPLATE_FILE = "qwen2_5_chat_template.jinja"
 
 def qwen2_5_chat_template() -> str:
     """The bundled Qwen2.5 chat template (Jinja source text)."""
-    return importlib.resources.files("bipace_jax").joinpath("data", QWEN2_5_CHAT_TEMPLATE_FILE).read_text(
-        encoding="utf-8")
+    return (
+        importlib.resources.files("bipace_jax").joinpath("data", QWEN2_5_CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    )
 
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
