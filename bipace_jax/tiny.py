@@ -18,7 +18,15 @@ Encoding and decoding are exact inverses on any text (byte-level), including phr
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import environments
+from bipace_jax.config import resolve_template
+from bipace_jax.models import load_tokenizer
+from environments.prompts import build_prompt
 
 # Chat-template special tokens (the Qwen2.5 names; ids are this tokenizer's own, 0, 1, 2).
 ENDOFTEXT = "<|endoftext|>"
@@ -27,6 +35,9 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Non-special tags of the prompt/response format, each one token (the sampler stops on "</action>").
 TAG_TOKENS = ("<action>", "</action>", "<think>", "</think>")
+
+# The assistant turn of the warm start's data and the tokenizer corpus (no think for the tiny actor).
+ACTION_RESPONSE = "<action>{action}</action>"
 
 # ChatML without Qwen2.5's default system prompt ("You are Qwen, ..."): a conversation without a
 # system message gets none. `add_generation_prompt` opens the assistant turn.
@@ -38,8 +49,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 1024,
-                    phrase_tokens: Sequence[str] = (), model_max_length: int = 4096):
+def train_tokenizer(
+    corpus: Iterable[str],
+    *,
+    vocab_size: int = 1024,
+    phrase_tokens: Sequence[str] = (),
+    tags: Sequence[str] = TAG_TOKENS,
+    min_frequency: int = 2,
+    chat_template: str | None = CHAT_TEMPLATE,
+    model_max_length: int | None = 4096,
+):
     """Train a byte-level BPE on ``corpus`` and wrap it with the chat template.
 
     Args:
@@ -49,7 +68,10 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 1024,
         ``vocab_size + len(phrase_tokens) + 4``.
       phrase_tokens: exact strings (e.g. ``"oak planks"``) to add as single non-special tokens;
         matched leftmost-longest anywhere in the text, never normalised.
-      model_max_length: recorded in the tokenizer config.
+      tags: non-special tokens added before the phrases (default the prompt/response tags).
+      min_frequency: pairs seen fewer times are not merged.
+      chat_template: set on the tokenizer (None: none; ``load_tokenizer`` then adds Qwen2.5's).
+      model_max_length: recorded in the tokenizer config (None: transformers' default).
 
     Returns:
       ``transformers.PreTrainedTokenizerFast`` with ``eos_token = "<|im_end|>"``,
@@ -74,15 +96,29 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 1024,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=min_frequency,
+    )
     tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in TAG_TOKENS])
-    tok.add_tokens([AddedToken(p, normalized=False, single_word=False) for p in phrases])
+    if tags:
+        tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in tags])
+    if phrases:
+        tok.add_tokens([AddedToken(p, normalized=False, single_word=False) for p in phrases])
+    kw = {} if model_max_length is None else {"model_max_length": model_max_length}
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        **kw,
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
     return fast
 
 
@@ -99,17 +135,140 @@ def tiny_actor_config(vocab_size: int, **overrides) -> dict:
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     cfg = dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=int(vocab_size),
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=768, hidden_act="silu", max_position_embeddings=2048,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, use_sliding_window=False,
-        attention_dropout=0.0, initializer_range=0.02, bos_token_id=None, eos_token_id=2,
-        pad_token_id=0, torch_dtype="float32")
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=int(vocab_size),
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=768,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
     cfg.update(overrides)
     if cfg["hidden_size"] % cfg["num_attention_heads"]:
-        raise ValueError(f"hidden_size {cfg['hidden_size']} must be divisible by "
-                         f"num_attention_heads {cfg['num_attention_heads']}")
+        raise ValueError(
+            f"hidden_size {cfg['hidden_size']} must be divisible by num_attention_heads {cfg['num_attention_heads']}"
+        )
     return cfg
+
+
+class OracleStep(NamedTuple):
+    """One step of an oracle episode: the state shown (``obs``, earlier ``history``, ``step``), the
+    oracle's ``action`` (None: it has none; the episode ends there) and the observation it led to."""
+
+    task_id: int
+    seed: int
+    step: int
+    obs: Any
+    history: tuple[tuple[str, str], ...]
+    action: str | None
+    next_obs: Any = None
+
+
+def oracle_steps(env, pairs: Iterable[tuple[int, int]], max_steps: int) -> Iterator[OracleStep]:
+    """Plays ``env.oracle_action()`` on each (task_id, seed) until the game ends, ``max_steps`` steps
+    or the oracle has no action, yielding every state visited."""
+    for task_id, seed in pairs:
+        obs, history = env.reset(task_id, seed), []
+        for step in range(max_steps):
+            action = env.oracle_action()
+            if action is None:
+                yield OracleStep(task_id, seed, step, obs, tuple(history), None)
+                break
+            new_obs, _, done, _ = env.step(action)
+            yield OracleStep(task_id, seed, step, obs, tuple(history), action, new_obs)
+            history.append((obs.text, action))
+            obs = new_obs
+            if done:
+                break
+
+
+def oracle_corpus(
+    env,
+    pairs: Iterable[tuple[int, int]],
+    prompts: Callable[[OracleStep], list[str]],
+    *,
+    max_steps: int,
+    response: str = ACTION_RESPONSE,
+    feedback: bool = False,
+) -> list[str]:
+    """Tokenizer corpus of oracle episodes: per step ``prompts(step)``, the response (``response``
+    formatted with the action) and, with ``feedback``, the game's reply."""
+    texts = []
+    for s in oracle_steps(env, pairs, max_steps):
+        texts += prompts(s)
+        if s.action is not None:
+            texts.append(response.format(action=s.action))
+            if feedback:
+                texts.append(s.next_obs.text)
+    return texts
+
+
+_RECIPE = re.compile(r"^craft (\d+) (.+?) using (.+)$")
+_INGREDIENT = re.compile(r"^(\d+) (.+)$")
+
+
+def item_names(lines: Iterable[str]) -> list[str]:
+    """Item names (output and ingredients) of the TextCraft recipe lines among ``lines``, sorted."""
+    names = set()
+    for line in lines:
+        m = _RECIPE.match(line.strip())
+        if not m:
+            continue
+        names.add(m.group(2))
+        for part in m.group(3).split(","):
+            mi = _INGREDIENT.match(part.strip())
+            if mi:
+                names.add(mi.group(2))
+    return sorted(names)
+
+
+def warm_start_tokenizer(
+    game: str,
+    template: Any,
+    *,
+    vocab_size: int = 1024,
+    seeds: int = 2,
+    task_ids: Iterable[int] | None = None,
+    max_steps: int = 40,
+):
+    """The warm start's tokenizer: BPE over oracle games on every goal (all by default) x ``seeds``,
+    plus one token per item name of the recipe lines (about 620 for TextCraft) and the tags.
+
+    The corpus per step: the prompt in the game's default template (history 1, inventory shown on
+    alternate steps), the prompt in ``template`` (history 0, inventory), the response and the feedback.
+    Deterministic: the same arguments give the same ``tokenizer.json``.
+    """
+    env = environments.make(game, max_steps=max_steps)
+    ids = range(env.num_tasks) if task_ids is None else task_ids
+    pairs = [(t, s) for t in ids for s in range(seeds)]
+
+    recipe_lines = set()
+
+    def prompts(s: OracleStep) -> list[str]:
+        if s.step == 0:
+            recipe_lines.update(line for line in s.obs.text.splitlines() if line.startswith("craft "))
+        show = bool((s.task_id + s.seed + s.step) % 2)
+        return [
+            build_prompt(game, s.obs, s.history, s.step, history_length=1, show_inventory=show),
+            build_prompt(game, s.obs, s.history, s.step, history_length=0, show_inventory=True, template=template),
+        ]
+
+    texts = ["user", "assistant", "system"] * 100
+    texts += oracle_corpus(env, pairs, prompts, max_steps=max_steps, feedback=True)
+    return train_tokenizer(texts, vocab_size=vocab_size, phrase_tokens=item_names(recipe_lines))
 
 
 def build_game_tokenizer(config, path: str, num_tasks: int = 64):
@@ -121,45 +280,35 @@ def build_game_tokenizer(config, path: str, num_tasks: int = 64):
     ``<|im_end|>`` (EOS of a response); the Qwen2.5 chat template is added by ``load_tokenizer``.
     Deterministic for a config. Returns the loaded tokenizer.
     """
-    import os
+    game, r = config.env.name, config.rollout
+    env = environments.make(game, max_steps=config.env.max_steps)
+    template = resolve_template(r.template)
+    pairs = [((i * 7919) % env.num_tasks, i) for i in range(num_tasks)]
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    def prompts(s: OracleStep) -> list[str]:
+        return [
+            build_prompt(
+                game,
+                s.obs,
+                s.history,
+                s.step,
+                history_length=min(r.history_length, len(s.history)),
+                template=template,
+                show_inventory=r.show_inventory,
+            )
+        ]
 
-    import environments
-    from bipace_jax.config import resolve_template
-    from bipace_jax.models import load_tokenizer
-    from environments.prompts import build_prompt
-
-    env = environments.make(config.env.name, max_steps=config.env.max_steps)
-    template = resolve_template(config.rollout.template)
-    texts = []
-    for i in range(num_tasks):
-        task = (i * 7919) % env.num_tasks
-        obs = env.reset(task, i)
-        history = []
-        for step in range(config.env.max_steps):
-            texts.append(build_prompt(config.env.name, obs, history, step,
-                                      history_length=min(config.rollout.history_length, len(history)),
-                                      template=template, show_inventory=config.rollout.show_inventory))
-            action = env.oracle_action()
-            if action is None:
-                break
-            texts.append(f"<think>I will {action}.</think><action>{action}</action>")
-            new_obs, _, done, _ = env.step(action)
-            history.append((obs.text, action))
-            obs = new_obs
-            if done:
-                break
+    texts = oracle_corpus(
+        env,
+        pairs,
+        prompts,
+        max_steps=config.env.max_steps,
+        response="<think>I will {action}.</think><action>{action}</action>",
+    )
     texts.append("You are a helpful assistant. system user assistant")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.model.vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
-                                   bos_token=None, unk_token=None)
+    tok = train_tokenizer(
+        texts, vocab_size=config.model.vocab_size, tags=(), min_frequency=0, chat_template=None, model_max_length=None
+    )
     os.makedirs(path, exist_ok=True)
-    fast.save_pretrained(path)
+    tok.save_pretrained(path)
     return load_tokenizer(path)

@@ -1,132 +1,238 @@
-"""Warm start (launch/sft.py): data format, loss, DAgger labelling, and the command end to end."""
+"""Warm start (bipace_jax.sft): data format, the loss and its exact token mean, DAgger labels, summaries."""
 
-import json
-import os
+import dataclasses
+import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import environments
-from bipace_jax.tiny import train_tokenizer
-from launch.build_tokenizer import textcraft_corpus, item_names
-from launch.sft import (Example, PromptBuilder, encode_prompt, encode_response, make_batch,
-                        oracle_episodes, play_policy, summarize, token_nll, validate_config)
+from bipace_jax.learner import Learner
+from bipace_jax.models import Qwen2Actor, Qwen2Config
+from bipace_jax.rollout import Episode, RolloutConfig, collect
+from bipace_jax.sampling import SampleOutput, SamplerConfig
+from bipace_jax.sft import (
+    Example,
+    ResponseNLL,
+    dagger_examples,
+    expert_examples,
+    make_batch,
+    summarize,
+    token_nll,
+    train_step,
+    validate_config,
+)
+from bipace_jax.sharding import make_mesh
+from bipace_jax.tiny import warm_start_tokenizer
+from configs.textcraft_tasks import TEMPLATE
+from environments.pool import EnvPool
+from environments.prompts import build_prompt
 
 TASKS = [300, 301, 150]  # three depth-2 goals
+RCFG = RolloutConfig(
+    game="textcraft",
+    group_size=1,
+    max_steps=15,
+    history_length=0,
+    max_prompt_length=448,
+    show_inventory=True,
+    template=TEMPLATE,
+)
 
 
 @pytest.fixture(scope="module")
 def tok():
-    texts, lines = textcraft_corpus(seeds=1, task_ids=TASKS)
-    return train_tokenizer(texts, vocab_size=400, phrase_tokens=item_names(lines))
+    return warm_start_tokenizer("textcraft", TEMPLATE, vocab_size=400, seeds=1, task_ids=TASKS)
 
 
-def make_env():
-    return environments.make("textcraft", max_steps=15)
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool("textcraft", 2, env_options={"max_steps": 15}, num_workers=1) as p:
+        yield p
 
 
-def test_examples_are_the_rl_prompt_and_the_oracle_action_in_tags(tok):
-    from environments.prompts import build_prompt
+def chat(tok, user):
+    return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
 
-    prompt = PromptBuilder("textcraft", history_length=0, show_inventory=True)
-    examples, stats = oracle_episodes(make_env, [(300, 0)], prompt, tok)
-    assert stats["oracle_win_rate"] == 1.0
-    env = make_env()
-    obs = env.reset(300, 0)
-    history, step = [], 0
-    for ex in examples:  # replay: each example is (chat(build_prompt(state)), oracle action)
+
+def test_expert_examples_are_the_rl_prompt_and_the_oracle_action_in_tags(tok):
+    env = environments.make("textcraft", max_steps=15)
+    examples, stats = expert_examples(env, RCFG, tok, [(300, 0)])
+    assert stats["oracle_win_rate"] == 1.0 and stats["oracle_mean_length"] == len(examples)
+    env = environments.make("textcraft", max_steps=15)
+    obs, history = env.reset(300, 0), []
+    for step, ex in enumerate(examples):  # replay: each example is (chat(build_prompt(state)), oracle action)
         action = env.oracle_action()
-        user = build_prompt("textcraft", obs, history, step, history_length=0, show_inventory=True)
-        chat = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                       add_generation_prompt=True)
-        assert tok.decode(ex.prompt_ids) == chat
+        user = build_prompt("textcraft", obs, history, step, history_length=0, show_inventory=True, template=TEMPLATE)
+        assert tok.decode(ex.prompt_ids) == chat(tok, user)
         assert tok.decode(ex.response_ids) == f"<action>{action}</action><|im_end|>"
+        assert ex.depth == 2 and ex.source == "expert"
         history.append((obs.text, action))
         obs, _, done, _ = env.step(action)
-        step += 1
-    assert done and obs.won and len(examples) == step
+    assert done and obs.won
 
 
 def test_make_batch_places_targets_after_the_prompt():
     ex = [Example([5, 6, 7], [8, 9]), Example([5], [8, 9, 10])]
-    ids, mask, pos, tgt, tmask = make_batch(ex, length=6, pad_id=0, response_length=4)
-    np.testing.assert_array_equal(ids, [[5, 6, 7, 8, 9, 0], [5, 8, 9, 10, 0, 0]])
-    np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    b = make_batch(ex, length=6, pad_id=0, response_length=4)
+    np.testing.assert_array_equal(b.input_ids, [[5, 6, 7, 8, 9, 0], [5, 8, 9, 10, 0, 0]])
+    np.testing.assert_array_equal(b.attention_mask, [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
     # column t predicts token t+1: the last prompt column predicts the first response token
-    np.testing.assert_array_equal(pos, [[2, 3, 0, 0], [0, 1, 2, 0]])
-    np.testing.assert_array_equal(tgt, [[8, 9, 0, 0], [8, 9, 10, 0]])
-    np.testing.assert_array_equal(tmask, [[1, 1, 0, 0], [1, 1, 1, 0]])
+    np.testing.assert_array_equal(b.positions, [[2, 3, 0, 0], [0, 1, 2, 0]])
+    np.testing.assert_array_equal(b.targets, [[8, 9, 0, 0], [8, 9, 10, 0]])
+    np.testing.assert_array_equal(b.target_mask, [[1, 1, 0, 0], [1, 1, 1, 0]])
     with pytest.raises(ValueError, match="response_length"):
         make_batch(ex, length=6, pad_id=0, response_length=2)
     with pytest.raises(ValueError, match="length bucket"):
         make_batch(ex, length=4, pad_id=0, response_length=4)
 
 
-def test_token_nll_matches_numpy_on_masked_tokens():
+def test_token_nll_by_hand():
+    # Row 0: p(target) = 3/4 and 1/2 (argmax right, then a tie broken to index 0: wrong); row 1 masked out.
+    logits = np.array([[[0.0, math.log(3.0)], [0.0, 0.0]], [[5.0, -5.0], [5.0, -5.0]]], np.float32)
+    targets = np.array([[1, 1], [1, 1]], np.int32)
+    mask = np.array([[1, 1], [0, 0]], np.float32)
+    loss, acc = token_nll(logits, targets, mask)
+    np.testing.assert_allclose(float(loss), (math.log(4 / 3) + math.log(2)) / 2, rtol=1e-6)
+    assert float(acc) == 0.5
+    loss, acc = token_nll(logits, targets, mask, denom=4.0)  # a batch-wide denominator
+    np.testing.assert_allclose(float(loss), (math.log(4 / 3) + math.log(2)) / 4, rtol=1e-6)
+
+
+def tiny_learner(vocab, lr=0.0):
+    cfg = Qwen2Config.tiny(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(0))
+    return Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), optax.sgd(lr))
+
+
+def test_micro_batches_give_the_exact_token_mean_of_the_batch():
+    """Rows with 1 to 3 response tokens: the step's loss is the mean NLL over the batch's 9 real response
+    tokens, computed here from the full logits, whatever the micro-batch split."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
-    targets = np.array([[1, 4, 0], [2, 2, 3]], np.int32)
-    mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    picked = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
-    want = -(picked * mask).sum() / mask.sum()
-    acc = ((logits.argmax(-1) == targets) * mask).sum() / mask.sum()
-    loss, got_acc = token_nll(logits, targets, mask)
-    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
-    np.testing.assert_allclose(float(got_acc), acc, rtol=1e-6)
+    ex = [
+        Example(list(rng.integers(3, 50, p)), list(rng.integers(3, 50, r))) for p, r in ((4, 1), (2, 3), (5, 2), (3, 3))
+    ]
+    batch = make_batch(ex, length=8, pad_id=0, response_length=3)
+    learner = tiny_learner(64)
+    logits = np.asarray(learner.actor(jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask)).logits)
+    nll, n, right = 0.0, 0, 0
+    for r, e in enumerate(ex):
+        for k, t in enumerate(e.response_ids):
+            row = logits[r, len(e.prompt_ids) - 1 + k].astype(np.float64)
+            nll += np.log(np.exp(row - row.max()).sum()) + row.max() - row[t]
+            right += int(row.argmax() == t)
+            n += 1
+    assert n == 9
+    whole = train_step(learner, batch, 0)
+    split = train_step(learner, batch, 1)  # four one-row micro-batches; lr 0 keeps the parameters
+    for got in (whole, split):
+        np.testing.assert_allclose(got["loss"], nll / n, rtol=1e-5)
+        np.testing.assert_allclose(got["token_accuracy"], right / n, rtol=1e-6)
+    np.testing.assert_allclose(whole["grad_norm"], split["grad_norm"], rtol=1e-4)
+    assert ResponseNLL() == ResponseNLL() and hash(ResponseNLL()) == hash(ResponseNLL())
 
 
-def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_state(tok):
-    """A policy that first wastes a step on a wrong `get` then follows the oracle: the oracle
-    labels re-plan from the state the policy actually reached (the recovery data DAgger adds)."""
-    prompt = PromptBuilder("textcraft", history_length=0, show_inventory=True)
-    made = []
+class ScriptedSampler:
+    """Answers each turn with ``script(turn, live env count)`` texts, like a Sampler."""
 
-    def make_tracked_env():
-        made.append(make_env())
-        return made[-1]
+    def __init__(self, tok, script):
+        self.config = SamplerConfig(max_new_tokens=24, length_buckets=(448,))
+        self.tok, self.script, self.turn = tok, script, 0
+        self.eos_token_ids, self.pad_id = (tok.eos_token_id,), tok.pad_token_id
 
-    def generate(prompts):  # one game: look at its env to act
-        env = made[0]
-        return ["<action>get 1 dirt</action>" if env._steps == 0 else
-                f"<action>{env.oracle_action()}</action>"]
+    def length_bucket(self, t):
+        return 448
 
-    episodes, examples = play_policy(generate, make_tracked_env, [(300, 7)], prompt, tok,
-                                     max_steps=15, label=True)
-    assert episodes[0]["won"] and episodes[0]["invalid"] == 0
-    assert len(examples) == episodes[0]["length"]
-    # replay the same actions and check every label is the oracle's action from that state
-    env = make_env()
-    env.reset(300, 7)
-    actions = ["get 1 dirt"]
-    assert tok.decode(examples[0].response_ids) == f"<action>{env.oracle_action()}</action><|im_end|>"
-    env.step(actions[0])
-    for ex in examples[1:]:
-        a = env.oracle_action()
-        assert tok.decode(ex.response_ids) == f"<action>{a}</action><|im_end|>"
-        env.step(a)
-    assert all(e.source == "dagger" for e in examples)
+    def generate(self, actor, prompts, key, temperature=None):
+        texts = self.script(self.turn, len(prompts))
+        self.turn += 1
+        m = self.config.max_new_tokens
+        tokens = np.full((len(prompts), m), self.pad_id, np.int32)
+        lengths = np.zeros(len(prompts), np.int32)
+        for r, text in enumerate(texts):
+            ids = self.tok.encode(text) + [self.tok.eos_token_id]
+            tokens[r, : len(ids)], lengths[r] = ids, len(ids)
+        return SampleOutput(
+            tokens, lengths, np.zeros((len(prompts), m), np.float32), np.eye(len(prompts), 4, dtype=np.float32)
+        )
 
 
-def test_unparsable_responses_count_as_invalid_and_send_the_fallback(tok):
-    prompt = PromptBuilder("textcraft", history_length=0, show_inventory=True)
-    episodes, examples = play_policy(lambda ps: ["no tags"] * len(ps), make_env, [(300, 1), (301, 2)],
-                                     prompt, tok, max_steps=3, label=False)
-    assert [e["won"] for e in episodes] == [False, False]
-    assert [e["invalid"] for e in episodes] == [3, 3] and examples == []
-    s = summarize(episodes)
+def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_state(tok, pool):
+    """The policy first wastes a step on a wrong `get`, then follows the oracle: every row's label is
+    the oracle's action from the state that row's prompt showed (the recovery data DAgger adds)."""
+
+    def script(turn, n):
+        return ["<action>get 1 dirt</action>" if turn == 0 else f"<action>{pool.oracle_actions([0])[0]}</action>"]
+
+    res = collect(
+        None,
+        ScriptedSampler(tok, script),
+        pool,
+        tok,
+        [300],
+        [7],
+        RCFG,
+        jax.random.key(0),
+        progress=False,
+        labeler=pool.oracle_actions,
+    )
+    ep = res.episodes[0]
+    assert ep.won and ep.invalid_count == 0 and ep.length == res.rows == len(res.labels)
+    examples = dagger_examples(res, tok)
+    assert len(examples) == res.rows and all(e.source == "dagger" and e.depth == 2 for e in examples)
+    # replay the actions sent: every label is the oracle's action from that state, every prompt the RL one
+    env = environments.make("textcraft", max_steps=15)
+    obs, history = env.reset(300, 7), []
+    for step, (ex, action) in enumerate(zip(examples, res.actions)):
+        want = env.oracle_action()
+        assert res.labels[step] == want
+        assert tok.decode(ex.response_ids) == f"<action>{want}</action><|im_end|>"
+        user = build_prompt("textcraft", obs, history, step, history_length=0, show_inventory=True, template=TEMPLATE)
+        assert tok.decode(ex.prompt_ids) == chat(tok, user)
+        history.append((obs.text, action))
+        obs, _, _, _ = env.step(action)
+    assert res.actions[0] == "get 1 dirt" and res.labels[0] != "get 1 dirt"
+
+
+def test_unparsable_responses_count_as_invalid_and_send_the_fallback(tok, pool):
+    rcfg = dataclasses.replace(RCFG, max_steps=3)
+    res = collect(
+        None,
+        ScriptedSampler(tok, lambda turn, n: ["no tags"] * n),
+        pool,
+        tok,
+        [300, 301],
+        [1, 2],
+        rcfg,
+        jax.random.key(0),
+        progress=False,
+    )
+    assert [e.won for e in res.episodes] == [False, False]
+    assert [e.invalid_count for e in res.episodes] == [3, 3] and set(res.actions) == {"inventory"}
+    s = summarize(res.episodes)
     assert s["success"] == 0.0 and s["invalid_rate"] == 1.0 and s["mean_length"] == 3.0
 
 
 def test_summarize_splits_depths_and_heldout_goals():
-    eps = [dict(task_id=1, depth=2, won=True, length=4, invalid=0),
-           dict(task_id=2, depth=2, won=False, length=15, invalid=3),
-           dict(task_id=3, depth=3, won=True, length=6, invalid=1),
-           dict(task_id=4, depth=2, won=True, length=5, invalid=0)]
+    def ep(task, depth, won, length, invalid):
+        return Episode(task, 0, 0, 0, won=won, length=length, invalid_count=invalid, task_info={"depth": depth})
+
+    eps = [ep(1, 2, True, 4, 0), ep(2, 2, False, 15, 3), ep(3, 3, True, 6, 1), ep(4, 2, True, 5, 0)]
     s = summarize(eps, heldout={4})
     assert s["success"] == 0.75 and s["success_depth2"] == pytest.approx(2 / 3)
     assert s["success_depth3"] == 1.0 and s["success_seen"] == pytest.approx(2 / 3)
-    assert s["success_heldout"] == 1.0 and s["invalid_rate"] == pytest.approx(4 / 30)
+    assert s["success_heldout"] == 1.0 and s["invalid_rate"] == pytest.approx(4 / 30) and s["mean_length"] == 7.5
 
 
 def test_bad_config_fails_with_one_line_naming_the_field():
@@ -135,4 +241,8 @@ def test_bad_config_fails_with_one_line_naming_the_field():
     c = get_config()
     c.train.batch_size = 0
     with pytest.raises(ValueError, match=r"config\.train\.batch_size must be >= 1"):
+        validate_config(c)
+    c = get_config()
+    c.train.micro_batch_rows = 5
+    with pytest.raises(ValueError, match=r"config\.train\.micro_batch_rows must be >= 0 and divide"):
         validate_config(c)

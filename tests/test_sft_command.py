@@ -1,14 +1,12 @@
-"""`python -m launch.sft` end to end, scaled down to CI size, and the shipped warm start.
+"""`python -m launch.sft` (`bipace_jax.sft.run`) end to end, scaled down to CI size.
 
-What this proves (and what it does not): the scaled-down run exercises every stage of the command
-that made the shipped checkpoint (tokenizer build, oracle data, BC, a DAgger round, validation,
-orbax checkpoint, HF export) with the same code and checks that (1) it is deterministic: two runs
-with the same seed write bitwise-identical weights; (2) the tokenizer it builds is exactly the
-shipped one (same `tokenizer.json` vocabulary and merges); (3) the exported folder loads with
-`load_hf_checkpoint` and reproduces the trained actor's logits; (4) a resumed run (orbax) continues
-from the saved round. It does not retrain the shipped checkpoint (that takes tens of minutes on 2
-cores); instead `test_shipped_warm_start_*` loads the shipped folder and re-measures its quality on
-part of the validation panel, so a regressed or corrupted checkpoint fails.
+The scaled-down run exercises every stage of the command (tokenizer build, oracle data, BC, a DAgger
+round through `rollout.collect`, validation, checkpoints, HF export) and checks that (1) two runs with
+the same seed write bitwise-identical weights; (2) the tokenizer it builds is exactly the shipped one
+(same `tokenizer.json` vocabulary and merges); (3) the exported folder loads with `load_hf_checkpoint`
+and holds the checkpointed weights; (4) a run killed during its last round resumes from the saved round
+and ends with the same weights as an uninterrupted one. The shipped weights themselves are played in
+`tests/test_tiny_shipped.py`.
 """
 
 import json
@@ -46,12 +44,13 @@ def small_config():
     c.val.num_heldout = 1
     c.val.seeds_per_goal = 1
     c.val.every_round = False
+    c.env.num_workers = 2
     return c
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from launch.sft import run
+    from bipace_jax.sft import run
 
     out = []
     for k in range(2):
@@ -83,33 +82,36 @@ def test_report_has_validation_by_depth_and_heldout_and_metrics_are_logged(runs)
     assert any(x.startswith("events") for x in os.listdir(work / "w" / "tb"))
 
 
-def test_exported_folder_loads_and_reproduces_the_actors_logits(runs):
+def test_exported_folder_loads_and_holds_the_checkpointed_weights(runs):
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from bipace_jax.checkpointing import Checkpointer
     from bipace_jax.models import load_hf_checkpoint, load_tokenizer
+    from bipace_jax.sft import make_optimizer
 
-    work, _ = runs[0]
+    work, report = runs[0]
     actor = load_hf_checkpoint(str(work / "hf"))
     tok = load_tokenizer(str(work / "hf" / "tokenizer"))
     trained = load_tokenizer(str(work / "w" / "tokenizer"))
     text = "craft 1 stick using 2 oak planks\nInventory: [oak planks] (2)"
     assert tok(text)["input_ids"] == trained(text)["input_ids"]  # exported = trained tokenization
-    ids = tok.apply_chat_template([{"role": "user", "content": "Goal: craft stick."}],
-                                  tokenize=False, add_generation_prompt=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Goal: craft stick."}], tokenize=False, add_generation_prompt=True
+    )
     ids = jnp.asarray([tok(ids, add_special_tokens=False)["input_ids"]], jnp.int32)
     logits = actor(ids, jnp.ones_like(ids)).logits
     assert logits.shape == (1, ids.shape[1], len(tok))
     assert tok.eos_token == "<|im_end|>" and actor.config.eos_token_ids == (tok.eos_token_id,)
-    # the orbax training state of the last round holds the same weights
-    import orbax.checkpoint as ocp
-
-    mgr = ocp.CheckpointManager(str(work / "w" / "checkpoints"))
-    restored = mgr.restore(mgr.latest_step())
-    emb = np.asarray(nnx.state(actor, nnx.Param)["embed"]["embedding"][...])
-    flat = restored["params"]["embed"]["embedding"]
-    flat = flat["value"] if isinstance(flat, dict) else flat
-    np.testing.assert_allclose(np.asarray(flat), emb, rtol=0, atol=0)
+    # the checkpoint of the last round holds the same weights and the update count
+    params = nnx.state(actor, nnx.Param)
+    ckpt = Checkpointer(str(work / "w"))
+    assert ckpt.latest_step() == 1
+    got, _, _, meta = ckpt.restore(1, params, make_optimizer(small_config()).init(params))
+    assert meta["updates"] == report["updates"] == 5
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_command_builds_exactly_the_shipped_tokenizer(runs):
@@ -122,16 +124,27 @@ def test_the_command_builds_exactly_the_shipped_tokenizer(runs):
     assert built["added_tokens"] == shipped["added_tokens"]
 
 
-def test_resume_continues_from_the_saved_round(runs, tmp_path):
-    """A finished run's workdir resumes past its last round: nothing is retrained, same weights."""
+def test_a_run_killed_in_its_last_round_resumes_to_the_same_weights(runs, tmp_path):
+    """Round 1's checkpoint removed (a kill before it committed): the rerun trains round 1 again from
+    round 0's checkpoint and its DAgger data, and ends bitwise where the uninterrupted run did."""
+    import shutil
+
     from safetensors.numpy import load_file
 
-    from launch.sft import run
+    from bipace_jax.sft import run
 
     work, _ = runs[1]
+    shutil.rmtree(work / "w" / "checkpoints" / "1")
     report = run(small_config(), str(work / "w"), str(tmp_path / "hf"), progress=False)
-    assert report["rounds"] == []  # every round was already done
-    a = load_file(str(work / "hf" / "model.safetensors"))
+    assert [r["round"] for r in report["rounds"]] == [1] and report["updates"] == 5
+    assert report["dagger_examples"] == runs[0][1]["dagger_examples"]
+    a = load_file(str(runs[0][0] / "hf" / "model.safetensors"))
     b = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # metrics: one line per update of the final history, the re-run round's lines replacing the lost ones
+    lines = [json.loads(x) for x in open(work / "w" / "metrics.jsonl")]
+    assert [x["iteration"] for x in lines if "train/loss" in x] == [1, 2, 3, 4, 5]
+    # a finished run resumes past its last round: nothing is retrained
+    report = run(small_config(), str(work / "w"), None, progress=False)
+    assert report["rounds"] == [] and report["updates"] == 5

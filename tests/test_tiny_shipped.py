@@ -1,7 +1,7 @@
 """The shipped warm start (bipace_jax/data/textcraft_tiny): loads, is small, and still plays.
 
 The quality check replays the first 16 games of the fixed validation panel (configs.textcraft_tasks)
-with greedy decoding and requires the success rate recorded in the folder's sft_report.json minus
+through the RL loop's own sampler (greedy) and rollout, and requires the success rate recorded in the folder's sft_report.json minus
 two games, and at least one win: a corrupted, random or format-mismatched checkpoint fails it (a
 random actor wins none).
 """
@@ -12,8 +12,9 @@ import os
 import pytest
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "data", "textcraft_tiny")
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(SHIPPED, "config.json")),
-                                reason="no shipped warm start in this checkout")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(os.path.join(SHIPPED, "config.json")), reason="no shipped warm start in this checkout"
+)
 
 # Greedy success on the first NUM_GAMES seen-goal games of the panel, measured when the checkpoint
 # was made (see docs/warm_start.md / the folder's sft_report.json); the test allows MARGIN below it.
@@ -26,7 +27,7 @@ def test_shipped_folder_is_small_and_complete():
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert f in files, f
     size = sum(os.path.getsize(os.path.join(SHIPPED, f)) for f in files)
-    assert size < 12 * 2 ** 20, f"shipped warm start is {size / 2 ** 20:.1f} MiB"
+    assert size < 12 * 2**20, f"shipped warm start is {size / 2**20:.1f} MiB"
 
 
 def test_shipped_checkpoint_loads_with_its_tokenizer_and_chat_template():
@@ -57,31 +58,50 @@ def test_checkpoint_folder_itself_loads_the_trained_tokenizer_despite_its_qwen2_
 
 def test_shipped_warm_start_still_solves_validation_games():
     import jax
-    from flax import nnx
 
     import environments
+    from bipace_jax.config import resolve_template
     from bipace_jax.models import load_hf_checkpoint, load_tokenizer
+    from bipace_jax.rollout import RolloutConfig, collect
+    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.sft import summarize
     from configs import textcraft_tasks as tasks
-    from launch.sft import Generator, PromptBuilder, play_policy, summarize
+    from environments.pool import EnvPool
 
     report = json.load(open(os.path.join(SHIPPED, "sft_report.json")))
     expected = report["greedy_first_games"]["success"]
     actor = load_hf_checkpoint(SHIPPED)
     tok = load_tokenizer(os.path.join(SHIPPED, "tokenizer"))
-
-    def make_env():
-        return environments.make(tasks.GAME, max_steps=tasks.MAX_STEPS)
-
-    train_ids, held = tasks.split(make_env())
+    train_ids, held = tasks.split(environments.make(tasks.GAME, max_steps=tasks.MAX_STEPS))
     panel = tasks.validation_panel(train_ids, held)[:NUM_GAMES]
-    graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
-    gen = Generator(tok, graphdef, max_new_tokens=32, batch_buckets=(NUM_GAMES,),
-                    length_buckets=(224, 288, 384, 448), temperature=0.0)
-    prompt = PromptBuilder(tasks.GAME, tasks.HISTORY_LENGTH, tasks.SHOW_INVENTORY, tasks.TEMPLATE)
-    key = jax.random.key(0)
-    eps, _ = play_policy(lambda ids: gen((params, rest), ids, key), make_env, panel, prompt, tok,
-                         tasks.MAX_STEPS, label=False, fallback_action=tasks.FALLBACK_ACTION)
-    s = summarize(eps)
+    sampler = Sampler(
+        tok,
+        SamplerConfig(max_new_tokens=32, greedy=True, batch_buckets=(NUM_GAMES,), length_buckets=(224, 288, 384, 448)),
+    )
+    rcfg = RolloutConfig(
+        game=tasks.GAME,
+        group_size=1,
+        max_steps=tasks.MAX_STEPS,
+        history_length=tasks.HISTORY_LENGTH,
+        max_prompt_length=448,
+        fallback_action=tasks.FALLBACK_ACTION,
+        show_inventory=tasks.SHOW_INVENTORY,
+        system_prompt=tasks.SYSTEM_PROMPT or None,
+        template=resolve_template("configs.textcraft_tasks:TEMPLATE"),
+    )
+    with EnvPool(tasks.GAME, NUM_GAMES, env_options={"max_steps": tasks.MAX_STEPS}, num_workers=2) as pool:
+        res = collect(
+            actor,
+            sampler,
+            pool,
+            tok,
+            [t for t, _ in panel],
+            [s for _, s in panel],
+            rcfg,
+            jax.random.key(0),
+            progress=False,
+        )
+    s = summarize(res.episodes)
     # at least one win (a random or corrupted actor wins none) and near the recorded rate
     assert s["success"] >= max(expected - MARGIN, 1 / NUM_GAMES), (s, expected)
     assert s["invalid_rate"] < 0.1, s

@@ -2,8 +2,7 @@
 
 import pytest
 
-from bipace_jax.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, tiny_actor_config, train_tokenizer
-from launch.build_tokenizer import item_names
+from bipace_jax.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, item_names, tiny_actor_config, train_tokenizer
 
 CORPUS = [
     "craft 4 oak planks using 1 oak log",
@@ -28,12 +27,15 @@ def test_special_tokens_take_the_first_ids_and_eos_is_im_end(tok):
     assert tok.bos_token is None
 
 
-@pytest.mark.parametrize("text", [
-    "<action>get 3 cobblestone</action>",
-    "craft 1 stone pickaxe using 3 cobblestone, 2 stick\nstonecutter  [stone] (4)",
-    "unicode ✓ ünïcödé\ttabs and   spaces <think>x</think>",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<action>get 3 cobblestone</action>",
+        "craft 1 stone pickaxe using 3 cobblestone, 2 stick\nstonecutter  [stone] (4)",
+        "unicode ✓ ünïcödé\ttabs and   spaces <think>x</think>",
+        "",
+    ],
+)
 def test_encode_decode_round_trip_is_exact(tok, text):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
@@ -80,6 +82,10 @@ def test_bad_arguments_raise_naming_the_field():
 
 
 def test_item_names_reads_outputs_and_ingredients_of_recipe_lines_only():
-    lines = ["craft 4 oak planks using 1 oak log", "craft 1 stone pickaxe using 3 cobblestone, 2 stick",
-             "Goal: craft x.", "Got 3 sand"]
+    lines = [
+        "craft 4 oak planks using 1 oak log",
+        "craft 1 stone pickaxe using 3 cobblestone, 2 stick",
+        "Goal: craft x.",
+        "Got 3 sand",
+    ]
     assert item_names(lines) == ["cobblestone", "oak log", "oak planks", "stick", "stone pickaxe"]
