@@ -11,7 +11,7 @@ tokens, matched leftmost-longest in the raw text ("mossy cobblestone slab" wins 
 cobblestone"). A recipe line then costs a handful of tokens, the same token names an item in the
 recipes, the goal, the inventory and the action, and copying an item name from the prompt into an
 action is one pointer, not a sequence of sub-word pieces: the main failure of a tiny model trained
-from scratch is copying the wrong item (issue 7's probe).
+from scratch is copying the wrong item.
 
 Encoding and decoding are exact inverses on any text (byte-level), including phrase tokens.
 """

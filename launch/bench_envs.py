@@ -5,7 +5,7 @@
 Games: TextCraft (actions: the oracle's plan of each episode, computed before timing), ALFWorld
 when ``environments.make("alfworld")`` works (random admissible actions; skipped with the reason
 otherwise), and a synthetic game that burns 36 ms of CPU a step (``FaultyEnv(step_cost_ms=36)``,
-the ALFWorld step cost quoted in the spec facts) to show the pool on a slow game. Every mode
+about an ALFWorld step's cost on a generated game, see ``environments/alfworld.py``) to show the pool on a slow game. Every mode
 plays the same episodes: ``num_envs`` games stepped together for ``turns`` turns, finished games
 reset (in one batched call) to the next task. Steps/s counts env steps over the whole loop,
 resets included, best of ``--repeats`` runs; pool start-up is reported apart. Prints a table, writes JSON whose headline
