@@ -16,43 +16,45 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.seed = 0                      # one seed: model init, task order, rollout keys, mini-batch shuffles
-    c.num_iterations = 150          # RL iterations in the run (paper: 150)
+    c.seed = 0  # one seed: model init, task order, rollout keys, mini-batch shuffles
+    c.num_iterations = 150  # RL iterations in the run (paper: 150)
 
     # --- the actor -------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
-    c.model.checkpoint = ""         # HF folder (config.json + model.safetensors [+ tokenizer]); "" = random init
-    c.model.tokenizer = ""          # tokenizer folder; "" = the checkpoint's (or, for a random init, one the
-                                    # project builds with `tokenizers` on the game's text, saved in the workdir)
-    c.model.preset = "tiny"         # architecture of a random init: tiny | qwen2_5_0_5b | qwen2_5_1_5b | qwen2_5_3b | qwen2_5_7b
-    c.model.hidden_size = 128       # tiny preset only (random init)
+    c.model.checkpoint = ""  # HF folder (config.json + model.safetensors [+ tokenizer]); "" = random init
+    c.model.tokenizer = ""  # tokenizer folder; "" = the checkpoint's (or, for a random init, one the
+    # project builds with `tokenizers` on the game's text, saved in the workdir)
+    c.model.preset = (
+        "tiny"  # architecture of a random init: tiny | qwen2_5_0_5b | qwen2_5_1_5b | qwen2_5_3b | qwen2_5_7b
+    )
+    c.model.hidden_size = 128  # tiny preset only (random init)
     c.model.num_layers = 2
     c.model.num_heads = 4
     c.model.num_kv_heads = 2
     c.model.intermediate_size = 256
-    c.model.vocab_size = 1024       # tiny preset: size of the BPE the project trains when no tokenizer is given
+    c.model.vocab_size = 1024  # tiny preset: size of the BPE the project trains when no tokenizer is given
     c.model.fingerprint_layer = -1  # HF hidden_states index of the BiPACE fingerprint (paper: -12 1.5B, -8 7B)
-    c.model.dtype = "float32"       # activations: float32 | bfloat16 (norms, softmax, logits stay fp32)
+    c.model.dtype = "float32"  # activations: float32 | bfloat16 (norms, softmax, logits stay fp32)
     c.model.param_dtype = "float32"
 
     # --- the game --------------------------------------------------------------------------
     c.env = ml_collections.ConfigDict()
-    c.env.name = "textcraft"        # textcraft | alfworld | webshop
-    c.env.max_steps = 50            # step cap per episode (ALFWorld 50, WebShop 15)
-    c.env.num_workers = 0           # env pool worker processes; 0 = the pool's default
-    c.env.timeout_s = 30.0          # per-call timeout of the pool before a worker is replaced
+    c.env.name = "textcraft"  # textcraft | alfworld | webshop
+    c.env.max_steps = 50  # step cap per episode (ALFWorld 50, WebShop 15)
+    c.env.num_workers = 0  # env pool worker processes; 0 = the pool's default
+    c.env.timeout_s = 30.0  # per-call timeout of the pool before a worker is replaced
 
     # Task selectors (strings): "all"; "a:b" (ids in range(a, b)); "3,7,9" (ids); "key=v1,v2"
     # (task_info filter, e.g. "depth=2,3" for TextCraft); joined with "&" to intersect.
     c.tasks = ml_collections.ConfigDict()
-    c.tasks.train = "all"           # goals RL trains on
-    c.tasks.holdout = ""            # goals never trained on, validated separately ("" = none); removed from train
-    c.tasks.holdout_every = 0       # also hold out every k-th goal of tasks.train (ascending ids); 0 = none
+    c.tasks.train = "all"  # goals RL trains on
+    c.tasks.holdout = ""  # goals never trained on, validated separately ("" = none); removed from train
+    c.tasks.holdout_every = 0  # also hold out every k-th goal of tasks.train (ascending ids); 0 = none
 
     # --- rollout ---------------------------------------------------------------------------
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.num_groups = 16       # task groups per iteration (over all hosts)
-    c.rollout.group_size = 8        # rollouts per task group (G)
+    c.rollout.num_groups = 16  # task groups per iteration (over all hosts)
+    c.rollout.group_size = 8  # rollouts per task group (G)
     c.rollout.history_length = 2
     c.rollout.max_prompt_length = 2048
     c.rollout.invalid_penalty = 0.1
@@ -60,28 +62,32 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.fallback_action = ""  # action sent to the game for an unparsable response ("" = the game's default)
     c.rollout.require_think = False
     c.rollout.show_inventory = False
-    c.rollout.system_prompt = "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)
-    c.rollout.template = ""         # prompt template: "" = the game's; a JSON object of PromptTemplate fields; or "module:ATTR"
+    c.rollout.system_prompt = (
+        "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)
+    )
+    c.rollout.template = (
+        ""  # prompt template: "" = the game's; a JSON object of PromptTemplate fields; or "module:ATTR"
+    )
 
     c.sampler = ml_collections.ConfigDict()
     c.sampler.max_new_tokens = 512  # response budget (paper 512)
-    c.sampler.temperature = 1.0     # rollout temperature (paper 1.0); PPO trains softmax(logits / T) (verl)
+    c.sampler.temperature = 1.0  # rollout temperature (paper 1.0); PPO trains softmax(logits / T) (verl)
     c.sampler.top_p = 1.0
-    c.sampler.top_k = 0             # 0 = off
+    c.sampler.top_k = 0  # 0 = off
     c.sampler.stop_strings = ("</action>",)
     c.sampler.batch_buckets = (8, 16, 32, 64, 128)
     c.sampler.length_buckets = (128, 256, 512, 1024, 2048, 4096)
 
     # --- advantages (EstimatorConfig) ------------------------------------------------------
     c.estimator = ml_collections.ConfigDict()
-    c.estimator.name = "bipace_q"   # grpo | gigpo | bigpo | bipace_q | bipace_diff
+    c.estimator.name = "bipace_q"  # grpo | gigpo | bigpo | bipace_q | bipace_diff
     c.estimator.gamma = 0.95
     c.estimator.omega = 1.0
-    c.estimator.norm = "mean_std"   # mean_std | mean (WebShop)
-    c.estimator.epsilon = 0.05      # cosine clustering threshold (paper: 0.05 1.5B, 0.10 7B)
-    c.estimator.centroid = "mean"   # mean | leader
+    c.estimator.norm = "mean_std"  # mean_std | mean (WebShop)
+    c.estimator.epsilon = 0.05  # cosine clustering threshold (paper: 0.05 1.5B, 0.10 7B)
+    c.estimator.centroid = "mean"  # mean | leader
     c.estimator.key = "action_tag"  # PACE key: action_tag | first_tokens
-    c.estimator.capacity = 0        # clusters per task group; 0 = the group's row capacity (never overflows)
+    c.estimator.capacity = 0  # clusters per task group; 0 = the group's row capacity (never overflows)
     # One-shot calibration (the paper's sweep): on the first iteration, epsilon becomes the smallest
     # grid value whose singleton step-group rate on that batch's fingerprints is <= the target
     # (paper, TextCraft-7B: clusters 22.4% singletons vs 50.3% for exact hashing). Off: epsilon as set.
@@ -93,7 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.estimator.controller = ml_collections.ConfigDict()
     c.estimator.controller.enabled = False
     c.estimator.controller.target_singleton_rate = 0.25
-    c.estimator.controller.gain = 0.05      # epsilon += clip(gain * (rate - target), -max_step, max_step)
+    c.estimator.controller.gain = 0.05  # epsilon += clip(gain * (rate - target), -max_step, max_step)
     c.estimator.controller.max_step = 0.01
     c.estimator.controller.min_epsilon = 0.0
     c.estimator.controller.max_epsilon = 0.3
@@ -101,50 +107,50 @@ def get_config() -> ml_collections.ConfigDict:
     # --- PPO -------------------------------------------------------------------------------
     c.ppo = ml_collections.ConfigDict()
     c.ppo.clip_eps = 0.2
-    c.ppo.dual_clip = 3.0           # 0 = off
-    c.ppo.kl_coef = 0.01            # low-variance KL to the frozen initial policy; 0 = no reference pass
+    c.ppo.dual_clip = 3.0  # 0 = off
+    c.ppo.kl_coef = 0.01  # low-variance KL to the frozen initial policy; 0 = no reference pass
     c.ppo.kl_bound = 10.0
     c.ppo.entropy_coef = 0.001
-    c.ppo.epochs = 1                # passes over the iteration's rows
-    c.ppo.mini_batch_rows = 0       # rows per optimizer update; 0 = all rows of the iteration (one update)
-    c.ppo.micro_batch_rows = 8      # rows per forward/backward (fixed shape; gradient accumulation)
+    c.ppo.epochs = 1  # passes over the iteration's rows
+    c.ppo.mini_batch_rows = 0  # rows per optimizer update; 0 = all rows of the iteration (one update)
+    c.ppo.micro_batch_rows = 8  # rows per forward/backward (fixed shape; gradient accumulation)
     c.ppo.old_logprobs = "recompute"  # recompute (a forward of the current policy) | sampler (the sampler's own) |
-                                      # fused (stop_gradient inside the gradient pass; needs epochs 1, mini_batch_rows 0)
+    # fused (stop_gradient inside the gradient pass; needs epochs 1, mini_batch_rows 0)
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.learning_rate = 1e-6    # AdamW, constant (paper)
+    c.optim.learning_rate = 1e-6  # AdamW, constant (paper)
     c.optim.warmup_steps = 0
     c.optim.weight_decay = 0.01
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
-    c.optim.grad_clip = 1.0         # global-norm clip
+    c.optim.grad_clip = 1.0  # global-norm clip
 
     # --- validation ------------------------------------------------------------------------
     c.val = ml_collections.ConfigDict()
-    c.val.every = 10                # validate every k iterations (and before the first, after the last); 0 = never
+    c.val.every = 10  # validate every k iterations (and before the first, after the last); 0 = never
     c.val.at_start = True
-    c.val.num_tasks = 64            # panel goals from the training goals (with unseen game seeds)
-    c.val.num_holdout_tasks = 64    # panel goals from the held-out goals (all when fewer)
-    c.val.panel = "spread"          # spread: goals evenly spaced over the sets, seeds val.seed + k; random: drawn with val.seed
-    c.val.seeds_per_goal = 1        # game seeds per panel goal (each a distinct unseen game)
-    c.val.group_size = 1            # plays per panel game (same seed)
+    c.val.num_tasks = 64  # panel goals from the training goals (with unseen game seeds)
+    c.val.num_holdout_tasks = 64  # panel goals from the held-out goals (all when fewer)
+    c.val.panel = "spread"  # spread: goals evenly spaced over the sets, seeds val.seed + k; random: drawn with val.seed
+    c.val.seeds_per_goal = 1  # game seeds per panel goal (each a distinct unseen game)
+    c.val.group_size = 1  # plays per panel game (same seed)
     c.val.temperature = 0.4
-    c.val.seed = 1_000_000          # seed base of the panel; >= 1e6, so never a training game seed (those are < 1e6)
+    c.val.seed = 1_000_000  # seed base of the panel; >= 1e6, so never a training game seed (those are < 1e6)
 
     # --- bookkeeping -----------------------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 1          # save every k iterations (and at the end)
-    c.checkpoint.keep = 2           # checkpoints kept in <workdir>/checkpoints
-    c.checkpoint.export_hf = True   # write <workdir>/hf_final (HF folder) at the end
+    c.checkpoint.every = 1  # save every k iterations (and at the end)
+    c.checkpoint.keep = 2  # checkpoints kept in <workdir>/checkpoints
+    c.checkpoint.export_hf = True  # write <workdir>/hf_final (HF folder) at the end
 
     c.log = ml_collections.ConfigDict()
-    c.log.progress = True           # tqdm bars
-    c.log.plots = True              # PNG plots at the end
+    c.log.progress = True  # tqdm bars
+    c.log.plots = True  # PNG plots at the end
 
     # --- devices ---------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1                # -1 = the devices left over
+    c.mesh.data = -1  # -1 = the devices left over
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
     return c

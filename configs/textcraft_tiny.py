@@ -19,7 +19,7 @@ def get_config():
     c.num_iterations = 10  # README main job: ~5 min on 2 idle cores (20-40 s an iteration), validation 74% -> 83-96%
     c.model.checkpoint = "bipace_jax/data/textcraft_tiny"  # relative to the project root
     c.model.preset = "tiny"
-    c.model.hidden_size = 128          # random init only (the warm start's shape)
+    c.model.hidden_size = 128  # random init only (the warm start's shape)
     c.model.num_layers = 3
     c.model.num_heads = 4
     c.model.num_kv_heads = 2
@@ -30,8 +30,8 @@ def get_config():
     c.env.name = tasks.GAME
     c.env.max_steps = tasks.MAX_STEPS
     c.env.num_workers = 2
-    c.tasks.train = tasks.RL_TRAIN             # 18 of the warm start's 70 training goals
-    c.tasks.holdout = tasks.HOLDOUT            # 10 held-out goals, never trained on
+    c.tasks.train = tasks.RL_TRAIN  # 18 of the warm start's 70 training goals
+    c.tasks.holdout = tasks.HOLDOUT  # 10 held-out goals, never trained on
     c.tasks.holdout_every = 0
 
     c.rollout.num_groups = 8
@@ -55,9 +55,9 @@ def get_config():
     c.estimator.calibration.enabled = True
     c.estimator.calibration.target_singleton_rate = 0.25
     c.ppo.micro_batch_rows = 32
-    c.ppo.mini_batch_rows = 256        # 2-3 AdamW steps per iteration (500-700 rows)
-    c.ppo.old_logprobs = "sampler"     # the sampler's log-probs at T=0.6 are the behaviour policy's: no extra forward
-    c.optim.learning_rate = 2e-4       # a 0.8M-parameter actor (warm start peak 3e-3); 1e-5 did not move it in 10 iterations
+    c.ppo.mini_batch_rows = 256  # 2-3 AdamW steps per iteration (500-700 rows)
+    c.ppo.old_logprobs = "sampler"  # the sampler's log-probs at T=0.6 are the behaviour policy's: no extra forward
+    c.optim.learning_rate = 2e-4  # a 0.8M-parameter actor (warm start peak 3e-3); 1e-5 did not move it in 10 iterations
 
     c.val.every = 10
     c.val.num_tasks = tasks.VAL_NUM_SEEN

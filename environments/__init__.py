@@ -5,8 +5,8 @@ WebShop lazily (their modules and heavy dependencies load on the first ``make("a
 ``make("webshop")``).
 """
 
-from environments.base import Observation, TextEnv, make, register, register_lazy, registered
 from environments import textcraft  # noqa: F401  (registers "textcraft")
+from environments.base import Observation, TextEnv, make, register, register_lazy, registered
 
 register_lazy("alfworld", "environments.alfworld")
 register_lazy("webshop", "environments.webshop")

@@ -95,8 +95,10 @@ EXPERT_TYPES = ("handcoded", "planner", None)
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "alfworld_fixtures")
 _TASK_PREFIX = "Your task is to: "
 
-_INSTALL_HINT = ("ALFWorld is not installed: `pip install alfworld==0.4.2` (it compiles fast-downward; "
-                 "needs cmake and a C++ compiler)")
+_INSTALL_HINT = (
+    "ALFWorld is not installed: `pip install alfworld==0.4.2` (it compiles fast-downward; "
+    "needs cmake and a C++ compiler)"
+)
 
 
 def _import_engine():
@@ -108,8 +110,7 @@ def _import_engine():
     return alfred_tw_env
 
 
-def resolve_data_path(split: str, data_path: str | None = None,
-                      require_real_data: bool = False) -> tuple[str, str]:
+def resolve_data_path(split: str, data_path: str | None = None, require_real_data: bool = False) -> tuple[str, str]:
     """The folder holding the games of ``split`` and where it comes from.
 
     Order: ``data_path`` if given; else ``$ALFWORLD_DATA/json_2.1.1/<train|valid_seen|valid_unseen>``
@@ -133,11 +134,16 @@ def resolve_data_path(split: str, data_path: str | None = None,
     if os.path.isdir(real):
         return real, "ALFWORLD_DATA"
     if require_real_data:
-        raise FileNotFoundError(f"ALFWorld data folder {real!r} does not exist: set $ALFWORLD_DATA and run "
-                                "`alfworld-download` (see environments/alfworld.py)")
-    warnings.warn(f"ALFWorld data folder {real!r} does not exist: playing the {split!r} split on the bundled "
-                  f"fixture games in {FIXTURES_DIR} (run `alfworld-download` with $ALFWORLD_DATA set for the "
-                  "real games)", stacklevel=2)
+        raise FileNotFoundError(
+            f"ALFWorld data folder {real!r} does not exist: set $ALFWORLD_DATA and run "
+            "`alfworld-download` (see environments/alfworld.py)"
+        )
+    warnings.warn(
+        f"ALFWorld data folder {real!r} does not exist: playing the {split!r} split on the bundled "
+        f"fixture games in {FIXTURES_DIR} (run `alfworld-download` with $ALFWORLD_DATA set for the "
+        "real games)",
+        stacklevel=2,
+    )
     return FIXTURES_DIR, "fixtures"
 
 
@@ -150,7 +156,7 @@ def task_sentence(intro: str) -> str:
     start = intro.rfind(_TASK_PREFIX)
     if start < 0:
         raise ValueError(f"observation has no {_TASK_PREFIX!r} sentence: {intro[:200]!r}")
-    return intro[start + len(_TASK_PREFIX):].strip().rstrip(".")
+    return intro[start + len(_TASK_PREFIX) :].strip().rstrip(".")
 
 
 def _task_type_of(game_file: str) -> str:
@@ -183,9 +189,17 @@ class AlfWorldEnv(TextEnv):
     FileNotFoundError when the games folder does not exist or holds no game.
     """
 
-    def __init__(self, max_steps: int = 50, split: str = "train", data_path: str | None = None,
-                 task_types=(1, 2, 3, 4, 5, 6), expert_type: str | None = "planner",
-                 domain_randomization: bool = False, num_games: int = -1, require_real_data: bool = False):
+    def __init__(
+        self,
+        max_steps: int = 50,
+        split: str = "train",
+        data_path: str | None = None,
+        task_types=(1, 2, 3, 4, 5, 6),
+        expert_type: str | None = "planner",
+        domain_randomization: bool = False,
+        num_games: int = -1,
+        require_real_data: bool = False,
+    ):
         super().__init__(max_steps)
         if expert_type not in EXPERT_TYPES:
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {expert_type!r}")
@@ -201,10 +215,19 @@ class AlfWorldEnv(TextEnv):
         self.expert_type = expert_type
         self.domain_randomization = bool(domain_randomization)
         config = {
-            "env": {"goal_desc_human_anns_prob": 0.0, "task_types": list(task_types),
-                    "domain_randomization": self.domain_randomization, "expert_type": expert_type or "handcoded"},
-            "dataset": {"data_path": self.data_path, "eval_id_data_path": self.data_path,
-                        "eval_ood_data_path": self.data_path, "num_train_games": -1, "num_eval_games": -1},
+            "env": {
+                "goal_desc_human_anns_prob": 0.0,
+                "task_types": list(task_types),
+                "domain_randomization": self.domain_randomization,
+                "expert_type": expert_type or "handcoded",
+            },
+            "dataset": {
+                "data_path": self.data_path,
+                "eval_id_data_path": self.data_path,
+                "eval_ood_data_path": self.data_path,
+                "num_train_games": -1,
+                "num_eval_games": -1,
+            },
             "general": {"training_method": "dagger"},
             "dagger": {"training": {"max_nb_steps_per_episode": max_steps}},
             "logic": {"domain": "", "grammar": ""},  # read only by AlfredTWEnv.get_game_logic (unused)
@@ -264,8 +287,9 @@ class AlfWorldEnv(TextEnv):
             import textworld
             from textworld.envs.pddl import PddlEnv
 
-            infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"],
-                                       facts=self.expert_type == "handcoded")
+            infos = textworld.EnvInfos(
+                won=True, admissible_commands=True, extras=["gamefile"], facts=self.expert_type == "handcoded"
+            )
             env = PddlEnv(infos)
             for wrapper in (self._alfred.AlfredDemangler(shuffle=self.domain_randomization), self._alfred.AlfredInfos):
                 env = wrapper(env)
@@ -340,8 +364,13 @@ class AlfWorldEnv(TextEnv):
 
     def _observation(self, state) -> Observation:
         text = state["feedback"]
-        return Observation(text=text, anchor=text, task=self._task,
-                           admissible_actions=list(state["admissible_commands"]), won=bool(state["won"]))
+        return Observation(
+            text=text,
+            anchor=text,
+            task=self._task,
+            admissible_actions=list(state["admissible_commands"]),
+            won=bool(state["won"]),
+        )
 
     def close(self) -> None:
         """Drop the engine; a later reset starts a new one. (TextWorld offers no way to unload the

@@ -8,7 +8,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)

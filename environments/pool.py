@@ -38,8 +38,9 @@ import sys
 import time
 import traceback
 import weakref
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from environments.base import Observation, TextEnv, make, registered
 
@@ -242,8 +243,12 @@ class EnvPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from environments.pool import _worker_main; _worker_main()",
-                 str(child_sock.fileno())],
+                [
+                    sys.executable,
+                    "-c",
+                    "from environments.pool import _worker_main; _worker_main()",
+                    str(child_sock.fileno()),
+                ],
                 pass_fds=(child_sock.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -443,7 +448,7 @@ class EnvPool:
         replies, faults = self._call("step", by_worker)
         for w, payload in by_worker.items():
             answered = replies[w]
-            for (i, _), (status, value, *tb) in zip(payload, answered):
+            for (i, _), (status, value, *_tb) in zip(payload, answered):
                 if status == "error":
                     out[i] = self._error_result(i, f"env {i} raised {_describe(value)}")
                     continue
@@ -451,7 +456,7 @@ class EnvPool:
                 self._last_obs[i] = obs
                 self._running[i] = not done
                 out[i] = StepResult(obs, reward, done, info)
-            for i, _ in payload[len(answered):]:  # the env that hung or crashed, and those after it
+            for i, _ in payload[len(answered) :]:  # the env that hung or crashed, and those after it
                 out[i] = self._error_result(i, faults[w])
         # envs whose step completed on a faulted worker lost their episode with it: their next
         # step reports env_error (marked by _replace)
@@ -499,7 +504,7 @@ class EnvPool:
             raise EnvPoolError(f"task_info failed: {faults}")
         out: dict[int, dict] = {}
         for w, payload in by_worker.items():
-            for (i, _), (status, value, *tb) in zip(payload, replies[w]):
+            for (i, _), (status, value, *_tb) in zip(payload, replies[w]):
                 if status == "error":
                     raise EnvPoolError(f"task_info of env {i} raised {_describe(value)}")
                 out[i] = value
@@ -523,7 +528,7 @@ class EnvPool:
         if self._finalizer.detach() is not None:
             _shutdown(self._workers, grace_s)
 
-    def __enter__(self) -> "EnvPool":
+    def __enter__(self) -> EnvPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from environments.base import Observation
 
@@ -115,7 +116,7 @@ class PromptTemplate:
                 raise ValueError(f"PromptTemplate.{name} must be a str")
         object.__setattr__(self, "excluded_actions", tuple(self.excluded_actions))
 
-    def replace(self, **overrides: Any) -> "PromptTemplate":
+    def replace(self, **overrides: Any) -> PromptTemplate:
         """A copy with some fields changed (e.g. from a config); unknown fields raise ValueError."""
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:
@@ -255,8 +256,7 @@ def build_prompt(
 
     first_index = step - len(shown) + 1
     rendered = tpl.history_separator.join(
-        tpl.history_entry.format(index=first_index + k, observation=show(o), action=a)
-        for k, (o, a) in enumerate(shown)
+        tpl.history_entry.format(index=first_index + k, observation=show(o), action=a) for k, (o, a) in enumerate(shown)
     )
     admissible = ""
     if obs.admissible_actions is not None:

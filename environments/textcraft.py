@@ -204,9 +204,7 @@ class RecipeBook:
         for recipes in item_recipes.values():
             for recipe in recipes:
                 for ing in recipe.inputs:
-                    if ing.is_tag and not any(
-                        t == ing.name and i in item_recipes for i, t in item_tag.items()
-                    ):
+                    if ing.is_tag and not any(t == ing.name and i in item_recipes for i, t in item_tag.items()):
                         convert[ing.name] = None
         for name in convert:
             items[name] = None
@@ -216,8 +214,7 @@ class RecipeBook:
         def rebuild(r: Recipe) -> Recipe:
             if id(r) not in rebuilt:
                 ins = tuple(
-                    Ingredient(i.name, i.count, False) if i.is_tag and i.name in convert else i
-                    for i in r.inputs
+                    Ingredient(i.name, i.count, False) if i.is_tag and i.name in convert else i for i in r.inputs
                 )
                 rebuilt[id(r)] = dataclasses.replace(r, inputs=ins)
             return rebuilt[id(r)]
@@ -444,9 +441,7 @@ class TextCraftEnv(TextEnv):
         distractors = list(dict.fromkeys(r.line for r in candidates if r.line not in lines))
         shown = list(lines) + rng.sample(distractors, min(len(distractors), self.max_distractors))
         rng.shuffle(shown)
-        text = "Crafting commands:\n{}\n\nGoal: craft {}.".format(
-            "\n".join(shown), item_display_name(self.goal)
-        )
+        text = "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(shown), item_display_name(self.goal))
         self._task_text = text
         return self._observation(text)
 
@@ -463,9 +458,7 @@ class TextCraftEnv(TextEnv):
     def _inventory_text(self) -> str:
         if not self.inventory:
             return "Inventory: You are not carrying anything."
-        return "Inventory: " + "".join(
-            f"[{item_display_name(k)}] ({v}) " for k, v in self.inventory.items()
-        )
+        return "Inventory: " + "".join(f"[{item_display_name(k)}] ({v}) " for k, v in self.inventory.items())
 
     def _step(self, action: str) -> tuple[Observation, float, bool, dict[str, Any]]:
         if not isinstance(action, str):
@@ -621,12 +614,8 @@ class TextCraftEnv(TextEnv):
             for ing, name in zip(recipe.inputs, names):
                 if not need(name, batches * ing.count, path | {item}):
                     return False
-            line = ", ".join(
-                f"{ing.count} {item_display_name(n)}" for ing, n in zip(recipe.inputs, names)
-            )
-            crafts.extend(
-                [f"craft {recipe.output_count} {item_display_name(item)} using {line}"] * batches
-            )
+            line = ", ".join(f"{ing.count} {item_display_name(n)}" for ing, n in zip(recipe.inputs, names))
+            crafts.extend([f"craft {recipe.output_count} {item_display_name(item)} using {line}"] * batches)
             stock[item] = stock.get(item, 0) + batches * recipe.output_count - qty
             return True
 

@@ -32,7 +32,8 @@ Conventions (verl-agent's WebShop setup, which the GiGPO and BiPACE papers use):
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from environments.base import Observation, TextEnv, register
 
@@ -74,7 +75,7 @@ def format_page(page: str, instruction: str) -> str:
     parts = page.split(SEP)
     if instruction not in parts:
         return page
-    rest = parts[parts.index(instruction) + 1:]
+    rest = parts[parts.index(instruction) + 1 :]
     return SEP.join(f"'{p}'" for p in rest)
 
 
@@ -151,14 +152,21 @@ class WebShopEnv(TextEnv):
     ValueError for a bad option.
     """
 
-    def __init__(self, max_steps: int = 15, split: str = "train", num_products: int | None = None,
-                 human_goals: bool = True, engine_kwargs: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        max_steps: int = 15,
+        split: str = "train",
+        num_products: int | None = None,
+        human_goals: bool = True,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ):
         super().__init__(max_steps)
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         text_env_cls = _import_text_env()
-        self._engine = text_env_cls(observation_mode="text", num_products=num_products,
-                                    human_goals=human_goals, **dict(engine_kwargs or {}))
+        self._engine = text_env_cls(
+            observation_mode="text", num_products=num_products, human_goals=human_goals, **dict(engine_kwargs or {})
+        )
         num_goals = len(self._engine.server.goals)
         self.split = split
         self._offset = 0 if split == "test" else TEST_GOALS
@@ -181,8 +189,13 @@ class WebShopEnv(TextEnv):
     def _observation(self, page: str, won: bool = False) -> Observation:
         self._available = dict(self._engine.get_available_actions())
         text = format_page(page, self._instruction)
-        return Observation(text=text, anchor=text, task=self._instruction,
-                           admissible_actions=format_available_actions(self._available), won=won)
+        return Observation(
+            text=text,
+            anchor=text,
+            task=self._instruction,
+            admissible_actions=format_available_actions(self._available),
+            won=won,
+        )
 
     def _reset(self, task_id: int, seed: int) -> Observation:
         # WebShop's text environment is deterministic given the goal: ``seed`` is not used.

@@ -19,7 +19,8 @@ import os
 import platform
 import random
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from absl import app, flags
 
@@ -33,7 +34,8 @@ flags.DEFINE_integer("turns", 300, "turns per mode for TextCraft (each steps eve
 flags.DEFINE_integer("slow_turns", 8, "turns per mode for the 36 ms synthetic game and ALFWorld")
 flags.DEFINE_integer("repeats", 3, "runs per mode; the best (highest steps/s) is reported, all are kept")
 flags.DEFINE_string(
-    "alfworld_options", '{"expert_type": null}',
+    "alfworld_options",
+    '{"expert_type": null}',
     "JSON options for make('alfworld'); without data_path and $ALFWORLD_DATA the committed "
     "fixture games (environments/data/alfworld_fixtures) are used",
 )
@@ -93,11 +95,15 @@ def _drive(runner, num_envs: int, num_tasks: int, turns: int, policy) -> dict[st
 
 def _bench_game(name, env, options, factory, num_tasks, turns, policy, num_envs) -> dict[str, Any]:
     out: dict[str, Any] = {"num_envs": num_envs, "turns": turns}
+
     def best(runner) -> dict[str, Any]:
         runs = [_drive(runner, num_envs, num_tasks, turns, policy) for _ in range(FLAGS.repeats)]
         top = min(runs, key=lambda r: r["seconds"])
-        return {**top, "steps_per_s": top["steps"] / top["seconds"],
-                "all_steps_per_s": [r["steps"] / r["seconds"] for r in runs]}
+        return {
+            **top,
+            "steps_per_s": top["steps"] / top["seconds"],
+            "all_steps_per_s": [r["steps"] / r["seconds"] for r in runs],
+        }
 
     out["inprocess"] = best(_InProcess(lambda: factory(**options), num_envs))
     for workers in (1, 2):
@@ -139,13 +145,25 @@ def main(argv):
         return plan[n] if plan and n < len(plan) else "inventory"
 
     results["textcraft"] = _bench_game(
-        "textcraft", "textcraft", {"max_steps": 50}, lambda **o: environments.make("textcraft", **o),
-        tc.num_tasks, FLAGS.turns, textcraft_policy, num_envs,
+        "textcraft",
+        "textcraft",
+        {"max_steps": 50},
+        lambda **o: environments.make("textcraft", **o),
+        tc.num_tasks,
+        FLAGS.turns,
+        textcraft_policy,
+        num_envs,
     )
 
     results["synthetic_36ms"] = _bench_game(
-        "synthetic_36ms", FaultyEnv, {"max_steps": 20, "step_cost_ms": 36.0}, FaultyEnv, 100,
-        FLAGS.slow_turns, lambda key, obs, n, rng: "x", num_envs,
+        "synthetic_36ms",
+        FaultyEnv,
+        {"max_steps": 20, "step_cost_ms": 36.0},
+        FaultyEnv,
+        100,
+        FLAGS.slow_turns,
+        lambda key, obs, n, rng: "x",
+        num_envs,
     )
 
     alf_options = json.loads(FLAGS.alfworld_options)
@@ -159,13 +177,20 @@ def main(argv):
     except Exception as e:  # noqa: BLE001  (any failure to build ALFWorld skips it, with the reason)
         results["alfworld"] = {"skipped": f"make('alfworld') failed: {type(e).__name__}: {e}"}
     else:
+
         def alfworld_policy(key, obs, n, rng):
             acts = [a for a in (obs.admissible_actions or []) if a != "help"]
             return rng.choice(acts) if acts else "look"
 
         results["alfworld"] = _bench_game(
-            "alfworld", "alfworld", alf_options, lambda **o: environments.make("alfworld", **o),
-            num_tasks, FLAGS.slow_turns, alfworld_policy, num_envs,
+            "alfworld",
+            "alfworld",
+            alf_options,
+            lambda **o: environments.make("alfworld", **o),
+            num_tasks,
+            FLAGS.slow_turns,
+            alfworld_policy,
+            num_envs,
         )
         results["alfworld"]["options"] = alf_options
         results["alfworld"]["policy"] = "uniform over admissible actions except help, seeded"
@@ -197,7 +222,9 @@ def main(argv):
             print(f"{game:<16}{mode:<16}{m['steps']:>8}{m['resets']:>8}{m['steps_per_s']:>12.1f}{sp:>10.2f}")
     if "note" in results:
         print("note:", results["note"])
-    print(f"load average (1, 5, 15 min): start {results['machine']['load_avg_at_start']}, end {results['machine']['load_avg_at_end']}")
+    print(
+        f"load average (1, 5, 15 min): start {results['machine']['load_avg_at_start']}, end {results['machine']['load_avg_at_end']}"
+    )
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as fp:
         json.dump(results, fp, indent=2)

@@ -58,8 +58,9 @@ _LAMP = "DeskLamp"
 _LAMP_HOLDERS = ("Desk", "SideTable", "Dresser")
 _AGENT_STEP_SIZE = 0.25  # metres per grid unit (alfworld.gen.constants.AGENT_STEP_SIZE)
 
-DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "environments", "data", "alfworld_fixtures")
+DEFAULT_OUT_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "environments", "data", "alfworld_fixtures"
+)
 
 
 def _alfworld_paths() -> dict[str, str]:
@@ -95,7 +96,7 @@ def _thor_id(type_name: str, x: float, y: float, z: float) -> str:
 def floor_plans() -> list[str]:
     """Names of the floor plans the wheel ships (e.g. 'FloorPlan1'), sorted by number."""
     names = {f.split("-")[0] for f in os.listdir(_alfworld_paths()["layouts"]) if f.endswith("-objects.json")}
-    return sorted(names, key=lambda n: int(n[len("FloorPlan"):]))
+    return sorted(names, key=lambda n: int(n[len("FloorPlan") :]))
 
 
 def _load_layout(floor_plan: str):
@@ -150,7 +151,9 @@ class _Scene:
                 add_location(rid, x, z, rng.randrange(4), 30)
         free = [p for p in free if p not in used_grid]
         x, z = free.pop()
-        self.agent_location = f"loc|{int(round(x / _AGENT_STEP_SIZE))}|{int(round(z / _AGENT_STEP_SIZE))}|{rng.randrange(4)}|30"
+        self.agent_location = (
+            f"loc|{int(round(x / _AGENT_STEP_SIZE))}|{int(round(z / _AGENT_STEP_SIZE))}|{rng.randrange(4)}|30"
+        )
         while self.agent_location in used_locs:
             self.agent_location += "0"
         self.objects: dict[str, str] = {}  # id -> type
@@ -218,8 +221,13 @@ def _choose_task(task_type: str, scene: _Scene, rng: random.Random) -> dict[str,
     if not candidates:
         raise ValueError(f"floor plan has no {task_type} task")
     obj, parent, toggle = rng.choice(candidates)
-    return {"object_target": obj, "parent_target": parent, "toggle_target": toggle,
-            "mrecep_target": "", "object_sliced": False}
+    return {
+        "object_target": obj,
+        "parent_target": parent,
+        "toggle_target": toggle,
+        "mrecep_target": "",
+        "object_sliced": False,
+    }
 
 
 def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -> str:
@@ -233,9 +241,14 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
     receps = sorted(scene.receptacles)
     locations = sorted(set(scene.location.values()) | {scene.agent_location})
     ind = "\n        "
-    declared = (["agent1 - agent"] + [f"{t}Type - otype" for t in otypes] + [f"{t}Type - rtype" for t in static]
-                + [f"{m(o)} - object" for o in objs] + [f"{m(r)} - receptacle" for r in receps]
-                + [f"{m(loc)} - location" for loc in locations])
+    declared = (
+        ["agent1 - agent"]
+        + [f"{t}Type - otype" for t in otypes]
+        + [f"{t}Type - rtype" for t in static]
+        + [f"{m(o)} - object" for o in objs]
+        + [f"{m(r)} - receptacle" for r in receps]
+        + [f"{m(loc)} - location" for loc in locations]
+    )
     init = ["(= (total-cost) 0)", f"(atLocation agent1 {m(scene.agent_location)})"]
     for r in receps:
         rtype = scene.receptacles[r]
@@ -256,22 +269,39 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
             init.append(f"(pickupable {m(o)})")
         if otype in C.MOVABLE_RECEPTACLES_SET:
             init.append(f"(isReceptacleObject {m(o)})")
-        for affordance, pred in (("Cleanable", "cleanable"), ("Heatable", "heatable"), ("Coolable", "coolable"),
-                                 ("Toggleable", "toggleable"), ("Sliceable", "sliceable")):
+        for affordance, pred in (
+            ("Cleanable", "cleanable"),
+            ("Heatable", "heatable"),
+            ("Coolable", "coolable"),
+            ("Toggleable", "toggleable"),
+            ("Sliceable", "sliceable"),
+        ):
             if otype in actions[affordance]:
                 init.append(f"({pred} {m(o)})")
         r = scene.inside[o]
         init.append(f"(inReceptacle {m(o)} {m(r)})")
         init.append(f"(objectAtLocation {m(o)} {m(scene.location[r])})")
-    goal = glib.gdict[task_type]["pddl"].format(obj=params["object_target"], recep=params["parent_target"],
-                                                toggle=params["toggle_target"], mrecep=params["mrecep_target"])
+    goal = glib.gdict[task_type]["pddl"].format(
+        obj=params["object_target"],
+        recep=params["parent_target"],
+        toggle=params["toggle_target"],
+        mrecep=params["mrecep_target"],
+    )
     goal = goal.replace("#", "-")  # the goal library writes PDDL's '-' as '#'
-    return (f"(define (problem plan_{name})\n    (:domain alfred)\n    (:objects{ind}" + ind.join(declared)
-            + f"\n    )\n    (:init{ind}" + ind.join(init) + "\n    )\n" + goal.rstrip() + "\n")
+    return (
+        f"(define (problem plan_{name})\n    (:domain alfred)\n    (:objects{ind}"
+        + ind.join(declared)
+        + f"\n    )\n    (:init{ind}"
+        + ind.join(init)
+        + "\n    )\n"
+        + goal.rstrip()
+        + "\n"
+    )
 
 
-def generate_game(task_type: str, floor_plan: str, seed: int,
-                  max_copies: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
+def generate_game(
+    task_type: str, floor_plan: str, seed: int, max_copies: int = 2
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """One game of ``task_type`` in ``floor_plan`` (e.g. 'FloorPlan1'), deterministic for ``seed``.
 
     Each placeable object type gets 1..``max_copies`` copies (the target of a pick-two task 2..3).
@@ -298,9 +328,8 @@ def generate_game(task_type: str, floor_plan: str, seed: int,
         for _ in range(n):
             scene.place(otype, rng, avoid)
     template = rng.choice(glib.gdict[task_type]["templates"])
-    sentence = template.format(obj=obj.lower(), recep=parent.lower(), toggle=params["toggle_target"].lower(),
-                               mrecep="")
-    number = floor_plan[len("FloorPlan"):]
+    sentence = template.format(obj=obj.lower(), recep=parent.lower(), toggle=params["toggle_target"].lower(), mrecep="")
+    number = floor_plan[len("FloorPlan") :]
     name = f"{task_type}-{obj}-None-{parent or params['toggle_target']}-{number}_s{seed}"
     paths = _alfworld_paths()
     with open(paths["domain"]) as f:
@@ -350,9 +379,12 @@ def write_game(out_dir: str, task_type: str, floor_plan: str, seed: int, max_cop
     """Generate, check with the planner and write one game; its folder, or None if unsolved."""
     game, traj = generate_game(task_type, floor_plan, seed, max_copies)
     p = traj["pddl_params"]
-    folder = os.path.join(out_dir, f"{task_type}-{p['object_target']}-None-"
-                                   f"{p['parent_target'] or p['toggle_target']}-{floor_plan[len('FloorPlan'):]}",
-                          f"trial_s{seed}")
+    folder = os.path.join(
+        out_dir,
+        f"{task_type}-{p['object_target']}-None-"
+        f"{p['parent_target'] or p['toggle_target']}-{floor_plan[len('FloorPlan') :]}",
+        f"trial_s{seed}",
+    )
     os.makedirs(folder, exist_ok=True)
     game_file = os.path.join(folder, "game.tw-pddl")
     with open(game_file, "w") as f:
@@ -381,8 +413,9 @@ def room_size(floor_plan: str) -> int:
     return len(listed) + len(unlisted)
 
 
-def generate_fixtures(out_dir: str, games_per_type: int, seed: int, smallest_rooms: bool = False,
-                      max_copies: int = 2) -> list[str]:
+def generate_fixtures(
+    out_dir: str, games_per_type: int, seed: int, smallest_rooms: bool = False, max_copies: int = 2
+) -> list[str]:
     """Write ``games_per_type`` solvable games of each of the six task types into ``out_dir``.
 
     Floor plans are tried in a seeded order, or smallest room first with ``smallest_rooms`` (cheap
@@ -420,13 +453,20 @@ def main(argv):
     FLAGS = flags.FLAGS
     if os.path.isdir(FLAGS.out_dir) and FLAGS.overwrite:
         shutil.rmtree(FLAGS.out_dir)
-    written = generate_fixtures(FLAGS.out_dir, FLAGS.games_per_type, FLAGS.seed,
-                                smallest_rooms=FLAGS.smallest_rooms, max_copies=FLAGS.max_copies)
+    written = generate_fixtures(
+        FLAGS.out_dir,
+        FLAGS.games_per_type,
+        FLAGS.seed,
+        smallest_rooms=FLAGS.smallest_rooms,
+        max_copies=FLAGS.max_copies,
+    )
     for folder in written:
         with open(os.path.join(folder, "traj_data.json")) as f:
             traj = json.load(f)
-        print(f"{os.path.relpath(folder, FLAGS.out_dir)}: {traj['task_desc']!r}, "
-              f"planner solves it in {len(traj['walkthrough'])} steps")
+        print(
+            f"{os.path.relpath(folder, FLAGS.out_dir)}: {traj['task_desc']!r}, "
+            f"planner solves it in {len(traj['walkthrough'])} steps"
+        )
     print(f"wrote {len(written)} games to {FLAGS.out_dir}")
 
 

@@ -215,14 +215,17 @@ def test_alfworld_data_env_var_selects_the_real_data_layout(tmp_path, monkeypatc
         alf.resolve_data_path("train", data_path=str(tmp_path / "nowhere"))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"split": "valid"}, "split"),
-    ({"expert_type": "oracle"}, "expert_type"),
-    ({"task_types": (0, 1)}, "task_types"),
-    ({"task_types": ()}, "task_types"),
-    ({"num_games": 0}, "num_games"),
-    ({"max_steps": 0}, "max_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"split": "valid"}, "split"),
+        ({"expert_type": "oracle"}, "expert_type"),
+        ({"task_types": (0, 1)}, "task_types"),
+        ({"task_types": ()}, "task_types"),
+        ({"num_games": 0}, "num_games"),
+        ({"max_steps": 0}, "max_steps"),
+    ],
+)
 def test_bad_options_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         alf.AlfWorldEnv(data_path=alf.FIXTURES_DIR, **kwargs)
@@ -238,14 +241,18 @@ def test_task_sentence_parses_the_intro():
 def test_generator_reproduces_the_committed_fixture_games():
     from launch import make_alfworld_fixtures as gen
 
-    for name in ("pick_two_obj_and_place-Box-None-SideTable-316", "pick_heat_then_place_in_recep-Cup-None-SinkBasin-14"):
+    for name in (
+        "pick_two_obj_and_place-Box-None-SideTable-316",
+        "pick_heat_then_place_in_recep-Cup-None-SinkBasin-14",
+    ):
         folder = os.path.join(alf.FIXTURES_DIR, name, "trial_s0")
         with open(os.path.join(folder, "traj_data.json")) as f:
             traj = json.load(f)
         with open(os.path.join(folder, "game.tw-pddl")) as f:
             committed = json.load(f)
-        game, new_traj = gen.generate_game(traj["task_type"], traj["scene"]["floor_plan"], traj["scene"]["random_seed"],
-                                           max_copies=1)
+        game, new_traj = gen.generate_game(
+            traj["task_type"], traj["scene"]["floor_plan"], traj["scene"]["random_seed"], max_copies=1
+        )
         assert game["pddl_problem"] == committed["pddl_problem"]
         assert game["grammar"] == committed["grammar"] and committed["solvable"] is True
         assert new_traj["pddl_params"] == traj["pddl_params"] and new_traj["task_desc"] == traj["task_desc"]

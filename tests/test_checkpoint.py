@@ -15,8 +15,14 @@ from safetensors.numpy import load_file, save_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from bipace_jax.models import (CheckpointError, Qwen2Actor, Qwen2Config, load_hf_checkpoint,  # noqa: E402
-                               load_tokenizer, save_hf_checkpoint)
+from bipace_jax.models import (  # noqa: E402
+    CheckpointError,
+    Qwen2Actor,
+    Qwen2Config,
+    load_hf_checkpoint,
+    load_tokenizer,
+    save_hf_checkpoint,
+)
 from bipace_jax.models.tokenizer import qwen2_5_chat_template  # noqa: E402
 from tests.qwen_fixtures import random_batch, write_tiny_qwen2_checkpoint, write_tiny_tokenizer  # noqa: E402
 
@@ -28,8 +34,11 @@ def params_of(actor):
 def hf_logits(model, ids, mask):
     pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
     with torch.no_grad():
-        return model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                     position_ids=torch.tensor(pos, dtype=torch.long)).logits.numpy()
+        return model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+        ).logits.numpy()
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -37,7 +46,10 @@ def test_hf_folder_loads_and_saves_back_to_identical_tensors_and_hf_logits(tmp_p
     src = write_tiny_qwen2_checkpoint(tmp_path / "src", seed=1, tie_word_embeddings=tied)
     actor = load_hf_checkpoint(src)
     dst = save_hf_checkpoint(actor, tmp_path / "dst")
-    original, written = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(dst, "model.safetensors"))
+    original, written = (
+        load_file(os.path.join(src, "model.safetensors")),
+        load_file(os.path.join(dst, "model.safetensors")),
+    )
     assert sorted(original) == sorted(written)
     assert ("lm_head.weight" in written) is (not tied)
     for name in original:
@@ -158,33 +170,65 @@ def _config(**changes):
         cfg.update(changes)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(cfg, f)
+
     return fn
 
 
 LOADER_ERRORS = [
-    ("missing_tensor", lambda p: _rewrite(p, _drop("model.layers.1.mlp.down_proj.weight")), CheckpointError,
-     r"missing tensor 'model.layers.1.mlp.down_proj.weight' \(expected shape \(64, 128\)\)"),
-    ("unexpected_tensor", lambda p: _rewrite(p, _add_extra), CheckpointError,
-     r"unexpected tensor 'model.layers.0.mlp.extra.weight' with shape \(4, 4\)"),
-    ("misshaped_tensor", lambda p: _rewrite(p, _reshape_q_bias), CheckpointError,
-     r"tensor 'model.layers.1.self_attn.q_proj.bias' has shape \(63,\) in the checkpoint, expected \(64,\)"),
-    ("tied_head_differs", lambda p: _rewrite(p, _add_different_head), CheckpointError,
-     r"tie_word_embeddings=true but lm_head.weight differs"),
-    ("pickle_only", _to_pickle, CheckpointError,
-     r"only safetensors .*pytorch_model.bin.*save_pretrained"),
+    (
+        "missing_tensor",
+        lambda p: _rewrite(p, _drop("model.layers.1.mlp.down_proj.weight")),
+        CheckpointError,
+        r"missing tensor 'model.layers.1.mlp.down_proj.weight' \(expected shape \(64, 128\)\)",
+    ),
+    (
+        "unexpected_tensor",
+        lambda p: _rewrite(p, _add_extra),
+        CheckpointError,
+        r"unexpected tensor 'model.layers.0.mlp.extra.weight' with shape \(4, 4\)",
+    ),
+    (
+        "misshaped_tensor",
+        lambda p: _rewrite(p, _reshape_q_bias),
+        CheckpointError,
+        r"tensor 'model.layers.1.self_attn.q_proj.bias' has shape \(63,\) in the checkpoint, expected \(64,\)",
+    ),
+    (
+        "tied_head_differs",
+        lambda p: _rewrite(p, _add_different_head),
+        CheckpointError,
+        r"tie_word_embeddings=true but lm_head.weight differs",
+    ),
+    ("pickle_only", _to_pickle, CheckpointError, r"only safetensors .*pytorch_model.bin.*save_pretrained"),
     ("shards_without_index", _shards_without_index, CheckpointError, r"need their index file"),
-    ("index_missing_file", _index_with_missing_file, CheckpointError,
-     r"shard file 'model-00002-of-00002.safetensors' for tensor 'model.norm.weight' does not exist"),
-    ("index_names_absent_tensor", _index_naming_absent_tensor, CheckpointError,
-     r"tensor 'model.layers.7.mlp.up_proj.weight' is mapped to 'model.safetensors' but that file does not contain it"),
+    (
+        "index_missing_file",
+        _index_with_missing_file,
+        CheckpointError,
+        r"shard file 'model-00002-of-00002.safetensors' for tensor 'model.norm.weight' does not exist",
+    ),
+    (
+        "index_names_absent_tensor",
+        _index_naming_absent_tensor,
+        CheckpointError,
+        r"tensor 'model.layers.7.mlp.up_proj.weight' is mapped to 'model.safetensors' but that file does not contain it",
+    ),
     ("no_weights", lambda p: os.remove(os.path.join(p, "model.safetensors")), CheckpointError, r"no weights found"),
     ("no_config", lambda p: os.remove(os.path.join(p, "config.json")), FileNotFoundError, r"no HF config.json"),
     ("wrong_model_type", _config(model_type="llama"), ValueError, r"model_type must be 'qwen2'"),
-    ("rope_scaling", _config(rope_parameters={"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}), ValueError,
-     r"rope type 'yarn' is not supported"),
+    (
+        "rope_scaling",
+        _config(rope_parameters={"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}),
+        ValueError,
+        r"rope type 'yarn' is not supported",
+    ),
     ("sliding_window", _config(use_sliding_window=True), ValueError, r"use_sliding_window=true is not supported"),
-    ("config_shape_mismatch", _config(num_key_value_heads=1), CheckpointError,
-     r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\) in the checkpoint, expected \(16, 64\)"),
+    (
+        "config_shape_mismatch",
+        _config(num_key_value_heads=1),
+        CheckpointError,
+        r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(32, 64\) in the checkpoint, expected \(16, 64\)",
+    ),
 ]
 
 
@@ -218,21 +262,33 @@ def test_tied_checkpoint_that_also_stores_an_identical_head_loads(tmp_path, pris
     def add_same_head(t):
         t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
         return t
+
     _rewrite(str(path), add_same_head)
     reference = load_hf_checkpoint(pristine)
     ids, mask = random_batch(2, 4, 512)
-    np.testing.assert_array_equal(np.asarray(load_hf_checkpoint(path)(ids, mask).logits),
-                                  np.asarray(reference(ids, mask).logits))
+    np.testing.assert_array_equal(
+        np.asarray(load_hf_checkpoint(path)(ids, mask).logits), np.asarray(reference(ids, mask).logits)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Config.
 def test_config_reads_both_hf_layouts_to_the_same_fields():
-    new = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-           "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "dtype": "bfloat16",
-           "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "eos_token_id": 151645,
-           "bos_token_id": 151643}
+    new = {
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": 151645,
+        "bos_token_id": 151643,
+    }
     old = {k: v for k, v in new.items() if k not in ("rope_parameters", "dtype")}
     old.update(rope_theta=1000000.0, torch_dtype="bfloat16", rope_scaling=None, use_sliding_window=False)
     a, b = Qwen2Config.from_hf_config(new), Qwen2Config.from_hf_config(old)
@@ -250,17 +306,28 @@ def test_presets_have_the_published_qwen2_5_shapes():
     }
     for name, row in rows.items():
         c = Qwen2Config.preset(name)
-        assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.intermediate_size, c.vocab_size, c.tie_word_embeddings) == row, name
+        assert (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+            c.tie_word_embeddings,
+        ) == row, name
         assert (c.rope_theta, c.rms_norm_eps) == (1e6, 1e-6)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(num_attention_heads=8, num_key_value_heads=3), "must be a multiple of num_key_value_heads=3"),
-    (dict(hidden_size=60, num_attention_heads=8), "hidden_size=60 must be divisible"),
-    (dict(vocab_size=0), "vocab_size must be a positive int"),
-    (dict(head_dim=7), "head_dim must be a positive even int"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_attention_heads=8, num_key_value_heads=3), "must be a multiple of num_key_value_heads=3"),
+        (dict(hidden_size=60, num_attention_heads=8), "hidden_size=60 must be divisible"),
+        (dict(vocab_size=0), "vocab_size must be a positive int"),
+        (dict(head_dim=7), "head_dim must be a positive even int"),
+    ],
+)
 def test_config_rejects_inconsistent_shapes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Qwen2Config.tiny(**kwargs)
@@ -268,8 +335,9 @@ def test_config_rejects_inconsistent_shapes(kwargs, message):
 
 def test_config_requires_the_core_fields():
     with pytest.raises(ValueError, match=r"missing required field\(s\) \['intermediate_size'\]"):
-        Qwen2Config.from_hf_config({"vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
-                                    "num_attention_heads": 2})
+        Qwen2Config.from_hf_config(
+            {"vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,19 +345,37 @@ def test_config_requires_the_core_fields():
 def test_bundled_chat_template_is_used_when_the_folder_has_none(tmp_path):
     tok = load_tokenizer(write_tiny_tokenizer(tmp_path / "tok"))
     assert tok.chat_template == qwen2_5_chat_template()
-    text = tok.apply_chat_template([{"role": "user", "content": "craft stick"}], tokenize=False,
-                                   add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-                    "<|im_end|>\n<|im_start|>user\ncraft stick<|im_end|>\n<|im_start|>assistant\n")
-    text = tok.apply_chat_template([{"role": "system", "content": "Play."}, {"role": "user", "content": "go"},
-                                    {"role": "assistant", "content": "ok"}], tokenize=False)
-    assert text == ("<|im_start|>system\nPlay.<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n"
-                    "<|im_start|>assistant\nok<|im_end|>\n")
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "craft stick"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+        "<|im_end|>\n<|im_start|>user\ncraft stick<|im_end|>\n<|im_start|>assistant\n"
+    )
+    text = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Play."},
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "ok"},
+        ],
+        tokenize=False,
+    )
+    assert text == (
+        "<|im_start|>system\nPlay.<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+    )
     ids = tok.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids[-1] != tok.eos_token_id
     with pytest.raises(Exception, match="does not support tools"):
-        tok.apply_chat_template([{"role": "user", "content": "go"}], tools=[{"type": "function", "function": {
-            "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}], tokenize=False)
+        tok.apply_chat_template(
+            [{"role": "user", "content": "go"}],
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}},
+                }
+            ],
+            tokenize=False,
+        )
 
 
 def test_folder_chat_template_is_kept(tmp_path):

@@ -145,7 +145,9 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
     seen = {}
     play, update = tr._play, tr.learner.update
     tr._play = lambda *a, **k: seen.setdefault("res", play(*a, **k))
-    tr.learner.update = lambda batch, old, ref, adv, *a, **k: update(batch, old, ref, seen.setdefault("adv", adv), *a, **k)
+    tr.learner.update = lambda batch, old, ref, adv, *a, **k: update(
+        batch, old, ref, seen.setdefault("adv", adv), *a, **k
+    )
     before = jax.tree.map(np.asarray, tr.learner.params)
     try:
         rec = tr.train_iteration()

@@ -112,8 +112,10 @@ def test_micro_batch_losses_with_global_denominator_sum_to_full_batch_token_mean
     cfg = losses.PPOLossConfig()
     full, _ = losses.ppo_loss(logits, targets, mask, old, ref, adv, cfg)
     denom = jnp.sum(mask)
-    parts = [losses.ppo_loss(logits[s], targets[s], mask[s], old[s], ref[s], adv[s], cfg, denom)[0]
-             for s in (slice(0, 2), slice(2, 4), slice(4, 6))]
+    parts = [
+        losses.ppo_loss(logits[s], targets[s], mask[s], old[s], ref[s], adv[s], cfg, denom)[0]
+        for s in (slice(0, 2), slice(2, 4), slice(4, 6))
+    ]
     np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
 
 
@@ -125,5 +127,12 @@ def test_ppo_loss_config_rejects_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="kl_coef"):
         losses.PPOLossConfig(kl_coef=-1.0)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        losses.ppo_loss(jnp.zeros((1, 1, 2)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool),
-                        jnp.zeros((1, 1)), None, jnp.zeros((1,)), losses.PPOLossConfig())
+        losses.ppo_loss(
+            jnp.zeros((1, 1, 2)),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.ones((1, 1), bool),
+            jnp.zeros((1, 1)),
+            None,
+            jnp.zeros((1,)),
+            losses.PPOLossConfig(),
+        )

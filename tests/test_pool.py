@@ -35,8 +35,11 @@ def test_textcraft_pool_matches_in_process_envs_for_any_subset_and_order():
     tasks, seeds = [LADDER, LADDER, CHEST], [4, 4, 9]
     with EnvPool("textcraft", 3, env_options={"max_steps": 30}, num_workers=2) as pool:
         obs = pool.reset([2, 0, 1], [tasks[2], tasks[0], tasks[1]], [seeds[2], seeds[0], seeds[1]])
-        assert obs == [local[2].reset(tasks[2], seeds[2]), local[0].reset(tasks[0], seeds[0]),
-                       local[1].reset(tasks[1], seeds[1])]
+        assert obs == [
+            local[2].reset(tasks[2], seeds[2]),
+            local[0].reset(tasks[0], seeds[0]),
+            local[1].reset(tasks[1], seeds[1]),
+        ]
         assert obs[1] == obs[2]  # a task group shows one initial observation
         assert pool.task_info([0, 2]) == [{"depth": 2, "goal": "ladder"}, {"depth": 2, "goal": "chest"}]
         order = [[1, 2], [2, 0], [0, 1, 2], [2], [1, 0]]
@@ -159,8 +162,14 @@ def test_reset_fault_is_retried_once_on_a_fresh_worker(tmp_path):
 def test_workers_run_with_the_fixed_hash_seed():
     probe = "print(hash('bipace'))"
     expected = {
-        hs: int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONHASHSEED=str(hs))).stdout)
+        hs: int(
+            subprocess.run(
+                [sys.executable, "-c", probe],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, PYTHONHASHSEED=str(hs)),
+            ).stdout
+        )
         for hs in (0, 7)
     }
     with EnvPool(FaultyEnv, 2, num_workers=2) as pool:
@@ -188,13 +197,20 @@ def test_close_stops_every_worker_even_a_hung_one():
     "kwargs,exc,match",
     [
         (dict(env="textcraft", num_envs=0), ValueError, "num_envs must be an int >= 1"),
-        (dict(env="textcraft", num_envs=2, num_workers=3), ValueError, r"num_workers must be an int in \[1, num_envs=2\]"),
+        (
+            dict(env="textcraft", num_envs=2, num_workers=3),
+            ValueError,
+            r"num_workers must be an int in \[1, num_envs=2\]",
+        ),
         (dict(env="textcraft", num_envs=1, timeout_s=0), ValueError, "timeout_s must be a number > 0"),
         (dict(env="chess", num_envs=1), ValueError, "env 'chess' is not registered"),
         (dict(env=lambda: None, num_envs=1), ValueError, "not picklable"),
         (dict(env="textcraft", num_envs=1, hash_seed=-1), ValueError, "hash_seed must be an int"),
-        (dict(env="textcraft", num_envs=1, env_options={"bogus": 1}), EnvPoolError,
-         "worker 0 could not build its environments: TypeError: .*bogus"),
+        (
+            dict(env="textcraft", num_envs=1, env_options={"bogus": 1}),
+            EnvPoolError,
+            "worker 0 could not build its environments: TypeError: .*bogus",
+        ),
     ],
 )
 def test_bad_pool_arguments_raise_naming_the_field(kwargs, exc, match):

@@ -75,9 +75,32 @@ def test_require_think_needs_a_closed_think_before_the_action(response, valid):
 # ---------------------------------------------------------------------------------------------
 # fuzz: never raises, agrees with an independent regex reference, on >= 10,000 strings
 _FRAGMENTS = [
-    "<action>", "</action>", "<ACTION>", "</Action>", "<think>", "</think>", "<act", "ion>", "<",
-    ">", "/", " ", "\n", "\t", "\u00a0", "\u2028", "\u3000", "\x1c", "get 1 oak logs", "İ", "ß",
-    "\ud7ff", "🙂", "craft", "", "a",
+    "<action>",
+    "</action>",
+    "<ACTION>",
+    "</Action>",
+    "<think>",
+    "</think>",
+    "<act",
+    "ion>",
+    "<",
+    ">",
+    "/",
+    " ",
+    "\n",
+    "\t",
+    "\u00a0",
+    "\u2028",
+    "\u3000",
+    "\x1c",
+    "get 1 oak logs",
+    "İ",
+    "ß",
+    "\ud7ff",
+    "🙂",
+    "craft",
+    "",
+    "a",
 ]
 _responses = st.one_of(
     st.text(max_size=300),
@@ -173,8 +196,12 @@ def test_show_inventory_adds_the_inventory_line_only_when_asked():
 
 
 def test_alfworld_prompt_lists_admissible_actions_without_help():
-    obs = Observation("You arrive at desk 1.", "You arrive at desk 1.", "put a mug in desk.",
-                      ["go to bed 1", "help", "take mug 1 from desk 1"])
+    obs = Observation(
+        "You arrive at desk 1.",
+        "You arrive at desk 1.",
+        "put a mug in desk.",
+        ["go to bed 1", "help", "take mug 1 from desk 1"],
+    )
     text = build_prompt("alfworld", obs, [("-= Welcome =-", "go to desk 1")], 1)
     assert "Your task is to: put a mug in desk." in text
     assert "[Observation 1: '-= Welcome =-', Action 1: 'go to desk 1']" in text

@@ -3,9 +3,9 @@ sampler, and with a scripted sampler that plays the games' oracle (so wins and r
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
-import jax
 from flax import nnx
 
 import environments
@@ -35,12 +35,20 @@ def tokenizer(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
     path = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            additional_special_tokens=["<|im_start|>"]).save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    ).save_pretrained(path)
     return load_tokenizer(path)
 
 
@@ -76,7 +84,7 @@ class OracleSampler:
             text = "I do not know." if i in self.bad else f"<think>plan</think><action>{oracle[i]}</action>"
             ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
             assert len(ids) <= m
-            tokens[r, :len(ids)] = ids
+            tokens[r, : len(ids)] = ids
             lengths[r] = len(ids)
         fps = np.eye(b, 8, dtype=np.float32)
         logps = np.where(np.arange(m)[None] < lengths[:, None], -0.5, 0.0).astype(np.float32)
@@ -84,8 +92,13 @@ class OracleSampler:
 
 
 def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024,
-                         sampler=SamplerConfig(length_buckets=(512, 1024)))
+    rcfg = RolloutConfig(
+        game="textcraft",
+        group_size=2,
+        max_steps=8,
+        max_prompt_length=1024,
+        sampler=SamplerConfig(length_buckets=(512, 1024)),
+    )
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
     res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
     eps = res.episodes
@@ -146,12 +159,11 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
 
 
 def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, pool):
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens",
-                         max_prompt_length=1024)
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens", max_prompt_length=1024)
     sampler = OracleSampler(tokenizer, pool, 4, bad={2})
     res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
     akey = np.asarray(res.steps.action_key)[: res.stats["rows"]]
-    firsts = [tuple(r[:min(FIRST_TOKENS, int(m.sum()))]) for r, m in zip(res.response_ids, res.response_mask)]
+    firsts = [tuple(r[: min(FIRST_TOKENS, int(m.sum()))]) for r, m in zip(res.response_ids, res.response_mask)]
     assert (akey >= 0).all()
     for a in range(len(firsts)):
         for b in range(len(firsts)):
@@ -166,35 +178,63 @@ def test_encode_prompt_drops_oldest_history_first(tokenizer):
     assert dropped == 0
     none, _ = encode_prompt(tokenizer, RolloutConfig(game="textcraft", history_length=0), obs, history, step=4)
     limit = (len(full) + len(none)) // 2
-    ids, dropped = encode_prompt(tokenizer, RolloutConfig(game="textcraft", history_length=3, max_prompt_length=limit),
-                                 obs, history, step=4)
+    ids, dropped = encode_prompt(
+        tokenizer, RolloutConfig(game="textcraft", history_length=3, max_prompt_length=limit), obs, history, step=4
+    )
     text = tokenizer.decode(ids)
     assert len(ids) <= limit and 1 <= dropped <= 2
     assert "observation number 3" in text  # newest kept
     assert "observation number 1" not in text  # oldest shown entry dropped first
     with pytest.raises(PromptTooLongError, match=r"textcraft env 5 step 4: the prompt has \d+ tokens with no history"):
-        encode_prompt(tokenizer, RolloutConfig(game="textcraft", max_prompt_length=len(none) - 1), obs, history,
-                      step=4, where="env 5")
+        encode_prompt(
+            tokenizer,
+            RolloutConfig(game="textcraft", max_prompt_length=len(none) - 1),
+            obs,
+            history,
+            step=4,
+            where="env 5",
+        )
 
 
 def test_collect_raises_naming_game_and_step_when_a_prompt_cannot_fit(tokenizer, pool):
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=40)
     with pytest.raises(PromptTooLongError, match=r"textcraft env 0 \(task 16, seed 3\) step 0"):
-        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0),
-                progress=False)
+        collect(
+            None,
+            OracleSampler(tokenizer, pool, 4),
+            pool,
+            tokenizer,
+            TASKS,
+            SEEDS,
+            rcfg,
+            jax.random.key(0),
+            progress=False,
+        )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(task_ids=[0], seeds=[1, 2]), "one entry per task group"),
-    (dict(task_ids=[0, 1, 2], seeds=[1, 2, 3]), "pool has 4 envs, fewer than"),
-    (dict(game="alfworld"), "RolloutConfig.game is 'alfworld' but the pool runs 'textcraft'"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(task_ids=[0], seeds=[1, 2]), "one entry per task group"),
+        (dict(task_ids=[0, 1, 2], seeds=[1, 2, 3]), "pool has 4 envs, fewer than"),
+        (dict(game="alfworld"), "RolloutConfig.game is 'alfworld' but the pool runs 'textcraft'"),
+    ],
+)
 def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
     rcfg = RolloutConfig(game=kw.pop("game", "textcraft"), group_size=2, max_steps=2, max_prompt_length=1024)
     args = {"task_ids": TASKS, "seeds": SEEDS, **kw}
     with pytest.raises(ValueError, match=match):
-        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, args["task_ids"], args["seeds"], rcfg,
-                jax.random.key(0), progress=False)
+        collect(
+            None,
+            OracleSampler(tokenizer, pool, 4),
+            pool,
+            tokenizer,
+            args["task_ids"],
+            args["seeds"],
+            rcfg,
+            jax.random.key(0),
+            progress=False,
+        )
 
 
 def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):

@@ -88,9 +88,11 @@ def test_ladder_episode_feedback_strings_and_reward_hand_played():
         ("get 2 planks", "Could not find planks"),
         ("get 3 unobtainium", "Could not find unobtainium"),
         ("get 1 acacia logs", "Got 1 acacia logs"),
-        ("craft 4 spruce planks using 1 acacia logs",
-         "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
-         "item_id='minecraft:spruce_planks'), count=4)"),
+        (
+            "craft 4 spruce planks using 1 acacia logs",
+            "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
+            "item_id='minecraft:spruce_planks'), count=4)",
+        ),
         ("craft 4 acacia planks using 1 acacia logs", "Crafted 4 minecraft:acacia_planks"),
         ("inventory", "Inventory: [acacia planks] (4) "),
         ("craft 4 stick using 2 planks", "Could not find enough items to craft minecraft:stick"),
@@ -101,9 +103,11 @@ def test_ladder_episode_feedback_strings_and_reward_hand_played():
         ("craft 3 ladder using 7 stick", "Could not find enough items to craft minecraft:ladder"),
         ("craft 4 stick using 2 acacia planks", "Crafted 4 minecraft:stick"),
         ("inventory", "Inventory: [stick] (8) "),
-        ("craft 1 ladder using 6 stick",
-         "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
-         "item_id='minecraft:ladder'), count=1)"),
+        (
+            "craft 1 ladder using 6 stick",
+            "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
+            "item_id='minecraft:ladder'), count=1)",
+        ),
         ("jump", "Could not execute jump"),
     ]
     for action, expected in script:
@@ -152,7 +156,11 @@ def _play_oracle(env, task_id, seed, mistake_rate=0.0, rng=None):
                 action = rng.choice(lines).replace("planks", rng.choice(["oak planks", "birch planks", "planks"]))
             elif kind == 1:  # get some base item of the tree, any amount
                 base = [i.name for r in book.tree(env.goal) for i in r.inputs if book.is_gettable(i.name)]
-                action = f"get {rng.randrange(1, 5)} {rng.choice(base).split(':')[1].replace('_', ' ')}" if base else "inventory"
+                action = (
+                    f"get {rng.randrange(1, 5)} {rng.choice(base).split(':')[1].replace('_', ' ')}"
+                    if base
+                    else "inventory"
+                )
             else:  # the oracle's action with a wrong count
                 a = env.oracle_action()
                 action = re.sub(r"\d+", lambda m: str(int(m.group()) + 1), a, count=1)
@@ -173,7 +181,7 @@ def test_oracle_solves_all_419_goals_within_50_steps_with_one_get_per_base_item(
         plan = env.oracle_plan()
         gets = [a.split(" ", 2)[2] for a in plan if a.startswith("get ")]
         assert len(gets) == len(set(gets)), (task_id, plan)  # one get per base item, full count
-        assert all(a.startswith("craft ") for a in plan[len(gets):])
+        assert all(a.startswith("craft ") for a in plan[len(gets) :])
         won, n = _play_oracle(env, task_id, task_id)
         wins += won
         lengths.append(n)

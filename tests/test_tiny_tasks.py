@@ -46,10 +46,14 @@ def test_the_rl_default_validates_on_the_same_panel(env):
     from bipace_jax.tasks import select_tasks, split_holdout, validation_panel
 
     c = configs.textcraft_tiny.get_config()
-    train, held = split_holdout(select_tasks(c.tasks.train, env.num_tasks, env.task_info),
-                                select_tasks(c.tasks.holdout, env.num_tasks, env.task_info), c.tasks.holdout_every)
-    seen, held_panel = validation_panel(train, held, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed,
-                                        c.val.panel, c.val.seeds_per_goal)
+    train, held = split_holdout(
+        select_tasks(c.tasks.train, env.num_tasks, env.task_info),
+        select_tasks(c.tasks.holdout, env.num_tasks, env.task_info),
+        c.tasks.holdout_every,
+    )
+    seen, held_panel = validation_panel(
+        train, held, c.val.num_tasks, c.val.num_holdout_tasks, c.val.seed, c.val.panel, c.val.seeds_per_goal
+    )
     assert train == list(tasks.RL_TRAIN_IDS)
     assert seen + held_panel == tasks.validation_panel(*tasks.split(env))
 
@@ -67,14 +71,27 @@ def test_compact_template_shows_recipes_goal_step_feedback_and_inventory(env):
     from environments.prompts import build_prompt
 
     obs = env.reset(tasks.TRAIN_IDS[0], 5)
-    first = build_prompt(tasks.GAME, obs, [], 0, history_length=tasks.HISTORY_LENGTH,
-                         template=tasks.TEMPLATE, show_inventory=tasks.SHOW_INVENTORY)
+    first = build_prompt(
+        tasks.GAME,
+        obs,
+        [],
+        0,
+        history_length=tasks.HISTORY_LENGTH,
+        template=tasks.TEMPLATE,
+        show_inventory=tasks.SHOW_INVENTORY,
+    )
     assert first.startswith(obs.task)
-    assert first.endswith("Step 1: start\nInventory: You are not carrying anything.\n"
-                          "Answer <action>command</action>.")
+    assert first.endswith("Step 1: start\nInventory: You are not carrying anything.\nAnswer <action>command</action>.")
     action = env.oracle_action()
     obs2, _, _, _ = env.step(action)
-    later = build_prompt(tasks.GAME, obs2, [(obs.text, action)], 1, history_length=tasks.HISTORY_LENGTH,
-                         template=tasks.TEMPLATE, show_inventory=tasks.SHOW_INVENTORY)
+    later = build_prompt(
+        tasks.GAME,
+        obs2,
+        [(obs.text, action)],
+        1,
+        history_length=tasks.HISTORY_LENGTH,
+        template=tasks.TEMPLATE,
+        show_inventory=tasks.SHOW_INVENTORY,
+    )
     assert f"Step 2: {obs2.text}\n{obs2.inventory.strip()}\nAnswer" in later
     assert action not in later.split("Step 2:")[0]  # no history shown (history_length 0)

@@ -21,13 +21,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [
-    "--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=1", "--config.model.intermediate_size=64",
-    "--config.rollout.num_groups=2", "--config.rollout.group_size=2", "--config.env.max_steps=3",
-    "--config.env.num_workers=1", "--config.sampler.max_new_tokens=16", "--config.sampler.batch_buckets=(4, 8)",
-    "--config.val.num_tasks=2", "--config.val.num_holdout_tasks=1", "--config.val.every=1",
+    "--config.model.hidden_size=32",
+    "--config.model.num_layers=1",
+    "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=1",
+    "--config.model.intermediate_size=64",
+    "--config.rollout.num_groups=2",
+    "--config.rollout.group_size=2",
+    "--config.env.max_steps=3",
+    "--config.env.num_workers=1",
+    "--config.sampler.max_new_tokens=16",
+    "--config.sampler.batch_buckets=(4, 8)",
+    "--config.val.num_tasks=2",
+    "--config.val.num_holdout_tasks=1",
+    "--config.val.every=1",
     "--config.val.seeds_per_goal=1",
-    "--config.ppo.micro_batch_rows=8", "--config.model.checkpoint=",
+    "--config.ppo.micro_batch_rows=8",
+    "--config.model.checkpoint=",
     "--config.ppo.old_logprobs=recompute",  # so rollout/logprob_gap compares the sampler with the trainer
     "--config.log.progress=False",
 ]
@@ -47,15 +57,28 @@ def shared(tmp_path_factory):
 
 
 def _env(shared, **extra):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=shared["cache"],
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        JAX_COMPILATION_CACHE_DIR=shared["cache"],
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PLATFORMS="cpu",
+    )
     env.update(extra)
     return env
 
 
 def _cmd(workdir, shared, *extra):
-    return [sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/textcraft_tiny.py",
-            f"--workdir={workdir}", f"--config.model.tokenizer={shared['tokenizer']}", *TINY, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "launch.train",
+        f"--config={ROOT}/configs/textcraft_tiny.py",
+        f"--workdir={workdir}",
+        f"--config.model.tokenizer={shared['tokenizer']}",
+        *TINY,
+        *extra,
+    ]
 
 
 def _metrics(workdir):
@@ -63,19 +86,44 @@ def _metrics(workdir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-REQUIRED = ["train/success_rate", "train/episode_length", "train/invalid_rate", "train/env_errors", "train/return",
-            "loss/kl", "loss/entropy", "loss/clip_frac", "loss/grad_norm", "estimator/epsilon",
-            "estimator/singleton_group_rate", "estimator/hash_singleton_group_rate", "estimator/pace_row_rate",
-            "time/rollout_s", "time/old_logprobs_s", "time/ref_logprobs_s", "time/estimator_s", "time/update_s",
-            "time/bipace_share", "val/success_rate", "val/success_rate/depth_2", "val/holdout/success_rate"]
+REQUIRED = [
+    "train/success_rate",
+    "train/episode_length",
+    "train/invalid_rate",
+    "train/env_errors",
+    "train/return",
+    "loss/kl",
+    "loss/entropy",
+    "loss/clip_frac",
+    "loss/grad_norm",
+    "estimator/epsilon",
+    "estimator/singleton_group_rate",
+    "estimator/hash_singleton_group_rate",
+    "estimator/pace_row_rate",
+    "time/rollout_s",
+    "time/old_logprobs_s",
+    "time/ref_logprobs_s",
+    "time/estimator_s",
+    "time/update_s",
+    "time/bipace_share",
+    "val/success_rate",
+    "val/success_rate/depth_2",
+    "val/holdout/success_rate",
+]
 
 
 @pytest.fixture(scope="module")
 def two_iterations(tmp_path_factory, shared):
     """The documented command, two iterations, run once: (workdir, completed process)."""
     w = tmp_path_factory.mktemp("two_iterations") / "run"
-    out = subprocess.run(_cmd(w, shared, "--config.num_iterations=2"), cwd=ROOT, env=_env(shared),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        _cmd(w, shared, "--config.num_iterations=2"),
+        cwd=ROOT,
+        env=_env(shared),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return w, out
 
 
@@ -103,12 +151,16 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     # epsilon: the one-shot calibration of the first iteration (configs/textcraft_tiny.py enables it)
     # is the first grid value whose singleton rate meets the target, and it stays for the run.
     import configs.textcraft_tiny
+
     cal = configs.textcraft_tiny.get_config().estimator.calibration
     assert cal.enabled
-    rates = {float(k.rsplit("/", 1)[1]): v for k, v in rows[0].items()
-             if k.startswith("estimator/calibration_singleton_rate/")}
+    rates = {
+        float(k.rsplit("/", 1)[1]): v
+        for k, v in rows[0].items()
+        if k.startswith("estimator/calibration_singleton_rate/")
+    }
     tried = [e for e in cal.grid if e in rates]
-    assert tried == list(cal.grid[:len(tried)]) and tried[-1] == rows[0]["estimator/epsilon"]
+    assert tried == list(cal.grid[: len(tried)]) and tried[-1] == rows[0]["estimator/epsilon"]
     assert rates[tried[-1]] <= cal.target_singleton_rate < min([rates[e] for e in tried[:-1]], default=2.0)
     assert rows[1]["estimator/epsilon"] == rows[0]["estimator/epsilon"]
     assert not any(k.startswith("estimator/calibration_") for k in rows[1])
@@ -121,33 +173,41 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
     from bipace_jax.checkpointing import Checkpointer
+
     ck = Checkpointer(str(w))
     assert ck.latest_step() == 2
 
     # The exported policy is the trained one: it differs from the seed-0 initialisation.
     import jax
     from flax import nnx
+
     from bipace_jax.models import load_hf_checkpoint
+
     trained = nnx.state(load_hf_checkpoint(str(w / "hf_final")), nnx.Param)
     import configs.textcraft_tiny
-    from bipace_jax.models import load_tokenizer
     from bipace_jax.config import build_actor
+    from bipace_jax.models import load_tokenizer
+
     cfg = configs.textcraft_tiny.get_config()
     cfg.model.checkpoint = ""
     for flag in TINY[:5]:
-        k, v = flag[len("--config.model."):].split("=")
+        k, v = flag[len("--config.model.") :].split("=")
         cfg.model[k] = int(v)
     init = nnx.state(build_actor(cfg, load_tokenizer(shared["tokenizer"])), nnx.Param)
-    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), trained, init))
+    diffs = jax.tree.leaves(
+        jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), trained, init)
+    )
     assert max(diffs) > 0
 
 
 def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_path, shared, two_iterations):
     w = tmp_path / "run"
-    cmd = _cmd(w, shared, "--config.num_iterations=3", "--config.checkpoint.export_hf=False",
-               "--config.log.plots=False")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(shared), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = _cmd(
+        w, shared, "--config.num_iterations=3", "--config.checkpoint.export_hf=False", "--config.log.plots=False"
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(shared), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.time() + 400
         while not os.path.isdir(w / "checkpoints" / "1"):  # iteration 0 committed
@@ -179,6 +239,7 @@ def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_pa
     for a, b in zip(rows[:2], uninterrupted):
         assert _learning_record(a) == _learning_record(b)
     from bipace_jax.checkpointing import Checkpointer
+
     assert Checkpointer(str(w)).latest_step() == 3
 
 
@@ -193,11 +254,26 @@ def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
     port = _free_port()
     procs = []
     for pid in (0, 1):
-        cmd = _cmd(w, shared, "--config.num_iterations=1", "--config.checkpoint.export_hf=False",
-                   "--config.log.plots=False", f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                   f"--process_id={pid}")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(shared, JAX_NUM_CPU_DEVICES="1"),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = _cmd(
+            w,
+            shared,
+            "--config.num_iterations=1",
+            "--config.checkpoint.export_hf=False",
+            "--config.log.plots=False",
+            f"--coordinator_address=localhost:{port}",
+            "--num_processes=2",
+            f"--process_id={pid}",
+        )
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=_env(shared, JAX_NUM_CPU_DEVICES="1"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     try:
         for p in procs:
@@ -216,4 +292,5 @@ def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
     assert math.isfinite(r["loss/grad_norm"]) and r["val/tasks"] == 2
     assert "Validation success" in outs[0][0] and "Validation success" not in outs[1][0]
     from bipace_jax.checkpointing import Checkpointer
+
     assert Checkpointer(str(w)).latest_step() == 1

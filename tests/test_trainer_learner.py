@@ -18,8 +18,14 @@ ADAMW = optax.adamw(3e-3)
 
 
 def _actor(seed=0):
-    cfg = Qwen2Config.tiny(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen2Config.tiny(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return Qwen2Actor(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -32,8 +38,8 @@ def _batch(n=6, p=7, m=5, seed=0):
     rm = np.zeros((n, m), bool)
     for i in range(n):
         lp, lr = rng.integers(2, p + 1), rng.integers(1, m + 1)
-        pid[i, p - lp:] = rng.integers(3, V, lp)
-        pm[i, p - lp:] = 1
+        pid[i, p - lp :] = rng.integers(3, V, lp)
+        pm[i, p - lp :] = 1
         rid[i, :lr] = rng.integers(3, V, lr)
         rm[i, :lr] = True
     return Batch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, p)
@@ -51,12 +57,12 @@ def test_logprobs_match_a_per_row_forward_over_the_real_tokens():
     lp = L.logprobs(L.params_local, b)
     actor = _actor()
     for i in range(b.rows):
-        prompt = b.input_ids[i, :b.prompt_len][b.attention_mask[i, :b.prompt_len] > 0]
+        prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] > 0]
         resp = b.response_ids[i][b.response_mask[i]]
         seq = np.concatenate([prompt, resp])[None]
         logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0]
-        want = jax.nn.log_softmax(logits[len(prompt) - 1:-1], -1)[np.arange(len(resp)), resp]
-        np.testing.assert_allclose(lp[i, :len(resp)], want, atol=2e-5)
+        want = jax.nn.log_softmax(logits[len(prompt) - 1 : -1], -1)[np.arange(len(resp)), resp]
+        np.testing.assert_allclose(lp[i, : len(resp)], want, atol=2e-5)
 
 
 def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
@@ -121,19 +127,36 @@ def test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass():
     b = _batch(n=6, seed=5)
     adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
     plain = _learner(ADAMW, micro=3, kl=0.01)
-    plain.update(b, plain.logprobs(plain.params_local, b), plain.logprobs(plain.ref_params_local, b), adv,
-                 jax.random.PRNGKey(0))
+    plain.update(
+        b, plain.logprobs(plain.params_local, b), plain.logprobs(plain.ref_params_local, b), adv, jax.random.PRNGKey(0)
+    )
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    fused = PPOLearner(_actor(), mesh, losses.PPOLossConfig(kl_coef=0.01, entropy_coef=0.001), ADAMW,
-                       micro_batch_rows=3, fused_old_logprobs=True)
+    fused = PPOLearner(
+        _actor(),
+        mesh,
+        losses.PPOLossConfig(kl_coef=0.01, entropy_coef=0.001),
+        ADAMW,
+        micro_batch_rows=3,
+        fused_old_logprobs=True,
+    )
     sampler_lp = fused.logprobs(fused.params_local, b) + 0.25  # what a sampler reported, off by 0.25
     out = fused.update(b, sampler_lp, fused.logprobs(fused.ref_params_local, b), adv, jax.random.PRNGKey(0))
     assert out["loss/sampler_gap"] == pytest.approx(0.25, abs=1e-4)
-    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6), jax.tree.map(np.asarray, plain.params),
-                 jax.tree.map(np.asarray, fused.params))
+    jax.tree.map(
+        lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6),
+        jax.tree.map(np.asarray, plain.params),
+        jax.tree.map(np.asarray, fused.params),
+    )
     with pytest.raises(ValueError, match="fused_old_logprobs needs one optimizer step"):
-        PPOLearner(_actor(), mesh, losses.PPOLossConfig(), ADAMW, micro_batch_rows=3, mini_batch_rows=3,
-                   fused_old_logprobs=True)
+        PPOLearner(
+            _actor(),
+            mesh,
+            losses.PPOLossConfig(),
+            ADAMW,
+            micro_batch_rows=3,
+            mini_batch_rows=3,
+            fused_old_logprobs=True,
+        )
 
 
 def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the_update():
@@ -146,14 +169,17 @@ def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the
     plain = PPOLearner(_actor(), mesh, cfg, ADAMW, micro_batch_rows=3, mini_batch_rows=6)
     cut = PPOLearner(_actor(), mesh, cfg, ADAMW, micro_batch_rows=3, mini_batch_rows=6, prompt_buckets=(8, 4))
     assert cut.prompt_buckets == (4, 8)
-    lens = b.attention_mask[:, :b.prompt_len].sum(1)
+    lens = b.attention_mask[:, : b.prompt_len].sum(1)
     assert lens.min() <= 4 and lens.max() > 8  # every bucket is used
     np.testing.assert_allclose(cut.logprobs(cut.params_local, b), plain.logprobs(plain.params_local, b), atol=1e-6)
     for it in range(2):
         for L in (plain, cut):
             L.update(b, L.logprobs(L.params_local, b) - 0.05, None, adv, jax.random.PRNGKey(it))
-    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=2e-6), jax.tree.map(np.asarray, plain.params),
-                 jax.tree.map(np.asarray, cut.params))
+    jax.tree.map(
+        lambda a, c: np.testing.assert_allclose(a, c, atol=2e-6),
+        jax.tree.map(np.asarray, plain.params),
+        jax.tree.map(np.asarray, cut.params),
+    )
     # a micro-batch's width: the smallest bucket holding its longest prompt, else the widest prompt
     # (another process's batch may be wider: its rows are left-padded with masked columns)
     assert cut._prompt_width(int(lens.min()), b.prompt_len) == 4

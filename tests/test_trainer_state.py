@@ -1,6 +1,5 @@
 """Run state that must survive crashes: checkpoints, metrics lines, task order, validation panel."""
 
-import json
 import os
 
 import jax
@@ -10,8 +9,8 @@ import optax
 import pytest
 
 from bipace_jax.checkpointing import Checkpointer
-from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
 from bipace_jax.config import ConfigError, resolve_template
+from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
 from bipace_jax.tasks import TRAIN_SEED_RANGE, select_tasks, split_holdout, train_task, validation_panel
 
 
@@ -28,8 +27,13 @@ def test_checkpoint_round_trip_restores_every_field(tmp_path):
     ck = Checkpointer(str(tmp_path), keep=2)
     assert ck.latest_step() is None
     ck.save(1, params, opt, jax.random.PRNGKey(1), {"iteration": 1, "task_cursor": 16, "epsilon": 0.05})
-    ck.save(2, params2, opt2, jax.random.PRNGKey(7), {"iteration": 2, "task_cursor": 32, "epsilon": 0.07,
-                                                       "controller": {"epsilon": 0.07}})
+    ck.save(
+        2,
+        params2,
+        opt2,
+        jax.random.PRNGKey(7),
+        {"iteration": 2, "task_cursor": 32, "epsilon": 0.07, "controller": {"epsilon": 0.07}},
+    )
     ck.save(3, params2, opt2, jax.random.PRNGKey(9), {"iteration": 3, "task_cursor": 48, "epsilon": 0.08})
     assert ck.all_steps() == [2, 3]  # keep=2
     p, o, rng, meta = Checkpointer(str(tmp_path)).restore(2, params, opt)
@@ -37,7 +41,12 @@ def test_checkpoint_round_trip_restores_every_field(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, o, opt2)
     assert p["b"]["c"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(rng, jax.random.PRNGKey(7))
-    assert (meta["iteration"], meta["task_cursor"], meta["epsilon"], meta["controller"]) == (2, 32, 0.07, {"epsilon": 0.07})
+    assert (meta["iteration"], meta["task_cursor"], meta["epsilon"], meta["controller"]) == (
+        2,
+        32,
+        0.07,
+        {"epsilon": 0.07},
+    )
     with pytest.raises(FileNotFoundError, match="no checkpoint step 1"):
         ck.restore(1, params, opt)
 
@@ -106,8 +115,14 @@ def test_spread_validation_panel_is_evenly_spaced_with_consecutive_unseen_seeds(
 
 def test_panel_goals_can_be_played_with_several_unseen_seeds_each():
     seen, held = validation_panel([100, 101, 102], [7], 2, 1, 1_000_000, "spread", seeds_per_goal=3)
-    assert seen == [(100, 1_000_000), (100, 1_000_001), (100, 1_000_002),
-                    (102, 1_000_003), (102, 1_000_004), (102, 1_000_005)]
+    assert seen == [
+        (100, 1_000_000),
+        (100, 1_000_001),
+        (100, 1_000_002),
+        (102, 1_000_003),
+        (102, 1_000_004),
+        (102, 1_000_005),
+    ]
     assert held == [(7, 1_000_006), (7, 1_000_007), (7, 1_000_008)]
     seen, held = validation_panel(list(range(40)), [50], 4, 1, 1_000_003, "random", seeds_per_goal=2)
     assert len(seen) == 8 and len({t for t, _ in seen}) == 4 and len({s for _, s in seen + held}) == 10

@@ -33,11 +33,13 @@ def test_format_page_drops_the_instruction_and_quotes_each_part():
     assert ws.format_page(STEPS[1]["page"], TASK) == (
         "'Back to Search' [SEP] 'Page 1 (Total results: 50)' [SEP] 'Next >' [SEP] 'B08KBVJ4XN' "
         "[SEP] 'Vanilla Cake Mix, Gluten Free, 16 Ounce' [SEP] '$15.95' [SEP] 'B07V1CR4HS' "
-        "[SEP] 'Keto Baking Mix | Low Carb (Vanilla Cake)' [SEP] '$12.99'")
+        "[SEP] 'Keto Baking Mix | Low Carb (Vanilla Cake)' [SEP] '$12.99'"
+    )
     assert ws.format_page(STEPS[2]["page"], TASK) == (
         "'Back to Search' [SEP] '< Prev' [SEP] 'size' [SEP] '16 ounce' [SEP] '2 pound' "
         "[SEP] 'Vanilla Cake Mix, Gluten Free, 16 Ounce' [SEP] 'Price: $15.95' [SEP] 'Rating: N.A.' "
-        "[SEP] 'Description' [SEP] 'Features' [SEP] 'Reviews' [SEP] 'Buy Now'")
+        "[SEP] 'Description' [SEP] 'Features' [SEP] 'Reviews' [SEP] 'Buy Now'"
+    )
     # The purchase page does not repeat the instruction: kept as the engine wrote it.
     assert ws.format_page(STEPS[-1]["page"], TASK) == STEPS[-1]["page"]
     # The instruction must match a whole part, not a substring of one.
@@ -47,7 +49,11 @@ def test_format_page_drops_the_instruction_and_quotes_each_part():
 def test_available_actions_list_search_then_clicks_in_engine_order():
     assert ws.format_available_actions(STEPS[0]["available"]) == ["search[<your query>]", "click[search]"]
     assert ws.format_available_actions(STEPS[1]["available"]) == [
-        "click[back to search]", "click[next >]", "click[b08kbvj4xn]", "click[b07v1cr4hs]"]
+        "click[back to search]",
+        "click[next >]",
+        "click[b08kbvj4xn]",
+        "click[b07v1cr4hs]",
+    ]
     assert ws.format_available_actions(STEPS[-1]["available"]) == []
     with pytest.raises(ValueError, match="keys"):
         ws.format_available_actions({"has_search_bar": True, "clickables": [], "images": []})
@@ -55,18 +61,21 @@ def test_available_actions_list_search_then_clicks_in_engine_order():
         ws.format_available_actions({"clickables": []})
 
 
-@pytest.mark.parametrize("action, parsed", [
-    ("search[gluten free vanilla cake mix]", ("search", "gluten free vanilla cake mix")),
-    ("  click[buy now]\n", ("click", "buy now")),
-    ("click[< prev]", ("click", "< prev")),
-    ("click[next >]", ("click", "next >")),
-    ("search[ ]", None),
-    ("click[]", None),
-    ("buy now", None),
-    ("Click[buy now]", None),  # the engine's action names are lower-case
-    ("search[cake] please", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "action, parsed",
+    [
+        ("search[gluten free vanilla cake mix]", ("search", "gluten free vanilla cake mix")),
+        ("  click[buy now]\n", ("click", "buy now")),
+        ("click[< prev]", ("click", "< prev")),
+        ("click[next >]", ("click", "next >")),
+        ("search[ ]", None),
+        ("click[]", None),
+        ("buy now", None),
+        ("Click[buy now]", None),  # the engine's action names are lower-case
+        ("search[cake] please", None),
+        ("", None),
+    ],
+)
 def test_parse_action_accepts_only_search_and_click_with_an_argument(action, parsed):
     assert ws.parse_action(action) == parsed
 
@@ -82,12 +91,15 @@ def test_is_available_follows_the_pages_search_bar_and_clickables():
     assert not ws.is_available("purchase", item)
 
 
-@pytest.mark.parametrize("score, done, expected", [
-    (1.0, True, (1.0, True)),
-    (0.75, True, (0.75, False)),
-    (0.0, False, (0.0, False)),
-    (None, False, (0.0, False)),
-])
+@pytest.mark.parametrize(
+    "score, done, expected",
+    [
+        (1.0, True, (1.0, True)),
+        (0.75, True, (0.75, False)),
+        (0.0, False, (0.0, False)),
+        (None, False, (0.0, False)),
+    ],
+)
 def test_reward_is_the_score_and_success_is_score_one(score, done, expected):
     assert ws.score_outcome(score, done) == expected
 
@@ -136,8 +148,11 @@ def replay_engine(monkeypatch):
     envs = types.ModuleType("web_agent_site.envs")
     text_env = types.ModuleType("web_agent_site.envs.web_agent_text_env")
     text_env.WebAgentTextEnv = _ReplayEngine
-    for name, mod in (("web_agent_site", pkg), ("web_agent_site.envs", envs),
-                      ("web_agent_site.envs.web_agent_text_env", text_env)):
+    for name, mod in (
+        ("web_agent_site", pkg),
+        ("web_agent_site.envs", envs),
+        ("web_agent_site.envs.web_agent_text_env", text_env),
+    ):
         monkeypatch.setitem(sys.modules, name, mod)
     _ReplayEngine.instances.clear()
     return _ReplayEngine
