@@ -9,7 +9,7 @@ have no dataclass (paths, task selectors, mesh). Every check runs on the host be
 
 A bad field raises ``ConfigError`` (a ``ValueError``) whose message is one line naming the field,
 the expected value and the value found, e.g.
-``config.estimator.epsilon must be a number in [0, 1), got 1.5``.
+``config.estimator.epsilon: expected a value in [0, 1), got 1.5``.
 """
 
 from __future__ import annotations
@@ -273,12 +273,25 @@ _CLASS_OF_SECTION = {
 }
 
 
+# Dataclass fields filled from another section than the one being built.
+_FIELD_OF = {
+    "config.rollout.action_key": "config.estimator.key",
+    "config.rollout.game": "config.env.name",
+    "config.rollout.max_steps": "config.env.max_steps",
+    "config.estimator.controller.epsilon": "config.estimator.epsilon",
+    "config.ppo.temperature": "config.sampler.temperature",
+}
+
+
 def _checked(section: str, build):
     """``build()``, its ``ValueError`` re-raised as a ``ConfigError`` under the config's field name."""
     try:
         return build()
-    except ValueError as e:
-        raise ConfigError(str(e).replace(f"{_CLASS_OF_SECTION[section]}.", f"config.{section}.")) from None
+    except (ValueError, TypeError) as e:
+        msg = str(e).replace(f"{_CLASS_OF_SECTION[section]}.", f"config.{section}.")
+        for field, name in _FIELD_OF.items():
+            msg = re.sub(rf"{re.escape(field)}\b", name, msg)
+        raise ConfigError(msg if msg.startswith("config.") else f"config.{section}: {msg}") from None
 
 
 def epsilon_controller(c: ml_collections.ConfigDict) -> EpsilonController | None:

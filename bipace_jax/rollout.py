@@ -69,7 +69,7 @@ class RolloutConfig:
       group_size: G, rollouts per task group (all from the same task id and seed).
       max_steps: turns per game at most; a game still running after it ends (``truncated``).
       history_length: earlier (observation, action) pairs shown in the prompt (verl-agent: 2).
-      max_prompt_length: most prompt tokens (chat template included); must not exceed the sampler's
+      max_prompt_length: most prompt tokens (>= 16; chat template included); must not exceed the sampler's
         largest length bucket.
       invalid_penalty: (>= 0) subtracted from a step's reward when its response has no parsable action.
       success_reward: (> 0) multiplies the game's own reward (1.0 on success) (verl-agent: 10).
@@ -99,11 +99,11 @@ class RolloutConfig:
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
     def __post_init__(self):
-        for name in ("group_size", "max_steps", "max_prompt_length"):
+        for name, lo in (("group_size", 1), ("max_steps", 1), ("max_prompt_length", 16)):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.history_length, int) or self.history_length < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
+        if isinstance(self.history_length, bool) or not isinstance(self.history_length, int) or self.history_length < 0:
             raise ValueError(f"RolloutConfig.history_length must be an int >= 0, got {self.history_length!r}")
         if self.action_key not in _ACTION_KEYS:
             raise ValueError(f"RolloutConfig.action_key must be one of {_ACTION_KEYS}, got {self.action_key!r}")

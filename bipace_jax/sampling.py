@@ -90,7 +90,9 @@ class SamplerConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+        if isinstance(self.max_new_tokens, bool) or not (
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1
+        ):
             raise ValueError(f"SamplerConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
@@ -99,7 +101,7 @@ class SamplerConfig:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplerConfig.top_p must lie in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"SamplerConfig.top_k must be an int >= 0, got {self.top_k!r}")
         for name in ("batch_buckets", "length_buckets"):
             b = getattr(self, name)

@@ -263,7 +263,7 @@ def validate_config(c) -> None:
         ("train.steps_per_round", c.train.steps_per_round >= 0, ">= 0"),
         ("dagger.rounds", c.dagger.rounds >= 0, ">= 0"),
         ("dagger.episodes", c.dagger.episodes >= 1, ">= 1"),
-        ("dagger.temperature", c.dagger.temperature > 0, "> 0"),
+        ("dagger.temperature", c.dagger.temperature >= 0, ">= 0 (0 = greedy)"),
         ("data.expert_seeds", c.data.expert_seeds >= 1, ">= 1"),
         ("data.length_buckets", list(c.data.length_buckets) == sorted(c.data.length_buckets), "sorted"),
         ("gen.batch_buckets", list(c.gen.batch_buckets) == sorted(c.gen.batch_buckets), "sorted"),

@@ -55,8 +55,8 @@ class EstimatorConfig:
                 raise ValueError(f"EstimatorConfig.{field}: expected a float, got {value!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"EstimatorConfig.gamma: expected a value in [0, 1], got {self.gamma!r}")
-        if not math.isfinite(self.omega):
-            raise ValueError(f"EstimatorConfig.omega: expected a finite float, got {self.omega!r}")
+        if not (math.isfinite(self.omega) and self.omega >= 0):
+            raise ValueError(f"EstimatorConfig.omega: expected a finite float >= 0, got {self.omega!r}")
         if not 0.0 <= self.epsilon < 1.0:
             raise ValueError(f"EstimatorConfig.epsilon: expected a value in [0, 1), got {self.epsilon!r}")
         if self.norm not in NORMS:
