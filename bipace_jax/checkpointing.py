@@ -16,6 +16,7 @@ temporary folders are never listed as steps and are removed at the next start.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -23,6 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+log = logging.getLogger(__name__)
+
+#: The file orbax writes into a step folder once the step is complete.
+COMMIT_MARKER = "commit_success.txt"
 
 
 class Checkpointer:
@@ -53,6 +61,40 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         self._manager.reload()
         return list(self._manager.all_steps())
+
+    def restore_latest(self, params_like: Any, opt_state_like: Any) -> tuple[int, tuple] | None:
+        """The newest checkpoint that restores completely: ``(step, restore(step, ...))``, or None.
+
+        A step without orbax's commit marker (a save that never finished) or one that fails to restore
+        (a truncated or missing file) is named in a WARNING and moved to ``<checkpoints>/torn/<step>.<n>``,
+        so it is kept for inspection and a later save of the same step succeeds.
+        """
+        for step in sorted(self.all_steps(), reverse=True):
+            path = epath.Path(self.directory) / str(step)
+            try:
+                if not (path / COMMIT_MARKER).exists():
+                    raise FileNotFoundError(f"no {COMMIT_MARKER}: the save never committed")
+                return step, self.restore(step, params_like, opt_state_like)
+            except Exception as e:  # noqa: BLE001 (any failure makes the step unusable; the next one is tried)
+                log.warning(
+                    "checkpoint step %d in %s does not restore (%s: %s); set aside, trying the previous one",
+                    step,
+                    self.directory,
+                    type(e).__name__,
+                    str(e).splitlines()[0][:300],
+                )
+                self._set_aside(path)
+        return None
+
+    def _set_aside(self, path: epath.Path) -> None:
+        if jax.process_index() == 0:
+            torn = epath.Path(self.directory) / "torn"
+            torn.mkdir(parents=True, exist_ok=True)
+            n = sum(1 for p in torn.iterdir() if p.name.split(".")[0] == path.name)
+            path.rename(torn / f"{path.name}.{n}")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint set aside {path.name}")
+        self._manager.reload()
 
     def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, meta: dict) -> None:
         """Commit checkpoint ``step`` (blocking; atomic). ``rng`` is a typed or raw uint32 key."""

@@ -46,6 +46,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutResult",
     "StepRecord",
+    "TokenBatch",
     "chat_prompt_ids",
     "collect",
     "encode_prompt",

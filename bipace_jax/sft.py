@@ -377,16 +377,16 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))
     ckpt = Checkpointer(workdir)
     start_round, step = 0, 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        learner.params, learner.opt_state, _, meta = ckpt.restore(latest, learner.params, learner.opt_state)
+    restored = ckpt.restore_latest(learner.params, learner.opt_state)
+    if restored is not None:
+        latest, (learner.params, learner.opt_state, _, meta) = restored
         learner.sync_local()
         start_round, step = latest + 1, int(meta["updates"])
     for r in range(start_round):  # DAgger data of the finished rounds
         path = os.path.join(workdir, f"dagger_{r}.json")
         if os.path.exists(path):
             examples += _load_examples(path)
-    metrics = MetricsLogger(workdir, start_iteration=step + 1 if latest is not None else 0)
+    metrics = MetricsLogger(workdir, start_iteration=step + 1 if restored is not None else 0)
     samplers = {
         "dagger": _sampler(tokenizer, c, temperature=c.dagger.temperature),
         "val": _sampler(tokenizer, c, temperature=c.val.temperature),

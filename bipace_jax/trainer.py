@@ -111,12 +111,12 @@ class Trainer:
         self.controller = config_lib.epsilon_controller(c)
         self.checkpointer = Checkpointer(workdir, keep=c.checkpoint.keep)
         latest = self.checkpointer.latest_step()
+        if latest is not None and not resume:
+            raise FileExistsError(
+                f"{workdir} already holds checkpoints (latest step {latest}); pass --resume or use a new --workdir"
+            )
         if latest is not None:
-            if not resume:
-                raise FileExistsError(
-                    f"{workdir} already holds checkpoints (latest step {latest}); pass --resume or use a new --workdir"
-                )
-            self._restore(latest)
+            self._restore()
 
         # Tasks: training goals, held-out goals, the fixed validation panels.
         probe = environments.make(c.env.name, max_steps=c.env.max_steps)
@@ -411,9 +411,12 @@ class Trainer:
         }
         self.checkpointer.save(self.iteration, self.learner.params, self.learner.opt_state, self.rng, meta)
 
-    def _restore(self, step: int) -> None:
+    def _restore(self) -> None:
         L = self.learner
-        L.params, L.opt_state, self.rng, meta = self.checkpointer.restore(step, L.params, L.opt_state)
+        restored = self.checkpointer.restore_latest(L.params, L.opt_state)
+        if restored is None:  # every step was torn (each named in a WARNING): start afresh
+            return
+        step, (L.params, L.opt_state, self.rng, meta) = restored
         L.sync_local()
         self.iteration, self.task_cursor = int(meta["iteration"]), int(meta["task_cursor"])
         if self.needs_calibration and self.iteration > 0:

@@ -144,3 +144,50 @@ def test_prompt_template_from_json_or_reference():
     assert resolve_template("configs.textcraft_tasks:TEMPLATE")["task_echo"] == "start"
     with pytest.raises(ConfigError, match="config.rollout.template must name"):
         resolve_template("bipace_jax.config:NOPE")
+
+
+def _two_checkpoints(tmp_path):
+    params, opt = _tree()
+    ck = Checkpointer(str(tmp_path), keep=5)
+    for step in (1, 2):
+        ck.save(step, jax.tree.map(lambda x, s=step: x + s, params), opt, jax.random.PRNGKey(step), {"iteration": step})
+    return ck, params, opt
+
+
+def test_a_step_whose_save_never_committed_is_set_aside_and_the_previous_one_restores(tmp_path, caplog):
+    import shutil
+
+    ck, params, opt = _two_checkpoints(tmp_path)
+    shutil.copytree(os.path.join(ck.directory, "2"), os.path.join(ck.directory, "4"))
+    os.remove(os.path.join(ck.directory, "4", "commit_success.txt"))
+    assert ck.latest_step() == 4  # orbax lists the uncommitted folder as a step
+    with caplog.at_level("WARNING"):
+        step, (p, _, rng, meta) = ck.restore_latest(params, opt)
+    assert step == 2 and meta["iteration"] == 2
+    np.testing.assert_array_equal(p["w"], params["w"] + 2)
+    assert any("step 4" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert ck.all_steps() == [1, 2] and os.path.isdir(os.path.join(ck.directory, "torn", "4.0"))
+    ck.save(4, params, opt, jax.random.PRNGKey(4), {"iteration": 4})  # the same step saves again
+    assert ck.restore_latest(params, opt)[0] == 4
+
+
+def test_a_truncated_data_file_makes_the_newest_step_fall_back(tmp_path, caplog):
+    import glob
+    import shutil
+
+    ck, params, opt = _two_checkpoints(tmp_path)
+    shutil.copytree(os.path.join(ck.directory, "2"), os.path.join(ck.directory, "4"))
+    data = [
+        f
+        for f in glob.glob(os.path.join(ck.directory, "4", "state", "**", "*"), recursive=True)
+        if os.path.isfile(f) and os.path.getsize(f) > 64 and "/d/" in f
+    ]
+    assert data
+    for f in data:
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) // 2)
+    with caplog.at_level("WARNING"):
+        step, (p, *_rest) = ck.restore_latest(params, opt)
+    assert step == 2 and any("step 4" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(p["w"], params["w"] + 2)
+    assert ck.restore_latest(params, opt)[0] == 2  # the torn step stays set aside
