@@ -135,7 +135,7 @@ def low_var_kl(logprobs: jax.Array, ref_logprobs: jax.Array, bound: float = 10.0
       float32 ``[B, M]``.
     """
     d = ref_logprobs - logprobs
-    kl = jnp.exp(d) - d - 1.0
+    kl = jnp.expm1(d) - d  # exp(d) - 1 - d without the cancellation that goes negative near d = 0
     return jnp.clip(kl, -bound, bound)
 
 

@@ -196,8 +196,9 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
 
 
 def _order_key(x: jax.Array) -> jax.Array:
-    """int32 keys of float32 ``x`` in the same order (-0.0 just below +0.0; -inf lowest)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    """int32 keys of float32 ``x`` in the same order (-inf lowest; -0.0 and +0.0 equal, as they compare)."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0.0), x), jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 

@@ -136,3 +136,13 @@ def test_ppo_loss_config_rejects_bad_values_naming_the_field():
             jnp.zeros((1,)),
             losses.PPOLossConfig(),
         )
+
+
+def test_low_var_kl_is_never_negative_near_zero():
+    # exp(d) - d - 1 cancels to -5.96e-8 at d = -3e-8 in float32; expm1(d) - d does not.
+    assert float(losses.low_var_kl(jnp.asarray([3e-8]), jnp.asarray([0.0]))[0]) == 0.0
+    d = np.concatenate([np.linspace(-1e-3, 1e-3, 20001), -np.logspace(-12, -1, 500), np.logspace(-12, -1, 500)])
+    d = d.astype(np.float32)
+    kl = np.asarray(losses.low_var_kl(jnp.zeros_like(d), jnp.asarray(d), bound=np.inf))
+    assert kl.min() >= 0.0
+    np.testing.assert_allclose(kl, np.expm1(d.astype(np.float64)) - d, rtol=1e-3, atol=2e-9)  # float32 ulps of d

@@ -278,6 +278,13 @@ def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_z
         np.testing.assert_array_equal(keep, ref, err_msg=str(row))
 
 
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (0, 0.3)])
+def test_filter_logits_treats_plus_and_minus_zero_as_a_tie(top_k, top_p):
+    for row in ([0.0, -0.0], [-0.0, 0.0]):
+        got = filter_logits(jnp.asarray([row], jnp.float32), top_k=top_k, top_p=top_p)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(got)), [[True, True]])
+
+
 def _filtered_probs_oracle(logits, temperature, top_k, top_p):
     x = logits / temperature
     order = np.argsort(-x, kind="stable")
