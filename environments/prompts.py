@@ -285,6 +285,9 @@ def build_prompt(
 _OPEN, _CLOSE = "<action>", "</action>"
 
 
+_FORMAT_TAGS = (_OPEN, "<think>", "</think>")
+
+
 def _tag_span(lowered: str) -> tuple[int, int] | None:
     start = lowered.find(_OPEN)
     if start < 0:
@@ -301,7 +304,9 @@ def action_tag(response: Any) -> str | None:
     Lower-cases the whole response, takes the text inside the first ``<action>...</action>``,
     strips surrounding Unicode white space and collapses inner runs to one space (Python's
     ``str.split()`` notion of white space). Returns None (unparsable: key id -1) when there is
-    no ``<action>``, no ``</action>`` after it, or the body is empty, and for a non-str. Never raises.
+    no ``<action>``, no ``</action>`` after it, the body is empty or holds a tag of the response format
+    (``<action>``, ``<think>``, ``</think>``: a nested or garbled answer, never a game command), and for a
+    non-str. Never raises.
     """
     if not isinstance(response, str):
         return None
@@ -310,6 +315,8 @@ def action_tag(response: Any) -> str | None:
     if span is None:
         return None
     body = " ".join(lowered[span[0] + len(_OPEN) : span[1]].split())
+    if any(tag in body for tag in _FORMAT_TAGS):
+        return None
     return body or None
 
 

@@ -30,7 +30,7 @@ LADDER = 272
         ("<think>x</think><action>get 1 oak logs</action>", "get 1 oak logs"),
         ("<ACTION>  Craft 4 Stick\n using\t2 OAK planks </Action>", "craft 4 stick using 2 oak planks"),
         ("<action>a</action><action>b</action>", "a"),  # the first pair
-        ("<action><action>x</action></action>", "<action>x"),  # first opening, first closing after it
+        ("<action><action>x</action></action>", None),  # a body holding a format tag is never a command
         ("</action><action>late</action>", "late"),
         ("<action>\u00a0\u2003go\u3000to  desk 1\u2029</action>", "go to desk 1"),  # Unicode white space
         ("<action>   </action>", None),  # empty body
@@ -114,6 +114,8 @@ def _reference_key(response: str) -> str | None:
     if m is None:
         return None
     body = re.sub(r"\s+", " ", m.group(1)).strip()
+    if re.search(r"<action>|</?think>", body):
+        return None
     return body or None
 
 
@@ -130,6 +132,13 @@ def test_parse_action_never_raises_and_matches_reference_on_10000_strings(respon
         assert action == key and key == key.strip() and "  " not in key
         if not require_think:
             assert valid
+
+
+def test_an_action_body_holding_a_format_tag_is_invalid():
+    assert parse_action("<action><action>open drawer 1</action></action>") == ("", False)
+    assert parse_action("<action>go to <think>desk</think> 1</action>") == ("", False)
+    assert parse_action("<think>x</think><action>open drawer 1</action>") == ("open drawer 1", True)
+    assert action_tag("<action>take 1 <b>oak</b></action>") == "take 1 <b>oak</b>"  # other markup is text
 
 
 def test_parse_action_handles_huge_inputs():
