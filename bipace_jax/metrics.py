@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -72,7 +73,10 @@ class MetricsLogger:
         os.replace(tmp, path)
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"), purge_step=start_iteration)
+        # Event files are named by the second they start in: a suffix unique to this start keeps a
+        # restart within the same second from replacing the previous file.
+        suffix = f".{os.getpid()}.{time.time_ns()}"
+        self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"), purge_step=start_iteration, filename_suffix=suffix)
 
     def write(self, iteration: int, record: dict[str, Any]) -> None:
         """Append ``record`` (scalars, or small dicts/strings kept in JSON only) for ``iteration``."""

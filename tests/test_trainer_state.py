@@ -191,3 +191,27 @@ def test_a_truncated_data_file_makes_the_newest_step_fall_back(tmp_path, caplog)
     assert step == 2 and any("step 4" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(p["w"], params["w"] + 2)
     assert ck.restore_latest(params, opt)[0] == 2  # the torn step stays set aside
+
+
+def test_two_metrics_loggers_started_in_the_same_second_keep_both_event_files(tmp_path):
+    first = MetricsLogger(str(tmp_path))
+    first.write(0, {"x": 1.0})
+    first.close()
+    second = MetricsLogger(str(tmp_path), start_iteration=1)
+    second.write(1, {"x": 2.0})
+    second.close()
+    files = sorted(os.listdir(tmp_path / "tb"))
+    assert len(files) == 2 and len(set(files)) == 2
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    for f in files:  # TFRecord framing: uint64 length, uint32 crc, payload, uint32 crc
+        data = (tmp_path / "tb" / f).read_bytes()
+        while data:
+            (n,) = struct.unpack("<Q", data[:8])
+            event = event_pb2.Event.FromString(data[12 : 12 + n])
+            steps += [event.step for v in event.summary.value if v.tag == "x"]
+            data = data[16 + n :]
+    assert sorted(steps) == [0, 1]
