@@ -323,8 +323,9 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
     )
 
 
-def ppo_learner(c: ml_collections.ConfigDict, actor: Qwen2Actor, mesh, local_mesh) -> PPOLearner:
-    """The ``PPOLearner`` of ``c.ppo`` (batching, old log-probs), ``c.optim`` and the sampler's length buckets."""
+def ppo_learner(c: ml_collections.ConfigDict, actor: Qwen2Actor, mesh, local_mesh, *, support: int) -> PPOLearner:
+    """The ``PPOLearner`` of ``c.ppo`` (batching, old log-probs), ``c.optim`` and the sampler's length buckets;
+    ``support``: the tokenizer's size (ids the sampler can draw)."""
     p = c.ppo
     return PPOLearner(
         actor,
@@ -337,6 +338,7 @@ def ppo_learner(c: ml_collections.ConfigDict, actor: Qwen2Actor, mesh, local_mes
         mini_batch_rows=p.mini_batch_rows,
         fused_old_logprobs=p.old_logprobs == "fused",
         prompt_buckets=c.sampler.length_buckets,
+        support=min(support, actor.config.vocab_size),
     )
 
 

@@ -44,15 +44,18 @@ class MicroBatch:
     advantages: jax.Array  # float32[B]
 
 
-def response_logits(model, input_ids: jax.Array, attention_mask: jax.Array, num_response: int) -> jax.Array:
-    """float32[B, M, V] logits of the M positions that predict response tokens (position t predicts t + 1).
+def response_logits(
+    model, input_ids: jax.Array, attention_mask: jax.Array, num_response: int, support: int | None = None
+) -> jax.Array:
+    """float32[B, M, S] logits of the M positions that predict response tokens (position t predicts t + 1).
 
     The LM head runs on those M positions only, not on [B, T, V]: with a 152k vocabulary that is most
-    of the memory.
+    of the memory. ``support``: only the first S ids, the ones the sampler can draw (the tokenizer's
+    size; all V when None), so log-probs, entropy and KL are over the distribution that played.
     """
     h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
     prompt_len = input_ids.shape[1] - num_response
-    return model.lm_logits(h[:, prompt_len - 1 : -1])
+    return model.lm_logits(h[:, prompt_len - 1 : -1])[..., :support]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +70,11 @@ class PPOObjective:
 
     cfg: losses.PPOLossConfig
     fused_old: bool = False
+    support: int | None = None
 
     def __call__(self, model, mb: MicroBatch, denom):
         cfg = self.cfg
-        logits = response_logits(model, mb.input_ids, mb.attention_mask, mb.response_ids.shape[1])
+        logits = response_logits(model, mb.input_ids, mb.attention_mask, mb.response_ids.shape[1], self.support)
         old, gap = mb.old_logprobs, jnp.zeros((), jnp.float32)
         if self.fused_old:
             logp = losses.token_logprobs(logits, mb.response_ids, cfg.temperature)
@@ -82,10 +86,11 @@ class PPOObjective:
 
 
 @functools.lru_cache(maxsize=16)
-def _logprobs_program(graphdef, temperature: float):
+def _logprobs_program(graphdef, temperature: float, support: int | None):
     @jax.jit
     def logprobs(params, rest, input_ids, attention_mask, response_ids):
-        logits = response_logits(nnx.merge(graphdef, params, rest), input_ids, attention_mask, response_ids.shape[1])
+        model = nnx.merge(graphdef, params, rest)
+        logits = response_logits(model, input_ids, attention_mask, response_ids.shape[1], support)
         return losses.token_logprobs(logits, response_ids, temperature)
 
     return logprobs
@@ -105,6 +110,8 @@ class PPOLearner(Learner):
         ``update``'s ``old_lp`` is then the sampler's log-probs, reported as ``loss/sampler_gap``.
       prompt_buckets: prompt lengths a micro-batch may be cut down to (the sampler's length buckets);
         () keeps every micro-batch at the iteration's ``TokenBatch.prompt_len``.
+      support: ids below it form the policy's distribution (the tokenizer's size, as the sampler's);
+        None: all of the logits' V columns.
 
     Raises:
       ValueError: ``fused_old_logprobs`` with more than one optimizer step per update.
@@ -123,6 +130,7 @@ class PPOLearner(Learner):
         local_mesh=None,
         fused_old_logprobs: bool = False,
         prompt_buckets: Sequence[int] = (),
+        support: int | None = None,
     ):
         if fused_old_logprobs and (epochs != 1 or mini_batch_rows != 0):
             raise ValueError(
@@ -131,14 +139,15 @@ class PPOLearner(Learner):
             )
         super().__init__(actor, mesh, tx, local_mesh=local_mesh, keep_reference=loss_cfg.kl_coef > 0)
         self.loss_cfg = loss_cfg
-        self.objective = PPOObjective(loss_cfg, fused_old_logprobs)
+        self.support = support
+        self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support)
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
         self.fused_old_logprobs = fused_old_logprobs
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
 
     def logprobs(self, params_local, batch: TokenBatch) -> np.ndarray:
         """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched)."""
-        fn = _logprobs_program(self.graphdef, self.loss_cfg.temperature)
+        fn = _logprobs_program(self.graphdef, self.loss_cfg.temperature, self.support)
         B = self.micro_batch_rows
         out = np.zeros(batch.response_ids.shape, np.float32)
         plen = batch.prompt_lengths()

@@ -232,8 +232,9 @@ def sample_tokens(
     greedy: bool,
     top_k: int = 0,
     top_p: float = 1.0,
+    support: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row.
+    """Draws one token per row from the first ``support`` ids (all V when None).
 
     Args:
       logits: float32[B, V] raw next-token logits.
@@ -241,12 +242,14 @@ def sample_tokens(
       step: the response position being drawn (folded into each row's key).
       temperature: scalar > 0 (ignored when ``greedy``).
       greedy / top_k / top_p: static, see ``SamplerConfig``.
+      support: static; ids at or above it (embedding rows the tokenizer has no token for, as in
+        Qwen2.5's padded 151,936-row vocabulary) are never drawn and are outside the softmax.
 
     Returns:
       (int32[B] tokens, float32[B] ``log_softmax(logits / temperature)`` of the drawn tokens; temperature
       1 when greedy).
     """
-    logits = logits.astype(jnp.float32)
+    logits = logits[..., :support].astype(jnp.float32)
     if greedy:
         scaled = logits
         tokens = first_argmax(logits)
@@ -404,6 +407,7 @@ class _Static(NamedTuple):
     max_new_tokens: int
     cache_length: int
     pad_id: int
+    support: int  # ids below it can be drawn: the tokenizer's size (<= the logits' width V)
 
 
 def _row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
@@ -458,7 +462,14 @@ def _prefill_program(
     logits = out.logits
     keys = _row_keys(key, row_ids)
     token, logp = sample_tokens(
-        logits, keys, 0, temperature, greedy=static.greedy, top_k=static.top_k, top_p=static.top_p
+        logits,
+        keys,
+        0,
+        temperature,
+        greedy=static.greedy,
+        top_k=static.top_k,
+        top_p=static.top_p,
+        support=static.support,
     )
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
@@ -504,7 +515,14 @@ def _decode_program(
         i, cache, tokens, logps, lengths, done, stop_state, last = carry
         logits, cache = actor.decode_step(last, cache)
         token, logp = sample_tokens(
-            logits, keys, i, temperature, greedy=static.greedy, top_k=static.top_k, top_p=static.top_p
+            logits,
+            keys,
+            i,
+            temperature,
+            greedy=static.greedy,
+            top_k=static.top_k,
+            top_p=static.top_p,
+            support=static.support,
         )
         token = jnp.where(done, static.pad_id, token)
         logp = jnp.where(done, 0.0, logp)
@@ -727,6 +745,7 @@ class Sampler:
             max_new_tokens=cfg.max_new_tokens,
             cache_length=t_bucket + cfg.max_new_tokens,
             pad_id=self.pad_id,
+            support=min(self.vocab_size, vocab),
         )
         spec2 = P(self.batch_axes or None, None)
         spec1 = P(self.batch_axes or None)

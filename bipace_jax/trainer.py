@@ -101,7 +101,8 @@ class Trainer:
         # Model and learner.
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.actor = actor if actor is not None else config_lib.build_actor(c, self.tokenizer)
-        self.learner = config_lib.ppo_learner(c, self.actor, self.mesh, self.local_mesh)
+        support = len(self.tokenizer)  # embedding rows past the tokenizer (Qwen2.5 pads V) are never drawn
+        self.learner = config_lib.ppo_learner(c, self.actor, self.mesh, self.local_mesh, support=support)
 
         # Run state, restored from the latest checkpoint when there is one.
         self.iteration, self.task_cursor = 0, 0

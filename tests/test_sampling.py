@@ -351,6 +351,23 @@ def test_generate_draws_independently_per_row_and_step_from_the_filtered_distrib
     assert len({tuple(r) for r in out.tokens}) == 64  # no two rows share their draws
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_ids_the_tokenizer_lacks_are_never_drawn_and_are_outside_the_softmax(greedy):
+    # A padded embedding (Qwen2.5: 151,936 rows for ~151,665 tokens): the logits are 4 wider than the
+    # tokenizer and the top logit is a padding id.
+    tok = small_tokenizer()
+    n = len(tok)
+    logits = np.random.default_rng(0).normal(size=n + 4).astype(np.float32)
+    logits[n + 2] = 9.0
+    cfg = _cfg(max_new_tokens=16, temperature=1.0, greedy=greedy, batch_buckets=(64,), eos_token_ids=(n + 3,))
+    out = Sampler(tok, cfg).generate(ConstLM(logits), [[5]] * 64, jax.random.key(7))
+    assert (out.tokens < n).all() and (out.lengths == 16).all()
+    if greedy:
+        assert (out.tokens == int(np.argmax(logits[:n]))).all()
+    want = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:n])))
+    np.testing.assert_allclose(out.logprobs, want[out.tokens], rtol=1e-5, atol=1e-6)
+
+
 def test_greedy_picks_argmax_with_lowest_id_on_ties():
     logits = jnp.asarray([[0.0, 2.0, 2.0, 1.0], [5.0, 0.0, 5.0, 0.0]])
     toks, logp = sample_tokens(logits, jax.random.split(jax.random.key(0), 2), 0, 1.0, greedy=True)

@@ -188,3 +188,40 @@ def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the
     wide = cut._micro_rows(b.attention_mask, np.arange(3), b, 16)
     assert wide.shape == (3, 16 + 5) and not wide[:, :4].any()
     np.testing.assert_array_equal(wide[:, 4:], b.attention_mask[:3])
+
+
+def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
+    # support 40 of the actor's 48 logit columns: log_softmax over the first 40, as the sampler draws.
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    cfg = losses.PPOLossConfig(kl_coef=0.0, entropy_coef=0.001)
+    b = _batch(n=4)
+    b.response_ids[:] = np.minimum(b.response_ids, 39)
+    b.input_ids[:, b.prompt_len :] = b.response_ids
+    L = PPOLearner(_actor(), mesh, cfg, SGD, micro_batch_rows=4, support=40)
+    lp = L.logprobs(L.params_local, b)
+    full = PPOLearner(_actor(), mesh, cfg, SGD, micro_batch_rows=4).logprobs(L.params_local, b)
+    actor = _actor()
+    for i in range(b.rows):
+        prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] > 0]
+        resp = b.response_ids[i][b.response_mask[i]]
+        seq = np.concatenate([prompt, resp])[None]
+        logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0, len(prompt) - 1 : -1]
+        want = jax.nn.log_softmax(logits[:, :40], -1)[np.arange(len(resp)), resp]
+        np.testing.assert_allclose(lp[i, : len(resp)], want, atol=2e-5)
+    assert (lp[b.response_mask] > full[b.response_mask]).all()  # less mass to share: every log-prob rises
+    # The PPO objective's entropy is over the same 40 ids.
+    from bipace_jax.ppo import MicroBatch
+
+    z = np.zeros(b.response_ids.shape, np.float32)
+    mb = MicroBatch(b.input_ids, b.attention_mask, b.response_ids, b.response_mask, lp, z, np.zeros(b.rows, np.float32))
+    mb = jax.tree.map(jnp.asarray, mb)
+    _, stats = L.objective(actor, mb, jnp.float32(b.response_mask.sum()))
+    ents = []
+    for i in range(b.rows):
+        prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] > 0]
+        resp = b.response_ids[i][b.response_mask[i]]
+        seq = np.concatenate([prompt, resp])[None]
+        logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0, len(prompt) - 1 : -1, :40]
+        p = jax.nn.softmax(logits, -1)
+        ents += list(np.asarray(-(p * jnp.log(p)).sum(-1)))
+    np.testing.assert_allclose(float(stats["entropy"]), np.mean(ents), rtol=1e-4)
