@@ -55,6 +55,8 @@ __all__ = [
 #: Number of response tokens in the ``first_tokens`` PACE key (``docs/estimators.md``, "PACE keys").
 FIRST_TOKENS = 8
 _ACTION_KEYS = ("action_tag", "first_tokens")
+#: How a response is scored when it used the whole token budget (finish reason ``length``).
+LENGTH_FINISH = ("parse", "invalid", "unpenalised")
 
 
 class PromptTooLongError(ValueError):
@@ -76,6 +78,9 @@ class RolloutConfig:
       success_reward: (> 0) multiplies the game's own reward (1.0 on success) (verl-agent: 10).
       fallback_action: the command sent to the game for an invalid response.
       require_think: a response without ``<think>...</think>`` before the action is invalid.
+      length_finish: a response cut by the token budget (finish reason ``length``): ``"parse"`` scores
+        it like any other (valid when its action parses), ``"invalid"`` makes it an invalid action
+        (fallback sent, penalty charged), ``"unpenalised"`` sends the fallback without the penalty.
       action_key: PACE key: ``"action_tag"`` or ``"first_tokens"``.
       show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
       system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
@@ -93,6 +98,7 @@ class RolloutConfig:
     success_reward: float = 10.0
     fallback_action: str = "inventory"
     require_think: bool = False
+    length_finish: str = "parse"
     action_key: str = "action_tag"
     show_inventory: bool = False
     system_prompt: str | None = None
@@ -106,6 +112,8 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
         if isinstance(self.history_length, bool) or not isinstance(self.history_length, int) or self.history_length < 0:
             raise ValueError(f"RolloutConfig.history_length must be an int >= 0, got {self.history_length!r}")
+        if self.length_finish not in LENGTH_FINISH:
+            raise ValueError(f"RolloutConfig.length_finish must be one of {LENGTH_FINISH}, got {self.length_finish!r}")
         if self.action_key not in _ACTION_KEYS:
             raise ValueError(f"RolloutConfig.action_key must be one of {_ACTION_KEYS}, got {self.action_key!r}")
         if not isinstance(self.fallback_action, str) or not self.fallback_action.strip():
@@ -162,6 +170,7 @@ class StepRecord:
     text: str
     action: str
     valid: bool
+    finish: str  # why the response ended: "eos", "stop" (a stop string) or "length" (the token budget)
     label: str | None = None
 
 
@@ -204,9 +213,10 @@ class RolloutResult:
         sampler reports them), ``env_s`` (pool reset/step) and ``host_s`` (prompts, tokenization, parsing,
         assembling), and ``total_s``.
       stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
-        ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``budget_hits`` (responses that
+        ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``finish_eos_rate``, ``finish_stop_rate``, ``finish_length_rate`` (why responses ended), ``budget_hits`` (responses that
         used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate``, ``env_errors``.
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
+      finish_reasons: N of ``"eos"``, ``"stop"`` or ``"length"``: why each response ended.
       labels: N labels from ``collect``'s ``labeler`` (e.g. the oracle's action from the state the
         prompt showed, for DAgger), or None without a labeler.
     """
@@ -222,6 +232,7 @@ class RolloutResult:
     stats: dict[str, float]
     responses: list[str]
     actions: list[str]
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
     labels: list[str | None] | None = None
 
     @property
@@ -313,6 +324,14 @@ def chat_prompt_ids(tokenizer, user_text: str, system_prompt: str | None) -> lis
     (warm-start data uses it too, so behaviour cloning sees the RL loop's prompts).
     """
     return list(tokenizer(_chat_text(tokenizer, user_text, system_prompt), add_special_tokens=False)["input_ids"])
+
+
+def finish_reason(tokens: np.ndarray, text: str, eos: set[int], stop_strings: Sequence[str]) -> str:
+    """Why a response ended: ``"eos"`` (its last token is an EOS id), ``"stop"`` (its text holds a stop
+    string) or ``"length"`` (neither: the token budget ran out)."""
+    if len(tokens) and int(tokens[-1]) in eos:
+        return "eos"
+    return "stop" if any(s in text for s in stop_strings) else "length"
 
 
 def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
@@ -430,10 +449,13 @@ def collect(
                 [out.tokens[r, : lengths[r]].tolist() for r in range(len(live))], skip_special_tokens=True
             )
             texts = [truncate_at_stop(t, stop_strings) for t in texts]
-            actions, valid = [], []
-            for text in texts:
+            finish = [finish_reason(out.tokens[r, : lengths[r]], texts[r], eos, stop_strings) for r in range(len(live))]
+            actions, valid, penalised = [], [], []
+            for text, why in zip(texts, finish):
                 act, ok = parse_action(text, require_think=rcfg.require_think)
+                ok = ok and not (why == "length" and rcfg.length_finish != "parse")
                 valid.append(ok)
+                penalised.append(not ok and not (why == "length" and rcfg.length_finish == "unpenalised"))
                 actions.append(act if ok else rcfg.fallback_action)
             t0 = time.perf_counter()
             results = pool.step(live, actions)
@@ -444,15 +466,12 @@ def collect(
                 n_tok = int(lengths[r])
                 toks = out.tokens[r, :n_tok]
                 stats["response_tokens"] += n_tok
-                hit_budget = (
-                    n_tok == max_new and int(toks[-1]) not in eos and not any(s in texts[r] for s in stop_strings)
-                )
-                stats["budget_hits"] += hit_budget
+                stats["budget_hits"] += finish[r] == "length" and n_tok == max_new
                 if rcfg.action_key == "action_tag":
                     pace = action_tag(texts[r])
                 else:
                     pace = tuple(int(t) for t in toks[:FIRST_TOKENS])
-                reward = rcfg.success_reward * float(res.reward) - rcfg.invalid_penalty * (not valid[r])
+                reward = rcfg.success_reward * float(res.reward) - rcfg.invalid_penalty * penalised[r]
                 ep = episodes[i]
                 rows.append(
                     StepRecord(
@@ -470,6 +489,7 @@ def collect(
                         text=texts[r],
                         action=actions[r],
                         valid=valid[r],
+                        finish=finish[r],
                         label=labels[r],
                     )
                 )
@@ -545,6 +565,7 @@ def collect(
         rows=n_rows,
         prompt_tokens_max=p_max,
         invalid_rate=float(np.mean([not r.valid for r in rows])),
+        **{f"finish_{why}_rate": float(np.mean([r.finish == why for r in rows])) for why in ("eos", "stop", "length")},
         success_rate=float(np.mean([ep.won for ep in episodes])),
         env_errors=sum(ep.env_error is not None for ep in episodes),
     )
@@ -560,5 +581,6 @@ def collect(
         stats=stats,
         responses=[r.text for r in rows],
         actions=[r.action for r in rows],
+        finish_reasons=[r.finish for r in rows],
         labels=[r.label for r in rows] if labeler else None,
     )

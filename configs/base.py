@@ -61,6 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.success_reward = 10.0
     c.rollout.fallback_action = ""  # action sent to the game for an unparsable response ("" = the game's default)
     c.rollout.require_think = False
+    c.rollout.length_finish = "parse"  # a response cut by sampler.max_new_tokens: parse (scored as any other) |
+    # invalid (fallback action + invalid penalty) | unpenalised (fallback action, no penalty)
     c.rollout.show_inventory = False
     c.rollout.system_prompt = (
         "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)

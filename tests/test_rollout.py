@@ -263,3 +263,66 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     direct = sampler.generate(actor, prompts, jax.random.fold_in(jax.random.key(1), 0))
     np.testing.assert_array_equal(direct.tokens, res.response_ids[rows0])
     np.testing.assert_allclose(direct.fingerprints, fp[rows0], atol=1e-6)
+
+
+class FinishSampler(OracleSampler):
+    """Env 0 answers its oracle action and EOS; env 1 its action, then filler up to the token budget (no
+    EOS); env 2 filler only, cut by the budget. No stop strings, so a cut response can still parse."""
+
+    def __init__(self, tokenizer, pool, m=40):
+        super().__init__(tokenizer, pool, 3, max_new_tokens=m)
+        self.config = SamplerConfig(max_new_tokens=m, length_buckets=(512, 1024), stop_strings=())
+
+    def generate(self, actor, prompts, key, temperature=None):
+        oracle = self.pool.oracle_actions(list(range(self.n_envs)))
+        live = [i for i, a in enumerate(oracle) if a is not None]
+        m, b = self.config.max_new_tokens, len(prompts)
+        tokens = np.full((b, m), self.pad_id, np.int32)
+        lengths = np.zeros(b, np.int32)
+        filler = self.tokenizer.encode(" and then")
+        for r, i in enumerate(live):
+            if i == 0:
+                ids = self.tokenizer.encode(f"<action>{oracle[i]}</action>") + [self.tokenizer.eos_token_id]
+            else:
+                ids = self.tokenizer.encode(f"<action>{oracle[i]}</action>" if i == 1 else "I think")
+                ids = (ids + filler * m)[:m]
+            tokens[r, : len(ids)], lengths[r] = ids, len(ids)
+        fps = np.eye(b, 8, dtype=np.float32)
+        return SampleOutput(tokens, lengths, np.where(tokens != self.pad_id, -0.5, 0.0).astype(np.float32), fps)
+
+
+@pytest.mark.parametrize("mode", ["parse", "invalid", "unpenalised"])
+def test_finish_reasons_are_recorded_and_length_rows_are_scored_by_the_config(tokenizer, pool, mode):
+    rcfg = RolloutConfig(
+        game="textcraft",
+        group_size=3,
+        max_steps=2,
+        max_prompt_length=1024,
+        length_finish=mode,
+        invalid_penalty=0.1,
+        sampler=SamplerConfig(length_buckets=(512, 1024)),
+    )
+    res = collect(
+        None, FinishSampler(tokenizer, pool), pool, tokenizer, [16], [3], rcfg, jax.random.key(0), progress=False
+    )
+    traj = np.asarray(res.steps.traj_id)[: res.rows]
+    reward = np.asarray(res.steps.reward)[: res.rows]
+    assert res.rows == 6 and list(traj) == [0, 0, 1, 1, 2, 2]
+    assert res.finish_reasons == ["eos", "eos", "length", "length", "length", "length"]
+    assert res.stats["finish_eos_rate"] == pytest.approx(1 / 3) and res.stats["finish_stop_rate"] == 0.0
+    assert res.stats["finish_length_rate"] == pytest.approx(2 / 3)
+    cut_ok = mode == "parse"  # env 1's cut response holds a whole action
+    assert [res.actions[k] == "inventory" for k in range(6)] == [False, False, not cut_ok, not cut_ok, True, True]
+    # Oracle steps of a 5-6 step goal pay no game reward yet: a row's reward is its penalty only.
+    penalty = {"parse": [0, 0, 0, 0, 0.1, 0.1], "invalid": [0, 0, 0.1, 0.1, 0.1, 0.1], "unpenalised": [0] * 6}[mode]
+    np.testing.assert_allclose(reward, -np.asarray(penalty), atol=1e-7)
+
+
+def test_finish_reason_prefers_eos_then_stop_text():
+    from bipace_jax.rollout import finish_reason
+
+    assert finish_reason(np.array([5, 2]), "<action>x</action>", {2}, ("</action>",)) == "eos"
+    assert finish_reason(np.array([5, 6]), "<action>x</action>", {2}, ("</action>",)) == "stop"
+    assert finish_reason(np.array([5, 6]), "<action>x", {2}, ("</action>",)) == "length"
+    with pytest.raises(ValueError, match="length_finish must be one of"):
+        RolloutConfig(length_finish="drop")
