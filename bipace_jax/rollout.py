@@ -50,6 +50,7 @@ __all__ = [
     "chat_prompt_ids",
     "collect",
     "encode_prompt",
+    "finish_reason",
 ]
 
 #: Number of response tokens in the ``first_tokens`` PACE key (``docs/estimators.md``, "PACE keys").

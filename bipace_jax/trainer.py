@@ -108,8 +108,10 @@ class Trainer:
         self.iteration, self.task_cursor = 0, 0
         self.rng = jax.random.PRNGKey(c.seed)
         self.epsilon = float(c.estimator.epsilon)
-        self.needs_calibration = bool(c.estimator.calibration.enabled)  # done on iteration 0
-        self.controller = config_lib.epsilon_controller(c)
+        # Epsilon tunes the clustering: without it (grpo, gigpo) it is neither calibrated nor controlled.
+        clusters = config_lib.estimator_config(c).clusters
+        self.needs_calibration = bool(c.estimator.calibration.enabled) and clusters  # done on iteration 0
+        self.controller = config_lib.epsilon_controller(c) if clusters else None
         self.checkpointer = Checkpointer(workdir, keep=c.checkpoint.keep)
         latest = self.checkpointer.latest_step()
         if latest is not None and not resume:
@@ -313,6 +315,7 @@ class Trainer:
             mine = list(range(jax.process_index(), len(panel), self.num_hosts))
             won, length = np.full((len(panel),), -1.0), np.full((len(panel),), -1.0)
             if mine:
+                # 1 + len(name): 4 for "val", 12 for "val/holdout" (kept: it fixes the panels' draws)
                 key = jax.random.fold_in(jax.random.PRNGKey(self.config.val.seed), 1 + len(name))
                 res = self._play(self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key)
                 for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order

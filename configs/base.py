@@ -90,7 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.estimator.centroid = "mean"  # mean | leader
     c.estimator.key = "action_tag"  # PACE key: action_tag | first_tokens
     c.estimator.capacity = 0  # clusters per task group; 0 = the group's row capacity (never overflows)
-    # One-shot calibration (the paper's sweep): on the first iteration, epsilon becomes the smallest
+    # One-shot calibration (the paper's sweep; clustering estimators only): on the first iteration, epsilon becomes the smallest
     # grid value whose singleton step-group rate on that batch's fingerprints is <= the target
     # (paper, TextCraft-7B: clusters 22.4% singletons vs 50.3% for exact hashing). Off: epsilon as set.
     c.estimator.calibration = ml_collections.ConfigDict()
