@@ -192,7 +192,12 @@ def main(argv):
             alfworld_policy,
             num_envs,
         )
-        results["alfworld"]["options"] = alf_options
+        # A path inside the project is recorded relative to its root: the JSON names no machine's folders.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        results["alfworld"]["options"] = {
+            k: os.path.relpath(v, root) if k == "data_path" and os.path.abspath(v).startswith(root + os.sep) else v
+            for k, v in alf_options.items()
+        }
         results["alfworld"]["policy"] = "uniform over admissible actions except help, seeded"
 
     results["machine"]["load_avg_at_end"] = os.getloadavg()
