@@ -309,8 +309,9 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
     m, dtype = c.model, _DTYPES[c.model.dtype]
     if m.checkpoint:
         return load_hf_checkpoint(resolve_path(m.checkpoint), dtype=dtype, fingerprint_layer=m.fingerprint_layer)
-    cfg = Qwen2Config.preset(m.preset)
-    if m.preset == "tiny":
+    if m.preset != "tiny":
+        cfg = Qwen2Config.preset(m.preset)
+    else:
         sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
         heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -49,12 +49,12 @@ def allgather(x: np.ndarray) -> np.ndarray:
 
 
 def host_sum(x) -> np.ndarray:
-    """Element-wise sum of a host-local array over processes."""
+    """float64 ``[*x.shape]``: the element-wise sum of a host-local array (or list of numbers) over processes."""
     return allgather(np.asarray(x, np.float64)).sum(0)
 
 
 def host_mean(d: dict[str, float]) -> dict[str, float]:
-    """The mean over processes of each value of a scalar dict (the same keys on every host)."""
+    """The mean over processes of each value of a dict of float scalars (the same keys on every host)."""
     if jax.process_count() == 1 or not d:
         return d
     keys = sorted(d)
