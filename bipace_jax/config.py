@@ -376,6 +376,7 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
         success_reward=r.success_reward,
         require_think=r.require_think,
         length_finish=r.length_finish,
+        reset_retries=r.reset_retries,
         action_key=c.estimator.key,
         show_inventory=r.show_inventory,
         system_prompt=None if r.system_prompt == "default" else r.system_prompt,

@@ -58,6 +58,7 @@ FIRST_TOKENS = 8
 _ACTION_KEYS = ("action_tag", "first_tokens")
 #: How a response is scored when it used the whole token budget (finish reason ``length``).
 LENGTH_FINISH = ("parse", "invalid", "unpenalised")
+RESEED_STRIDE = 1_000_003  # retry k of a task group's reset uses seed + k * RESEED_STRIDE
 
 
 class PromptTooLongError(ValueError):
@@ -82,6 +83,10 @@ class RolloutConfig:
       length_finish: a response cut by the token budget (finish reason ``length``): ``"parse"`` scores
         it like any other (valid when its action parses), ``"invalid"`` makes it an invalid action
         (fallback sent, penalty charged), ``"unpenalised"`` sends the fallback without the penalty.
+      reset_retries: (>= 0) times a task group whose reset faulted (``env_error`` from the pool) is
+        reset again, all G envs together, on a fresh seed (seed + k * ``RESEED_STRIDE`` on retry k);
+        envs still failing after that are dropped (0: drop at once). Either way the game counts in
+        ``stats["env_errors"]``.
       action_key: PACE key: ``"action_tag"`` or ``"first_tokens"``.
       show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
       system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
@@ -100,6 +105,7 @@ class RolloutConfig:
     fallback_action: str = "inventory"
     require_think: bool = False
     length_finish: str = "parse"
+    reset_retries: int = 1
     action_key: str = "action_tag"
     show_inventory: bool = False
     system_prompt: str | None = None
@@ -107,7 +113,7 @@ class RolloutConfig:
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
     def __post_init__(self):
-        for name, lo in (("group_size", 1), ("max_steps", 1), ("max_prompt_length", 16)):
+        for name, lo in (("group_size", 1), ("max_steps", 1), ("max_prompt_length", 16), ("reset_retries", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
@@ -135,7 +141,9 @@ class Episode:
       task_id, seed: the game played; ``group_id``: its task group; ``traj_id``: its pool env index.
       won: the game reported success. ``length``: steps taken. ``invalid_count``: unparsable responses.
       episode_return: undiscounted sum of the step rewards (success and invalid-action terms).
-      env_error: the pool's error text when the game failed, else None.
+      env_error: the pool's fault kind (``environments.pool.ENV_ERRORS``) when the game failed at
+        reset or mid-game, else None; such a game's rows are left out of the batch (its return is
+        not the game's), it is not counted in ``success_rate``.
       truncated: ended by ``max_steps`` (or the game's own cap) without success or error.
       task_info: the game's ``task_info`` of the task (e.g. ``goal``, ``depth``).
     """
@@ -215,7 +223,10 @@ class RolloutResult:
         assembling), and ``total_s``.
       stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
         ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``finish_eos_rate``, ``finish_stop_rate``, ``finish_length_rate`` (why responses ended), ``budget_hits`` (responses that
-        used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate``, ``env_errors``.
+        used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate`` (of the games
+        without a fault), ``env_errors`` (games that failed at reset or mid-game: ``Episode.env_error``)
+        ``env_error_rows`` (their rows, left out of the batch) and ``reset_faults`` (env resets that
+        faulted, including those a retry repaired).
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
       finish_reasons: N of ``"eos"``, ``"stop"`` or ``"length"``: why each response ended.
       labels: N labels from ``collect``'s ``labeler`` (e.g. the oracle's action from the state the
@@ -361,6 +372,37 @@ def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
     return task_ids, seeds, n
 
 
+def _start_games(pool, rcfg: RolloutConfig, env_task: list[int], env_seed: list[int]):
+    """Resets envs ``0 .. len(env_task)-1``; a task group with a faulted env is reset again, all of it,
+    on a fresh seed, up to ``rcfg.reset_retries`` times (``env_seed`` is updated in place).
+
+    Returns (observations, task infos, fault kinds, faults seen): one per env, the kind None for a
+    game that runs; the count includes faults that a retry repaired.
+    """
+    n, g_size = len(env_task), rcfg.group_size
+    obs: list[Any] = [None] * n
+    infos: list[dict] = [{} for _ in range(n)]
+    errors: list[str | None] = [None] * n
+    base_seed = list(env_seed)
+    todo, faults = list(range(n)), 0
+    for attempt in range(rcfg.reset_retries + 1):
+        for i in todo:
+            env_seed[i] = base_seed[i] + attempt * RESEED_STRIDE
+        results = pool.reset(todo, [env_task[i] for i in todo], [env_seed[i] for i in todo])
+        for i, res in zip(todo, results):
+            obs[i], errors[i] = res.obs, res.info.get("env_error")
+        started = [i for i in todo if errors[i] is None]
+        for i, info in zip(started, pool.task_info(started) if started else []):
+            errors[i] = info.get("env_error")
+            infos[i] = {} if errors[i] else info
+        faults += sum(errors[i] is not None for i in todo)
+        failed_groups = sorted({i // g_size for i in todo if errors[i] is not None})
+        todo = [i for g in failed_groups for i in range(g * g_size, (g + 1) * g_size)]
+        if not todo:
+            break
+    return obs, infos, errors, faults
+
+
 def collect(
     actor,
     sampler: Sampler,
@@ -409,16 +451,22 @@ def collect(
     eos = set(getattr(sampler, "eos_token_ids", ()))
 
     t0 = time.perf_counter()
-    obs = list(pool.reset(env_idx, env_task, env_seed))
-    infos = pool.task_info(env_idx)
+    obs, infos, errors, reset_faults = _start_games(pool, rcfg, env_task, env_seed)
     timing["env_s"] += time.perf_counter() - t0
 
     history: list[list[tuple[str, str]]] = [[] for _ in env_idx]
     episodes = [
-        Episode(task_id=env_task[i], seed=env_seed[i], group_id=i // g_size, traj_id=i, task_info=dict(infos[i] or {}))
+        Episode(
+            task_id=env_task[i],
+            seed=env_seed[i],
+            group_id=i // g_size,
+            traj_id=i,
+            task_info=dict(infos[i] or {}),
+            env_error=errors[i],
+        )
         for i in env_idx
     ]
-    live = [i for i in env_idx if not obs[i].won]
+    live = [i for i in env_idx if errors[i] is None and not obs[i].won]
     rows: list[StepRecord] = []
     stats = dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
 
@@ -519,8 +567,15 @@ def collect(
             bar.close()
 
     # Assemble in canonical order (group, traj, step): rows of one traj were appended in step order.
+    faulted = {ep.traj_id for ep in episodes if ep.env_error is not None}
+    played = len(rows)
+    rows = [r for r in rows if r.traj not in faulted]
     if not rows:
-        raise RuntimeError(f"collect: every {rcfg.game} game was already over at reset; no step was played")
+        kinds = sorted({ep.env_error for ep in episodes if ep.env_error is not None})
+        raise RuntimeError(
+            f"collect: no {rcfg.game} step to train on: {played} rows played, {len(faulted)} of {len(episodes)} "
+            f"games failed (env errors: {kinds or 'none'}), the rest were over at reset"
+        )
     rows.sort(key=lambda r: (r.group, r.traj, r.step))
     n_rows = len(rows)
     p_max = max(len(r.prompt) for r in rows)
@@ -567,8 +622,10 @@ def collect(
         prompt_tokens_max=p_max,
         invalid_rate=float(np.mean([not r.valid for r in rows])),
         **{f"finish_{why}_rate": float(np.mean([r.finish == why for r in rows])) for why in ("eos", "stop", "length")},
-        success_rate=float(np.mean([ep.won for ep in episodes])),
-        env_errors=sum(ep.env_error is not None for ep in episodes),
+        success_rate=float(np.mean([ep.won for ep in episodes if ep.env_error is None] or [0.0])),
+        env_errors=len(faulted),
+        env_error_rows=played - n_rows,
+        reset_faults=reset_faults,
     )
     return RolloutResult(
         prompt_ids=prompt_ids,

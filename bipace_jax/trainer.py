@@ -257,7 +257,11 @@ class Trainer:
         return rec
 
     def _episode_metrics(self, episodes: list[Episode], prefix: str) -> dict[str, float]:
-        counts = [(1, e.won, e.length, e.invalid_count, e.env_error is not None, e.episode_return) for e in episodes]
+        # a game that faulted (env_error) is not the policy's result: counted apart, not in the rates
+        counts = [
+            (1, e.won, e.length, e.invalid_count, 0, e.episode_return) if e.env_error is None else (0, 0, 0, 0, 1, 0)
+            for e in episodes
+        ]
         n, won, steps, invalid, errors, ret = distributed.host_sum(np.sum(counts, 0) if counts else np.zeros(6))
         return {
             f"{prefix}/success_rate": won / max(n, 1.0),
@@ -313,24 +317,28 @@ class Trainer:
             if not panel:
                 continue
             mine = list(range(jax.process_index(), len(panel), self.num_hosts))
-            won, length = np.full((len(panel),), -1.0), np.full((len(panel),), -1.0)
+            # zeros on the tasks of other hosts (each task has one owner: the gather sums); NaN on a
+            # task whose games all faulted (left out of the means, counted in env_errors)
+            won, length, errors = np.zeros((len(panel),)), np.zeros((len(panel),)), np.zeros((len(panel),))
             if mine:
                 # 1 + len(name): 4 for "val", 12 for "val/holdout" (kept: it fixes the panels' draws)
                 key = jax.random.fold_in(jax.random.PRNGKey(self.config.val.seed), 1 + len(name))
                 res = self._play(self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key)
                 for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order
-                    chunk = res.episodes[j * G : (j + 1) * G]
-                    won[i] = np.mean([e.won for e in chunk])
-                    length[i] = np.mean([e.length for e in chunk])
-            won, length = distributed.allgather(won).max(0), distributed.allgather(length).max(0)
-            out[f"{name}/success_rate"] = float(won.mean())
-            out[f"{name}/episode_length"] = float(length.mean())
+                    played = [e for e in res.episodes[j * G : (j + 1) * G] if e.env_error is None]
+                    won[i] = np.mean([e.won for e in played]) if played else np.nan
+                    length[i] = np.mean([e.length for e in played]) if played else np.nan
+                    errors[i] = G - len(played)
+            won, length, errors = (distributed.allgather(a).sum(0) for a in (won, length, errors))
+            out[f"{name}/success_rate"] = float(np.nanmean(won)) if not np.isnan(won).all() else float("nan")
+            out[f"{name}/episode_length"] = float(np.nanmean(length)) if not np.isnan(length).all() else float("nan")
             out[f"{name}/tasks"] = len(panel)
+            out[f"{name}/env_errors"] = int(errors.sum())
             for key_name in ("depth", "task_type"):
                 cats: dict[str, list] = {}
                 for (tid, _), w in zip(panel, won):
                     v = self._task_info(tid).get(key_name)
-                    if v is not None:
+                    if v is not None and not np.isnan(w):
                         cats.setdefault(str(v), []).append(w)
                 for v, ws in sorted(cats.items()):
                     out[f"{name}/success_rate/{key_name}_{v}"] = float(np.mean(ws))

@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.require_think = False
     c.rollout.length_finish = "parse"  # a response cut by sampler.max_new_tokens: parse (scored as any other) |
     # invalid (fallback action + invalid penalty) | unpenalised (fallback action, no penalty)
+    c.rollout.reset_retries = 1  # a task group whose reset faulted is reset again on a fresh seed this often
     c.rollout.show_inventory = False
     c.rollout.system_prompt = (
         "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)

@@ -15,13 +15,18 @@ They talk to the parent over a socket pair with ``multiprocessing.connection.Con
 message per involved worker; each worker answers env by env, and must answer each within
 ``timeout_s``.
 
-Faults: a worker that dies (crash, OOM kill) or does not answer within ``timeout_s`` is killed
-(its whole process group) and replaced by a fresh one; the env it was serving and those queued
-after it in that call end their episodes with ``done=True``, reward 0 and ``info["env_error"]``
-set; its other envs (answered before the fault, or not in the call) lost their episodes too and
-report the same on their next ``step``. A Python exception inside a game's
-``step`` ends that env's episode the same way, without replacing the worker. Nothing is
-silently dropped: every requested env gets a result, and ``env_error`` marks every faulted one.
+Faults never raise: every requested env gets a result, and ``info["env_error"]`` names the kind
+of each faulted one (``ENV_ERRORS``; ``info["env_error_detail"]`` says what happened):
+
+* ``"timeout"``: the env gave no answer within ``timeout_s`` (a hang);
+* ``"crash"``: its worker died while serving it (exception outside Python, segfault, OOM or
+  SIGKILL);
+* ``"exception"``: the game raised (the worker stays);
+* ``"lost"``: the env's episode lived in a worker that was replaced because of another env.
+
+A hung or dead worker is killed (its whole process group) and replaced by a fresh one, so the
+episodes of all its envs end: those in the call get a ``"lost"`` result at once (a reset is
+simply redone on the fresh worker), the others on their next ``step``.
 
 Not thread-safe: use one pool from one thread.
 """
@@ -44,13 +49,15 @@ from typing import Any, NamedTuple
 
 from environments.base import Observation, TextEnv, make, registered
 
-__all__ = ["EnvPool", "StepResult", "EnvPoolError"]
+__all__ = ["ENV_ERRORS", "EnvPool", "EnvPoolError", "ResetResult", "StepResult"]
+
+ENV_ERRORS = ("timeout", "crash", "exception", "lost")
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class StepResult(NamedTuple):
-    """One env's step: ``(obs, reward, done, info)``; ``info["env_error"]`` (str) on a fault."""
+    """One env's step: ``(obs, reward, done, info)``; ``info["env_error"]`` (one of ``ENV_ERRORS``) on a fault."""
 
     obs: Observation
     reward: float
@@ -58,8 +65,20 @@ class StepResult(NamedTuple):
     info: dict[str, Any]
 
 
+class ResetResult(NamedTuple):
+    """One env's reset: the initial ``obs`` and ``info``; on a fault ``info["env_error"]`` (one of
+    ``ENV_ERRORS``) is set, ``obs`` is empty and the env has no running episode."""
+
+    obs: Observation
+    info: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return "env_error" not in self.info
+
+
 class EnvPoolError(RuntimeError):
-    """A pool-level failure: a worker cannot start, or a reset fails even on a fresh worker."""
+    """A pool-level failure: a worker cannot start (or restart), or a task group's envs disagree."""
 
 
 @dataclasses.dataclass
@@ -277,30 +296,30 @@ class EnvPool:
             raise EnvPoolError(f"worker {w} could not build its environments: {_describe(msg[1])}\n{msg[2]}")
         worker.hash_probe = msg[2]
 
-    def _replace(self, w: int, reason: str) -> None:
+    def _replace(self, w: int, detail: str) -> None:
         old = self._workers[w]
         if old is not None:
             _kill(old)
         self.fault_count += 1
         for i in range(w, self.num_envs, self.num_workers):
             if self._running[i]:
-                self._lost[i] = reason
+                self._lost[i] = f"lost with worker {w}: {detail}"
             self._running[i] = False
         self._await_ready(w, self._launch(w))
 
     # -- the call protocol -------------------------------------------------------------------
-    def _call(self, cmd: str, items: dict[int, list]) -> tuple[dict[int, list], dict[int, str]]:
+    def _call(self, cmd: str, items: dict[int, list]) -> tuple[dict[int, list], dict[int, tuple[str, str]]]:
         """Send ``items`` (worker -> payload list) and collect one reply per payload entry.
 
         Workers answer entry by entry; a worker is declared hung when ``timeout_s`` passes
         without its next answer, dead when its connection closes. Returns (replies, faults):
         ``replies[w]`` holds the answers received (all of them unless ``w`` is in ``faults``,
-        then the answers before the fault). Faulted workers are NOT replaced here: the caller
-        records the answers, then calls ``_replace_faulted``.
+        then the answers before the fault); ``faults[w]`` is (kind, detail), kind "timeout" or
+        "crash". Faulted workers are replaced before this returns.
         """
         self._check_open()
         replies: dict[int, list] = {w: [] for w in items}
-        faults: dict[int, str] = {}
+        faults: dict[int, tuple[str, str]] = {}
         pending: dict[Connection, int] = {}
         deadline: dict[int, float] = {}
         for w, payload in items.items():
@@ -308,7 +327,7 @@ class EnvPool:
             try:
                 worker.conn.send((cmd, payload))
             except (OSError, ValueError) as e:
-                faults[w] = f"worker {w} unreachable ({_describe(e)})"
+                faults[w] = ("crash", f"worker {w} unreachable ({_describe(e)})")
                 continue
             if payload:
                 pending[worker.conn] = w
@@ -318,7 +337,7 @@ class EnvPool:
             for conn, w in list(pending.items()):
                 if deadline[w] <= now:
                     del pending[conn]
-                    faults[w] = f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}"
+                    faults[w] = ("timeout", f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
             if not pending:
                 break
             wake = min(deadline[w] for w in pending.values()) - now
@@ -330,18 +349,49 @@ class EnvPool:
                         if len(replies[w]) == len(items[w]) or not conn.poll():
                             break
                 except (EOFError, OSError):
-                    code = self._workers[w].proc.poll()
-                    faults[w] = f"worker {w} died during {cmd} (exit code {code})"
+                    faults[w] = ("crash", f"worker {w} died during {cmd} (exit code {self._exit_code(w)})")
                     del pending[conn]
                     continue
                 deadline[w] = time.monotonic() + self.timeout_s
                 if len(replies[w]) == len(items[w]):
                     del pending[conn]
+        for w, (_, detail) in faults.items():
+            self._replace(w, detail)
         return replies, faults
 
-    def _replace_faulted(self, faults: dict[int, str]) -> None:
-        for w, reason in faults.items():
-            self._replace(w, reason)
+    def _by_worker(self, jobs: Sequence) -> dict[int, list]:
+        """Jobs (env index first, or the index itself) grouped by the worker that serves them, in order."""
+        out: dict[int, list] = {}
+        for job in jobs:
+            i = job[0] if isinstance(job, tuple) else job
+            out.setdefault(i % self.num_workers, []).append(job)
+        return out
+
+    def _outcomes(self, cmd: str, jobs: Sequence, keep_answered: bool = True) -> dict[int, tuple]:
+        """Run ``cmd`` on ``jobs``; env index -> ("ok", value) | (kind, detail[, exception]) for every job.
+
+        On a faulted worker the first unanswered job is the culprit ("timeout"/"crash") and the
+        jobs queued after it are "lost"; those answered before it keep their answers unless
+        ``keep_answered`` is False (then they are "lost" too: their state died with the worker).
+        """
+        by_worker = self._by_worker(jobs)
+        replies, faults = self._call(cmd, by_worker)
+        out: dict[int, tuple] = {}
+        for w, payload in by_worker.items():
+            answered = replies[w]
+            for job, (status, value, *_tb) in zip(payload, answered):
+                i = job[0] if isinstance(job, tuple) else job
+                out[i] = ("ok", value) if status == "ok" else ("exception", f"env {i} raised {_describe(value)}", value)
+            if w in faults:
+                kind, detail = faults[w]
+                first = len(answered)
+                for k, job in enumerate(payload):
+                    i = job[0] if isinstance(job, tuple) else job
+                    if k == first:
+                        out[i] = (kind, detail)
+                    elif k > first or (not keep_answered and out[i][0] == "ok"):
+                        out[i] = ("lost", f"lost with worker {w}: {detail}")
+        return out
 
     def _group(self, env_indices: Sequence[int], what: str) -> list[int]:
         idx = [int(i) for i in env_indices]
@@ -356,17 +406,34 @@ class EnvPool:
         if not self._finalizer.alive:
             raise RuntimeError("EnvPool is closed")
 
-    # -- public API --------------------------------------------------------------------------
-    def reset(self, env_indices: Sequence[int], task_ids: Sequence[int], seeds: Sequence[int]) -> list[Observation]:
-        """Reset env ``env_indices[k]`` to task ``task_ids[k]`` with seed ``seeds[k]``; observations in order.
+    def _exit_code(self, w: int) -> int | None:
+        try:  # a closed socket can come before the exit status (e.g. while a core is written)
+            return self._workers[w].proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return None
 
-        A worker fault during reset is retried once on a fresh worker.
+    def _replace_exited(self) -> None:
+        """Replace workers that died between calls (killed, OOM): no env of the next call is to blame."""
+        self._check_open()
+        for w, worker in enumerate(self._workers):
+            code = worker.proc.poll()
+            if code is not None:
+                self._replace(w, f"worker {w} had exited (exit code {code})")
+
+    # -- public API --------------------------------------------------------------------------
+    def reset(self, env_indices: Sequence[int], task_ids: Sequence[int], seeds: Sequence[int]) -> list[ResetResult]:
+        """Reset env ``env_indices[k]`` to task ``task_ids[k]`` with seed ``seeds[k]``; results in order.
+
+        A fault never raises: the env whose reset hung, crashed its worker or raised gets
+        ``ResetResult(empty obs, {"env_error": kind, "env_error_detail": why})`` and no episode;
+        the other envs of a replaced worker are reset again on the fresh one, so their results
+        are real. Retrying a faulted game (e.g. on another seed) is the caller's choice.
 
         Raises:
           ValueError: on mismatched lengths, bad or repeated indices, or the game's own
             ValueError (e.g. a task id out of range), re-raised with the env index.
-          EnvPoolError: when a reset fails again on a fresh worker, or when envs of one task
-            group (same task id and seed) show different initial observations.
+          EnvPoolError: when envs of one task group (same task id and seed) show different
+            initial observations (the game is not deterministic), or a worker cannot restart.
         """
         idx = self._group(env_indices, "reset")
         if not (len(task_ids) == len(idx) == len(seeds)):
@@ -375,44 +442,37 @@ class EnvPool:
                 f"{len(idx)}, {len(task_ids)}, {len(seeds)}"
             )
         jobs = {i: (i, int(t), int(s)) for i, t, s in zip(idx, task_ids, seeds)}
+        self._replace_exited()
         for i in idx:  # until this reset succeeds, these envs have no episode
             self._running[i] = False
             self._lost.pop(i, None)
-        results: dict[int, Observation] = {}
+        results: dict[int, ResetResult] = {}
         todo = list(idx)
-        for attempt in range(2):
-            by_worker: dict[int, list] = {}
-            for i in todo:
-                by_worker.setdefault(i % self.num_workers, []).append(jobs[i])
-            replies, faults = self._call("reset", by_worker)
-            self._replace_faulted(faults)  # a reset retries on the fresh worker
+        while todo:  # each round settles at least one env per faulted worker (its culprit)
+            outcomes = self._outcomes("reset", [jobs[i] for i in todo], keep_answered=False)
             todo = []
-            for w, payload in by_worker.items():
-                if w in faults:
-                    if attempt == 1:
-                        raise EnvPoolError(f"reset of envs {[j[0] for j in payload]} failed twice: {faults[w]}")
-                    todo.extend(j[0] for j in payload)
-                    continue
-                for (i, _, _), (status, value, *tb) in zip(payload, replies[w]):
-                    if status == "error":
-                        self._running[i] = False
-                        if isinstance(value, ValueError):
-                            raise ValueError(f"reset of env {i}: {value}") from value
-                        raise EnvPoolError(f"reset of env {i} raised {_describe(value)}\n{tb[0]}")
-                    results[i] = value
-            if not todo:
-                break
-        for i in idx:
-            self._task[i] = jobs[i][1:]
-            self._last_obs[i] = results[i]
-            self._running[i] = True
-            self._lost.pop(i, None)
+            for i, (status, value, *exc) in outcomes.items():
+                if status == "ok":
+                    results[i] = ResetResult(value, {})
+                    self._task[i], self._last_obs[i], self._running[i] = jobs[i][1:], value, True
+                elif status == "lost":
+                    self._running[i] = False
+                    todo.append(i)  # an innocent bystander: reset again on the fresh worker
+                elif status == "exception" and isinstance(exc[0], ValueError):
+                    raise ValueError(f"reset of env {i}: {exc[0]}") from exc[0]
+                else:
+                    results[i] = self._error_result(i, status, value, reset=True)
+            todo = [i for i in idx if i in todo]
+        for i in idx:  # a later round's fault on the same worker ended this episode again
+            if results[i].ok and not self._running[i]:
+                results[i] = self._error_result(i, "lost", self._lost.pop(i, "worker replaced"), reset=True)
         groups: dict[tuple[int, int], list[int]] = {}
         for i in idx:
-            groups.setdefault(self._task[i], []).append(i)
+            if results[i].ok:
+                groups.setdefault(jobs[i][1:], []).append(i)
         for (task_id, seed), members in groups.items():
-            first = results[members[0]]
-            differ = [i for i in members if results[i] != first]
+            first = results[members[0]].obs
+            differ = [i for i in members if results[i].obs != first]
             if differ:
                 raise EnvPoolError(
                     f"task group (task_id={task_id}, seed={seed}): initial observations of envs "
@@ -423,7 +483,8 @@ class EnvPool:
     def step(self, env_indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
         """Step env ``env_indices[k]`` with ``actions[k]``; results in the same order.
 
-        A fault ends the episode: ``StepResult(last observation, 0.0, True, {"env_error": why})``.
+        A fault ends the episode and never raises: ``StepResult(last observation, 0.0, True,
+        {"env_error": kind, "env_error_detail": why})`` (kinds in ``ENV_ERRORS``).
 
         Raises:
           ValueError: on mismatched lengths, bad or repeated indices, or a non-str action.
@@ -435,80 +496,68 @@ class EnvPool:
         for i, a in zip(idx, actions):
             if not isinstance(a, str):
                 raise ValueError(f"step: action for env {i} must be a str, got {type(a).__name__}")
+        self._replace_exited()
+        for i in idx:
             if not self._running[i] and i not in self._lost:
                 raise RuntimeError(f"step: env {i} has no running episode (reset it first)")
         out: dict[int, StepResult] = {}
         for i in idx:
             if i in self._lost:
-                out[i] = self._error_result(i, self._lost.pop(i))
-        by_worker: dict[int, list] = {}
-        for i, a in zip(idx, actions):
-            if i not in out:
-                by_worker.setdefault(i % self.num_workers, []).append((i, a))
-        replies, faults = self._call("step", by_worker)
-        for w, payload in by_worker.items():
-            answered = replies[w]
-            for (i, _), (status, value, *_tb) in zip(payload, answered):
-                if status == "error":
-                    out[i] = self._error_result(i, f"env {i} raised {_describe(value)}")
-                    continue
-                obs, reward, done, info = value
-                self._last_obs[i] = obs
-                self._running[i] = not done
-                out[i] = StepResult(obs, reward, done, info)
-            for i, _ in payload[len(answered) :]:  # the env that hung or crashed, and those after it
-                out[i] = self._error_result(i, faults[w])
-        # envs whose step completed on a faulted worker lost their episode with it: their next
-        # step reports env_error (marked by _replace)
-        self._replace_faulted(faults)
+                out[i] = self._error_result(i, "lost", self._lost.pop(i))
+        outcomes = self._outcomes("step", [(i, a) for i, a in zip(idx, actions) if i not in out])
+        for i, (status, value, *_exc) in outcomes.items():
+            if status != "ok":
+                self._lost.pop(i, None)  # reported now, not again
+                out[i] = self._error_result(i, status, value)
+                continue
+            obs, reward, done, info = value
+            self._last_obs[i] = obs
+            # answered before a fault on its worker: the result stands, the next step reports the loss
+            self._running[i] = not done and i not in self._lost
+            if done:
+                self._lost.pop(i, None)
+            out[i] = StepResult(obs, reward, done, info)
         return [out[i] for i in idx]
 
-    def _error_result(self, i: int, why: str) -> StepResult:
+    def _error_result(self, i: int, kind: str, detail: str, reset: bool = False):
         self._running[i] = False
+        info = {"env_error": kind, "env_error_detail": detail}
+        if reset:
+            return ResetResult(Observation(text="", anchor="", task=""), info)
         obs = self._last_obs[i]
         if obs is None:
             obs = Observation(text="", anchor="", task="")
-        return StepResult(obs, 0.0, True, {"env_error": why})
+        return StepResult(obs, 0.0, True, info)
 
     def oracle_actions(self, env_indices: Sequence[int]) -> list[str | None]:
         """The expert's next action of each env from its current state (None without one or on a fault)."""
         idx = self._group(env_indices, "oracle_actions")
-        by_worker: dict[int, list] = {}
-        for i in idx:
-            if self._running[i]:
-                by_worker.setdefault(i % self.num_workers, []).append(i)
-        replies, faults = self._call("oracle", by_worker)
-        self._replace_faulted(faults)
-        out: dict[int, str | None] = {i: None for i in idx}
-        for w, payload in by_worker.items():
-            if w in faults:
-                continue  # its envs lost their episodes: no expert action
-            for i, (status, value, *_) in zip(payload, replies[w]):
-                out[i] = value if status == "ok" else None
-        return [out[i] for i in idx]
+        self._replace_exited()
+        outcomes = self._outcomes("oracle", [i for i in idx if self._running[i]])
+        return [outcomes[i][1] if outcomes.get(i, ("none",))[0] == "ok" else None for i in idx]
 
     def task_info(self, env_indices: Sequence[int]) -> list[dict[str, Any]]:
         """``task_info`` of each env's current task (from its last reset).
 
-        Raises RuntimeError when an env was never reset, EnvPoolError when a worker fails.
+        A fault never raises: the env's entry is ``{"env_error": kind, "env_error_detail": why}``
+        (for "timeout"/"crash"/"lost" its running episode ended with the worker).
+
+        Raises RuntimeError when an env was never reset.
         """
         idx = self._group(env_indices, "task_info")
-        by_worker: dict[int, list] = {}
         for i in idx:
             if self._task[i] is None:
                 raise RuntimeError(f"task_info: env {i} was never reset")
-            by_worker.setdefault(i % self.num_workers, []).append((i, self._task[i][0]))
-        replies, faults = self._call("task_info", by_worker)
-        self._replace_faulted(faults)
-        if faults:
-            raise EnvPoolError(f"task_info failed: {faults}")
-        out: dict[int, dict] = {}
-        for w, payload in by_worker.items():
-            for (i, _), (status, value, *_tb) in zip(payload, replies[w]):
-                if status == "error":
-                    raise EnvPoolError(f"task_info of env {i} raised {_describe(value)}")
-                out[i] = value
-        return [out[i] for i in idx]
+        self._replace_exited()
+        outcomes = self._outcomes("task_info", [(i, self._task[i][0]) for i in idx])
+        out = []
+        for i in idx:
+            status, value, *_ = outcomes[i]
+            if status == "ok":
+                out.append(value)
+            else:
+                out.append({"env_error": status, "env_error_detail": value})
+        return out
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (they change when a worker is replaced)."""

@@ -5,25 +5,31 @@ Not registered with ``make``: pass the class itself to ``EnvPool`` (a picklable 
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import json
 import os
+import signal
 import time
 from typing import Any
 
-from environments.base import Observation, TextEnv
+from environments.base import Observation, TextEnv, make
 
 
 class FaultyEnv(TextEnv):
     """A counting game with fault injection (for ``EnvPool`` tests and benchmarks).
 
     ``reset(task_id, seed)`` shows ``"task {task_id} seed {seed} step 0"``. Actions:
-    ``"win"`` ends with reward 1.0; ``"crash"`` kills the process (``os._exit``); ``"hang"``
-    sleeps for an hour; ``"raise"`` raises RuntimeError; ``"hash"`` shows ``hash("bipace")``
+    ``"win"`` ends with reward 1.0; ``"crash"`` kills the process (``os._exit``); ``"segv"``
+    dereferences a null pointer (a real segfault); ``"hang"`` sleeps for an hour; ``"raise"``
+    raises RuntimeError; ``"hash"`` shows ``hash("bipace")``
     (to check PYTHONHASHSEED); ``"pid"`` shows the process id; ``"unpicklable"`` returns an
     info dict holding a lambda; ``"nap"`` sleeps 0.8 s, then counts like any other action; any other action advances the
     counter: ``"task T seed S step N: <action>"``. Seeds with special meaning in ``reset``:
     -1 hangs, -2 crashes, -3 crashes once per ``marker_dir`` (the first reset creates the marker,
     then crashes), -4 gives a per-process observation (breaks task-group equality), -5 raises
-    ValueError. ``step_cost_ms`` makes every step busy the CPU that long (a synthetic slow game
+    ValueError, -6 raises RuntimeError, -7 segfaults. ``task_info`` of task 99 hangs, of task 98
+    raises. ``step_cost_ms`` makes every step busy the CPU that long (a synthetic slow game
     for benchmarks, e.g. 36 ms like an ALFWorld step).
     """
 
@@ -39,6 +45,10 @@ class FaultyEnv(TextEnv):
         return 100
 
     def task_info(self, task_id: int) -> dict[str, Any]:
+        if task_id == 99:
+            time.sleep(3600)
+        if task_id == 98:
+            raise RuntimeError("injected task_info error")
         return {"task": int(task_id), "parity": int(task_id) % 2}
 
     def _obs(self, text: str, won: bool = False) -> Observation:
@@ -59,6 +69,10 @@ class FaultyEnv(TextEnv):
                 os._exit(3)
         if seed == -5:
             raise ValueError("injected reset error")
+        if seed == -6:
+            raise RuntimeError("injected reset error")
+        if seed == -7:
+            ctypes.string_at(0)
         self._task = (task_id, seed)
         self._count = 0
         if seed == -4:
@@ -72,6 +86,8 @@ class FaultyEnv(TextEnv):
                 pass
         if action == "crash":
             os._exit(1)
+        if action == "segv":
+            ctypes.string_at(0)
         if action == "hang":
             time.sleep(3600)
         if action == "raise":
@@ -92,3 +108,96 @@ class FaultyEnv(TextEnv):
 
     def oracle_action(self) -> str:
         return "win"
+
+
+FAULT_KINDS = ("hang", "raise", "crash", "segv", "sigkill")
+_CALLS = ("reset", "step")
+
+
+class ChaosEnv(TextEnv):
+    """A registered game with faults injected on a schedule (for rollout tests and ``launch.chaos``).
+
+    ``plan_dir/plan.json`` lists faults ``{"id": str, "call": "reset" | "step", "at": n, "kind": k}``:
+    the n-th call (1-based) of that kind, counted over every ChaosEnv of the plan (all workers, and
+    across worker replacements and restarts: the counters live in ``plan_dir``), fires fault k
+    (``FAULT_KINDS``: sleep an hour, raise RuntimeError, ``os._exit(1)``, a null-pointer read,
+    SIGKILL of its own worker). Each fault fires once; firing writes ``plan_dir/fired/<id>.json``
+    with the call, the task id, seed and step. Without a ``plan.json`` nothing fires.
+    """
+
+    def __init__(self, game: str, plan_dir: str, **options):
+        self.inner = make(game, **options)
+        super().__init__(self.inner.max_steps)
+        self.plan_dir = plan_dir
+        self._task: tuple[int, int] = (-1, -1)
+        self._step_index = 0
+
+    @property
+    def num_tasks(self) -> int:
+        return self.inner.num_tasks
+
+    def task_info(self, task_id: int) -> dict[str, Any]:
+        return self.inner.task_info(task_id)
+
+    def oracle_action(self):
+        return self.inner.oracle_action()
+
+    def _tick(self, call: str) -> None:
+        plan_path = os.path.join(self.plan_dir, "plan.json")
+        if not os.path.exists(plan_path):
+            return
+        with open(os.path.join(self.plan_dir, "counters.lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # workers count together
+            counters_path = os.path.join(self.plan_dir, "counters.json")
+            counters = {c: 0 for c in _CALLS}
+            if os.path.exists(counters_path):
+                with open(counters_path) as f:
+                    counters.update(json.load(f))
+            counters[call] += 1
+            with open(counters_path, "w") as f:
+                json.dump(counters, f)
+            with open(plan_path) as f:
+                plan = json.load(f)
+            due = [p for p in plan if p["call"] == call and p["at"] == counters[call]]
+            fired_dir = os.path.join(self.plan_dir, "fired")
+            os.makedirs(fired_dir, exist_ok=True)
+            record = {"call": call, "at": counters[call], "task_id": self._task[0], "seed": self._task[1]}
+            record.update(step=self._step_index, pid=os.getpid(), time=time.time())
+            for p in due:
+                with open(os.path.join(fired_dir, f"{p['id']}.json"), "w") as f:
+                    json.dump(dict(record, id=p["id"], kind=p["kind"]), f)
+        for p in due:
+            _fire(p["kind"])
+
+    def reset(self, task_id: int, seed: int) -> Observation:
+        self._task, self._step_index = (int(task_id), int(seed)), 0
+        self._tick("reset")
+        obs = self.inner.reset(task_id, seed)
+        self._done = False
+        return obs
+
+    def step(self, action: str):
+        self._tick("step")
+        self._step_index += 1
+        return self.inner.step(action)
+
+    def _reset(self, task_id: int, seed: int) -> Observation:  # reset/step delegate whole
+        raise NotImplementedError
+
+    def _step(self, action: str):
+        raise NotImplementedError
+
+
+def _fire(kind: str) -> None:
+    if kind == "hang":
+        time.sleep(3600)
+    elif kind == "raise":
+        raise RuntimeError("injected fault")
+    elif kind == "crash":
+        os._exit(1)
+    elif kind == "segv":
+        ctypes.string_at(0)
+    elif kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")

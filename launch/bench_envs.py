@@ -25,7 +25,7 @@ from typing import Any
 from absl import app, flags
 
 import environments
-from environments.pool import EnvPool
+from environments.pool import EnvPool, ResetResult
 from environments.testing import FaultyEnv
 
 FLAGS = flags.FLAGS
@@ -49,7 +49,7 @@ class _InProcess:
         self.envs = [factory() for _ in range(num_envs)]
 
     def reset(self, idx, tasks, seeds):
-        return [self.envs[i].reset(t, s) for i, t, s in zip(idx, tasks, seeds)]
+        return [ResetResult(self.envs[i].reset(t, s), {}) for i, t, s in zip(idx, tasks, seeds)]
 
     def step(self, idx, actions):
         return [self.envs[i].step(a) for i, a in zip(idx, actions)]
@@ -70,7 +70,7 @@ def _drive(runner, num_envs: int, num_tasks: int, turns: int, policy) -> dict[st
     t0 = time.perf_counter()
     idx = list(range(num_envs))
     first = [schedule(i) for i in idx]
-    obs = runner.reset(idx, [f[0] for f in first], [f[1] for f in first])
+    obs = [r.obs for r in runner.reset(idx, [f[0] for f in first], [f[1] for f in first])]
     state = {i: (first[i], obs[i], 0) for i in idx}
     steps = resets = 0
     for _ in range(turns):
@@ -88,8 +88,8 @@ def _drive(runner, num_envs: int, num_tasks: int, turns: int, policy) -> dict[st
             nxt = [schedule(i) for i in finished]
             new = runner.reset(finished, [x[0] for x in nxt], [x[1] for x in nxt])
             resets += len(finished)
-            for i, x, o in zip(finished, nxt, new):
-                state[i] = (x, o, 0)
+            for i, x, r in zip(finished, nxt, new):
+                state[i] = (x, r.obs, 0)
     return {"steps": steps, "resets": resets, "seconds": time.perf_counter() - t0}
 
 

@@ -326,3 +326,71 @@ def test_finish_reason_prefers_eos_then_stop_text():
     assert finish_reason(np.array([5, 6]), "<action>x", {2}, ("</action>",)) == "length"
     with pytest.raises(ValueError, match="length_finish must be one of"):
         RolloutConfig(length_finish="drop")
+
+
+def _chaos_pool(tmp_path, plan):
+    import functools
+    import json
+
+    from environments.testing import ChaosEnv
+
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    factory = functools.partial(ChaosEnv, "textcraft", str(tmp_path))
+    return EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=3.0)
+
+
+def _faults_rcfg(**kw):
+    return RolloutConfig(
+        game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024, sampler=SamplerConfig(), **kw
+    )
+
+
+def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokenizer, tmp_path):
+    from bipace_jax.rollout import RESEED_STRIDE
+
+    # reset call 2 is env 1's (task group 0): it hangs; the pool flags it, the rollout resets group 0 again
+    with _chaos_pool(tmp_path, [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]) as pool:
+        res = collect(
+            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, TASKS, SEEDS, _faults_rcfg(), jax.random.key(0)
+        )
+    eps = res.episodes
+    assert [e.seed for e in eps] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
+    assert all(e.won and e.env_error is None for e in eps)
+    assert res.stats["reset_faults"] == 1 and res.stats["env_errors"] == 0 and res.stats["success_rate"] == 1.0
+    assert (tmp_path / "fired" / "h.json").exists()
+
+
+def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_path):
+    with _chaos_pool(tmp_path, [{"id": "c", "call": "reset", "at": 2, "kind": "crash"}]) as pool:
+        res = collect(
+            None,
+            OracleSampler(tokenizer, pool, 4),
+            pool,
+            tokenizer,
+            TASKS,
+            SEEDS,
+            _faults_rcfg(reset_retries=0),
+            jax.random.key(0),
+        )
+    eps = res.episodes
+    assert [e.env_error for e in eps] == [None, "crash", None, None] and eps[1].length == 0
+    assert [e.won for e in eps] == [True, False, True, True] and [e.seed for e in eps] == [3, 3, 4, 4]
+    n = res.stats["rows"]
+    assert sorted(set(np.asarray(res.steps.traj_id)[:n].tolist())) == [0, 2, 3]
+    assert res.stats["env_errors"] == 1 and res.stats["reset_faults"] == 1 and res.stats["env_error_rows"] == 0
+    assert res.stats["success_rate"] == 1.0  # of the 3 games played
+
+
+def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_path):
+    # step calls 1-4 are turn 0 (envs 0-3); call 6 is env 1's second step
+    with _chaos_pool(tmp_path, [{"id": "r", "call": "step", "at": 6, "kind": "raise"}]) as pool:
+        res = collect(
+            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, TASKS, SEEDS, _faults_rcfg(), jax.random.key(0)
+        )
+    eps = res.episodes
+    assert [e.env_error for e in eps] == [None, "exception", None, None] and eps[1].length == 2
+    n = res.stats["rows"]
+    tid = np.asarray(res.steps.traj_id)[:n]
+    assert 1 not in tid.tolist() and n == sum(e.length for e in eps) - 2
+    assert np.asarray(res.steps.mask).sum() == n == res.response_ids.shape[0] == len(res.actions)
+    assert res.stats["env_errors"] == 1 and res.stats["env_error_rows"] == 2 and res.stats["reset_faults"] == 0
