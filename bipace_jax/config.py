@@ -29,6 +29,7 @@ import environments
 from bipace_jax import losses
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
+from bipace_jax.models.qwen2 import MATMUL_PRECISIONS
 from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
@@ -152,6 +153,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "model.fingerprint_layer")
     _choice(c, "model.dtype", tuple(_DTYPES))
     _choice(c, "model.param_dtype", tuple(_DTYPES))
+    _choice(c, "model.matmul_precision", MATMUL_PRECISIONS)
     # env and tasks
     _choice(c, "env.name", environments.registered())
     _int(c, "env.max_steps", 1)
@@ -308,7 +310,9 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
     """
     m, dtype = c.model, _DTYPES[c.model.dtype]
     if m.checkpoint:
-        return load_hf_checkpoint(resolve_path(m.checkpoint), dtype=dtype, fingerprint_layer=m.fingerprint_layer)
+        actor = load_hf_checkpoint(resolve_path(m.checkpoint), dtype=dtype, fingerprint_layer=m.fingerprint_layer)
+        actor.matmul_precision = m.matmul_precision
+        return actor
     if m.preset != "tiny":
         cfg = Qwen2Config.preset(m.preset)
     else:
@@ -320,7 +324,12 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
         )
     rngs = nnx.Rngs(c.seed)
     return Qwen2Actor(
-        cfg, fingerprint_layer=m.fingerprint_layer, dtype=dtype, param_dtype=_DTYPES[m.param_dtype], rngs=rngs
+        cfg,
+        fingerprint_layer=m.fingerprint_layer,
+        dtype=dtype,
+        param_dtype=_DTYPES[m.param_dtype],
+        rngs=rngs,
+        matmul_precision=m.matmul_precision,
     )
 
 

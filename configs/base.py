@@ -36,6 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.fingerprint_layer = -1  # HF hidden_states index of the BiPACE fingerprint (paper: -12 1.5B, -8 7B)
     c.model.dtype = "float32"  # activations: float32 | bfloat16 (norms, softmax, logits stay fp32)
     c.model.param_dtype = "float32"
+    # every actor matmul (sampling, log-probs, loss): default (bf16 passes on TPU, TF32 on NVIDIA, fp32 on
+    # CPU) | high | highest (full fp32)
+    c.model.matmul_precision = "default"
 
     # --- the game --------------------------------------------------------------------------
     c.env = ml_collections.ConfigDict()

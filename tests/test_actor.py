@@ -39,7 +39,9 @@ def hf_pair(request, tmp_path_factory):
     model = build_hf_model(seed=len(name), **overrides)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
-    return model, load_hf_checkpoint(path), path
+    actor = load_hf_checkpoint(path)
+    actor.matmul_precision = "highest"  # parity is checked at full fp32 matmuls on every backend
+    return model, actor, path
 
 
 def hf_forward(model, ids, mask):
@@ -91,6 +93,7 @@ def test_fingerprint_layer_selects_hf_hidden_state(hf_pair):
     cols = np.array([8, 5, 7], np.int32)
     for layer in (0, 1, -2):
         actor = load_hf_checkpoint(path, fingerprint_layer=layer)
+        actor.matmul_precision = "highest"
         out = actor(ids, mask)
         np.testing.assert_allclose(
             np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, last_real(mask)]), atol=1e-5
@@ -242,6 +245,28 @@ def test_forward_rejects_bad_inputs_with_the_field_named():
         actor(ids, mask, fingerprint_index=np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="fingerprint_layer must be an int in"):
         Qwen2Actor(Qwen2Config.tiny(), fingerprint_layer=3)
+    with pytest.raises(
+        ValueError, match=r"matmul_precision must be one of \('default', 'high', 'highest'\), got 'tf32'"
+    ):
+        Qwen2Actor(Qwen2Config.tiny(), matmul_precision="tf32")
+
+
+@pytest.mark.parametrize("precision,hlo", [("default", "DEFAULT"), ("high", "HIGH"), ("highest", "HIGHEST")])
+def test_matmul_precision_reaches_every_dot_of_forward_prefill_and_decode(precision, hlo):
+    actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=1), rngs=nnx.Rngs(0), matmul_precision=precision)
+    ids, mask = random_batch(2, 4, 512, padding="none")
+    cache = actor.init_cache(2, 8)
+    programs = {
+        "forward": jax.jit(lambda i, m: actor(i, m).logits).lower(jnp.asarray(ids), jnp.asarray(mask)),
+        "prefill": jax.jit(lambda i, m: actor.prefill(i, m, cache)[0].logits).lower(
+            jnp.asarray(ids), jnp.asarray(mask)
+        ),
+        "decode": jax.jit(lambda t: actor.decode_step(t, cache)[0]).lower(jnp.zeros((2,), jnp.int32)),
+    }
+    for name, lowered in programs.items():
+        dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+        assert len(dots) >= 7, name  # q, k, v, o, scores, values, MLP x3, head
+        assert all(f"precision = [{hlo}, {hlo}]" in line for line in dots), (name, dots[0])
 
 
 def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_token():

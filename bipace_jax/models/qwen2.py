@@ -30,6 +30,7 @@ Dtypes: parameters are stored in `param_dtype`, matmuls and the residual stream 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,22 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
 def _act(x: Array, kind: str) -> Array:
     """Pins activation `x` to the logical axes `ACTIVATION_AXES[kind]` when a mesh is set."""
     return sharding.constrain(x, ACTIVATION_AXES[kind])
+
+
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def _with_precision(method):
+    """Traces ``method`` under the actor's ``matmul_precision`` (every dot of the forward, decode and head)."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if self.matmul_precision == "default":
+            return method(self, *args, **kwargs)
+        with jax.default_matmul_precision(self.matmul_precision):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 def _use(param: nnx.Param, dtype: Any = None) -> Array:
@@ -391,6 +408,10 @@ class Qwen2Actor(nnx.Module):
       dtype: activation/matmul dtype (jnp.bfloat16 on accelerators).
       param_dtype: parameter storage dtype.
       rngs: initialiser keys (weights ~ N(0, initializer_range), biases 0, norm scales 1).
+      matmul_precision: precision of every matmul of the actor (``MATMUL_PRECISIONS``), for all
+        paths alike (sampling, log-probs, the loss): ``"default"`` is the backend's fast mode
+        (bf16 passes on TPU, TF32 on NVIDIA GPUs, full fp32 on CPU), ``"high"`` (3 bf16 passes on
+        TPU), ``"highest"`` (full fp32). Settable later, before the next trace.
       remat: rematerialise each decoder layer in the backward pass of `__call__` /
         `forward_hidden` (`nnx.remat`): activation memory of one layer instead of L, at the cost of
         a second forward; outputs and gradients are unchanged. Settable later (`actor.remat = True`).
@@ -399,7 +420,8 @@ class Qwen2Actor(nnx.Module):
     lm_head.kernel [D, V] only when the head is untied.
 
     Raises:
-      ValueError: fingerprint_layer out of range, or config not a Qwen2Config.
+      ValueError: fingerprint_layer out of range, config not a Qwen2Config, or an unknown
+        matmul_precision.
     """
 
     def __init__(
@@ -411,6 +433,7 @@ class Qwen2Actor(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
         remat: bool = False,
+        matmul_precision: str = "default",
     ):
         if not isinstance(config, Qwen2Config):
             raise ValueError(f"Qwen2Actor: config must be a Qwen2Config, got {type(config).__name__}")
@@ -420,7 +443,12 @@ class Qwen2Actor(nnx.Module):
                 f"Qwen2Actor: fingerprint_layer must be an int in [{-(n_layers + 1)}, {n_layers}] "
                 f"(HF hidden_states index, L={n_layers}), got {fingerprint_layer!r}"
             )
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(
+                f"Qwen2Actor: matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}"
+            )
         rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.matmul_precision = matmul_precision
         self.config = config
         self.fingerprint_layer = int(fingerprint_layer)
         self.dtype = jnp.dtype(dtype)
@@ -453,6 +481,7 @@ class Qwen2Actor(nnx.Module):
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
         return _act(x.astype(self.dtype), "hidden")
 
+    @_with_precision
     def lm_logits(self, h: Array) -> Array:
         """LM head: final normed hidden states h [..., D] (any float dtype) -> fp32 logits [..., V].
 
@@ -560,6 +589,7 @@ class Qwen2Actor(nnx.Module):
             )
         return input_ids, attention_mask, jnp.asarray(fingerprint_index, jnp.int32)
 
+    @_with_precision
     def __call__(
         self,
         input_ids: Array,
@@ -595,6 +625,7 @@ class Qwen2Actor(nnx.Module):
             hidden = tuple(a.astype(jnp.float32) for a in hidden)
         return ActorOutput(logits=logits, fingerprint=fingerprint, hidden_states=hidden)
 
+    @_with_precision
     def forward_hidden(
         self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None
     ) -> tuple[Array, Array]:
@@ -638,6 +669,7 @@ class Qwen2Actor(nnx.Module):
             index=jnp.zeros((), jnp.int32),
         )
 
+    @_with_precision
     def prefill(self, input_ids: Array, attention_mask: Array, cache: KVCache) -> tuple[ActorOutput, KVCache]:
         """Runs the prompt, fills cache slots [0, T) and returns the next-token logits.
 
@@ -690,6 +722,7 @@ class Qwen2Actor(nnx.Module):
         )
         return ActorOutput(logits=logits, fingerprint=fingerprint), new_cache
 
+    @_with_precision
     def decode_step(self, token_ids: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Appends one token per row and returns the next-token logits.
 
