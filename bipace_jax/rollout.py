@@ -37,6 +37,7 @@ import numpy as np
 
 from bipace_jax.estimators import StepBatch, assign_ids
 from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
+from environments.pool import ENV_ERRORS
 from environments.prompts import action_tag, build_prompt, parse_action
 
 __all__ = [
@@ -224,7 +225,8 @@ class RolloutResult:
       stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
         ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``finish_eos_rate``, ``finish_stop_rate``, ``finish_length_rate`` (why responses ended), ``budget_hits`` (responses that
         used all M tokens without EOS or stop text), ``invalid_rate``, ``success_rate`` (of the games
-        without a fault), ``env_errors`` (games that failed at reset or mid-game: ``Episode.env_error``)
+        without a fault), ``env_errors`` (games that failed at reset or mid-game: ``Episode.env_error``;
+        ``env_errors_<kind>`` per kind of ``ENV_ERRORS``, "lost" being a worker mate's fault)
         ``env_error_rows`` (their rows, left out of the batch) and ``reset_faults`` (env resets that
         faulted, including those a retry repaired).
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
@@ -624,6 +626,7 @@ def collect(
         **{f"finish_{why}_rate": float(np.mean([r.finish == why for r in rows])) for why in ("eos", "stop", "length")},
         success_rate=float(np.mean([ep.won for ep in episodes if ep.env_error is None] or [0.0])),
         env_errors=len(faulted),
+        **{f"env_errors_{kind}": sum(ep.env_error == kind for ep in episodes) for kind in ENV_ERRORS},
         env_error_rows=played - n_rows,
         reset_faults=reset_faults,
     )

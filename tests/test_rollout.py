@@ -394,3 +394,4 @@ def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_
     assert 1 not in tid.tolist() and n == sum(e.length for e in eps) - 2
     assert np.asarray(res.steps.mask).sum() == n == res.response_ids.shape[0] == len(res.actions)
     assert res.stats["env_errors"] == 1 and res.stats["env_error_rows"] == 2 and res.stats["reset_faults"] == 0
+    assert res.stats["env_errors_exception"] == 1 and res.stats["env_errors_lost"] == 0
