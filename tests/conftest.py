@@ -57,6 +57,7 @@ SLOW = {
     "test_sharding.py::test_parameters_declare_logical_axes_giving_the_expected_specs",
     "test_sharding.py::test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded",
     "test_textcraft_parity.py::test_pinned_original_matches_engine_character_for_character",
+    "test_sweep_report.py::test_two_cell_sweep_runs_and_resumes_after_a_kill",
     "test_textcraft_parity.py::test_raw_original_matches_engine_up_to_hash_order",
     "test_trainer_learner.py::test_first_update_sees_unit_ratio_and_zero_kl_to_the_initial_policy",
     "test_trainer_learner.py::test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass",

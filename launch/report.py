@@ -1,0 +1,267 @@
+"""Aggregate run folders into the paper's table form: mean +- std over seeds, per arm.
+
+    python -m launch.report runs/study [more run folders or studies] [--threshold=0.9] [--out=DIR]
+
+Run folders are found as given or one level down (a folder with ``metrics.jsonl`` and
+``config.json``). Runs whose configs differ only in ``seed`` form one *arm*; an arm is named by the
+fields that tell the arms apart (e.g. ``estimator.name=bipace_q``). Per arm, over its seeds
+(std: sample standard deviation, ddof 1; 0 for one seed):
+
+* final and best validation success (``val/success_rate``, the before-RL validation counts as
+  iteration 0 of "best"), per category (``val/success_rate/<key>``), held-out goals, WebShop's task
+  score (``val/score``) where present;
+* iterations to reach ``--threshold`` validation success (the first validation at or above it; the
+  before-RL validation counts as 0 iterations), with how many seeds reached it;
+* estimator diagnostics averaged over iterations: singleton step-group rate of exact hashing and of
+  the clusters (each run records both, whichever partition it trains with), pairs, PACE and
+  leave-one-out row shares, epsilon; BiPACE's share of the iteration time.
+
+Writes ``report.md``, ``report.json`` and plots (learning curves with a band over seeds, singleton
+rates, PACE mix) to ``--out`` (default: the first folder given).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from absl import app, flags
+
+_THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
+_OUT = flags.DEFINE_string("out", "", "Output folder (default: the first folder given).")
+
+DIAGNOSTICS = (  # (metric, label in the table)
+    ("estimator/hash_singleton_group_rate", "singleton groups, hashing"),
+    ("estimator/cluster_singleton_group_rate", "singleton groups, clusters"),
+    ("estimator/pairs", "pairs"),
+    ("estimator/pace_row_rate", "PACE rows"),
+    ("estimator/loo_row_rate", "LOO rows"),
+    ("estimator/epsilon", "epsilon"),
+    ("time/bipace_share", "BiPACE time share"),
+)
+
+
+def find_runs(paths: list[str]) -> list[str]:
+    """Run folders among ``paths`` and their direct subfolders, sorted.
+
+    Raises:
+      ValueError: a path that does not exist, or no run folder at all.
+    """
+    runs = []
+    for p in paths:
+        if not os.path.isdir(p):
+            raise ValueError(f"not a folder: {p}")
+        candidates = [p] + [os.path.join(p, d) for d in sorted(os.listdir(p))]
+        runs += [c for c in candidates if os.path.isfile(os.path.join(c, "metrics.jsonl"))]
+    if not runs:
+        raise ValueError(f"no run folder (metrics.jsonl) in {paths}")
+    return sorted(set(runs))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v, sort_keys=True)
+    return out
+
+
+def arms_of(runs: list[str]) -> dict[str, list[str]]:
+    """Runs grouped by their config without ``seed``; each arm named by the fields that differ."""
+    configs = {}
+    for r in runs:
+        path = os.path.join(r, "config.json")
+        configs[r] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                configs[r] = _flatten(json.load(f))
+    keys = sorted({k for c in configs.values() for k in c} - {"seed"})
+    differing = [k for k in keys if len({c.get(k) for c in configs.values()}) > 1]
+    arms: dict[str, list[str]] = {}
+    for r, c in configs.items():
+        name = ",".join(f"{k}={json.loads(c[k]) if k in c else None}" for k in differing) or "all runs"
+        arms.setdefault(name, []).append(r)
+    return arms
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; 0.0 for one value); NaN for none."""
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    m = sum(vals) / len(vals)
+    if len(vals) == 1:
+        return m, 0.0
+    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+
+
+def validation_curve(rows: list[dict], key: str = "val/success_rate") -> list[tuple[int, float]]:
+    """(iterations trained, value) of every validation: the before-RL one at 0, then after iteration i at i + 1."""
+    curve = []
+    before = key.replace("val/", "val_before/", 1)
+    for r in rows:
+        if before in r:
+            curve.append((0, float(r[before])))
+        if key in r:
+            curve.append((int(r["iteration"]) + 1, float(r[key])))
+    return curve
+
+
+def run_summary(run: str, threshold: float) -> dict[str, Any]:
+    """One run's final/best validation, categories, iterations to ``threshold`` and mean diagnostics."""
+    from bipace_jax.metrics import read_metrics
+
+    rows = read_metrics(run)
+    curve = validation_curve(rows)
+    out: dict[str, Any] = {"run": os.path.basename(os.path.normpath(run)), "iterations": len(rows), "curve": curve}
+    out["final"] = curve[-1][1] if curve else None
+    out["best"] = max(v for _, v in curve) if curve else None
+    out["iterations_to_threshold"] = next((i for i, v in curve if v >= threshold), None)
+    last_val = next((r for r in reversed(rows) if "val/success_rate" in r), {})
+    out["final_by_key"] = {
+        k: float(v)
+        for k, v in last_val.items()
+        if k.startswith("val/") and k != "val/success_rate" and "/tasks" not in k
+    }
+    out["final_by_key"] = {k: v for k, v in out["final_by_key"].items() if "success_rate" in k or k.endswith("/score")}
+    out["diagnostics"] = {}
+    for key, _ in DIAGNOSTICS:
+        vals = [float(r[key]) for r in rows if key in r]
+        out["diagnostics"][key] = sum(vals) / len(vals) if vals else None
+    out["curves"] = {
+        key: [(int(r["iteration"]) + 1, float(r[key])) for r in rows if key in r]
+        for key in (
+            "estimator/hash_singleton_group_rate",
+            "estimator/cluster_singleton_group_rate",
+            "estimator/pace_row_rate",
+        )
+    }
+    return out
+
+
+def aggregate(arms: dict[str, list[str]], threshold: float) -> dict[str, Any]:
+    """Per arm: mean/std over seeds of every summary number (see the module docstring)."""
+    report: dict[str, Any] = {"threshold": threshold, "arms": {}}
+    for name, runs in arms.items():
+        per_run = [run_summary(r, threshold) for r in runs]
+        arm: dict[str, Any] = {"runs": [os.path.basename(r) for r in runs], "seeds": len(runs)}
+        for k in ("final", "best"):
+            arm[k] = mean_std([s[k] for s in per_run])
+        reached = [s["iterations_to_threshold"] for s in per_run if s["iterations_to_threshold"] is not None]
+        arm["iterations_to_threshold"] = mean_std(reached)
+        arm["reached_threshold"] = f"{len(reached)}/{len(per_run)}"
+        keys = sorted({k for s in per_run for k in s["final_by_key"]})
+        arm["final_by_key"] = {k: mean_std([s["final_by_key"].get(k) for s in per_run]) for k in keys}
+        arm["diagnostics"] = {k: mean_std([s["diagnostics"][k] for s in per_run]) for k, _ in DIAGNOSTICS}
+        arm["per_run"] = per_run
+        report["arms"][name] = arm
+    return report
+
+
+def _pm(ms: tuple[float, float], pct: bool = True) -> str:
+    m, s = ms
+    if math.isnan(m):
+        return "-"
+    return f"{100 * m:.1f} +- {100 * s:.1f}" if pct else f"{m:.3g} +- {s:.2g}"
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    arms = report["arms"]
+    lines = [
+        "| arm | seeds | final success (%) | best success (%) | "
+        f"iterations to {100 * report['threshold']:.0f}% (reached) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, a in arms.items():
+        its = _pm(a["iterations_to_threshold"], pct=False)
+        lines.append(
+            f"| {name} | {a['seeds']} | {_pm(a['final'])} | {_pm(a['best'])} | {its} ({a['reached_threshold']}) |"
+        )
+    keys = sorted({k for a in arms.values() for k in a["final_by_key"]})
+    if keys:
+        lines += ["", "Final validation by category (%):", "", "| arm | " + " | ".join(keys) + " |"]
+        lines.append("|---|" + "---|" * len(keys))
+        for name, a in arms.items():
+            lines.append(f"| {name} | " + " | ".join(_pm(a["final_by_key"].get(k, (math.nan, 0))) for k in keys) + " |")
+    lines += ["", "Estimator diagnostics (mean over iterations, then over seeds):", ""]
+    lines.append("| arm | " + " | ".join(label for _, label in DIAGNOSTICS) + " |")
+    lines.append("|---|" + "---|" * len(DIAGNOSTICS))
+    for name, a in arms.items():
+        cells = [
+            _pm(a["diagnostics"][k], pct=k != "estimator/pairs" and k != "estimator/epsilon") for k, _ in DIAGNOSTICS
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], out: str) -> list[str]:
+    """Learning curves (mean over seeds, band min..max), singleton rates and PACE share per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    files = []
+    panels = (
+        ("learning_curves.png", "validation success", lambda s: s["curve"]),
+        (
+            "singleton_rates.png",
+            "singleton step groups, clusters",
+            lambda s: s["curves"]["estimator/cluster_singleton_group_rate"],
+        ),
+        ("pace_rows.png", "PACE row share", lambda s: s["curves"]["estimator/pace_row_rate"]),
+    )
+    for fname, title, get in panels:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        drew = False
+        for name, a in report["arms"].items():
+            curves = [dict(get(s)) for s in a["per_run"]]
+            xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if not xs:
+                continue
+            ys = np.array([[c[x] for x in xs] for c in curves])
+            ax.plot(xs, ys.mean(0), label=name)
+            ax.fill_between(xs, ys.min(0), ys.max(0), alpha=0.2)
+            drew = True
+        if drew:
+            ax.set_xlabel("iterations trained")
+            ax.set_title(f"{title} (mean over seeds, band: min..max)")
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            fig.savefig(os.path.join(out, fname), dpi=110)
+            files.append(fname)
+        plt.close(fig)
+    return files
+
+
+def main(argv):
+    paths = argv[1:]
+    if not paths:
+        raise app.UsageError("give one or more run folders or study folders")
+    if not 0.0 <= _THRESHOLD.value <= 1.0:
+        raise app.UsageError(f"--threshold must lie in [0, 1], got {_THRESHOLD.value}")
+    try:
+        runs = find_runs(paths)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    report = aggregate(arms_of(runs), _THRESHOLD.value)
+    out = _OUT.value or paths[0]
+    os.makedirs(out, exist_ok=True)
+    md = to_markdown(report)
+    report["plots"] = plot(report, out)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(md)
+    print(f"wrote {out}/report.md, report.json, " + ", ".join(report["plots"]))
+
+
+if __name__ == "__main__":
+    app.run(main)

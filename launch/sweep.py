@@ -1,0 +1,236 @@
+"""Run a grid of config overrides x seeds, one ordinary run folder per cell.
+
+    python -m launch.sweep --config=configs/textcraft_tiny.py --workdir=runs/study \
+        --grid='estimator.name=grpo,gigpo,bigpo,bipace_q,bipace_diff' --seeds=0,1,2 \
+        --config.num_iterations=8 --parallel=1
+
+Each cell is ``python -m launch.train`` in ``<workdir>/<cell>`` (the cell's name spells its
+overrides, e.g. ``estimator.name=grpo,seed=0``) with the grid values, ``--config.seed=<seed>`` and
+every ``--config.<field>=<value>`` given here. ``--grid`` may repeat (the cells are the product).
+Cells run as separate processes, ``--parallel`` at a time (on a pod, keep 1: each cell takes the
+whole slice). The sweep is resumable: a finished cell (``sweep_cell.json`` with exit code 0) is
+skipped, a killed one resumes from its latest checkpoint. ``<workdir>/sweep.json`` records the grid
+and each cell's status; ``python -m launch.report <workdir>`` aggregates the runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CONFIG = flags.DEFINE_string("config", os.path.join("configs", "textcraft_tiny.py"), "Run config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Study folder: one run folder per cell.", required=True)
+_GRID = flags.DEFINE_multi_string("grid", [], "'field=v1,v2,...' (repeatable; the cells are the product).")
+_SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds of every grid point (config.seed).")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "Cells run at the same time (processes).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the cells' commands and exit.")
+
+
+def split_values(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes: ``'a,(1, 2),b'`` -> ``['a', '(1, 2)', 'b']``."""
+    out, depth, quote, cur = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur.strip())
+    return out
+
+
+def parse_grid(specs: list[str], seeds: list[str]) -> list[list[tuple[str, str]]]:
+    """The cells: one list of (field, value) per grid point and seed, seed last.
+
+    Raises:
+      ValueError: a spec without ``field=values``, an empty value, a field given twice or the field
+        ``seed`` (use ``--seeds``), or a seed that is not an int.
+    """
+    axes: list[list[tuple[str, str]]] = []
+    seen = set()
+    for spec in specs:
+        field, sep, values = spec.partition("=")
+        field = field.strip().removeprefix("config.")
+        if not sep or not re.fullmatch(r"[A-Za-z_][\w.]*", field):
+            raise ValueError(f"--grid must be 'field=v1,v2,...', got {spec!r}")
+        if field == "seed" or field in seen:
+            raise ValueError(f"--grid: field {field!r} given twice or is 'seed' (use --seeds), got {spec!r}")
+        vals = split_values(values)
+        if any(not v for v in vals):
+            raise ValueError(f"--grid {field}: empty value in {values!r}")
+        seen.add(field)
+        axes.append([(field, v) for v in vals])
+    for s in seeds:
+        if not re.fullmatch(r"-?\d+", s.strip()):
+            raise ValueError(f"--seeds must be ints, got {s!r}")
+    axes.append([("seed", s.strip()) for s in seeds])
+    return [list(cell) for cell in itertools.product(*axes)]
+
+
+def cell_name(cell: list[tuple[str, str]]) -> str:
+    """A folder name spelling the cell's overrides (characters outside [\\w.,=+-] become '_')."""
+    return re.sub(r"[^\w.,=+-]", "_", ",".join(f"{f}={v}" for f, v in cell))
+
+
+_OVERRIDES: list[str] = []  # the command line's --config.<field>=<value>, for every cell
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl parsing of everything except the ``--config.<field>=<value>`` overrides, kept for the cells."""
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        sys.exit(f"error: config overrides must be written --config.<field>=<value>, got {bad}")
+    _OVERRIDES[:] = overrides
+    return flags.FLAGS([a for a in argv if not a.startswith("--config.")])
+
+
+def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> None:
+    """Build and validate one cell's config (``bipace_jax.config.validate``) before anything runs.
+
+    Raises:
+      ValueError: naming the cell and the bad field.
+    """
+    from ml_collections import config_flags
+
+    from bipace_jax import config as config_lib
+
+    fv = flags.FlagValues()
+    argv = ["sweep", f"--config={config}", *extra, *(f"--config.{f}={v}" for f, v in cell)]
+    try:
+        config_flags.DEFINE_config_file("config", config, flag_values=fv, sys_argv=argv)
+        fv(argv)
+        config_lib.validate(fv.config)
+    except (config_lib.ConfigError, flags.Error, ValueError, KeyError, AttributeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() is its repr
+        raise ValueError(f"cell {cell_name(cell)}: {msg}") from None
+
+
+def cell_command(config: str, run_dir: str, cell: list[tuple[str, str]], extra: list[str]) -> list[str]:
+    overrides = [f"--config.{f}={v}" for f, v in cell]
+    return [sys.executable, "-m", "launch.train", f"--config={config}", f"--workdir={run_dir}", *extra, *overrides]
+
+
+def _done(run_dir: str) -> bool:
+    path = os.path.join(run_dir, "sweep_cell.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("returncode") == 0
+
+
+def _summary_line(run_dir: str) -> str:
+    from bipace_jax.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    first = next((r["val_before/success_rate"] for r in rows if "val_before/success_rate" in r), None)
+    last = next((r["val/success_rate"] for r in reversed(rows) if "val/success_rate" in r), None)
+    fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    return f"{len(rows)} iterations, validation {fmt(first)} -> {fmt(last)}"
+
+
+def main(argv):
+    del argv
+    try:
+        cells = parse_grid(_GRID.value, _SEEDS.value)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    if _PARALLEL.value < 1:
+        raise app.UsageError(f"--parallel must be an int >= 1, got {_PARALLEL.value}")
+    config = os.path.abspath(_CONFIG.value)
+    if not os.path.exists(config):
+        raise app.UsageError(f"--config {config} does not exist")
+    study = os.path.abspath(_WORKDIR.value)
+    extra = list(_OVERRIDES)
+    jobs = [(cell_name(c), c) for c in cells]
+    for _, cell in jobs:  # every cell's config is checked before the first one starts
+        try:
+            check_cell(config, cell, extra)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+    if _DRY_RUN.value:
+        for name, cell in jobs:
+            print(" ".join(cell_command(config, os.path.join(study, name), cell, extra)))
+        return
+    os.makedirs(study, exist_ok=True)
+    record: dict[str, Any] = {
+        "config": os.path.relpath(config, ROOT) if config.startswith(ROOT) else config,
+        "grid": _GRID.value,
+        "seeds": _SEEDS.value,
+        "overrides": extra,
+        "cells": {},
+    }
+
+    def save():
+        with open(os.path.join(study, "sweep.json"), "w") as f:
+            json.dump(record, f, indent=2)
+
+    todo = []
+    for k, (name, cell) in enumerate(jobs):
+        run_dir = os.path.join(study, name)
+        if _done(run_dir):
+            print(f"[{k + 1}/{len(jobs)}] {name}: finished earlier, skipped ({_summary_line(run_dir)})", flush=True)
+            record["cells"][name] = "done"
+        else:
+            todo.append((k, name, cell, run_dir))
+            record["cells"][name] = "pending"
+    save()
+    running: list[tuple[int, str, str, subprocess.Popen, float, Any]] = []
+    failed = 0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    while todo or running:
+        while todo and len(running) < _PARALLEL.value:
+            k, name, cell, run_dir = todo.pop(0)
+            os.makedirs(run_dir, exist_ok=True)
+            log = open(os.path.join(run_dir, "train.log"), "a")
+            cmd = cell_command(config, run_dir, cell, extra)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((k, name, run_dir, proc, time.perf_counter(), log))
+            record["cells"][name] = "running"
+            save()
+            print(
+                f"[{k + 1}/{len(jobs)}] {name}: started (log {os.path.relpath(run_dir, study)}/train.log)", flush=True
+            )
+        time.sleep(0.5)
+        for item in list(running):
+            k, name, run_dir, proc, t0, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            wall = time.perf_counter() - t0
+            with open(os.path.join(run_dir, "sweep_cell.json"), "w") as f:
+                json.dump({"returncode": proc.returncode, "wall_s": wall, "cell": dict(jobs[k][1])}, f, indent=2)
+            if proc.returncode == 0:
+                record["cells"][name] = "done"
+                print(f"[{k + 1}/{len(jobs)}] {name}: done in {wall:.0f} s ({_summary_line(run_dir)})", flush=True)
+            else:
+                failed += 1
+                record["cells"][name] = f"failed (exit code {proc.returncode})"
+                print(f"[{k + 1}/{len(jobs)}] {name}: FAILED (exit code {proc.returncode}), see its train.log")
+            save()
+    if failed:
+        sys.exit(f"sweep: {failed} of {len(jobs)} cells failed; run the same command again to retry them")
+    print(f"sweep: {len(jobs)} cells done in {study}; report: python -m launch.report {study}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)
