@@ -23,6 +23,7 @@ devices, the batch sharded over ("data", "fsdp"), so the gradient all-reduce is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ from bipace_jax import config as config_lib
 from bipace_jax import distributed, sharding, tasks
 from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.estimators import calibrate_epsilon, compute_advantages
+from bipace_jax.estimators.diagnostics import SIZE_STATS
 from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.ppo import NonFiniteError
@@ -209,9 +211,14 @@ class Trainer:
 
         # 4. Advantages.
         calibrated = self._calibrate_epsilon(res.steps) if self.needs_calibration else None
-        adv, diag = compute_advantages(res.steps, config_lib.estimator_config(c, self.epsilon))
+        ecfg = config_lib.estimator_config(c, self.epsilon)
+        adv, diag = compute_advantages(res.steps, ecfg)
         adv = res.row_values(jax.block_until_ready(adv))
         t["estimator"] = time.perf_counter()
+        # Every run records both partitions (hash_* always; cluster_* at this epsilon), so the singleton
+        # tax of exact hashing is visible beside the clusters whichever partition trains.
+        other = diag if ecfg.clusters else compute_advantages(res.steps, dataclasses.replace(ecfg, name="bigpo"))[1]
+        diag = dict(diag, **{f"cluster_{k}": other[k] for k in SIZE_STATS})
         if not np.all(np.isfinite(adv)):
             raise NonFiniteError(
                 f"non-finite advantages at iteration {self.iteration} from estimator "

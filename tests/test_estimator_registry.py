@@ -1,6 +1,8 @@
 """The estimator registry: built-in names, lookup errors, and a toy estimator registered from here
 is usable by `EstimatorConfig`, the jitted `compute_advantages` and the NumPy reference alike."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,5 +160,12 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
     want, _ = reference.compute_advantages_reference(res.steps, estimator_config(c, tr.epsilon))
     np.testing.assert_allclose(seen["adv"], want[: res.rows], rtol=1e-5, atol=1e-5)
     assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.rows
+    # both partitions are recorded whichever one trains: exact hashing and the clusters at this epsilon
+    bigpo = dataclasses.replace(estimator_config(c, tr.epsilon), name="bigpo")
+    _, hash_diag = reference.compute_advantages_reference(res.steps, estimator_config(c, tr.epsilon))
+    _, cluster_diag = reference.compute_advantages_reference(res.steps, bigpo)
+    for k in ("singleton_group_rate", "pairs", "num_step_groups"):
+        assert rec[f"estimator/hash_{k}"] == pytest.approx(float(hash_diag[f"hash_{k}"]))
+        assert rec[f"estimator/cluster_{k}"] == pytest.approx(float(cluster_diag[k]))
     after = jax.tree.map(np.asarray, tr.learner.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))

@@ -99,6 +99,7 @@ REQUIRED = [
     "estimator/epsilon",
     "estimator/singleton_group_rate",
     "estimator/hash_singleton_group_rate",
+    "estimator/cluster_singleton_group_rate",
     "estimator/pace_row_rate",
     "time/rollout_s",
     "time/old_logprobs_s",
