@@ -302,6 +302,13 @@ def epsilon_controller(c: ml_collections.ConfigDict) -> EpsilonController | None
     return EpsilonController(epsilon=c.estimator.epsilon, **cc.to_dict()) if cc.enabled else None
 
 
+def system_prompt_of(value: str) -> str | None:
+    """A config's system prompt -> ``RolloutConfig.system_prompt``: ``"default"`` -> None (the chat
+    template's own: Qwen2.5 inserts its default, the project's tiny template none), else the text
+    (``""`` = an empty system turn). RL and the warm start both map it here, so their prompts agree."""
+    return None if value == "default" else value
+
+
 def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
     """The actor of ``c.model``: loaded from ``checkpoint``, or a random ``preset`` init.
 
@@ -388,7 +395,7 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
         reset_retries=r.reset_retries,
         action_key=c.estimator.key,
         show_inventory=r.show_inventory,
-        system_prompt=None if r.system_prompt == "default" else r.system_prompt,
+        system_prompt=system_prompt_of(r.system_prompt),
         template=resolve_template(r.template),
         sampler=sampler,
         **kw,

@@ -38,7 +38,7 @@ from tqdm import tqdm
 import environments
 from bipace_jax import tasks
 from bipace_jax.checkpointing import Checkpointer
-from bipace_jax.config import resolve_template
+from bipace_jax.config import resolve_template, system_prompt_of
 from bipace_jax.learner import Learner, shard_rows
 from bipace_jax.metrics import MetricsLogger
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer, save_hf_checkpoint
@@ -302,6 +302,21 @@ def _sampler(tokenizer, c, *, temperature: float) -> Sampler:
     )
 
 
+def rollout_config(c) -> RolloutConfig:
+    """How the warm start plays (one game per panel task, the RL loop's prompt settings)."""
+    return RolloutConfig(
+        game=c.env.game,
+        group_size=1,
+        max_steps=c.env.max_steps,
+        history_length=c.env.history_length,
+        max_prompt_length=c.gen.length_buckets[-1],
+        fallback_action=c.env.fallback_action,
+        show_inventory=c.env.show_inventory,
+        system_prompt=system_prompt_of(c.env.system_prompt),
+        template=resolve_template(c.env.template),
+    )
+
+
 def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> dict[str, Any]:
     """Runs the whole warm start; returns the report dict (also written to ``workdir/report.json``)."""
     validate_config(c)
@@ -334,17 +349,7 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
         c.val.seeds_per_goal,
     )
     panel, held_set = seen + held, set(held_ids)
-    rcfg = RolloutConfig(
-        game=c.env.game,
-        group_size=1,
-        max_steps=c.env.max_steps,
-        history_length=c.env.history_length,
-        max_prompt_length=c.gen.length_buckets[-1],
-        fallback_action=c.env.fallback_action,
-        show_inventory=c.env.show_inventory,
-        system_prompt=c.env.system_prompt or None,
-        template=template,
-    )
+    rcfg = rollout_config(c)
     data_path = os.path.join(workdir, "examples.json")
     ostats = {}
     if os.path.exists(data_path):

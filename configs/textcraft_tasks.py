@@ -108,7 +108,7 @@ HOLDOUT = ",".join(map(str, HOLDOUT_IDS))  # the trainer's `tasks.holdout` (remo
 MAX_STEPS = 15  # step cap per episode
 HISTORY_LENGTH = 0  # (observation, action) pairs shown: none, the inventory carries the state
 SHOW_INVENTORY = True  # the prompt shows the current inventory (a template option)
-SYSTEM_PROMPT = ""  # no system message
+SYSTEM_PROMPT = "default"  # the chat template's own: none for the project's tokenizer (RL and warm start alike)
 FALLBACK_ACTION = "inventory"  # sent to the game for an unparsable response
 # A compact prompt (`environments.prompts.PromptTemplate` field overrides, RolloutConfig.template):
 # the crafting commands and goal, the step, the last feedback and the inventory; no boilerplate

@@ -246,3 +246,30 @@ def test_bad_config_fails_with_one_line_naming_the_field():
     c.train.micro_batch_rows = 5
     with pytest.raises(ValueError, match=r"config\.train\.micro_batch_rows must be >= 0 and divide"):
         validate_config(c)
+
+
+def test_rl_and_warm_start_prompts_are_the_same_ids_for_the_same_game_state():
+    # the shipped warm start learned from its own prompts; RL must show the very same ids (an empty
+    # system turn, 9 extra tokens, once changed 10 of 54 panel outcomes)
+    import configs.sft_textcraft_tiny
+    import configs.textcraft_tiny
+    from bipace_jax import config as config_lib
+    from bipace_jax import sft
+    from bipace_jax.models import load_tokenizer
+    from bipace_jax.rollout import encode_prompt
+
+    rl_cfg, ws_cfg = configs.textcraft_tiny.get_config(), configs.sft_textcraft_tiny.get_config()
+    tok = load_tokenizer(config_lib.resolve_path(rl_cfg.model.checkpoint))
+    rl = config_lib.rollout_config(rl_cfg, group_size=1, sampler=SamplerConfig())
+    ws = sft.rollout_config(ws_cfg)
+    assert rl.system_prompt is None and ws.system_prompt is None
+    env = environments.make("textcraft", max_steps=15)
+    obs = env.reset(272, 5)
+    history, start = [], tok.encode("<|im_start|>user\n", add_special_tokens=False)
+    for step in range(3):
+        a = encode_prompt(tok, rl, obs, history, step, "rl")
+        b = encode_prompt(tok, ws, obs, history, step, "warm start")
+        assert a == b and a[0][: len(start)] == start  # no system turn at all
+        action = env.oracle_action()
+        history.append((obs.text, action))
+        obs = env.step(action)[0]

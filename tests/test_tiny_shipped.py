@@ -60,7 +60,7 @@ def test_shipped_warm_start_still_solves_validation_games():
     import jax
 
     import environments
-    from bipace_jax.config import resolve_template
+    from bipace_jax.config import resolve_template, system_prompt_of
     from bipace_jax.models import load_hf_checkpoint, load_tokenizer
     from bipace_jax.rollout import RolloutConfig, collect
     from bipace_jax.sampling import Sampler, SamplerConfig
@@ -86,7 +86,7 @@ def test_shipped_warm_start_still_solves_validation_games():
         max_prompt_length=448,
         fallback_action=tasks.FALLBACK_ACTION,
         show_inventory=tasks.SHOW_INVENTORY,
-        system_prompt=tasks.SYSTEM_PROMPT or None,
+        system_prompt=system_prompt_of(tasks.SYSTEM_PROMPT),
         template=resolve_template("configs.textcraft_tasks:TEMPLATE"),
     )
     with EnvPool(tasks.GAME, NUM_GAMES, env_options={"max_steps": tasks.MAX_STEPS}, num_workers=2) as pool:
