@@ -58,7 +58,7 @@ def split_values(text: str) -> list[str]:
 
 
 def parse_grid(specs: list[str], seeds: list[str]) -> list[list[tuple[str, str]]]:
-    """The cells: one list of (field, value) per grid point and seed, seed last.
+    """The cells: one list of (field, value) per grid point and seed (seed last), seed by seed.
 
     Raises:
       ValueError: a spec without ``field=values``, an empty value, a field given twice or the field
@@ -81,8 +81,8 @@ def parse_grid(specs: list[str], seeds: list[str]) -> list[list[tuple[str, str]]
     for s in seeds:
         if not re.fullmatch(r"-?\d+", s.strip()):
             raise ValueError(f"--seeds must be ints, got {s!r}")
-    axes.append([("seed", s.strip()) for s in seeds])
-    return [list(cell) for cell in itertools.product(*axes)]
+    # seed-major: every grid point of seed 0 runs before any of seed 1, so a partial sweep is balanced
+    return [[*point, ("seed", s.strip())] for s in seeds for point in itertools.product(*axes)]
 
 
 def cell_name(cell: list[tuple[str, str]]) -> str:

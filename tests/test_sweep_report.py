@@ -21,8 +21,9 @@ def test_grid_values_split_outside_brackets_and_cells_are_the_product_with_seeds
     cells = sweep.parse_grid(["estimator.name=grpo,bipace_q", "config.ppo.epochs=1,2"], ["0", "1"])
     assert len(cells) == 8
     assert cells[0] == [("estimator.name", "grpo"), ("ppo.epochs", "1"), ("seed", "0")]
+    assert cells[3] == [("estimator.name", "bipace_q"), ("ppo.epochs", "2"), ("seed", "0")]  # seed-major
     assert cells[-1] == [("estimator.name", "bipace_q"), ("ppo.epochs", "2"), ("seed", "1")]
-    assert sweep.cell_name(cells[1]) == "estimator.name=grpo,ppo.epochs=1,seed=1"
+    assert sweep.cell_name(cells[4]) == "estimator.name=grpo,ppo.epochs=1,seed=1"
     assert sweep.cell_name([("sampler.batch_buckets", "(4, 8)")]) == "sampler.batch_buckets=_4,_8_"
 
 
