@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -300,6 +301,25 @@ def epsilon_controller(c: ml_collections.ConfigDict) -> EpsilonController | None
     """The online epsilon controller of ``c.estimator.controller`` (None when disabled: the paper's fixed epsilon)."""
     cc = c.estimator.controller
     return EpsilonController(epsilon=c.estimator.epsilon, **cc.to_dict()) if cc.enabled else None
+
+
+def stop_token_ids(eos_token_ids: Sequence[int], tokenizer: Any, checkpoint: str = "") -> tuple[int, ...]:
+    """The ids a response stops on: the union, in first-seen order, of the model config's
+    ``eos_token_ids`` (config.json), the checkpoint folder's ``generation_config.json`` ``eos_token_id``
+    (when ``checkpoint`` is a folder holding one) and the tokenizer's EOS token.
+
+    Qwen2.5-Instruct's config.json names ``<|endoftext|>`` (151643) while the chat turn ends with
+    ``<|im_end|>`` (151645), which generation_config.json and the tokenizer add.
+    """
+    ids = [int(i) for i in eos_token_ids]
+    if checkpoint and os.path.isfile(os.path.join(checkpoint, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(checkpoint).eos_token_id
+        ids += [int(i) for i in (gen if isinstance(gen, (list, tuple)) else [gen]) if i is not None]
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
 
 
 def system_prompt_of(value: str) -> str | None:

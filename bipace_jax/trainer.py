@@ -157,7 +157,8 @@ class Trainer:
         num_envs = max(self.groups_per_host * c.rollout.group_size, val_rows)
         env_options = {"max_steps": c.env.max_steps}
         self.pool = EnvPool(game, num_envs, env_options=env_options, timeout_s=c.env.timeout_s, **pool_kw)
-        eos = tuple(self.actor.config.eos_token_ids) or None
+        checkpoint = config_lib.resolve_path(c.model.checkpoint) if c.model.checkpoint else ""
+        eos = config_lib.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, checkpoint) or None
         scfg = config_lib.sampler_config(c, eos_token_ids=eos)
         vcfg = config_lib.sampler_config(c, eos_token_ids=eos, temperature=c.val.temperature)
         self.sampler = Sampler(self.tokenizer, scfg, mesh=self.local_mesh)

@@ -211,3 +211,19 @@ def test_prompt_template_field_accepts_json_or_reference_only():
         configs.validate(c)
     c.rollout.template = '{"task_echo": "start"}'
     configs.validate(c)
+
+
+def test_stop_ids_are_the_union_of_config_generation_config_and_tokenizer(tmp_path):
+    # Qwen2.5-Instruct-like: config.json eos 0, generation_config.json [2, 0], tokenizer eos 2
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from bipace_jax.config import stop_token_ids
+
+    GenerationConfig(eos_token_id=[2, 0]).save_pretrained(tmp_path)
+    tok = SimpleNamespace(eos_token_id=2)
+    assert stop_token_ids((0,), tok, str(tmp_path)) == (0, 2)
+    assert stop_token_ids((0,), SimpleNamespace(eos_token_id=None), "") == (0,)  # no folder, no tokenizer EOS
+    GenerationConfig(eos_token_id=5).save_pretrained(tmp_path / "single")
+    assert stop_token_ids((0,), tok, str(tmp_path / "single")) == (0, 5, 2)
