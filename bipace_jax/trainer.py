@@ -239,6 +239,7 @@ class Trainer:
         # 6. Record.
         rec = self._episode_metrics(res.episodes, "train")
         rec.update(upd)
+        rec["train/optimizer_steps"] = upd["loss/updates"]
         diag = distributed.host_mean({k: float(v) for k, v in diag.items()})
         rec.update({f"estimator/{k}": v for k, v in diag.items()})
         rec["estimator/epsilon"] = self.epsilon

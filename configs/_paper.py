@@ -12,11 +12,13 @@ MODEL_SIZES = {
     "qwen2_5_7b": dict(fingerprint_layer=-8, epsilon=0.10, mesh=dict(data=1, fsdp=-1, tensor=4)),
 }
 
+# mini_batch_rows: verl-agent's ppo_mini_batch_size, one AdamW step per that many step rows (ALFWorld
+# 256, WebShop 64): about 8-25 optimizer steps per iteration, not one.
 GAMES = {
-    "alfworld": dict(max_steps=50, max_prompt_length=2048, norm="mean_std"),
-    "webshop": dict(max_steps=15, max_prompt_length=4096, norm="mean"),
+    "alfworld": dict(max_steps=50, max_prompt_length=2048, norm="mean_std", mini_batch_rows=256),
+    "webshop": dict(max_steps=15, max_prompt_length=4096, norm="mean", mini_batch_rows=64),
     # TextCraft in the paper: same loop as ALFWorld (ADaPT's TextCraft sets no lower cap).
-    "textcraft": dict(max_steps=50, max_prompt_length=2048, norm="mean_std"),
+    "textcraft": dict(max_steps=50, max_prompt_length=2048, norm="mean_std", mini_batch_rows=256),
 }
 
 
@@ -41,5 +43,5 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     c.rollout.group_size = 8
     c.sampler.max_new_tokens = 512
     c.ppo.micro_batch_rows = 8
-    c.ppo.mini_batch_rows = 0
+    c.ppo.mini_batch_rows = g["mini_batch_rows"]
     return c

@@ -96,6 +96,8 @@ def test_paper_settings_carry_the_paper_values(game, size, layer, eps, steps, no
         c.num_iterations,
         c.estimator.name,
     ) == (1.0, 0.4, 2, 0.1, 150, "bipace_q")
+    # verl-agent's ppo_mini_batch_size: one AdamW step per 256 (ALFWorld, TextCraft) / 64 (WebShop) step rows
+    assert c.ppo.mini_batch_rows == (64 if game == "webshop" else 256) and c.ppo.epochs == 1
 
 
 def test_command_line_overrides_reach_nested_fields():

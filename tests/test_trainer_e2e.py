@@ -91,6 +91,7 @@ REQUIRED = [
     "train/episode_length",
     "train/invalid_rate",
     "train/env_errors",
+    "train/optimizer_steps",
     "train/return",
     "loss/kl",
     "loss/entropy",
