@@ -41,7 +41,7 @@ from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.config import resolve_template
 from bipace_jax.learner import Learner, shard_rows
 from bipace_jax.metrics import MetricsLogger
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer, save_hf_checkpoint
+from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
 from bipace_jax.sampling import Sampler, SamplerConfig
 from bipace_jax.sharding import make_mesh
@@ -362,7 +362,7 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
 
     # 3. model, optimizer, checkpoints
     m = c.model
-    hf_cfg = tiny_actor_config(
+    cfg = tiny_actor_config(
         len(tokenizer),
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_layers,
@@ -370,9 +370,8 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
         num_key_value_heads=m.num_kv_heads,
         intermediate_size=m.intermediate_size,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    actor = Qwen2Actor(Qwen2Config.from_hf_config(hf_cfg), rngs=nnx.Rngs(c.seed))
+    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(c.seed))
     learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), make_optimizer(c))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))
     ckpt = Checkpointer(workdir)

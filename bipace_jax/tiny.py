@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import environments
 from bipace_jax.config import resolve_template
-from bipace_jax.models import load_tokenizer
+from bipace_jax.models import Qwen2Config, load_tokenizer
 from environments.prompts import build_prompt
 
 # Chat-template special tokens (the Qwen2.5 names; ids are this tokenizer's own, 0, 1, 2).
@@ -122,46 +122,40 @@ def train_tokenizer(
     return fast
 
 
-def tiny_actor_config(vocab_size: int, **overrides) -> dict:
-    """The embedded default actor's Hugging Face ``config.json`` dict (Qwen2 architecture).
-
-    hidden 256, 4 layers, 4 query heads and 2 KV heads of dim 64, SiLU MLP 768, tied embeddings,
-    RoPE theta 10,000, RMSNorm eps 1e-6; about 3.7M parameters with a 2k vocabulary. Override any
-    field by keyword (HF names, e.g. ``num_hidden_layers=3``).
+def tiny_actor_config(vocab_size: int, **overrides) -> Qwen2Config:
+    """The embedded default actor's architecture (Qwen2): ``Qwen2Config.tiny`` with hidden 256, 4 layers,
+    4 query heads and 2 KV heads of dim 64, SiLU MLP 768, EOS id 2; tied embeddings, RoPE theta 10,000,
+    RMSNorm eps 1e-6, fp32. About 3.7M parameters with a 2k vocabulary. Override any field by keyword
+    (e.g. ``num_hidden_layers=3``).
 
     Raises:
-      ValueError: if ``vocab_size`` < 1 or ``hidden_size`` is not divisible by the head count.
+      ValueError: (from ``Qwen2Config``) a field out of range, e.g. ``vocab_size`` < 1 or ``hidden_size``
+        not divisible by the head count.
     """
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    cfg = dict(
-        architectures=["Qwen2ForCausalLM"],
-        model_type="qwen2",
-        vocab_size=int(vocab_size),
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=768,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype="float32",
-    )
-    cfg.update(overrides)
-    if cfg["hidden_size"] % cfg["num_attention_heads"]:
-        raise ValueError(
-            f"hidden_size {cfg['hidden_size']} must be divisible by num_attention_heads {cfg['num_attention_heads']}"
-        )
-    return cfg
+    base = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, eos_token_id=2)
+    return Qwen2Config.tiny(**{**base, "vocab_size": vocab_size, **overrides})
+
+
+def random_hf_qwen2(config: Qwen2Config, *, seed: int = 0, weight_std: float = 0.05, path: str | None = None):
+    """A random fp32 Hugging Face ``Qwen2ForCausalLM`` (torch, eval mode) of ``config``; nothing is downloaded.
+
+    Every weight is redrawn from N(0, ``weight_std``) after ``torch.manual_seed(seed)``, RMSNorm scales
+    from 1 + N(0, ``weight_std``). With ``path``, the model is also saved there (config.json +
+    model.safetensors, loadable by ``load_hf_checkpoint``).
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.Qwen2Config(**config.to_hf_dict(torch_dtype="float32"))
+    model = transformers.Qwen2ForCausalLM(hf_cfg).eval().to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape) * weight_std
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
 
 
 class OracleStep(NamedTuple):
