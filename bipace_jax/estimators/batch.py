@@ -60,11 +60,6 @@ class StepBatch:
         """N, the padded number of rows."""
         return self.reward.shape[0]
 
-    @property
-    def fingerprint_dim(self) -> int:
-        """D, the fingerprint width."""
-        return self.fingerprint.shape[1]
-
     @classmethod
     def from_numpy(
         cls,

@@ -74,17 +74,6 @@ def row_scales(f):
     return m, jnp.where(degenerate, 1.0, nrm), degenerate
 
 
-def normalise_fingerprints(f):
-    """Robust re-normalisation: f / max|f|, then / ||.||, in fp32.
-
-    Args: f float32/bfloat16 [..., D].
-    Returns: (unit float32 [..., D] with zeros on degenerate rows, degenerate bool [...]).
-    """
-    m, nrm, degenerate = row_scales(f)
-    unit = (f.astype(jnp.float32) / m[..., None]) / nrm[..., None]
-    return jnp.where(degenerate[..., None], 0.0, unit), degenerate
-
-
 def greedy_cosine_clusters(
     fingerprint,
     row_index,
