@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -35,18 +36,12 @@ from bipace_jax.estimators.synthetic import rollout_like_arrays
 
 GROUPS = (4, 16, 64)  # x 8 trajectories x 50 steps = 1,600 / 6,400 / 25,600 rows
 DIMS = (896, 1536, 3584)
-HEADLINE = ("bipace_q", 6400, 1536)
 TARGET = 100.0
 
 
 def _median_ms(fn, repeats):
     fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    return 1e3 * float(np.median([_timed(fn) for _ in range(repeats)]))
 
 
 def _jit_cell(batch, cfg, repeats):
@@ -129,9 +124,7 @@ def main():
                 ms, compile_s = _jit_cell(batch, cfg, repeats)
                 oracle_ms = None
                 if n <= groups[1] * 400:
-                    t = time.perf_counter()
-                    reference.compute_advantages_reference(batch, cfg)
-                    oracle_ms = 1e3 * (time.perf_counter() - t)
+                    oracle_ms = 1e3 * _timed(functools.partial(reference.compute_advantages_reference, batch, cfg))
                     oracle_measured[(name, n, d)] = oracle_ms
                 cells.append(
                     dict(
