@@ -1,19 +1,14 @@
-"""The embedded default's tokenizer and actor shape: a small byte-level BPE and a tiny Qwen2.
-
-Everything here is built by the project from text it generates itself; nothing is downloaded.
+"""The embedded default's tokenizer and actor shape: a small byte-level BPE and a tiny Qwen2, built
+from text the project generates itself (nothing is downloaded).
 
 The tokenizer is a byte-level BPE (Hugging Face ``tokenizers``) wrapped as a
-``transformers.PreTrainedTokenizerFast`` with a ChatML chat template (the Qwen2.5 format:
-``<|im_start|>role\\ncontent<|im_end|>\\n``) that, unlike Qwen2.5's, inserts no default system
-prompt, so prompts stay short. On top of the learned merges it carries *phrase tokens*: whole
-multi-word names (TextCraft item names such as ``"oak planks"``) added as single, non-special
-tokens, matched leftmost-longest in the raw text ("mossy cobblestone slab" wins over "mossy
-cobblestone"). A recipe line then costs a handful of tokens, the same token names an item in the
-recipes, the goal, the inventory and the action, and copying an item name from the prompt into an
-action is one pointer, not a sequence of sub-word pieces: the main failure of a tiny model trained
-from scratch is copying the wrong item.
-
-Encoding and decoding are exact inverses on any text (byte-level), including phrase tokens.
+``transformers.PreTrainedTokenizerFast`` with a ChatML chat template (Qwen2.5's
+``<|im_start|>role\\ncontent<|im_end|>\\n`` without its default system prompt). On top of the merges
+it carries *phrase tokens*: whole multi-word names (TextCraft items such as ``"oak planks"``) as
+single non-special tokens, matched leftmost-longest in the raw text. An item name is then one token
+in the recipes, the goal, the inventory and the action, so copying it into an action is one pointer,
+not a sequence of sub-word pieces (copying the wrong item is a tiny model's main failure).
+Encoding and decoding are exact inverses on any text, phrase tokens included.
 """
 
 from __future__ import annotations
