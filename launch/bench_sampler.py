@@ -247,17 +247,12 @@ def run_gpu() -> dict:
     from flax import nnx
 
     from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.sampling import Sampler, SamplerConfig
 
     kind = str(jax.devices()[0].device_kind)
     gbps = FLAGS.hbm_gbps or next((v for k, v in _HBM_GBPS.items() if k in kind), 0.0)
     tok = _tokenizer(600)
-    out = {
-        "device": kind,
-        "hbm_gbps": gbps,
-        "prompt": FLAGS.gpu_prompt,
-        "new_tokens": FLAGS.gpu_new_tokens,
-        "presets": {},
-    }
+    out = dict(device=kind, hbm_gbps=gbps, prompt=FLAGS.gpu_prompt, new_tokens=FLAGS.gpu_new_tokens, presets={})
     for name in [p for p in FLAGS.gpu_presets.split(",") if p]:
         cfg = getattr(Qwen2Config, name)()
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -265,8 +260,6 @@ def run_gpu() -> dict:
         out["presets"][name] = {"param_bytes": int(param_bytes), "batches": {}}
         for b in [int(x) for x in FLAGS.batches.split(",")]:
             prompts = _prompts(b, min(600, cfg.vocab_size), FLAGS.gpu_prompt, FLAGS.gpu_prompt, seed=b)
-            from bipace_jax.sampling import Sampler, SamplerConfig
-
             scfg = SamplerConfig(
                 max_new_tokens=FLAGS.gpu_new_tokens,
                 greedy=True,
