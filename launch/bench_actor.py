@@ -3,11 +3,9 @@
     python -m launch.bench_actor [--batch 8] [--length 256] [--repeats 5] [--out benchmarks/actor.json]
 
 CPU (always): a small Qwen2 (`CPU_CONFIG`: D 256, L 4, N 8, K 2, F 1024, V 2048) with random weights
-is built in HF torch fp32 (`tiny.random_hf_qwen2`), saved, and loaded into the actor, so both sides
-run identical weights on the same batch. Timings: warm-up, then `--repeats` runs alternating the two
-sides (median reported). Reported: forward tokens/s
-(B*T / seconds; ours includes the fingerprint, computed in the same pass), `speedup_vs_hf`, and
-the max |logit difference| at real tokens as a sanity check.
+(`tiny.random_hf_qwen2`, torch fp32) is loaded into the actor, so both sides run identical weights on
+the same batch; warm-up, then `--repeats` runs alternating the two sides. Reported: median forward
+tokens/s (B*T / seconds; ours includes the fingerprint), `speedup_vs_hf`, max |logit difference|.
 
 GPU/TPU (when JAX's default backend is not cpu): also the Qwen2.5-0.5B and 1.5B presets with random
 bf16 weights (no download): forward tokens/s and model-FLOPs utilisation (MFU) against the chip's

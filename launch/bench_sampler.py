@@ -3,7 +3,7 @@
     python -m launch.bench_sampler                      # CPU: writes benchmarks/sampler.json
     python -m launch.bench_sampler --models=tiny --batches=16,64 --new_tokens=64 --reps=5
 
-Both sides run the same random Qwen2 checkpoint (written here with ``transformers``, loaded by
+Both sides run the same random Qwen2 checkpoint (``tiny.random_hf_qwen2``, loaded by
 ``load_hf_checkpoint``), the same left-padded prompts (96-128 tokens), greedy decoding and the same
 new-token budget, so they produce the same tokens (checked: ``tokens_match_hf``). Models: ``tiny``
 (the tests' tiny Qwen2: V 512, D 64, 2 layers; the headline) and ``small`` (V 2048, D 256, 4 layers).
@@ -22,10 +22,9 @@ ours and HF alternating, each timed run right after an untimed run of the same s
 compilation is reported as ``compile_s`` and excluded; torch runs with its faster thread count (1 or
 all cores). Why this protocol, and past results: docs/performance.md.
 
-On a GPU backend the script measures the Qwen2.5 0.5B and 1.5B presets with random bf16 weights
-against the memory-bandwidth roofline and writes ``benchmarks/sampler_gpu.json``: each decode step
-must read every parameter and the KV cache written so far, so
-``roofline tok/s = B * HBM bandwidth / (parameter bytes + B * mean context * KV bytes per token)``.
+On a GPU backend: the Qwen2.5 0.5B and 1.5B presets with random bf16 weights against the HBM roofline
+``B * bandwidth / (parameter bytes + B * mean context * KV bytes per token)`` (a decode step reads
+every parameter and the KV cache so far), written to ``benchmarks/sampler_gpu.json``.
 """
 
 from __future__ import annotations

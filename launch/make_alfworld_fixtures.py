@@ -1,35 +1,29 @@
 """Generate small ALFWorld text games offline, from what the ``alfworld`` wheel ships.
 
-The real ALFWorld games (3,553 train / 140 seen / 134 unseen) come from ``alfworld-download``,
-which this machine cannot reach. This script writes games in the same on-disk format, so that the
-real, unmodified ``AlfredTWEnv`` (TextWorld PDDL engine + fast-downward) loads and plays them:
+The real games come from ``alfworld-download``, which this machine cannot reach. This script writes
+games in the same on-disk format, which the real, unmodified ``AlfredTWEnv`` (TextWorld PDDL engine
++ fast-downward) loads and plays:
 
     <out_dir>/<task_type>-<Object>-None-<Parent>-<floor plan number>/trial_s<seed>/
-        game.tw-pddl     JSON: pddl_domain (the wheel's alfred.pddl), grammar (the wheel's
-                         alfred.twl2 with "UNKNOWN GOAL" replaced by the task sentence),
-                         pddl_problem (written here), solvable (true once the planner solved it)
-        traj_data.json   task_type, pddl_params (what AlfredTWEnv and the handcoded expert read),
+        game.tw-pddl     JSON: pddl_domain (the wheel's alfred.pddl), grammar (the wheel's alfred.twl2,
+                         "UNKNOWN GOAL" replaced by the task sentence), pddl_problem (written here),
+                         solvable (true once the planner solved it)
+        traj_data.json   task_type, pddl_params (read by AlfredTWEnv and the handcoded expert),
                          scene (floor plan, seed), and the planner's walkthrough
 
-Sources, all from the wheel: the PDDL domain and grammar (``alfworld/data``), the 120 floor plans
-(``alfworld/gen/layouts``: which object types a room holds, receptacle ids and their points), the
-affordances (``alfworld/gen/constants.py``: which receptacle types hold which object types;
-heatable, coolable, cleanable, toggleable, sliceable types) and the goals
-(``alfworld/gen/goal_library.py``: PDDL goal and sentence templates per task type).
-
-A game: the floor plan's static receptacles, each at its own location; every placeable object type
-of the room in 1..max_copies copies (the target in enough copies for the task), each inside a receptacle
-that may hold it (never already inside a receptacle of the goal's type); the agent in the middle
-of the room; one goal of the requested task type. Only games the planner solves are written.
-
-Usage (writes environments/data/alfworld_fixtures by default)::
+Sources, all in the wheel: the PDDL domain and grammar (``alfworld/data``), the 120 floor plans
+(``alfworld/gen/layouts``), the affordances (``alfworld/gen/constants.py``) and the goal templates
+(``alfworld/gen/goal_library.py``). A game: the floor plan's static receptacles, each at its own
+location; every placeable object type in 1..max_copies copies (the target in enough copies for the
+task), each inside a receptacle that may hold it (never one of the goal's type); the agent in the
+middle of the room; one goal. Only games the planner solves are written.
 
     python -m launch.make_alfworld_fixtures [--out_dir=DIR] [--games_per_type=2] [--seed=0]
         [--smallest_rooms=true] [--max_copies=1]
 
-The committed fixtures are this command's output with its defaults (small rooms, one copy of each
-non-target object: cheap games for CI); ``--nosmallest_rooms --max_copies=2`` gives games closer
-in size to the real data (slower to reset and step).
+The committed fixtures (environments/data/alfworld_fixtures, the default ``--out_dir``) are this
+command's output with its defaults (cheap games for CI); ``--nosmallest_rooms --max_copies=2`` gives
+games closer in size to the real data.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Hugging Face Qwen2 checkpoint I/O (safetensors only) for `Qwen2Actor`.
 
-`load_hf_checkpoint` reads `config.json` and `model.safetensors` or a sharded
-`model.safetensors.index.json`, maps every HF tensor name to its actor parameter, checks every
-name and shape against the config *before* reading any weight, and streams tensors one at a time
-to their `NamedSharding` (each device receives only its shard via `jax.make_array_from_callback`),
-so the whole model is never materialised on one device or in host memory.
-
-`save_hf_checkpoint` writes a folder that `transformers.AutoModelForCausalLM.from_pretrained`
-(and vLLM) loads to the same logits: config.json, generation_config.json, model.safetensors (or
-shards + index when larger than `max_shard_bytes`), plus the tokenizer files when given one.
-
-Only safetensors are read; pickle `.bin` checkpoints are refused with instructions to convert;
-no remote code is ever executed. Name mapping (HF linear weights are stored [out, in]):
+`load_hf_checkpoint` checks every tensor name and shape against config.json *before* reading any
+weight, then streams tensors one at a time to their `NamedSharding` (each device receives only its
+shard), so the model is never whole on one device or in host memory. `save_hf_checkpoint` writes a
+folder that transformers (and vLLM) load to the same logits. Only safetensors are read (pickle
+`.bin` checkpoints are refused with how to convert); no remote code runs. Name mapping (HF linear
+weights are stored [out, in]):
 
   model.embed_tokens.weight [V, D]                     -> embed/embedding [V, D]
   model.layers.i.input_layernorm.weight [D]            -> layers/i/input_norm/scale
