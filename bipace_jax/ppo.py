@@ -211,15 +211,10 @@ class PPOLearner(Learner):
     ) -> dict[str, float]:
         """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.
 
-        Every process must call it (with its own rows); the number of mini- and micro-batches is agreed
-        over processes, a process short of rows contributes all-padding micro-batches.
-
-        Args:
-          batch: this process's rows (N).
-          old_lp, ref_lp: float32[N, M] (ref may be None when kl_coef == 0).
-          adv: float32[N] row advantages.
-          key: shuffling key.
-          where: text naming the iteration, for the error message.
+        Every process calls it with its own N rows (``batch``); mini- and micro-batch counts are agreed
+        over processes, a process short of rows contributes all-padding micro-batches. ``old_lp``,
+        ``ref_lp``: float32[N, M] (ref may be None when kl_coef == 0); ``adv``: float32[N]; ``key``
+        shuffles; ``where`` names the iteration in the error message.
 
         Returns:
           metrics ``loss/*`` averaged over the optimizer steps, ``loss/grad_norm`` (before clipping).

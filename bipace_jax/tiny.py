@@ -58,19 +58,15 @@ def train_tokenizer(
 
     Args:
       corpus: training texts (str); every byte value stays encodable whatever the corpus.
-      vocab_size: size of the learned BPE part (256 byte symbols + merges + 3 special tokens);
-        the phrase and tag tokens come on top, so ``len(tokenizer)`` is about
-        ``vocab_size + len(phrase_tokens) + 4``.
-      phrase_tokens: exact strings (e.g. ``"oak planks"``) to add as single non-special tokens;
-        matched leftmost-longest anywhere in the text, never normalised.
+      vocab_size: size of the learned BPE part (256 byte symbols + merges + 3 special tokens); phrase
+        and tag tokens come on top (``len(tokenizer)`` about ``vocab_size + len(phrase_tokens) + 4``).
+      phrase_tokens: exact strings (e.g. ``"oak planks"``) added as single non-special tokens.
       tags: non-special tokens added before the phrases (default the prompt/response tags).
       min_frequency: pairs seen fewer times are not merged.
       chat_template: set on the tokenizer (None: none; ``load_tokenizer`` then adds Qwen2.5's).
       model_max_length: recorded in the tokenizer config (None: transformers' default).
 
-    Returns:
-      ``transformers.PreTrainedTokenizerFast`` with ``eos_token = "<|im_end|>"``,
-      ``pad_token = "<|endoftext|>"``, ``bos_token = None`` and ``chat_template`` set.
+    Returns a ``transformers.PreTrainedTokenizerFast``: EOS ``<|im_end|>``, pad ``<|endoftext|>``, no BOS.
 
     Raises:
       ValueError: if ``vocab_size`` < 300 (the 256 byte symbols plus room for merges) or a phrase
