@@ -13,6 +13,7 @@ Encoding and decoding are exact inverses on any text, phrase tokens included.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -270,18 +271,10 @@ def build_game_tokenizer(config, path: str, num_tasks: int = 64):
     template = resolve_template(r.template)
     pairs = [((i * 7919) % env.num_tasks, i) for i in range(num_tasks)]
 
+    prompt = functools.partial(build_prompt, game, template=template, show_inventory=r.show_inventory)
+
     def prompts(s: OracleStep) -> list[str]:
-        return [
-            build_prompt(
-                game,
-                s.obs,
-                s.history,
-                s.step,
-                history_length=min(r.history_length, len(s.history)),
-                template=template,
-                show_inventory=r.show_inventory,
-            )
-        ]
+        return [prompt(s.obs, s.history, s.step, history_length=min(r.history_length, len(s.history)))]
 
     texts = oracle_corpus(
         env,

@@ -147,12 +147,7 @@ def _weight_files(path: str) -> dict[str, str]:
     if os.path.isfile(single_path):
         with safe_open(single_path, framework="numpy") as fh:
             return {name: single_path for name in fh.keys()}
-    pickles = sorted(
-        os.path.basename(p)
-        for p in glob.glob(os.path.join(path, "*.bin"))
-        + glob.glob(os.path.join(path, "*.pt"))
-        + glob.glob(os.path.join(path, "*.pth"))
-    )
+    pickles = sorted(os.path.basename(p) for e in ("bin", "pt", "pth") for p in glob.glob(os.path.join(path, "*." + e)))
     if pickles:
         raise CheckpointError(
             f"{path}: only safetensors checkpoints are read, found pickle file(s) {pickles} "
@@ -258,16 +253,8 @@ def load_hf_checkpoint(
     specs = hf_tensor_specs(config)
     _check_names_and_shapes(files, specs, config, path)
 
-    abstract = nnx.eval_shape(
-        lambda: Qwen2Actor(
-            config,
-            fingerprint_layer=fingerprint_layer,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=nnx.Rngs(0),
-            remat=remat,
-        )
-    )
+    kw = dict(fingerprint_layer=fingerprint_layer, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    abstract = nnx.eval_shape(lambda: Qwen2Actor(config, rngs=nnx.Rngs(0), **kw))
     graphdef, state = nnx.split(abstract)
     flat = {tuple(k): v for k, v in nnx.to_flat_state(state)}
 
