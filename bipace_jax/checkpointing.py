@@ -1,17 +1,11 @@
 """Atomic training checkpoints with orbax: params, optimizer state, RNG, iteration, cursors.
 
-Layout: ``<workdir>/checkpoints/<step>/`` where ``step`` is the number of *completed* iterations
-(so resuming from step s starts iteration s). Each step holds
-
-- ``state``: a PyTree of arrays ``{"params": ..., "opt_state": ...}`` saved with
-  ``ocp.args.StandardSave`` (works for sharded, multi-host global arrays: every process calls
-  ``save``/``restore``; orbax writes each shard once);
-- ``meta``: JSON ``{"iteration", "task_cursor", "epsilon", "controller", "rng": [uint32 key data], ...}``
-  written by the primary process (the RNG key is identical on every process).
-
-Atomicity is orbax's: a step is written to a temporary folder and renamed only when complete, so a
-process killed mid-save (SIGKILL included) leaves the previous step as the latest; unfinished
-temporary folders are never listed as steps and are removed at the next start.
+Layout: ``<workdir>/checkpoints/<step>/``, ``step`` the number of *completed* iterations (resuming
+from step s starts iteration s), holding ``state`` (``{"params", "opt_state"}`` with
+``ocp.args.StandardSave``: every process calls ``save``/``restore``, orbax writes each shard once) and
+``meta`` (JSON ``{"iteration", "task_cursor", "epsilon", "controller", "rng": [uint32 key data], ...}``).
+Atomicity is orbax's: a step is written to a temporary folder and renamed when complete, so a process
+killed mid-save (SIGKILL included) leaves the previous step as the latest.
 """
 
 from __future__ import annotations

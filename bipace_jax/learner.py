@@ -1,10 +1,8 @@
 """The learner core shared by RL (``ppo.py``) and the warm start (``sft.py``).
 
-A ``Learner`` holds a model's parameters as global arrays over the mesh, a host-local copy for the
-sampler and the no-gradient forwards, and the optimizer state. ``step`` takes one optimizer step:
-it sums the gradients of a loss over fixed-shape micro-batches (the loss's own denominator makes the
-sum the exact mini-batch mean), refuses a non-finite loss or gradient, then applies the update.
-Which loss and how rows become micro-batches is the caller's business.
+A ``Learner`` holds a model's parameters (global arrays over the mesh, plus a host-local copy for the
+sampler and the no-gradient forwards) and the optimizer state; ``step`` sums a loss's gradients over
+fixed-shape micro-batches, refuses a non-finite loss or gradient, then applies the update.
 """
 
 from __future__ import annotations
@@ -70,12 +68,9 @@ class Learner:
       actor: the (host-local) model; its ``nnx.Param`` state becomes the learner's global parameters.
       mesh: the global mesh (axes data, fsdp, tensor); parameters follow ``sharding.param_shardings``.
       tx: the optax transformation.
-      local_mesh: the mesh of this host's devices for the no-gradient forwards (default: ``mesh`` with
-        one process, else the host's first device).
+      local_mesh: the mesh of this host's devices for ``params_local``, the host-local copy the sampler
+        and the no-gradient forwards use (default: ``mesh`` with one process, else the host's first device).
       keep_reference: keep a frozen host-local copy of the initial parameters (``ref_params_local``).
-
-    ``params`` are global arrays; ``params_local`` a host-local copy that the sampler and the forwards
-    without gradient use (the same arrays on one process).
     """
 
     def __init__(

@@ -157,13 +157,7 @@ class PPOLearner(Learner):
             width = self._prompt_width(int(plen[r].max()), batch.prompt_len)
             ids, att = (self._micro_rows(x, r, batch, width) for x in (batch.input_ids, batch.attention_mask))
             att[:, -1] |= att.sum(1) == 0  # padding rows get one real token (no empty softmax)
-            lp = fn(
-                params_local,
-                self.rest,
-                jnp.asarray(ids),
-                jnp.asarray(att),
-                jnp.asarray(_pad_rows(batch.response_ids[r], B)),
-            )
+            lp = fn(params_local, self.rest, *map(jnp.asarray, (ids, att, _pad_rows(batch.response_ids[r], B))))
             out[r] = np.asarray(lp)[: len(r)]
         return out
 
@@ -211,15 +205,10 @@ class PPOLearner(Learner):
     ) -> dict[str, float]:
         """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.
 
-        Every process must call it (with its own rows); the number of mini- and micro-batches is agreed
-        over processes, a process short of rows contributes all-padding micro-batches.
-
-        Args:
-          batch: this process's rows (N).
-          old_lp, ref_lp: float32[N, M] (ref may be None when kl_coef == 0).
-          adv: float32[N] row advantages.
-          key: shuffling key.
-          where: text naming the iteration, for the error message.
+        Every process calls it with its own N rows (``batch``); mini- and micro-batch counts are agreed
+        over processes, a process short of rows contributes all-padding micro-batches. ``old_lp``,
+        ``ref_lp``: float32[N, M] (ref may be None when kl_coef == 0); ``adv``: float32[N]; ``key``
+        shuffles; ``where`` names the iteration in the error message.
 
         Returns:
           metrics ``loss/*`` averaged over the optimizer steps, ``loss/grad_norm`` (before clipping).
@@ -250,16 +239,8 @@ class PPOLearner(Learner):
                 np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64)
             )
             k_micros = [max(math.ceil(info[:, j, 0].max() / B), 1) for j in range(n_mini)]
-            needs = distributed.allgather(
-                np.array(
-                    [
-                        int(plen[r[m * B : (m + 1) * B]].max(initial=1))
-                        for r, k in zip(minis, k_micros)
-                        for m in range(k)
-                    ],
-                    np.int64,
-                )
-            ).max(0)
+            need = [int(plen[r[m * B : (m + 1) * B]].max(initial=1)) for r, k in zip(minis, k_micros) for m in range(k)]
+            needs = distributed.allgather(np.array(need, np.int64)).max(0)
             widths = iter([self._prompt_width(int(nd), widest) for nd in needs])
             for j, rows in enumerate(minis):
                 micro = (

@@ -1,21 +1,12 @@
 """Warm start: behaviour cloning and DAgger on a game's oracle, through the RL loop's own pieces.
 
-``run(config, workdir, out)``:
-  1. builds the tokenizer (``tiny.warm_start_tokenizer``) unless ``config.tokenizer_path`` names one;
-  2. plays the oracle on the training goals and records one ``Example`` per step: the prompt exactly as
-     the rollout encodes it (``rollout.encode_prompt``), the response ``<action>{oracle action}</action>``
-     + ``<|im_end|>``;
-  3. trains a fresh tiny Qwen2 actor with the learner core (``learner.Learner``, ``ResponseNLL``: the
-     token-mean NLL of the response tokens, exact over each batch);
-  4. DAgger rounds: the policy plays fresh seeds through ``rollout.collect`` with the oracle as
-     ``labeler``; every visited state, labelled with the oracle's action from it, joins the data;
-  5. validates on the fixed panel (``tasks.validation_panel``) at the validation temperature and greedy,
-     and writes the Hugging Face folder ``out``.
-
-The workdir holds the tokenizer, the examples (``examples.json`` from the oracle, ``dagger_<round>.json``),
-checkpoints after every round (``checkpointing.Checkpointer``; a killed run resumes from the last round
-and, every round drawing from ``(seed, round)``, ends with the same weights), ``metrics.jsonl`` and
-TensorBoard events (``metrics.MetricsLogger``, indexed by update step) and ``report.json``.
+``run(config, workdir, out)`` builds the tokenizer (``tiny.warm_start_tokenizer``, unless
+``config.tokenizer_path`` names one); records one ``Example`` per oracle step on the training goals
+(the prompt as ``rollout.encode_prompt`` encodes it, the response ``<action>{action}</action>`` +
+``<|im_end|>``); trains a fresh tiny Qwen2 with ``learner.Learner`` and ``ResponseNLL`` (token-mean
+NLL of the response tokens); runs DAgger rounds (the policy plays through ``rollout.collect`` with the
+oracle as ``labeler``, every visited state joins the data); validates on ``tasks.validation_panel``
+and writes the Hugging Face folder ``out``. Run folder, resumption and determinism: docs/warm_start.md.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.config import resolve_template, system_prompt_of
 from bipace_jax.learner import Learner, shard_rows
 from bipace_jax.metrics import MetricsLogger
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer, save_hf_checkpoint
+from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
 from bipace_jax.sampling import Sampler, SamplerConfig
 from bipace_jax.sharding import make_mesh
@@ -367,7 +358,7 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
 
     # 3. model, optimizer, checkpoints
     m = c.model
-    hf_cfg = tiny_actor_config(
+    cfg = tiny_actor_config(
         len(tokenizer),
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_layers,
@@ -375,9 +366,8 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
         num_key_value_heads=m.num_kv_heads,
         intermediate_size=m.intermediate_size,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    actor = Qwen2Actor(Qwen2Config.from_hf_config(hf_cfg), rngs=nnx.Rngs(c.seed))
+    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(c.seed))
     learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), make_optimizer(c))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))
     ckpt = Checkpointer(workdir)
@@ -429,17 +419,10 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
                 step, done = step + 1, done + 1
                 bar.update(1)
                 if step % c.train.log_every == 0 or done == n_steps:
-                    rec = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['token_accuracy']:.3f}")
-                    metrics.write(
-                        step,
-                        {
-                            "round": rnd,
-                            **{f"train/{k}": v for k, v in rec.items()},
-                            "train/examples": len(examples),
-                            "time_s": time.time() - t_start,
-                        },
-                    )
+                    rec = {f"train/{k}": float(np.mean([w[k] for w in window])) for k in window[0]}
+                    bar.set_postfix(loss=f"{rec['train/loss']:.3f}", acc=f"{rec['train/token_accuracy']:.3f}")
+                    rec.update({"train/examples": len(examples), "time_s": time.time() - t_start})
+                    metrics.write(step, {"round": rnd, **rec})
                     window = []
                 if done >= n_steps:
                     break

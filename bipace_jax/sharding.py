@@ -1,22 +1,14 @@
 """Device mesh, logical axes and their mapping to mesh axes; knows nothing about any model.
 
-The mesh has three named axes (`MESH_AXES`):
-  * ``data``   pure data parallelism: the batch is split, parameters are replicated;
-  * ``fsdp``   fully-sharded data parallelism: the batch is split *and* every parameter is split
-               along its embedding (D) dimension, gathered by XLA when a layer needs it;
-  * ``tensor`` Megatron-style tensor parallelism: attention heads, the MLP width and the vocabulary
-               are split.
+Mesh axes (`MESH_AXES`, all `AxisType.Auto`: XLA's propagation places the collectives): ``data``
+splits the batch; ``fsdp`` splits the batch and every parameter along its embedding dimension;
+``tensor`` splits attention heads, the MLP width and the vocabulary (Megatron-style).
 
-Every array dimension carries a *logical axis* name ("batch", "embed", "heads", ...) and
-`LOGICAL_TO_MESH` maps logical axes to mesh axes. Models declare the logical axes of each
-parameter where they create it, as `nnx.Param(value, logical_axes=(...))` metadata;
-`param_shardings` reads that metadata back. `constrain` pins an activation's sharding inside a
-jitted function when a mesh is set (`jax.set_mesh`) and does nothing otherwise. A mesh axis that
-does not divide a dimension is dropped for that dimension (the dimension is replicated along it)
-rather than producing an error or an uneven split.
-
-Mesh axes are `AxisType.Auto`: XLA's sharding propagation places the collectives; `constrain` and
-the parameter shardings anchor it. No pmap; `jax.jit` with `NamedSharding` throughout.
+Every array dimension has a *logical axis* name ("batch", "embed", ...) that `LOGICAL_TO_MESH` maps to
+mesh axes. Models declare each parameter's logical axes as `nnx.Param(value, logical_axes=(...))`
+metadata, which `param_shardings` reads back; `constrain` pins an activation's sharding when a mesh is
+set (`jax.set_mesh`) and does nothing otherwise. A mesh axis that does not divide a dimension is
+dropped for it (replicated), never an error or an uneven split. No pmap: `jax.jit` with `NamedSharding`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
-"""The embedded default's tokenizer and actor shape: a small byte-level BPE and a tiny Qwen2.
-
-Everything here is built by the project from text it generates itself; nothing is downloaded.
+"""The embedded default's tokenizer and actor shape: a small byte-level BPE and a tiny Qwen2, built
+from text the project generates itself (nothing is downloaded).
 
 The tokenizer is a byte-level BPE (Hugging Face ``tokenizers``) wrapped as a
-``transformers.PreTrainedTokenizerFast`` with a ChatML chat template (the Qwen2.5 format:
-``<|im_start|>role\\ncontent<|im_end|>\\n``) that, unlike Qwen2.5's, inserts no default system
-prompt, so prompts stay short. On top of the learned merges it carries *phrase tokens*: whole
-multi-word names (TextCraft item names such as ``"oak planks"``) added as single, non-special
-tokens, matched leftmost-longest in the raw text ("mossy cobblestone slab" wins over "mossy
-cobblestone"). A recipe line then costs a handful of tokens, the same token names an item in the
-recipes, the goal, the inventory and the action, and copying an item name from the prompt into an
-action is one pointer, not a sequence of sub-word pieces: the main failure of a tiny model trained
-from scratch is copying the wrong item.
-
-Encoding and decoding are exact inverses on any text (byte-level), including phrase tokens.
+``transformers.PreTrainedTokenizerFast`` with a ChatML chat template (Qwen2.5's
+``<|im_start|>role\\ncontent<|im_end|>\\n`` without its default system prompt). On top of the merges
+it carries *phrase tokens*: whole multi-word names (TextCraft items such as ``"oak planks"``) as
+single non-special tokens, matched leftmost-longest in the raw text. An item name is then one token
+in the recipes, the goal, the inventory and the action, so copying it into an action is one pointer,
+not a sequence of sub-word pieces (copying the wrong item is a tiny model's main failure).
+Encoding and decoding are exact inverses on any text, phrase tokens included.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,7 +21,7 @@ from typing import Any, NamedTuple
 
 import environments
 from bipace_jax.config import resolve_template
-from bipace_jax.models import load_tokenizer
+from bipace_jax.models import Qwen2Config, load_tokenizer
 from environments.prompts import build_prompt
 
 # Chat-template special tokens (the Qwen2.5 names; ids are this tokenizer's own, 0, 1, 2).
@@ -63,19 +59,15 @@ def train_tokenizer(
 
     Args:
       corpus: training texts (str); every byte value stays encodable whatever the corpus.
-      vocab_size: size of the learned BPE part (256 byte symbols + merges + 3 special tokens);
-        the phrase and tag tokens come on top, so ``len(tokenizer)`` is about
-        ``vocab_size + len(phrase_tokens) + 4``.
-      phrase_tokens: exact strings (e.g. ``"oak planks"``) to add as single non-special tokens;
-        matched leftmost-longest anywhere in the text, never normalised.
+      vocab_size: size of the learned BPE part (256 byte symbols + merges + 3 special tokens); phrase
+        and tag tokens come on top (``len(tokenizer)`` about ``vocab_size + len(phrase_tokens) + 4``).
+      phrase_tokens: exact strings (e.g. ``"oak planks"``) added as single non-special tokens.
       tags: non-special tokens added before the phrases (default the prompt/response tags).
       min_frequency: pairs seen fewer times are not merged.
       chat_template: set on the tokenizer (None: none; ``load_tokenizer`` then adds Qwen2.5's).
       model_max_length: recorded in the tokenizer config (None: transformers' default).
 
-    Returns:
-      ``transformers.PreTrainedTokenizerFast`` with ``eos_token = "<|im_end|>"``,
-      ``pad_token = "<|endoftext|>"``, ``bos_token = None`` and ``chat_template`` set.
+    Returns a ``transformers.PreTrainedTokenizerFast``: EOS ``<|im_end|>``, pad ``<|endoftext|>``, no BOS.
 
     Raises:
       ValueError: if ``vocab_size`` < 300 (the 256 byte symbols plus room for merges) or a phrase
@@ -122,46 +114,40 @@ def train_tokenizer(
     return fast
 
 
-def tiny_actor_config(vocab_size: int, **overrides) -> dict:
-    """The embedded default actor's Hugging Face ``config.json`` dict (Qwen2 architecture).
-
-    hidden 256, 4 layers, 4 query heads and 2 KV heads of dim 64, SiLU MLP 768, tied embeddings,
-    RoPE theta 10,000, RMSNorm eps 1e-6; about 3.7M parameters with a 2k vocabulary. Override any
-    field by keyword (HF names, e.g. ``num_hidden_layers=3``).
+def tiny_actor_config(vocab_size: int, **overrides) -> Qwen2Config:
+    """The embedded default actor's architecture (Qwen2): ``Qwen2Config.tiny`` with hidden 256, 4 layers,
+    4 query heads and 2 KV heads of dim 64, SiLU MLP 768, EOS id 2; tied embeddings, RoPE theta 10,000,
+    RMSNorm eps 1e-6, fp32. About 3.7M parameters with a 2k vocabulary. Override any field by keyword
+    (e.g. ``num_hidden_layers=3``).
 
     Raises:
-      ValueError: if ``vocab_size`` < 1 or ``hidden_size`` is not divisible by the head count.
+      ValueError: (from ``Qwen2Config``) a field out of range, e.g. ``vocab_size`` < 1 or ``hidden_size``
+        not divisible by the head count.
     """
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    cfg = dict(
-        architectures=["Qwen2ForCausalLM"],
-        model_type="qwen2",
-        vocab_size=int(vocab_size),
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=768,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype="float32",
-    )
-    cfg.update(overrides)
-    if cfg["hidden_size"] % cfg["num_attention_heads"]:
-        raise ValueError(
-            f"hidden_size {cfg['hidden_size']} must be divisible by num_attention_heads {cfg['num_attention_heads']}"
-        )
-    return cfg
+    base = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, eos_token_id=2)
+    return Qwen2Config.tiny(**{**base, "vocab_size": vocab_size, **overrides})
+
+
+def random_hf_qwen2(config: Qwen2Config, *, seed: int = 0, weight_std: float = 0.05, path: str | None = None):
+    """A random fp32 Hugging Face ``Qwen2ForCausalLM`` (torch, eval mode) of ``config``; nothing is downloaded.
+
+    Every weight is redrawn from N(0, ``weight_std``) after ``torch.manual_seed(seed)``, RMSNorm scales
+    from 1 + N(0, ``weight_std``). With ``path``, the model is also saved there (config.json +
+    model.safetensors, loadable by ``load_hf_checkpoint``).
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.Qwen2Config(**config.to_hf_dict(torch_dtype="float32"))
+    model = transformers.Qwen2ForCausalLM(hf_cfg).eval().to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape) * weight_std
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
 
 
 class OracleStep(NamedTuple):
@@ -285,18 +271,10 @@ def build_game_tokenizer(config, path: str, num_tasks: int = 64):
     template = resolve_template(r.template)
     pairs = [((i * 7919) % env.num_tasks, i) for i in range(num_tasks)]
 
+    prompt = functools.partial(build_prompt, game, template=template, show_inventory=r.show_inventory)
+
     def prompts(s: OracleStep) -> list[str]:
-        return [
-            build_prompt(
-                game,
-                s.obs,
-                s.history,
-                s.step,
-                history_length=min(r.history_length, len(s.history)),
-                template=template,
-                show_inventory=r.show_inventory,
-            )
-        ]
+        return [prompt(s.obs, s.history, s.step, history_length=min(r.history_length, len(s.history)))]
 
     texts = oracle_corpus(
         env,

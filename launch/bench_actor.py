@@ -2,12 +2,10 @@
 
     python -m launch.bench_actor [--batch 8] [--length 256] [--repeats 5] [--out benchmarks/actor.json]
 
-CPU (always): a small Qwen2 (`--config`, default D 256, L 4, N 8, K 2, F 1024, V 2048) is built in
-HF torch fp32, saved, and loaded into the actor, so both sides run identical weights on the same
-batch. Timings interleave the two sides (warm-up first, then `--repeats` alternating runs; the
-median is reported) so load from other processes hits both alike. Reported: forward tokens/s
-(B*T / seconds; ours includes the fingerprint, computed in the same pass), `speedup_vs_hf`, and
-the max |logit difference| at real tokens as a sanity check.
+CPU (always): a small Qwen2 (`CPU_CONFIG`: D 256, L 4, N 8, K 2, F 1024, V 2048) with random weights
+(`tiny.random_hf_qwen2`, torch fp32) is loaded into the actor, so both sides run identical weights on
+the same batch; warm-up, then `--repeats` runs alternating the two sides. Reported: median forward
+tokens/s (B*T / seconds; ours includes the fingerprint), `speedup_vs_hf`, max |logit difference|.
 
 GPU/TPU (when JAX's default backend is not cpu): also the Qwen2.5-0.5B and 1.5B presets with random
 bf16 weights (no download): forward tokens/s and model-FLOPs utilisation (MFU) against the chip's
@@ -20,6 +18,7 @@ Writes a table to stdout and JSON to `--out` (benchmarks/actor.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ PEAK_BF16_TFLOPS = {
     "TPU v4": 275.0,
 }
 
+# The CPU comparison's model: overrides of Qwen2Config.tiny() (D 256, L 4, N 8, K 2, F 1024, V 2048, untied).
 CPU_CONFIG = dict(
     vocab_size=2048,
     hidden_size=256,
@@ -56,6 +56,7 @@ CPU_CONFIG = dict(
     num_attention_heads=8,
     num_key_value_heads=2,
     tie_word_embeddings=False,
+    rope_theta=1e6,
 )
 
 
@@ -79,60 +80,50 @@ def _jitted_forward(actor):
     return lambda ids, mask: jax.block_until_ready(forward(state, ids, mask))
 
 
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def bench_cpu(batch: int, length: int, repeats: int) -> dict:
     """Our jitted actor vs HF torch on the same small model, batch and length."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    hf_cfg = transformers.Qwen2Config(
-        **CPU_CONFIG, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, attn_implementation="sdpa"
-    )
-    model = transformers.Qwen2ForCausalLM(hf_cfg).eval().to(torch.float32)
+    from bipace_jax.tiny import random_hf_qwen2
+
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
+        model = random_hf_qwen2(Qwen2Config.tiny(**CPU_CONFIG), weight_std=0.02, path=tmp)
         actor = load_hf_checkpoint(tmp)
     ids, mask = _batch(batch, length, CPU_CONFIG["vocab_size"])
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    t_ids, t_mask, t_pos = (
-        torch.tensor(ids, dtype=torch.long),
-        torch.tensor(mask),
-        torch.tensor(pos, dtype=torch.long),
-    )
+    t_ids, t_mask, t_pos = (torch.tensor(x, dtype=torch.long) for x in (ids, mask, pos))
 
     def hf():
         with torch.inference_mode():
             return model(input_ids=t_ids, attention_mask=t_mask, position_ids=t_pos).logits
 
-    ours = _jitted_forward(actor)
-    j_ids, j_mask = jnp.asarray(ids), jnp.asarray(mask)
-    t0 = time.perf_counter()
-    logits, _ = ours(j_ids, j_mask)
-    compile_s = time.perf_counter() - t0
-    ref = hf().numpy()
-    max_err = float(np.abs(np.asarray(logits) - ref)[mask.astype(bool)].max())
+    ours = functools.partial(_jitted_forward(actor), jnp.asarray(ids), jnp.asarray(mask))
+    compile_s = _seconds(ours)
+    logits, _ = ours()
+    max_err = float(np.abs(np.asarray(logits) - hf().numpy())[mask.astype(bool)].max())
     times_ours, times_hf = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        ours(j_ids, j_mask)
-        times_ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        hf()
-        times_hf.append(time.perf_counter() - t0)
-    tokens = batch * length
-    ours_tps = tokens / statistics.median(times_ours)
-    hf_tps = tokens / statistics.median(times_hf)
+    for _ in range(repeats):  # the two sides interleaved, so load from other processes hits both alike
+        times_ours.append(_seconds(ours))
+        times_hf.append(_seconds(hf))
+    ours_s, hf_s = statistics.median(times_ours), statistics.median(times_hf)
     return {
         "config": CPU_CONFIG,
         "batch": batch,
         "length": length,
         "repeats": repeats,
-        "jax_forward_tokens_per_s": ours_tps,
-        "hf_torch_forward_tokens_per_s": hf_tps,
-        "speedup_vs_hf": ours_tps / hf_tps,
+        "jax_forward_tokens_per_s": batch * length / ours_s,
+        "hf_torch_forward_tokens_per_s": batch * length / hf_s,
+        "speedup_vs_hf": hf_s / ours_s,
         "jax_compile_s": compile_s,
-        "jax_median_s": statistics.median(times_ours),
-        "hf_median_s": statistics.median(times_hf),
+        "jax_median_s": ours_s,
+        "hf_median_s": hf_s,
         "max_abs_logit_diff": max_err,
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
@@ -151,8 +142,7 @@ def forward_flops(cfg: Qwen2Config, batch: int, length: int) -> float:
 
 def bench_accelerator(batch: int, length: int, repeats: int, peak_tflops: float | None) -> list[dict]:
     """0.5B and 1.5B presets in bf16 with random weights: tokens/s and MFU on one chip."""
-    device = jax.devices()[0]
-    kind = device.device_kind
+    kind = jax.devices()[0].device_kind
     peak = peak_tflops
     if peak is None:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k.lower() in kind.lower()), None)
@@ -160,17 +150,9 @@ def bench_accelerator(batch: int, length: int, repeats: int, peak_tflops: float 
     for name, cfg in (("qwen2.5-0.5b", Qwen2Config.qwen2_5_0_5b()), ("qwen2.5-1.5b", Qwen2Config.qwen2_5_1_5b())):
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         ids, mask = _batch(batch, length, cfg.vocab_size)
-        ours = _jitted_forward(actor)
-        j_ids, j_mask = jnp.asarray(ids), jnp.asarray(mask)
-        t0 = time.perf_counter()
-        ours(j_ids, j_mask)
-        compile_s = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            ours(j_ids, j_mask)
-            times.append(time.perf_counter() - t0)
-        sec = statistics.median(times)
+        run = functools.partial(_jitted_forward(actor), jnp.asarray(ids), jnp.asarray(mask))
+        compile_s = _seconds(run)
+        sec = statistics.median(_seconds(run) for _ in range(repeats))
         flops = forward_flops(cfg, batch, length)
         rows.append(
             {
@@ -187,7 +169,7 @@ def bench_accelerator(batch: int, length: int, repeats: int, peak_tflops: float 
                 "device_kind": kind,
             }
         )
-        del actor, ours
+        del actor, run
     return rows
 
 
@@ -212,11 +194,7 @@ def main(argv=None):
         "cpu_count": os.cpu_count(),
     }
     if backend == "cpu" or not args.skip_cpu:
-        if backend != "cpu":
-            # HF runs on the CPU; compare against our actor on the CPU too.
-            with jax.default_device(jax.devices("cpu")[0]):
-                cpu = bench_cpu(args.batch, args.length, args.repeats)
-        else:
+        with jax.default_device(jax.devices("cpu")[0]):  # HF runs on the CPU; so does our actor here
             cpu = bench_cpu(args.batch, args.length, args.repeats)
         result.update(cpu)
         print(f"\nForward, {args.batch} x {args.length} tokens, config {CPU_CONFIG} (fp32, CPU)")

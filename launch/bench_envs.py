@@ -14,6 +14,7 @@ ratios sit under keys containing ``speedup`` (pool steps/s over in-process steps
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -93,7 +94,10 @@ def _drive(runner, num_envs: int, num_tasks: int, turns: int, policy) -> dict[st
     return {"steps": steps, "resets": resets, "seconds": time.perf_counter() - t0}
 
 
-def _bench_game(name, env, options, factory, num_tasks, turns, policy, num_envs) -> dict[str, Any]:
+def _bench_game(env, options, num_tasks, turns, policy) -> dict[str, Any]:
+    """``env`` (a registered game name or an env class) in-process and in EnvPools of 1 and 2 workers."""
+    num_envs = FLAGS.num_envs
+    factory = env if callable(env) else functools.partial(environments.make, env)
     out: dict[str, Any] = {"num_envs": num_envs, "turns": turns}
 
     def best(runner) -> dict[str, Any]:
@@ -144,26 +148,9 @@ def main(argv):
         plan = plans.get(key)
         return plan[n] if plan and n < len(plan) else "inventory"
 
-    results["textcraft"] = _bench_game(
-        "textcraft",
-        "textcraft",
-        {"max_steps": 50},
-        lambda **o: environments.make("textcraft", **o),
-        tc.num_tasks,
-        FLAGS.turns,
-        textcraft_policy,
-        num_envs,
-    )
-
+    results["textcraft"] = _bench_game("textcraft", {"max_steps": 50}, tc.num_tasks, FLAGS.turns, textcraft_policy)
     results["synthetic_36ms"] = _bench_game(
-        "synthetic_36ms",
-        FaultyEnv,
-        {"max_steps": 20, "step_cost_ms": 36.0},
-        FaultyEnv,
-        100,
-        FLAGS.slow_turns,
-        lambda key, obs, n, rng: "x",
-        num_envs,
+        FaultyEnv, {"max_steps": 20, "step_cost_ms": 36.0}, 100, FLAGS.slow_turns, lambda key, obs, n, rng: "x"
     )
 
     alf_options = json.loads(FLAGS.alfworld_options)
@@ -182,16 +169,7 @@ def main(argv):
             acts = [a for a in (obs.admissible_actions or []) if a != "help"]
             return rng.choice(acts) if acts else "look"
 
-        results["alfworld"] = _bench_game(
-            "alfworld",
-            "alfworld",
-            alf_options,
-            lambda **o: environments.make("alfworld", **o),
-            num_tasks,
-            FLAGS.slow_turns,
-            alfworld_policy,
-            num_envs,
-        )
+        results["alfworld"] = _bench_game("alfworld", alf_options, num_tasks, FLAGS.slow_turns, alfworld_policy)
         # A path inside the project is recorded relative to its root: the JSON names no machine's folders.
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         results["alfworld"]["options"] = {

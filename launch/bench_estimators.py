@@ -2,24 +2,21 @@
 
     python -m launch.bench_estimators [--quick]
 
-Prints a table and writes benchmarks/estimators.json. Batches are rollout-shaped
-(`synthetic.rollout_like_arrays`: task groups of 8 trajectories x 50 steps, so N = 1,600 / 6,400 /
-25,600 rows for 4 / 16 / 64 task groups) with fingerprint widths D = 896 / 1,536 / 3,584 (Qwen2.5
-0.5B / 1.5B / 7B hidden sizes). Jitted times are the median of warm calls (inputs already on the
-device, `block_until_ready`), compile time (lower + compile) is reported separately. The NumPy
-oracle (`reference.py`, explicit Python loops) is timed once per cell where it is affordable and
-extrapolated at N = 25,600 (marked `oracle_extrapolated`): linear in N from N = 6,400 at the same D
-(its work is a loop over rows, each compared with the clusters of its own task group, whose number
-does not grow with the number of task groups). The PyTorch-reference GiGPO
-grouping is the way verl-agent does it: a Python dict per task group keyed by the observation
-string, discounted returns by a Python loop per trajectory, torch mean/std per step group.
-On a GPU/TPU backend the jitted times are device times (the call blocks until the device is done).
+Prints a table and writes benchmarks/estimators.json. Batches: `synthetic.rollout_like_arrays`, task
+groups of 8 trajectories x 50 steps (N = 1,600 / 6,400 / 25,600 rows for 4 / 16 / 64 groups), D = 896 /
+1,536 / 3,584 (Qwen2.5 0.5B / 1.5B / 7B hidden sizes). Jitted times: median of warm calls on device
+inputs (`block_until_ready`; device times on a GPU/TPU), compile time apart. The NumPy oracle
+(`reference.py`) is timed once per cell, and at N = 25,600 extrapolated linearly in N from N = 6,400
+(`oracle_extrapolated`, see `oracle_extrapolation` in the JSON). The PyTorch-reference GiGPO grouping
+is verl-agent's way: a Python dict per task group keyed by the observation string, returns by a
+Python loop per trajectory, torch mean/std per step group.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -35,18 +32,12 @@ from bipace_jax.estimators.synthetic import rollout_like_arrays
 
 GROUPS = (4, 16, 64)  # x 8 trajectories x 50 steps = 1,600 / 6,400 / 25,600 rows
 DIMS = (896, 1536, 3584)
-HEADLINE = ("bipace_q", 6400, 1536)
 TARGET = 100.0
 
 
 def _median_ms(fn, repeats):
     fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    return 1e3 * float(np.median([_timed(fn) for _ in range(repeats)]))
 
 
 def _jit_cell(batch, cfg, repeats):
@@ -129,9 +120,7 @@ def main():
                 ms, compile_s = _jit_cell(batch, cfg, repeats)
                 oracle_ms = None
                 if n <= groups[1] * 400:
-                    t = time.perf_counter()
-                    reference.compute_advantages_reference(batch, cfg)
-                    oracle_ms = 1e3 * (time.perf_counter() - t)
+                    oracle_ms = 1e3 * _timed(functools.partial(reference.compute_advantages_reference, batch, cfg))
                     oracle_measured[(name, n, d)] = oracle_ms
                 cells.append(
                     dict(

@@ -3,7 +3,7 @@
     python -m launch.bench_sampler                      # CPU: writes benchmarks/sampler.json
     python -m launch.bench_sampler --models=tiny --batches=16,64 --new_tokens=64 --reps=5
 
-Both sides run the same random Qwen2 checkpoint (written here with ``transformers``, loaded by
+Both sides run the same random Qwen2 checkpoint (``tiny.random_hf_qwen2``, loaded by
 ``load_hf_checkpoint``), the same left-padded prompts (96-128 tokens), greedy decoding and the same
 new-token budget, so they produce the same tokens (checked: ``tokens_match_hf``). Models: ``tiny``
 (the tests' tiny Qwen2: V 512, D 64, 2 layers; the headline) and ``small`` (V 2048, D 256, 4 layers).
@@ -18,21 +18,18 @@ Measured per model and batch size (16 and 64):
 
 ``speedup_vs_hf`` is the smallest end-to-end ratio (HF time / our time) over the batch sizes on the
 first model of ``--models`` (target: >= 3 on CPU). Each measurement is the median of ``--reps`` runs,
-ours and HF alternating so that both see the same machine load, after warm-up (compilation is
-reported as ``compile_s`` and excluded, as in a training run that reuses each compiled bucket). Each
-timed run directly follows an untimed run of the same side (``--warm_each``), so that neither side
-is timed in the state the other left (idle cores slow the next call down). torch runs with its
-faster thread count (1 or all cores, chosen by one timed call each). Many reps keep the medians
-off a shared machine's slow stretches. Why this protocol, and past results: docs/performance.md.
+ours and HF alternating, each timed run right after an untimed run of the same side (``--warm_each``);
+compilation is reported as ``compile_s`` and excluded; torch runs with its faster thread count (1 or
+all cores). Why this protocol, and past results: docs/performance.md.
 
-On a GPU backend the script measures the Qwen2.5 0.5B and 1.5B presets with random bf16 weights
-against the memory-bandwidth roofline and writes ``benchmarks/sampler_gpu.json``: each decode step
-must read every parameter and the KV cache written so far, so
-``roofline tok/s = B * HBM bandwidth / (parameter bytes + B * mean context * KV bytes per token)``.
+On a GPU backend: the Qwen2.5 0.5B and 1.5B presets with random bf16 weights against the HBM roofline
+``B * bandwidth / (parameter bytes + B * mean context * KV bytes per token)`` (a decode step reads
+every parameter and the KV cache so far), written to ``benchmarks/sampler_gpu.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -56,68 +53,25 @@ flags.DEFINE_string("gpu_presets", "qwen2_5_0_5b,qwen2_5_1_5b", "presets measure
 flags.DEFINE_integer("gpu_prompt", 512, "prompt length on the GPU presets")
 flags.DEFINE_integer("gpu_new_tokens", 256, "new tokens on the GPU presets")
 
-# CPU benchmark models (HF Qwen2Config keywords). "tiny" is the tests' tiny Qwen2 (Qwen2Config.tiny(),
-# tests/qwen_fixtures.TINY_KWARGS): per-step overheads dominate. "small" has 16x the matrix work per
-# token, where both sides approach the CPU's arithmetic limit.
+# CPU benchmark models (overrides of Qwen2Config.tiny()). "tiny" is the tests' tiny Qwen2: per-step overheads
+# dominate. "small" has 16x the matrix work per token, where both sides approach the CPU's arithmetic limit.
 BENCH_MODELS = {
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    ),
-    "small": dict(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    ),
+    "tiny": {},
+    "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4),
 }
 
 # Peak HBM bandwidth by device kind substring (GB/s, vendor data sheets).
 _HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0, "A10": 600.0, "V100": 900.0}
 
 
-def _write_checkpoint(path: str, model_kwargs: dict) -> None:
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen2Config(**model_kwargs, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).eval().to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape) * 0.05
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-    model.save_pretrained(path)
-
-
 def _tokenizer(vocab_size: int):
     """A byte-level BPE with Qwen's special tokens (the sampler needs EOS ids and token texts)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from bipace_jax.tiny import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size, 600),
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    corpus = ["<think>craft the planks</think><action>craft 4 oak planks using 1 oak log</action>"] * 50
+    return train_tokenizer(
+        corpus, vocab_size=min(vocab_size, 600), tags=(), min_frequency=0, chat_template=None, model_max_length=None
     )
-    tok.train_from_iterator(
-        ["<think>craft the planks</think><action>craft 4 oak planks using 1 oak log</action>"] * 50, trainer
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def _prompts(n: int, vocab: int, lo: int, hi: int, seed: int):
@@ -193,23 +147,32 @@ def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids):
     return run, threads, trial
 
 
-def _gen_tokens(out):
-    return float(out.lengths.sum())
+def _side(times, n_prompt: float, new: float, **extra) -> dict:
+    """Medians of (total_s, prefill_s, decode_s) rows, ``extra`` and the tokens/s they give."""
+    t = {k: statistics.median(r[i] for r in times) for i, k in enumerate(("total_s", "prefill_s", "decode_s"))}
+    return dict(
+        t,
+        **extra,
+        prefill_tok_s=n_prompt / t["prefill_s"],
+        decode_tok_s=new / t["decode_s"],
+        end_to_end_tok_s=new / t["total_s"],
+    )
 
 
-def run_cpu_model(name: str, model_kwargs: dict) -> dict:
+def run_cpu_model(name: str, overrides: dict) -> dict:
     import numpy as np
 
-    from bipace_jax.models import load_hf_checkpoint
+    from bipace_jax.models import Qwen2Config, load_hf_checkpoint
+    from bipace_jax.tiny import random_hf_qwen2
 
+    cfg = Qwen2Config.tiny(**overrides)
     folder = tempfile.mkdtemp(prefix=f"bench_sampler_{name}_")
-    _write_checkpoint(folder, model_kwargs)
-    vocab = model_kwargs["vocab_size"]
-    tok = _tokenizer(vocab)
+    random_hf_qwen2(cfg, path=folder)
+    tok = _tokenizer(cfg.vocab_size)
     actor = load_hf_checkpoint(folder)
-    result = {"model": model_kwargs, "batches": {}}
+    result = {"model": dataclasses.asdict(cfg), "batches": {}}
     for b in [int(x) for x in FLAGS.batches.split(",")]:
-        prompts = _prompts(b, vocab, FLAGS.prompt_min, FLAGS.prompt_max, seed=b)
+        prompts = _prompts(b, cfg.vocab_size, FLAGS.prompt_min, FLAGS.prompt_max, seed=b)
         n_prompt = float(sum(map(len, prompts)))
         ours_run, compile_s = _ours_runner(actor, tok, prompts, FLAGS.new_tokens)
         hf_run = None
@@ -217,9 +180,7 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
             hf_run, threads, trial = _hf_runner(
                 folder, prompts, FLAGS.new_tokens, tok.pad_token_id, (tok.eos_token_id,)
             )
-        # Alternate the two sides so that both see the same machine load; medians over reps. With
-        # --warm_each, each timed call directly follows an untimed call of the same side, so that
-        # neither is timed in the state the other left (see the module docstring).
+        # Alternating sides, medians over reps, each timed call after an untimed one (module docstring).
         ours_t, hf_t = [], []
         for _ in range(FLAGS.reps):
             if FLAGS.warm_each:
@@ -231,48 +192,20 @@ def run_cpu_model(name: str, model_kwargs: dict) -> dict:
                     hf_run()
                 hf_tokens, total, pre = hf_run()
                 hf_t.append((total, pre, total - pre))
-        med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-        new = _gen_tokens(out)
+        new = float(out.lengths.sum())
         steps = int(out.lengths.max()) - 1  # decode-loop iterations (the first token comes from the prefill)
-        ours = dict(
-            total_s=med(ours_t, 0),
-            prefill_s=med(ours_t, 1),
-            decode_s=med(ours_t, 2),
-            compile_s=compile_s,
-            decode_steps=steps,
-            decode_ms_per_step=1e3 * med(ours_t, 2) / max(steps, 1),
-        )
-        row = {
-            "prompt_tokens": n_prompt,
-            "new_tokens": new,
-            "ours": {
-                **ours,
-                "prefill_tok_s": n_prompt / ours["prefill_s"],
-                "decode_tok_s": new / ours["decode_s"],
-                "end_to_end_tok_s": new / ours["total_s"],
-            },
-        }
+        ours = _side(ours_t, n_prompt, new, compile_s=compile_s, decode_steps=steps)
+        ours["decode_ms_per_step"] = 1e3 * ours["decode_s"] / max(steps, 1)
+        row = {"prompt_tokens": n_prompt, "new_tokens": new, "ours": ours}
         if hf_run is not None:
-            hf = dict(
-                total_s=med(hf_t, 0),
-                prefill_s=med(hf_t, 1),
-                decode_s=med(hf_t, 2),
-                torch_threads=threads,
-                threads_trial_s={str(k): v for k, v in trial.items()},
+            trial_s = {str(k): v for k, v in trial.items()}
+            hf = row["hf"] = _side(hf_t, n_prompt, new, torch_threads=threads, threads_trial_s=trial_s)
+            n = out.lengths
+            row["tokens_match_hf"] = float(
+                np.mean([np.array_equal(out.tokens[i, : n[i]], hf_tokens[i, : n[i]]) for i in range(b)])
             )
-            match = np.mean(
-                [np.array_equal(out.tokens[i, : out.lengths[i]], hf_tokens[i, : out.lengths[i]]) for i in range(b)]
-            )
-            row["hf"] = {
-                **hf,
-                "prefill_tok_s": n_prompt / hf["prefill_s"],
-                "decode_tok_s": new / hf["decode_s"],
-                "end_to_end_tok_s": new / hf["total_s"],
-            }
-            row["tokens_match_hf"] = float(match)
-            row["speedup_prefill"] = hf["prefill_s"] / ours["prefill_s"]
-            row["speedup_decode"] = hf["decode_s"] / ours["decode_s"]
-            row["speedup_end_to_end"] = hf["total_s"] / ours["total_s"]
+            for what, k in (("prefill", "prefill_s"), ("decode", "decode_s"), ("end_to_end", "total_s")):
+                row[f"speedup_{what}"] = hf[k] / ours[k]
         result["batches"][str(b)] = row
         print(name, b, json.dumps({k: v for k, v in row.items() if k.startswith("speedup")}), flush=True)
     speedups = [r["speedup_end_to_end"] for r in result["batches"].values() if "speedup_end_to_end" in r]
@@ -313,17 +246,12 @@ def run_gpu() -> dict:
     from flax import nnx
 
     from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.sampling import Sampler, SamplerConfig
 
     kind = str(jax.devices()[0].device_kind)
     gbps = FLAGS.hbm_gbps or next((v for k, v in _HBM_GBPS.items() if k in kind), 0.0)
     tok = _tokenizer(600)
-    out = {
-        "device": kind,
-        "hbm_gbps": gbps,
-        "prompt": FLAGS.gpu_prompt,
-        "new_tokens": FLAGS.gpu_new_tokens,
-        "presets": {},
-    }
+    out = dict(device=kind, hbm_gbps=gbps, prompt=FLAGS.gpu_prompt, new_tokens=FLAGS.gpu_new_tokens, presets={})
     for name in [p for p in FLAGS.gpu_presets.split(",") if p]:
         cfg = getattr(Qwen2Config, name)()
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -331,8 +259,6 @@ def run_gpu() -> dict:
         out["presets"][name] = {"param_bytes": int(param_bytes), "batches": {}}
         for b in [int(x) for x in FLAGS.batches.split(",")]:
             prompts = _prompts(b, min(600, cfg.vocab_size), FLAGS.gpu_prompt, FLAGS.gpu_prompt, seed=b)
-            from bipace_jax.sampling import Sampler, SamplerConfig
-
             scfg = SamplerConfig(
                 max_new_tokens=FLAGS.gpu_new_tokens,
                 greedy=True,

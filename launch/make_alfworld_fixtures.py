@@ -1,35 +1,29 @@
 """Generate small ALFWorld text games offline, from what the ``alfworld`` wheel ships.
 
-The real ALFWorld games (3,553 train / 140 seen / 134 unseen) come from ``alfworld-download``,
-which this machine cannot reach. This script writes games in the same on-disk format, so that the
-real, unmodified ``AlfredTWEnv`` (TextWorld PDDL engine + fast-downward) loads and plays them:
+The real games come from ``alfworld-download``, which this machine cannot reach. This script writes
+games in the same on-disk format, which the real, unmodified ``AlfredTWEnv`` (TextWorld PDDL engine
++ fast-downward) loads and plays:
 
     <out_dir>/<task_type>-<Object>-None-<Parent>-<floor plan number>/trial_s<seed>/
-        game.tw-pddl     JSON: pddl_domain (the wheel's alfred.pddl), grammar (the wheel's
-                         alfred.twl2 with "UNKNOWN GOAL" replaced by the task sentence),
-                         pddl_problem (written here), solvable (true once the planner solved it)
-        traj_data.json   task_type, pddl_params (what AlfredTWEnv and the handcoded expert read),
+        game.tw-pddl     JSON: pddl_domain (the wheel's alfred.pddl), grammar (the wheel's alfred.twl2,
+                         "UNKNOWN GOAL" replaced by the task sentence), pddl_problem (written here),
+                         solvable (true once the planner solved it)
+        traj_data.json   task_type, pddl_params (read by AlfredTWEnv and the handcoded expert),
                          scene (floor plan, seed), and the planner's walkthrough
 
-Sources, all from the wheel: the PDDL domain and grammar (``alfworld/data``), the 120 floor plans
-(``alfworld/gen/layouts``: which object types a room holds, receptacle ids and their points), the
-affordances (``alfworld/gen/constants.py``: which receptacle types hold which object types;
-heatable, coolable, cleanable, toggleable, sliceable types) and the goals
-(``alfworld/gen/goal_library.py``: PDDL goal and sentence templates per task type).
-
-A game: the floor plan's static receptacles, each at its own location; every placeable object type
-of the room in 1..max_copies copies (the target in enough copies for the task), each inside a receptacle
-that may hold it (never already inside a receptacle of the goal's type); the agent in the middle
-of the room; one goal of the requested task type. Only games the planner solves are written.
-
-Usage (writes environments/data/alfworld_fixtures by default)::
+Sources, all in the wheel: the PDDL domain and grammar (``alfworld/data``), the 120 floor plans
+(``alfworld/gen/layouts``), the affordances (``alfworld/gen/constants.py``) and the goal templates
+(``alfworld/gen/goal_library.py``). A game: the floor plan's static receptacles, each at its own
+location; every placeable object type in 1..max_copies copies (the target in enough copies for the
+task), each inside a receptacle that may hold it (never one of the goal's type); the agent in the
+middle of the room; one goal. Only games the planner solves are written.
 
     python -m launch.make_alfworld_fixtures [--out_dir=DIR] [--games_per_type=2] [--seed=0]
         [--smallest_rooms=true] [--max_copies=1]
 
-The committed fixtures are this command's output with its defaults (small rooms, one copy of each
-non-target object: cheap games for CI); ``--nosmallest_rooms --max_copies=2`` gives games closer
-in size to the real data (slower to reset and step).
+The committed fixtures (environments/data/alfworld_fixtures, the default ``--out_dir``) are this
+command's output with its defaults (cheap games for CI); ``--nosmallest_rooms --max_copies=2`` gives
+games closer in size to the real data.
 """
 
 from __future__ import annotations
@@ -85,12 +79,13 @@ def _coord(v: float) -> str:
 
 
 def _thor_id(type_name: str, x: float, y: float, z: float) -> str:
-    base = f"{type_name}|{_coord(x)}|{_coord(y)}|{_coord(z)}"
-    if type_name == "SinkBasin":  # THOR names basins after their sink: Sink|x|y|z|SinkBasin
-        return f"Sink|{_coord(x)}|{_coord(y)}|{_coord(z)}|SinkBasin"
-    if type_name == "BathtubBasin":
-        return f"Bathtub|{_coord(x)}|{_coord(y)}|{_coord(z)}|BathtubBasin"
-    return base
+    coords = f"{_coord(x)}|{_coord(y)}|{_coord(z)}"
+    owner = {"SinkBasin": "Sink", "BathtubBasin": "Bathtub"}.get(type_name)  # e.g. Sink|x|y|z|SinkBasin
+    return f"{owner}|{coords}|{type_name}" if owner else f"{type_name}|{coords}"
+
+
+def _loc(x: float, z: float, rot: int, hor: int) -> str:
+    return f"loc|{int(round(x / _AGENT_STEP_SIZE))}|{int(round(z / _AGENT_STEP_SIZE))}|{rot}|{hor}"
 
 
 def floor_plans() -> list[str]:
@@ -127,10 +122,10 @@ class _Scene:
         used_grid: set[tuple[float, float]] = set()
 
         def add_location(rid, x, z, rot, hor):
-            loc = f"loc|{int(round(x / _AGENT_STEP_SIZE))}|{int(round(z / _AGENT_STEP_SIZE))}|{rot}|{hor}"
+            loc = _loc(x, z, rot, hor)
             while loc in used_locs:  # one receptacle per location (ALFWorld's "go to" names one)
                 hor += 15
-                loc = f"loc|{int(round(x / _AGENT_STEP_SIZE))}|{int(round(z / _AGENT_STEP_SIZE))}|{rot}|{hor}"
+                loc = _loc(x, z, rot, hor)
             used_locs.add(loc)
             used_grid.add((x, z))
             self.location[rid] = loc
@@ -151,9 +146,7 @@ class _Scene:
                 add_location(rid, x, z, rng.randrange(4), 30)
         free = [p for p in free if p not in used_grid]
         x, z = free.pop()
-        self.agent_location = (
-            f"loc|{int(round(x / _AGENT_STEP_SIZE))}|{int(round(z / _AGENT_STEP_SIZE))}|{rng.randrange(4)}|30"
-        )
+        self.agent_location = _loc(x, z, rng.randrange(4), 30)
         while self.agent_location in used_locs:
             self.agent_location += "0"
         self.objects: dict[str, str] = {}  # id -> type
@@ -169,13 +162,7 @@ class _Scene:
     def placeable_types(self) -> list[str]:
         C = self.C
         static = C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET
-        out = []
-        for t in sorted(self.types):
-            if t in static or t not in C.OBJECTS_SET:
-                continue
-            if self.holders(t):
-                out.append(t)
-        return out
+        return [t for t in sorted(self.types) if t not in static and t in C.OBJECTS_SET and self.holders(t)]
 
     def place(self, otype: str, rng: random.Random, avoid_types: set[str]) -> None:
         options = [r for r in self.holders(otype) if self.receptacles[r] not in avoid_types]
@@ -252,8 +239,7 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
     init = ["(= (total-cost) 0)", f"(atLocation agent1 {m(scene.agent_location)})"]
     for r in receps:
         rtype = scene.receptacles[r]
-        init.append(f"(receptacleType {m(r)} {rtype}Type)")
-        init.append(f"(receptacleAtLocation {m(r)} {m(scene.location[r])})")
+        init += [f"(receptacleType {m(r)} {rtype}Type)", f"(receptacleAtLocation {m(r)} {m(scene.location[r])})"]
         if rtype in C.OPENABLE_CLASS_SET:
             init.append(f"(openable {m(r)})")
     present_otypes = sorted(set(scene.objects.values()))
@@ -269,18 +255,11 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
             init.append(f"(pickupable {m(o)})")
         if otype in C.MOVABLE_RECEPTACLES_SET:
             init.append(f"(isReceptacleObject {m(o)})")
-        for affordance, pred in (
-            ("Cleanable", "cleanable"),
-            ("Heatable", "heatable"),
-            ("Coolable", "coolable"),
-            ("Toggleable", "toggleable"),
-            ("Sliceable", "sliceable"),
-        ):
+        for affordance in ("Cleanable", "Heatable", "Coolable", "Toggleable", "Sliceable"):
             if otype in actions[affordance]:
-                init.append(f"({pred} {m(o)})")
+                init.append(f"({affordance.lower()} {m(o)})")
         r = scene.inside[o]
-        init.append(f"(inReceptacle {m(o)} {m(r)})")
-        init.append(f"(objectAtLocation {m(o)} {m(scene.location[r])})")
+        init += [f"(inReceptacle {m(o)} {m(r)})", f"(objectAtLocation {m(o)} {m(scene.location[r])})"]
     goal = glib.gdict[task_type]["pddl"].format(
         obj=params["object_target"],
         recep=params["parent_target"],
@@ -288,15 +267,17 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
         mrecep=params["mrecep_target"],
     )
     goal = goal.replace("#", "-")  # the goal library writes PDDL's '-' as '#'
+    objects, facts = ind.join(declared), ind.join(init)
     return (
-        f"(define (problem plan_{name})\n    (:domain alfred)\n    (:objects{ind}"
-        + ind.join(declared)
-        + f"\n    )\n    (:init{ind}"
-        + ind.join(init)
-        + "\n    )\n"
-        + goal.rstrip()
-        + "\n"
+        f"(define (problem plan_{name})\n    (:domain alfred)\n    (:objects{ind}{objects}\n    )\n"
+        f"    (:init{ind}{facts}\n    )\n{goal.rstrip()}\n"
     )
+
+
+def _game_folder(task_type: str, p: dict[str, Any], floor_plan: str) -> str:
+    """ALFWorld's game folder name, e.g. pick_and_place_simple-Book-None-SideTable-316."""
+    target = p["parent_target"] or p["toggle_target"]
+    return f"{task_type}-{p['object_target']}-None-{target}-{floor_plan.removeprefix('FloorPlan')}"
 
 
 def generate_game(
@@ -330,16 +311,13 @@ def generate_game(
     template = rng.choice(glib.gdict[task_type]["templates"])
     sentence = template.format(obj=obj.lower(), recep=parent.lower(), toggle=params["toggle_target"].lower(), mrecep="")
     number = floor_plan[len("FloorPlan") :]
-    name = f"{task_type}-{obj}-None-{parent or params['toggle_target']}-{number}_s{seed}"
     paths = _alfworld_paths()
-    with open(paths["domain"]) as f:
-        domain = f.read()
-    with open(paths["grammar"]) as f:
-        grammar = f.read()
+    with open(paths["domain"]) as f, open(paths["grammar"]) as g:
+        domain, grammar = f.read(), g.read()
     game = {
         "pddl_domain": domain,
         "grammar": grammar.replace("UNKNOWN GOAL", sentence),
-        "pddl_problem": _problem(name, task_type, params, scene),
+        "pddl_problem": _problem(f"{_game_folder(task_type, params, floor_plan)}_s{seed}", task_type, params, scene),
         "solvable": False,
     }
     traj = {
@@ -378,13 +356,7 @@ def solve_with_planner(game_file: str, max_steps: int = 60) -> list[str] | None:
 def write_game(out_dir: str, task_type: str, floor_plan: str, seed: int, max_copies: int = 2) -> str | None:
     """Generate, check with the planner and write one game; its folder, or None if unsolved."""
     game, traj = generate_game(task_type, floor_plan, seed, max_copies)
-    p = traj["pddl_params"]
-    folder = os.path.join(
-        out_dir,
-        f"{task_type}-{p['object_target']}-None-"
-        f"{p['parent_target'] or p['toggle_target']}-{floor_plan[len('FloorPlan') :]}",
-        f"trial_s{seed}",
-    )
+    folder = os.path.join(out_dir, _game_folder(task_type, traj["pddl_params"], floor_plan), f"trial_s{seed}")
     os.makedirs(folder, exist_ok=True)
     game_file = os.path.join(folder, "game.tw-pddl")
     with open(game_file, "w") as f:
@@ -450,24 +422,18 @@ def main(argv):
     del argv
     from absl import flags
 
-    FLAGS = flags.FLAGS
-    if os.path.isdir(FLAGS.out_dir) and FLAGS.overwrite:
-        shutil.rmtree(FLAGS.out_dir)
-    written = generate_fixtures(
-        FLAGS.out_dir,
-        FLAGS.games_per_type,
-        FLAGS.seed,
-        smallest_rooms=FLAGS.smallest_rooms,
-        max_copies=FLAGS.max_copies,
-    )
+    F = flags.FLAGS
+    if os.path.isdir(F.out_dir) and F.overwrite:
+        shutil.rmtree(F.out_dir)
+    written = generate_fixtures(F.out_dir, F.games_per_type, F.seed, F.smallest_rooms, F.max_copies)
     for folder in written:
         with open(os.path.join(folder, "traj_data.json")) as f:
             traj = json.load(f)
         print(
-            f"{os.path.relpath(folder, FLAGS.out_dir)}: {traj['task_desc']!r}, "
+            f"{os.path.relpath(folder, F.out_dir)}: {traj['task_desc']!r}, "
             f"planner solves it in {len(traj['walkthrough'])} steps"
         )
-    print(f"wrote {len(written)} games to {FLAGS.out_dir}")
+    print(f"wrote {len(written)} games to {F.out_dir}")
 
 
 if __name__ == "__main__":

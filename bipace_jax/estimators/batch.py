@@ -60,11 +60,6 @@ class StepBatch:
         """N, the padded number of rows."""
         return self.reward.shape[0]
 
-    @property
-    def fingerprint_dim(self) -> int:
-        """D, the fingerprint width."""
-        return self.fingerprint.shape[1]
-
     @classmethod
     def from_numpy(
         cls,
@@ -83,19 +78,16 @@ class StepBatch:
         """Validates host arrays and builds a device `StepBatch`.
 
         Args:
-          group_id, traj_id, step, obs_hash, action_key: integer arrays [N] (any integer dtype whose
-            values fit int32; stored as int32).
+          group_id, traj_id, step, obs_hash, action_key: integer arrays [N] with values that fit int32.
           reward: floating array [N] (stored as float32).
-          fingerprint: floating array [N, D]; float32 and bfloat16 are kept, other float dtypes become
-            float32. Non-finite or all-zero rows are allowed: the clustering makes them degenerate
-            singletons (`docs/estimators.md`, "Clustering").
+          fingerprint: floating array [N, D]; float32 and bfloat16 are kept, other floats become float32.
+            Non-finite or all-zero rows become degenerate singletons (`docs/estimators.md`, "Clustering").
           mask: bool [N], True for real rows; None means every row is real.
           group_capacity: static number of task-group slots; default: the number of task groups.
-          row_capacity: static number of row slots per task group; default: the largest group's real
-            rows rounded up to a multiple of 16 (so small changes in episode length do not recompile).
+          row_capacity: static row slots per task group; default: the largest group's real rows
+            rounded up to a multiple of 16 (small changes in episode length do not recompile).
 
-        Returns:
-          A `StepBatch` of jax arrays with the capacities set.
+        Returns a `StepBatch` of jax arrays with the capacities set.
 
         Raises:
           ValueError: naming the field, when a field is missing its shape or dtype, lengths differ, a

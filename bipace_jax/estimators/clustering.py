@@ -1,27 +1,17 @@
 """The BiGPO clustering kernel: exact greedy cosine clustering per task group, jitted.
 
-Contract: `docs/estimators.md`, section "Clustering".
+Contract: `docs/estimators.md`, section "Clustering". Layout: the rows of task group g sit at
+`[g, 0:rows]` of a `[Gc, R]` table in canonical order; the kernel scans the R positions in blocks of B
+rows, all task groups at once (the leading axis can be sharded over a mesh's data axis).
 
-Layout: the rows of task group g sit at `[g, 0:rows]` of a `[Gc, R]` table in canonical order
-(ascending traj_id, step); the kernel scans the R positions in blocks of B rows, all task groups at
-once (task groups are independent, so the leading axis can be sharded over a mesh's data axis).
-
-Exactness. The greedy rule needs, for row i and every existing cluster c, `cos = f_i . s_c/||s_c||`
-(running mean; `s_c` the plain sum of the members' re-normalised fingerprints) or `f_i . f_leader(c)`.
-The kernel gets the same numbers without a matrix-vector product per row:
-- at the start of a block, `X = F_block @ S^T` (batched matmul, fp32, precision=HIGHEST) over the
-  chunks of cluster slots in use (a dynamic-length loop, so the work follows the clusters that
-  exist, not the capacity), and `||s_c||^2 = s_c . s_c`;
-- inside the block, a row that joined (or, for leaders, opened) cluster c adds its column of the
-  block's Gram matrix to the later rows' `f . s_c`, and `||s_c + f||^2 = ||s_c||^2 + 2 f.s_c + f.f`;
-- the sums S are updated with one scatter-add per block.
-Work: about N * (B + K_used) * D multiply-adds (K_used: cluster slots in use, rounded up to the
-16-slot chunk) plus R sequential row steps (R = row capacity per task group), each O(Kp + B)
-vector work over all task groups at once.
-
-This is the same greedy algorithm (nearest cluster, ties to the cluster created first via the first maximum,
-join when `cos >= 1 - epsilon - 1e-6`, fixed capacity K, overflow rows become singletons); only the
-order of fp32 additions differs from the oracle, at the level of rounding.
+The greedy rule needs, for row i and every existing cluster c, `cos = f_i . s_c/||s_c||` (`s_c` the
+plain sum of the members' re-normalised fingerprints) or `f_i . f_leader(c)`, without a matrix-vector
+product per row: at the start of a block `X = F_block @ S^T` (fp32, precision=HIGHEST) over the
+16-slot chunks of cluster slots in use, and `||s_c||^2`; inside the block, a row that joined (or, for
+leaders, opened) cluster c adds its column of the block's Gram matrix to the later rows' `f . s_c`,
+and `||s_c + f||^2 = ||s_c||^2 + 2 f.s_c + f.f`; the sums S get one scatter-add per block. Work: about
+N * (B + K_used) * D multiply-adds plus R sequential row steps of O(Kp + B) vector work. Only the
+order of fp32 additions differs from the oracle.
 """
 
 from __future__ import annotations
@@ -60,9 +50,8 @@ def row_scales(f):
     """Per-row factors of the robust re-normalisation `(f / max|f|) / ||f / max|f|| ||`, in fp32.
 
     Args: f float32/bfloat16 [..., D].
-    Returns: (max_abs float32 [...], norm float32 [...], degenerate bool [...]); on degenerate rows
-    (any non-finite element, or all zeros; `docs/estimators.md`, "Clustering") max_abs and norm are 1. Two reading
-    passes over f and no copy of it: the kernel applies the factors to each block it loads.
+    Returns: (max_abs float32 [...], norm float32 [...], degenerate bool [...]); both factors are 1 on
+    degenerate rows (a non-finite element, or all zeros). The kernel applies them to each block it loads.
     """
     f = f.astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(f), axis=-1)
@@ -72,17 +61,6 @@ def row_scales(f):
     g = jnp.where(degenerate[..., None], 0.0, f / m[..., None])
     nrm = jnp.sqrt(jnp.sum(g * g, axis=-1))
     return m, jnp.where(degenerate, 1.0, nrm), degenerate
-
-
-def normalise_fingerprints(f):
-    """Robust re-normalisation: f / max|f|, then / ||.||, in fp32.
-
-    Args: f float32/bfloat16 [..., D].
-    Returns: (unit float32 [..., D] with zeros on degenerate rows, degenerate bool [...]).
-    """
-    m, nrm, degenerate = row_scales(f)
-    unit = (f.astype(jnp.float32) / m[..., None]) / nrm[..., None]
-    return jnp.where(degenerate[..., None], 0.0, unit), degenerate
 
 
 def greedy_cosine_clusters(

@@ -127,18 +127,16 @@ def step_group_labels(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data
 def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
     """Advantages of every row and the batch diagnostics, jitted (`docs/estimators.md`).
 
-    A = A_ep + omega * A_step for valid real rows, 0 for padding and invalid rows. A_ep is GRPO over
-    each task group's trajectories; A_step is the step level of the registered estimator `cfg.name`
-    (`registry.names()`; the built-ins are documented in their modules). Pure and shape-stable: one compile per config
-    (name, norm, centroid, capacity), batch shapes/dtypes and capacities, and mesh; gamma, omega and
-    epsilon are traced. Results do not depend on the order of the rows.
+    A = A_ep + omega * A_step for valid real rows, 0 for padding and invalid rows: A_ep is GRPO over
+    each task group's trajectories, A_step the step level of the registered estimator `cfg.name`. One
+    compile per config (name, norm, centroid, capacity), batch shapes/dtypes/capacities and mesh (gamma,
+    omega and epsilon are traced); results do not depend on the row order.
 
     Args:
-      batch: `StepBatch` with N rows; clustering estimators need its `group_capacity` and
-        `row_capacity` (set by `StepBatch.from_numpy`).
+      batch: `StepBatch` with N rows (clustering estimators need its capacities, see `from_numpy`).
       cfg: `EstimatorConfig`.
-      mesh: optional `jax.sharding.Mesh`; the clustering layout's task-group axis is sharded over
-        `data_axis` (whole task groups per device; same result as one device).
+      mesh: optional `jax.sharding.Mesh`; the clustering layout's task groups are sharded over
+        `data_axis` (same result as one device).
     Returns:
       (advantages float32[N] in batch order, diagnostics dict[str, scalar jax.Array] with the keys
       `diagnostics.DIAGNOSTIC_KEYS`).

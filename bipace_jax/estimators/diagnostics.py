@@ -38,15 +38,10 @@ def _ratio(num, den):
 def partition_stats(labels, include, num_segments: int, prefix: str = "") -> dict[str, jax.Array]:
     """The seven size statistics of the partition `labels` over the rows where `include`.
 
-    Args:
-      labels: int32[N] step-group id of each row, in [0, num_segments).
-      include: bool[N] valid real rows.
-      num_segments: static number of label slots (M).
-    Returns:
-      dict: num_step_groups, singleton_group_rate (groups of size 1 / groups), singleton_row_rate
-      (rows in singletons / real rows), mean_group_size (real rows / groups), p90_group_size (the
-      90th percentile of the group sizes with numpy's default linear interpolation, the position
-      0.9 * (n - 1) computed exactly in integers), max_group_size, pairs (sum of |S|(|S|-1)/2).
+    `labels` int32[N] in [0, num_segments) (static M); `include` bool[N] valid real rows. Returns
+    num_step_groups, singleton_group_rate (groups of size 1 / groups), singleton_row_rate (rows in
+    singletons / real rows), mean_group_size (real rows / groups), p90_group_size (numpy's linear
+    interpolation at 0.9 * (n - 1), computed exactly in integers), max_group_size, pairs (sum |S|(|S|-1)/2).
     """
     ids = jnp.where(include, labels, num_segments)
     size = jax.ops.segment_sum(include.astype(jnp.int32), ids, num_segments)

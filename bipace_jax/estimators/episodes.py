@@ -108,7 +108,6 @@ def discounted_returns(rows: Rows, gamma) -> jax.Array:
     linear recurrence with `lax.associative_scan` (log-depth); gamma = 0 is exact because the
     coefficient of R[t+1] is then exactly 0.
     """
-    n = rows.reward.shape[0]
     nxt_same = (_shift_left(rows.traj_idx, -1) == rows.traj_idx) & _shift_left(rows.valid, False) & rows.valid
     a = jnp.where(nxt_same, jnp.asarray(gamma, jnp.float32), 0.0)
     # Reverse time: y[u] = a'[u] * y[u-1] + b[u] with a'[u] = a[u] (coefficient of the later row).
@@ -120,7 +119,6 @@ def discounted_returns(rows: Rows, gamma) -> jax.Array:
         return a1 * a2, a2 * b1 + b2
 
     _, y = lax.associative_scan(combine, (a_rev, b_rev))
-    del n
     return jnp.where(rows.valid, y[::-1], 0.0)
 
 

@@ -29,23 +29,17 @@ def calibrate_epsilon(
 ):
     """The smallest epsilon on `grid` whose singleton step-group rate is at most the target.
 
-    Clusters one batch of fingerprints (BiGPO, `compute_advantages` with name="bigpo"; epsilon is
-    traced, so the sweep compiles once) and reads the `singleton_group_rate` diagnostic (share of
-    step groups of size 1) for each grid value in ascending order.
+    Clusters one batch (`StepBatch` with capacities) with BiGPO at each `grid` value (each in [0, 1),
+    strictly ascending; the sweep compiles once) and reads its `singleton_group_rate` diagnostic.
+    `target_singleton_rate` lies in [0, 1]; `centroid`, `capacity` as `EstimatorConfig`;
+    `return_rates` also returns {epsilon: singleton_group_rate} for the values tried.
 
-    Args:
-      batch: `StepBatch` (with capacities, e.g. from `StepBatch.from_numpy`).
-      target_singleton_rate: in [0, 1].
-      grid: epsilon values, each in [0, 1), strictly ascending.
-      centroid, capacity: as `EstimatorConfig`.
-      return_rates: also return {epsilon: singleton_group_rate} for the values tried.
     Returns:
       epsilon (float), or (epsilon, rates) with `return_rates`.
     Raises:
       ValueError: on a target outside [0, 1], an empty, unsorted or out-of-range grid, or when no
         grid value reaches the target (the message lists the rates).
     """
-
     if not 0.0 <= target_singleton_rate <= 1.0:
         raise ValueError(f"calibrate_epsilon: target_singleton_rate must lie in [0, 1], got {target_singleton_rate}")
     grid = tuple(float(e) for e in grid)

@@ -15,19 +15,11 @@ from collections import defaultdict
 import numpy as np
 
 from bipace_jax.estimators import base
+from bipace_jax.estimators.diagnostics import SIZE_STATS
 
 STD_EPS = 1e-6
 EQUAL_RTOL = 1e-5
 JOIN_SLACK = 1e-6
-SIZE_STATS = (
-    "num_step_groups",
-    "singleton_group_rate",
-    "singleton_row_rate",
-    "mean_group_size",
-    "p90_group_size",
-    "max_group_size",
-    "pairs",
-)
 
 
 def _fields(batch):
@@ -102,48 +94,36 @@ def renormalise(f: np.ndarray, dtype):
 
 
 def greedy_clusters(fingerprints: list, epsilon: float, centroid: str, capacity: int, dtype):
-    """BiGPO greedy clustering of one task group's rows, in canonical order (`docs/estimators.md`, "Clustering").
+    """BiGPO greedy clustering of one task group's rows in canonical order: the rule of
+    `docs/estimators.md`, "Clustering", written as a loop (nearest cluster, first-created on a tie).
 
     Returns (cluster index per row or None for a singleton, degenerate flags, overflow flags).
-    For each row: re-normalise; degenerate rows are singletons that open nothing. Compare with EVERY
-    existing cluster (nearest, not first fit): cos = f . s / ||s|| (s = sum of members) or
-    cos = f . leader; a strictly larger cos replaces the best, so an equal cos stays with the cluster
-    created first. Join when best cos >= 1 - epsilon - 1e-6, else open a new cluster, unless
-    `capacity` clusters exist: then the row overflows into a singleton.
     """
     threshold = dtype(np.float32(1.0 - epsilon - JOIN_SLACK))
     sums, leaders = [], []
     assignment, degenerate, overflow = [], [], []
     for fp in fingerprints:
         f = renormalise(fp, dtype)
-        if f is None:
-            assignment.append(None)
-            degenerate.append(True)
-            overflow.append(False)
-            continue
-        best, best_cos = None, -math.inf
-        for c in range(len(sums)):
+        best, best_cos, slot = None, -math.inf, None
+        for c in range(len(sums) if f is not None else 0):
             if centroid == "mean":
                 cos = np.dot(f, sums[c]) / np.sqrt(np.dot(sums[c], sums[c]))
             else:
                 cos = np.dot(f, leaders[c])
-            if cos > best_cos:
+            if cos > best_cos:  # strictly larger: an equal cos stays with the cluster created first
                 best, best_cos = c, cos
-        if best is not None and best_cos >= threshold:
+        if f is None:
+            pass  # degenerate: a singleton that opens nothing
+        elif best is not None and best_cos >= threshold:
             sums[best] = sums[best] + f
-            assignment.append(best)
-            degenerate.append(False)
-            overflow.append(False)
+            slot = best
         elif len(sums) < capacity:
             sums.append(f.copy())
             leaders.append(f.copy())
-            assignment.append(len(sums) - 1)
-            degenerate.append(False)
-            overflow.append(False)
-        else:
-            assignment.append(None)
-            degenerate.append(False)
-            overflow.append(True)
+            slot = len(sums) - 1
+        assignment.append(slot)
+        degenerate.append(f is None)
+        overflow.append(f is not None and slot is None)
     return assignment, degenerate, overflow
 
 

@@ -1,10 +1,8 @@
 """The estimator registry: every name-based choice in the package derives from it.
 
-An estimator is a `base.EstimatorSpec` (re-exported here): its name, how it groups steps
-(`GROUPINGS`), its jitted step-advantage function, its NumPy reference twin, and whether it reads
-the PACE action keys. `compute_advantages`, `reference.compute_advantages_reference`,
+An estimator is a `base.EstimatorSpec` (re-exported here). `compute_advantages`, the NumPy oracle,
 `EstimatorConfig`'s name check and the run-config validation all ask this module, so a built-in
-estimator is one module defining `SPEC` plus its entry in `BUILTINS`; outside the package one
+estimator is one module defining `SPEC` plus its entry in `BUILTINS`, and outside the package one
 `register(spec)` call does the same. Contract: `docs/estimators.md`, "Registry".
 
     from bipace_jax.estimators import registry

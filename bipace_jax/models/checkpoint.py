@@ -1,17 +1,11 @@
 """Hugging Face Qwen2 checkpoint I/O (safetensors only) for `Qwen2Actor`.
 
-`load_hf_checkpoint` reads `config.json` and `model.safetensors` or a sharded
-`model.safetensors.index.json`, maps every HF tensor name to its actor parameter, checks every
-name and shape against the config *before* reading any weight, and streams tensors one at a time
-to their `NamedSharding` (each device receives only its shard via `jax.make_array_from_callback`),
-so the whole model is never materialised on one device or in host memory.
-
-`save_hf_checkpoint` writes a folder that `transformers.AutoModelForCausalLM.from_pretrained`
-(and vLLM) loads to the same logits: config.json, generation_config.json, model.safetensors (or
-shards + index when larger than `max_shard_bytes`), plus the tokenizer files when given one.
-
-Only safetensors are read; pickle `.bin` checkpoints are refused with instructions to convert;
-no remote code is ever executed. Name mapping (HF linear weights are stored [out, in]):
+`load_hf_checkpoint` checks every tensor name and shape against config.json *before* reading any
+weight, then streams tensors one at a time to their `NamedSharding` (each device receives only its
+shard), so the model is never whole on one device or in host memory. `save_hf_checkpoint` writes a
+folder that transformers (and vLLM) load to the same logits. Only safetensors are read (pickle
+`.bin` checkpoints are refused with how to convert); no remote code runs. Name mapping (HF linear
+weights are stored [out, in]):
 
   model.embed_tokens.weight [V, D]                     -> embed/embedding [V, D]
   model.layers.i.input_layernorm.weight [D]            -> layers/i/input_norm/scale
@@ -106,55 +100,27 @@ def _bias(split: tuple[int, ...]):
 def hf_tensor_specs(config: Qwen2Config) -> list[TensorSpec]:
     """Every HF tensor of a Qwen2ForCausalLM with this config, in file order, with its mapping."""
     c = config
-    d, f, v, n, k, hd = (
-        c.hidden_size,
-        c.intermediate_size,
-        c.vocab_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-    )
-    specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"), (v, d), _identity, _identity)]
+    d, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    n, k, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    same, plain = (_identity, _identity), _linear(None, None)
+    specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"), (v, d), *same)]
     for i in range(c.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        lp = ("layers", i)
-        specs.append(
-            TensorSpec(pre + "input_layernorm.weight", lp + ("input_norm", "scale"), (d,), _identity, _identity)
-        )
+        layer = [("input_layernorm.weight", ("input_norm", "scale"), (d,), same)]
         for name, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k)):
-            specs.append(
-                TensorSpec(
-                    pre + f"self_attn.{name}.weight",
-                    lp + ("attn", name, "kernel"),
-                    (heads * hd, d),
-                    *_linear((heads, hd), None),
-                )
-            )
-            specs.append(
-                TensorSpec(
-                    pre + f"self_attn.{name}.bias", lp + ("attn", name, "bias"), (heads * hd,), *_bias((heads, hd))
-                )
-            )
-        specs.append(
-            TensorSpec(
-                pre + "self_attn.o_proj.weight", lp + ("attn", "o_proj", "kernel"), (d, n * hd), *_linear(None, (n, hd))
-            )
-        )
-        specs.append(
-            TensorSpec(
-                pre + "post_attention_layernorm.weight", lp + ("post_attn_norm", "scale"), (d,), _identity, _identity
-            )
-        )
-        for name in ("gate_proj", "up_proj"):
-            specs.append(
-                TensorSpec(pre + f"mlp.{name}.weight", lp + ("mlp", name, "kernel"), (f, d), *_linear(None, None))
-            )
-        specs.append(
-            TensorSpec(pre + "mlp.down_proj.weight", lp + ("mlp", "down_proj", "kernel"), (d, f), *_linear(None, None))
-        )
-    specs.append(TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), _identity, _identity))
+            attn = f"self_attn.{name}"
+            layer.append((attn + ".weight", ("attn", name, "kernel"), (heads * hd, d), _linear((heads, hd), None)))
+            layer.append((attn + ".bias", ("attn", name, "bias"), (heads * hd,), _bias((heads, hd))))
+        layer += [
+            ("self_attn.o_proj.weight", ("attn", "o_proj", "kernel"), (d, n * hd), _linear(None, (n, hd))),
+            ("post_attention_layernorm.weight", ("post_attn_norm", "scale"), (d,), same),
+            ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (f, d), plain),
+            ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), (f, d), plain),
+            ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (d, f), plain),
+        ]
+        specs += [TensorSpec(f"model.layers.{i}.{h}", ("layers", i, *p), sh, *maps) for h, p, sh, maps in layer]
+    specs.append(TensorSpec("model.norm.weight", ("final_norm", "scale"), (d,), *same))
     if not c.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (v, d), *_linear(None, None)))
+        specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (v, d), *plain))
     return specs
 
 
@@ -177,29 +143,11 @@ def _weight_files(path: str) -> dict[str, str]:
             if not os.path.isfile(full):
                 raise CheckpointError(f"{index_path}: shard file {fname!r} for tensor {name!r} does not exist")
             files[name] = full
-        # The index must agree with the shards' own headers.
-        by_file: dict[str, set[str]] = {}
-        for name, full in files.items():
-            by_file.setdefault(full, set()).add(name)
-        for full, names in by_file.items():
-            with safe_open(full, framework="numpy") as fh:
-                present = set(fh.keys())
-            absent = sorted(names - present)
-            if absent:
-                raise CheckpointError(
-                    f"{index_path}: tensor {absent[0]!r} is mapped to "
-                    f"{os.path.basename(full)!r} but that file does not contain it"
-                )
-        return files
+        return files  # each shard's header is checked against the index in _check_names_and_shapes
     if os.path.isfile(single_path):
         with safe_open(single_path, framework="numpy") as fh:
             return {name: single_path for name in fh.keys()}
-    pickles = sorted(
-        os.path.basename(p)
-        for p in glob.glob(os.path.join(path, "*.bin"))
-        + glob.glob(os.path.join(path, "*.pt"))
-        + glob.glob(os.path.join(path, "*.pth"))
-    )
+    pickles = sorted(os.path.basename(p) for e in ("bin", "pt", "pth") for p in glob.glob(os.path.join(path, "*." + e)))
     if pickles:
         raise CheckpointError(
             f"{path}: only safetensors checkpoints are read, found pickle file(s) {pickles} "
@@ -225,7 +173,13 @@ def _check_names_and_shapes(
         by_file.setdefault(full, []).append(name)
     for full, names in by_file.items():
         with safe_open(full, framework="numpy") as fh:
+            present = set(fh.keys())
             for name in names:
+                if name not in present:
+                    raise CheckpointError(
+                        f"{os.path.join(path, SAFE_INDEX)}: tensor {name!r} is mapped to "
+                        f"{os.path.basename(full)!r} but that file does not contain it"
+                    )
                 shapes[name] = tuple(fh.get_slice(name).get_shape())
     expected = {s.hf_name for s in specs}
     missing = [s.hf_name for s in specs if s.hf_name not in shapes]
@@ -299,16 +253,8 @@ def load_hf_checkpoint(
     specs = hf_tensor_specs(config)
     _check_names_and_shapes(files, specs, config, path)
 
-    abstract = nnx.eval_shape(
-        lambda: Qwen2Actor(
-            config,
-            fingerprint_layer=fingerprint_layer,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=nnx.Rngs(0),
-            remat=remat,
-        )
-    )
+    kw = dict(fingerprint_layer=fingerprint_layer, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    abstract = nnx.eval_shape(lambda: Qwen2Actor(config, rngs=nnx.Rngs(0), **kw))
     graphdef, state = nnx.split(abstract)
     flat = {tuple(k): v for k, v in nnx.to_flat_state(state)}
 
@@ -340,7 +286,7 @@ def load_hf_checkpoint(
 
 # --------------------------------------------------------------------------------------------------
 # Writing.
-_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -383,8 +329,8 @@ def save_hf_checkpoint(
 
     path = os.fspath(path)
     out_dtype = jnp.dtype(actor.param_dtype if dtype is None else dtype)
-    if out_dtype.name not in _DTYPE_NAMES:
-        raise ValueError(f"save_hf_checkpoint: dtype must be one of {sorted(_DTYPE_NAMES)}, got {out_dtype.name}")
+    if out_dtype.name not in _DTYPES:
+        raise ValueError(f"save_hf_checkpoint: dtype must be one of {sorted(_DTYPES)}, got {out_dtype.name}")
     if max_shard_bytes <= 0:
         raise ValueError(f"save_hf_checkpoint: max_shard_bytes must be > 0, got {max_shard_bytes}")
     config = actor.config
@@ -425,7 +371,7 @@ def save_hf_checkpoint(
             if os.path.exists(os.path.join(path, SAFE_SINGLE)):
                 os.remove(os.path.join(path, SAFE_SINGLE))
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
-            json.dump(config.to_hf_dict(torch_dtype=_DTYPE_NAMES[out_dtype.name]), fh, indent=2)
+            json.dump(config.to_hf_dict(torch_dtype=out_dtype.name), fh, indent=2)
         gen = {
             "bos_token_id": config.bos_token_id,
             "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else config.eos_token_id,

@@ -44,10 +44,9 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
       path: folder with tokenizer files (tokenizer.json / tokenizer_config.json, ...).
 
     Returns:
-      The tokenizer (the folder's own `tokenizer.json` as-is when its tokenizer_config.json names
-      the generic backend, `TokenizersBackend`/`PreTrainedTokenizerFast`; else `AutoTokenizer`'s
-      choice, e.g. `Qwen2Tokenizer` for Qwen2.5 folders); `chat_template` is the folder's own, or the bundled Qwen2.5 template when the
-      folder has none.
+      The folder's own `tokenizer.json` as-is when tokenizer_config.json names the generic backend
+      (`TokenizersBackend`/`PreTrainedTokenizerFast`), else `AutoTokenizer`'s choice (e.g.
+      `Qwen2Tokenizer`); with the folder's chat template, or the bundled Qwen2.5 one.
 
     Raises:
       FileNotFoundError: `path` is not a folder.
@@ -60,10 +59,8 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"load_tokenizer: {path} is not a folder")
     try:
         if _generic_backend(path):
-            # A folder whose tokenizer_config.json names the generic `tokenizers` backend (what
-            # `PreTrainedTokenizerFast.save_pretrained` writes for a project-trained BPE) is loaded
-            # as exactly that: AutoTokenizer would follow config.json's `model_type: qwen2` and swap
-            # in Qwen2's own pre-tokenizer, silently changing the token ids.
+            # AutoTokenizer would follow config.json's `model_type: qwen2` and swap in Qwen2's own
+            # pre-tokenizer, silently changing a project-trained BPE's token ids.
             tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
         else:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
