@@ -38,7 +38,7 @@ import numpy as np
 from bipace_jax.estimators import StepBatch, assign_ids
 from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
 from environments.pool import ENV_ERRORS
-from environments.prompts import action_tag, build_prompt, parse_action
+from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 
 __all__ = [
     "Episode",
@@ -59,6 +59,7 @@ FIRST_TOKENS = 8
 _ACTION_KEYS = ("action_tag", "first_tokens")
 #: How a response is scored when it used the whole token budget (finish reason ``length``).
 LENGTH_FINISH = ("parse", "invalid", "unpenalised")
+INVALID_ACTIONS = ("fallback", "projected")
 RESEED_STRIDE = 1_000_003  # retry k of a task group's reset uses seed + k * RESEED_STRIDE
 
 
@@ -81,6 +82,12 @@ class RolloutConfig:
       success_reward: (> 0) multiplies the game's own reward (1.0 on success) (verl-agent: 10).
       fallback_action: the command sent to the game for an invalid response.
       require_think: a response without ``<think>...</think>`` before the action is invalid.
+      reject_cjk: a response holding a CJK ideograph is invalid (verl-agent's rule).
+      invalid_action: what the game receives for an invalid response: ``"fallback"`` sends
+        ``fallback_action``; ``"projected"`` (verl-agent) the parsed action when the tags were there,
+        else the response's last ``projection_chars`` characters, lower-cased (also what the history
+        shows).
+      projection_chars: (>= 1) the tail kept by ``"projected"`` (verl-agent: ALFWorld 30, WebShop 20).
       length_finish: a response cut by the token budget (finish reason ``length``): ``"parse"`` scores
         it like any other (valid when its action parses), ``"invalid"`` makes it an invalid action
         (fallback sent, penalty charged), ``"unpenalised"`` sends the fallback without the penalty.
@@ -105,6 +112,9 @@ class RolloutConfig:
     success_reward: float = 10.0
     fallback_action: str = "inventory"
     require_think: bool = False
+    reject_cjk: bool = False
+    invalid_action: str = "fallback"
+    projection_chars: int = 30
     length_finish: str = "parse"
     reset_retries: int = 1
     action_key: str = "action_tag"
@@ -114,12 +124,17 @@ class RolloutConfig:
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
     def __post_init__(self):
-        for name, lo in (("group_size", 1), ("max_steps", 1), ("max_prompt_length", 16), ("reset_retries", 0)):
+        ints = (("group_size", 1), ("max_steps", 1), ("max_prompt_length", 16), ("reset_retries", 0))
+        for name, lo in (*ints, ("projection_chars", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
         if isinstance(self.history_length, bool) or not isinstance(self.history_length, int) or self.history_length < 0:
             raise ValueError(f"RolloutConfig.history_length must be an int >= 0, got {self.history_length!r}")
+        if self.invalid_action not in INVALID_ACTIONS:
+            raise ValueError(
+                f"RolloutConfig.invalid_action must be one of {INVALID_ACTIONS}, got {self.invalid_action!r}"
+            )
         if self.length_finish not in LENGTH_FINISH:
             raise ValueError(f"RolloutConfig.length_finish must be one of {LENGTH_FINISH}, got {self.length_finish!r}")
         if self.action_key not in _ACTION_KEYS:
@@ -503,11 +518,12 @@ def collect(
             finish = [finish_reason(out.tokens[r, : lengths[r]], texts[r], eos, stop_strings) for r in range(len(live))]
             actions, valid, penalised = [], [], []
             for text, why in zip(texts, finish):
-                act, ok = parse_action(text, require_think=rcfg.require_think)
+                act, ok = parse_action(text, require_think=rcfg.require_think, reject_cjk=rcfg.reject_cjk)
                 ok = ok and not (why == "length" and rcfg.length_finish != "parse")
                 valid.append(ok)
                 penalised.append(not ok and not (why == "length" and rcfg.length_finish == "unpenalised"))
-                actions.append(act if ok else rcfg.fallback_action)
+                projected = invalid_command(text, act, rcfg.invalid_action, rcfg.fallback_action, rcfg.projection_chars)
+                actions.append(act if ok else projected)
             t0 = time.perf_counter()
             results = pool.step(live, actions)
             timing["env_s"] += time.perf_counter() - t0

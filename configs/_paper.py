@@ -14,11 +14,12 @@ MODEL_SIZES = {
 
 # mini_batch_rows: verl-agent's ppo_mini_batch_size, one AdamW step per that many step rows (ALFWorld
 # 256, WebShop 64): about 8-25 optimizer steps per iteration, not one.
+# projection_chars: the response tail verl-agent sends the game for an untagged response.
 GAMES = {
-    "alfworld": dict(max_steps=50, max_prompt_length=2048, norm="mean_std", mini_batch_rows=256),
-    "webshop": dict(max_steps=15, max_prompt_length=4096, norm="mean", mini_batch_rows=64),
+    "alfworld": dict(max_steps=50, max_prompt_length=2048, norm="mean_std", mini_batch_rows=256, projection_chars=30),
+    "webshop": dict(max_steps=15, max_prompt_length=4096, norm="mean", mini_batch_rows=64, projection_chars=20),
     # TextCraft in the paper: same loop as ALFWorld (ADaPT's TextCraft sets no lower cap).
-    "textcraft": dict(max_steps=50, max_prompt_length=2048, norm="mean_std", mini_batch_rows=256),
+    "textcraft": dict(max_steps=50, max_prompt_length=2048, norm="mean_std", mini_batch_rows=256, projection_chars=30),
 }
 
 
@@ -44,4 +45,9 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     c.sampler.max_new_tokens = 512
     c.ppo.micro_batch_rows = 8
     c.ppo.mini_batch_rows = g["mini_batch_rows"]
+    # verl-agent's validity rule and projection of invalid responses (think required, no CJK)
+    c.rollout.require_think = True
+    c.rollout.reject_cjk = True
+    c.rollout.invalid_action = "projected"
+    c.rollout.projection_chars = g["projection_chars"]
     return c

@@ -64,6 +64,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.success_reward = 10.0
     c.rollout.fallback_action = ""  # action sent to the game for an unparsable response ("" = the game's default)
     c.rollout.require_think = False
+    c.rollout.reject_cjk = False  # a response holding a CJK ideograph is invalid (verl-agent)
+    # invalid response -> the game gets: fallback (rollout.fallback_action) | projected (verl-agent: the
+    # parsed action if tagged, else the response's last rollout.projection_chars characters)
+    c.rollout.invalid_action = "fallback"
+    c.rollout.projection_chars = 30  # verl-agent: ALFWorld 30, WebShop 20
     c.rollout.length_finish = "parse"  # a response cut by sampler.max_new_tokens: parse (scored as any other) |
     # invalid (fallback action + invalid penalty) | unpenalised (fallback action, no penalty)
     c.rollout.reset_retries = 1  # a task group whose reset faulted is reset again on a fresh seed this often

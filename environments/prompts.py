@@ -16,6 +16,7 @@ command a game receives and the PACE key of the response agree.
 from __future__ import annotations
 
 import dataclasses
+import re
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "PromptTemplate",
     "TEMPLATES",
     "build_prompt",
+    "invalid_command",
     "parse_action",
     "action_tag",
     "get_template",
@@ -320,19 +322,25 @@ def action_tag(response: Any) -> str | None:
     return body or None
 
 
-def parse_action(response: Any, require_think: bool = False) -> tuple[str, bool]:
+_CJK = re.compile("[\u4e00-\u9fff]")  # CJK unified ideographs: the range verl-agent's projection rejects
+
+
+def parse_action(response: Any, require_think: bool = False, reject_cjk: bool = False) -> tuple[str, bool]:
     """The command in a response, and whether the response is valid. Never raises.
 
     The command is ``action_tag(response)`` (lower-cased, white space normalised). The
     response is invalid when that is None (no tags, no closing tag, empty body; the command is
-    then ""), or, with ``require_think``, when no ``<think>`` ... ``</think>`` pair closes before
-    the first ``<action>`` (the command is still returned). The caller charges the invalid-action
-    penalty and sends the game its fallback action for invalid responses.
+    then ""), with ``require_think`` when no ``<think>`` ... ``</think>`` pair closes before the
+    first ``<action>``, and with ``reject_cjk`` when it holds a CJK ideograph (U+4E00..U+9FFF);
+    in the last two cases the command is still returned. The caller charges the invalid-action
+    penalty and sends the game ``invalid_command`` for invalid responses.
     """
     try:
         key = action_tag(response)
         if key is None:
             return "", False
+        if reject_cjk and _CJK.search(response):
+            return key, False
         if require_think:
             lowered = response.lower()
             start = lowered.find(_OPEN)
@@ -343,3 +351,16 @@ def parse_action(response: Any, require_think: bool = False) -> tuple[str, bool]
         return key, True
     except Exception:  # noqa: BLE001  (a parser for arbitrary model output must not raise)
         return "", False
+
+
+def invalid_command(response: str, command: str, mode: str, fallback: str, tail_chars: int) -> str:
+    """What the game receives for an invalid response (``RolloutConfig.invalid_action``).
+
+    ``"fallback"``: ``fallback`` (e.g. ``"inventory"``). ``"projected"`` (verl-agent's projection): the
+    parsed ``command`` when the response had action tags (invalid for a missing think or CJK), else
+    the last ``tail_chars`` characters of the lower-cased response (ALFWorld 30, WebShop 20), which
+    the game answers as an unknown command.
+    """
+    if mode == "fallback":
+        return fallback
+    return command if command else response.lower()[-tail_chars:]

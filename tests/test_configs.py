@@ -98,6 +98,10 @@ def test_paper_settings_carry_the_paper_values(game, size, layer, eps, steps, no
     ) == (1.0, 0.4, 2, 0.1, 150, "bipace_q")
     # verl-agent's ppo_mini_batch_size: one AdamW step per 256 (ALFWorld, TextCraft) / 64 (WebShop) step rows
     assert c.ppo.mini_batch_rows == (64 if game == "webshop" else 256) and c.ppo.epochs == 1
+    # verl-agent's validity rule (think and no CJK) and projection of invalid responses
+    r = c.rollout
+    assert (r.require_think, r.reject_cjk, r.invalid_action) == (True, True, "projected")
+    assert r.projection_chars == (20 if game == "webshop" else 30)
 
 
 def test_command_line_overrides_reach_nested_fields():
@@ -129,6 +133,8 @@ def test_command_line_overrides_reach_nested_fields():
         ("estimator.gamma", -0.1, "config.estimator.gamma"),
         ("rollout.group_size", 0, "config.rollout.group_size must be an int >= 1, got 0"),
         ("rollout.reset_retries", -1, "config.rollout.reset_retries must be an int >= 0, got -1"),
+        ("rollout.invalid_action", "skip", "config.rollout.invalid_action must be one of ('fallback', 'projected')"),
+        ("rollout.projection_chars", 0, "config.rollout.projection_chars must be an int >= 1, got 0"),
         (
             "model.matmul_precision",
             "tf32",

@@ -16,6 +16,7 @@ from environments.prompts import (
     action_tag,
     build_prompt,
     get_template,
+    invalid_command,
     parse_action,
 )
 
@@ -46,6 +47,30 @@ def test_action_tag_hand_computed(response, key):
     action, valid = parse_action(response)
     assert valid == (key is not None)
     assert action == (key or "")
+
+
+@pytest.mark.parametrize(
+    "response,action,valid",
+    [
+        ("<think>ok</think><action>go to desk 1</action>", "go to desk 1", True),
+        ("<think>\u53bb\u684c\u5b50</think><action>go to desk 1</action>", "go to desk 1", False),  # CJK in think
+        ("<think>ok</think><action>go to \u684c 1</action>", "go to \u684c 1", False),
+        ("<think>caf\u00e9 \u00fc\u00df \u3042</think><action>look</action>", "look", True),  # kana, Latin: not CJK
+    ],
+)
+def test_reject_cjk_makes_a_response_with_an_ideograph_invalid(response, action, valid):
+    assert parse_action(response, require_think=True, reject_cjk=True) == (action, valid)
+    assert parse_action(response, require_think=True) == (action, True)
+
+
+def test_invalid_command_fallback_or_verl_agent_projection():
+    tagged = "<action>open drawer 1</action> (no think)"
+    untagged = "I think I Should Open The Drawer Number One Now Please"
+    assert invalid_command(tagged, "open drawer 1", "fallback", "inventory", 30) == "inventory"
+    assert invalid_command(tagged, "open drawer 1", "projected", "inventory", 30) == "open drawer 1"
+    assert invalid_command(untagged, "", "projected", "inventory", 30) == "open the drawer number one now please"[-30:]
+    assert invalid_command(untagged, "", "projected", "inventory", 20) == "r number one now please"[-20:]
+    assert invalid_command("short", "", "projected", "inventory", 30) == "short"
 
 
 def test_action_tag_non_string_is_unparsable():

@@ -395,3 +395,26 @@ def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_
     assert np.asarray(res.steps.mask).sum() == n == res.response_ids.shape[0] == len(res.actions)
     assert res.stats["env_errors"] == 1 and res.stats["env_error_rows"] == 2 and res.stats["reset_faults"] == 0
     assert res.stats["env_errors_exception"] == 1 and res.stats["env_errors_lost"] == 0
+
+
+def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalty(tokenizer, pool):
+    rcfg = RolloutConfig(
+        game="textcraft",
+        group_size=2,
+        max_steps=3,
+        max_prompt_length=1024,
+        invalid_action="projected",
+        projection_chars=8,
+        sampler=SamplerConfig(length_buckets=(512, 1024)),
+    )
+    sampler = OracleSampler(tokenizer, pool, 4, bad={1})
+    res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
+    n = res.stats["rows"]
+    tid = np.asarray(res.steps.traj_id)[:n]
+    # env 1 answers "I do not know.": the game gets its last 8 characters, lower-cased
+    assert [a for a, t in zip(res.actions, tid) if t == 1] == ["ot know."] * 3
+    assert all(a != "ot know." for a, t in zip(res.actions, tid) if t != 1)
+    np.testing.assert_allclose(np.asarray(res.steps.reward)[:n][tid == 1], -0.1, atol=1e-6)
+    # the history shows the projected command, as verl-agent's memory does
+    text = tokenizer.decode(res.prompt_ids[int(np.flatnonzero(tid == 1)[1])])
+    assert "ot know." in text
