@@ -159,6 +159,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _choice(c, "env.name", environments.registered())
     _int(c, "env.max_steps", 1)
     _int(c, "env.num_workers", 0)
+    for field in GAME_OPTION_FIELDS:
+        game_options(c, field)
     _float(c, "env.timeout_s", 0, lo_open=True)
     validate_selector("tasks.train", c.tasks.train, allow_empty=False)
     validate_selector("tasks.holdout", c.tasks.holdout, allow_empty=True)
@@ -465,6 +467,29 @@ def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransforma
         optax.clip_by_global_norm(optim.grad_clip),
         optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
     )
+
+
+GAME_OPTION_FIELDS = ("env.options", "val.options", "val.holdout_options")
+
+
+def game_options(c: ml_collections.ConfigDict, field: str) -> dict[str, Any]:
+    """The game keyword options of a config field (``GAME_OPTION_FIELDS``): "" -> {}, else a JSON object.
+
+    Raises:
+      ConfigError: naming the field, when the text is not a JSON object.
+    """
+    text = _get(c, field)
+    if not isinstance(text, str):
+        _fail(field, "be a string ('' or a JSON object of game options)", text)
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config.{field} must be '' or a JSON object of game options, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        _fail(field, "be '' or a JSON object of game options", text)
+    return value
 
 
 def resolve_template(spec: str) -> Any:

@@ -161,6 +161,7 @@ class Episode:
         reset or mid-game, else None; such a game's rows are left out of the batch (its return is
         not the game's), it is not counted in ``success_rate``.
       truncated: ended by ``max_steps`` (or the game's own cap) without success or error.
+      score: the game's task score (``info["task_score"]``, WebShop) at the last step, else None.
       task_info: the game's ``task_info`` of the task (e.g. ``goal``, ``depth``).
     """
 
@@ -175,6 +176,7 @@ class Episode:
     env_error: str | None = None
     truncated: bool = False
     task_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    score: float | None = None
 
 
 @dataclasses.dataclass
@@ -565,6 +567,8 @@ def collect(
                 ep.invalid_count += not valid[r]
                 history[i].append((obs[i].text, actions[r]))
                 obs[i] = res.obs
+                if "task_score" in res.info:
+                    ep.score = float(res.info["task_score"])
                 if res.info.get("env_error"):
                     ep.env_error = str(res.info["env_error"])
                 ep.won = bool(res.obs.won)

@@ -2,23 +2,17 @@
 
 One iteration (``Trainer.train_iteration``), top to bottom:
 
-1. **Collect** (``rollout.collect``): this host's share of the iteration's task groups, G games each,
-   played in lockstep by the KV-cache sampler at the rollout temperature. The BiPACE fingerprints come
-   out of the sampler's prefill (the hidden state at the last prompt token): no extra forward.
-2. **Old log-probabilities** (``ppo.old_logprobs``): ``"recompute"`` (a forward of the current policy,
-   verl's default), ``"sampler"`` (the sampler's own, exact without top-p/top-k: both are
-   ``log_softmax(logits / T)`` at the rollout temperature), or ``"fused"`` (``stop_gradient`` of the
-   current log-probs inside the gradient pass: one forward cheaper, exact for one optimizer step).
-3. **Reference log-probabilities**: the same forward with the frozen initial parameters (skipped when
-   ``ppo.kl_coef == 0``).
-4. **Advantages**: ``estimators.compute_advantages(res.steps, EstimatorConfig)`` (``docs/estimators.md``).
-5. **Update**: ``PPOLearner.update`` (``ppo.py``). A NaN or Inf loss or gradient stops the run with
-   ``NonFiniteError`` before the update is applied, so the last checkpoint stays the last good state.
-6. **Record**: episode, estimator, loss and timing metrics, summed or averaged over hosts.
+1. **Collect** (``rollout.collect``): this host's task groups, G games each, played in lockstep by the
+   KV-cache sampler; the BiPACE fingerprints come out of its prefill (no extra forward).
+2. **Old / reference log-probabilities**: ``ppo.old_logprobs`` ``"recompute"`` (verl's default),
+   ``"sampler"`` (exact without top-p/top-k) or ``"fused"`` (inside the gradient pass, exact for one
+   optimizer step); the reference forward uses the frozen initial parameters (skipped at kl_coef 0).
+3. **Advantages**: ``estimators.compute_advantages`` (``docs/estimators.md``).
+4. **Update**: ``PPOLearner.update``; a NaN/Inf stops the run (``NonFiniteError``) before it applies.
+5. **Record**: episode, estimator, loss and timing metrics, summed or averaged over hosts.
 
-Multi-host: every process runs its own env pool and sampler on a host-local copy of the parameters for
-its contiguous share of the task groups; the gradient step is one global ``jax.jit`` over a mesh of all
-devices, the batch sharded over ("data", "fsdp"), so the gradient all-reduce is XLA's.
+Multi-host: each process plays its share of the task groups on a host-local copy of the parameters;
+the gradient step is one global ``jax.jit`` over all devices, the batch sharded over ("data", "fsdp").
 """
 
 from __future__ import annotations
@@ -54,6 +48,9 @@ from environments.pool import EnvPool
 log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteError", "Trainer"]
+
+
+_PANEL_OPTIONS = {"val": "val.options", "val/holdout": "val.holdout_options"}  # panel -> its game options
 
 
 class Trainer:
@@ -105,6 +102,30 @@ class Trainer:
         self.mesh = sharding.make_mesh(data, fsdp, tensor)
         self.local_mesh = distributed.local_mesh(self.mesh, c.mesh.tensor)
 
+        # Tasks first (missing game data fails before the model loads): training and held-out goals, and
+        # the validation panels (from the training goals, or from the games of val.options /
+        # val.holdout_options, e.g. ALFWorld's valid splits).
+        game = env_factory if env_factory is not None else c.env.name
+        opts = {"max_steps": c.env.max_steps, **config_lib.game_options(c, "env.options")}
+        own = {name: config_lib.game_options(c, field) for name, field in _PANEL_OPTIONS.items()}  # panel games
+        probe = self._probe(game, opts, "env.options")
+        probes = {k: self._probe(game, {**opts, **o}, _PANEL_OPTIONS[k]) if o else probe for k, o in own.items()}
+        self._task_infos = {name: p.task_info for name, p in probes.items()}
+        self.train_ids, self.holdout_ids = tasks.split_holdout(
+            tasks.select_tasks(c.tasks.train, probe.num_tasks, probe.task_info),
+            tasks.select_tasks(c.tasks.holdout, probe.num_tasks, probe.task_info),
+            c.tasks.holdout_every,
+        )
+        if not self.train_ids:
+            raise config_lib.ConfigError(
+                f"config.tasks.train selects no task outside the held-out goals, got {c.tasks.train!r}"
+            )
+        v = c.val
+        seen = list(range(probes["val"].num_tasks)) if own["val"] else self.train_ids
+        held = list(range(probes["val/holdout"].num_tasks)) if own["val/holdout"] else self.holdout_ids
+        panel_options = (v.num_tasks, v.num_holdout_tasks, v.seed, v.panel, v.seeds_per_goal)
+        self.val_panel, self.holdout_panel = tasks.validation_panel(seen, held, *panel_options)
+
         # Model and learner.
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.actor = actor if actor is not None else config_lib.build_actor(c, self.tokenizer)
@@ -128,35 +149,22 @@ class Trainer:
         if latest is not None:
             self._restore()
 
-        # Tasks: training goals, held-out goals, the fixed validation panels.
-        game = env_factory if env_factory is not None else c.env.name
-        probe = (
-            env_factory(max_steps=c.env.max_steps)
-            if env_factory
-            else environments.make(game, max_steps=c.env.max_steps)
-        )
-        self._task_info = probe.task_info
-        self.train_ids, self.holdout_ids = tasks.split_holdout(
-            tasks.select_tasks(c.tasks.train, probe.num_tasks, probe.task_info),
-            tasks.select_tasks(c.tasks.holdout, probe.num_tasks, probe.task_info),
-            c.tasks.holdout_every,
-        )
-        if not self.train_ids:
-            raise config_lib.ConfigError(
-                f"config.tasks.train selects no task outside the held-out goals, got {c.tasks.train!r}"
-            )
-        v = c.val
-        panel_options = (v.num_tasks, v.num_holdout_tasks, v.seed, v.panel, v.seeds_per_goal)
-        self.val_panel, self.holdout_panel = tasks.validation_panel(self.train_ids, self.holdout_ids, *panel_options)
-
-        # Rollout: one env pool for training and validation, a sampler per temperature.
+        # Rollout: one env pool for training and the panels of the training game, one per other panel
+        # game; a sampler per temperature.
         self.groups_per_host = c.rollout.num_groups // self.num_hosts
-        val_rows = max(len(self.val_panel), len(self.holdout_panel)) * c.val.group_size
-        val_rows = math.ceil(val_rows / self.num_hosts) if c.val.every or c.val.at_start else 0
+        validating = bool(c.val.every or c.val.at_start)
+        rows = {
+            name: math.ceil(len(panel) * c.val.group_size / self.num_hosts) if validating else 0
+            for name, panel in (("val", self.val_panel), ("val/holdout", self.holdout_panel))
+        }
         pool_kw = {"num_workers": c.env.num_workers} if c.env.num_workers else {}
-        num_envs = max(self.groups_per_host * c.rollout.group_size, val_rows)
-        env_options = {"max_steps": c.env.max_steps}
-        self.pool = EnvPool(game, num_envs, env_options=env_options, timeout_s=c.env.timeout_s, **pool_kw)
+
+        def pool(options, n):
+            return EnvPool(game, n, env_options=options, timeout_s=c.env.timeout_s, **pool_kw)
+
+        shared = [n for name, n in rows.items() if not own[name]]
+        self.pool = pool(opts, max([self.groups_per_host * c.rollout.group_size, *shared]))
+        self.val_pools = {k: pool({**opts, **own[k]}, n) if own[k] and n else self.pool for k, n in rows.items()}
         checkpoint = config_lib.resolve_path(c.model.checkpoint) if c.model.checkpoint else ""
         eos = config_lib.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, checkpoint) or None
         scfg = config_lib.sampler_config(c, eos_token_ids=eos)
@@ -182,11 +190,21 @@ class Trainer:
             raise config_lib.ConfigError("config.model.tokenizer must be set for a multi-host random init, got ''")
         return build_game_tokenizer(self.config, path)
 
-    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array):
-        """``rollout.collect`` of one task group per (task_id, game_seed) pair."""
+    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None):
+        """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by default)."""
         progress = self.config.log.progress and self.is_primary
         tids, seeds = [t for t, _ in games], [s for _, s in games]
-        return collect(self.actor, sampler, self.pool, self.tokenizer, tids, seeds, rcfg, key, progress=progress)
+        pool = self.pool if pool is None else pool
+        return collect(self.actor, sampler, pool, self.tokenizer, tids, seeds, rcfg, key, progress=progress)
+
+    def _probe(self, game, options: dict[str, Any], field: str):
+        """One game built in this process with ``options`` (task count, task infos); bad options -> ConfigError."""
+        try:
+            return game(**options) if callable(game) else environments.make(game, **options)
+        except (TypeError, ValueError, FileNotFoundError, ImportError) as e:
+            raise config_lib.ConfigError(
+                f"config.{field}: the game {self.config.env.name!r} refused {options}: {e}"
+            ) from None
 
     # ------------------------------------------------------------------------------------------
     def train_iteration(self) -> dict[str, Any]:
@@ -338,17 +356,23 @@ class Trainer:
             mine = list(range(jax.process_index(), len(panel), self.num_hosts))
             # zeros on the tasks of other hosts (each task has one owner: the gather sums); NaN on a
             # task whose games all faulted (left out of the means, counted in env_errors)
-            won, length, errors = np.zeros((len(panel),)), np.zeros((len(panel),)), np.zeros((len(panel),))
+            won, length, errors, score = (np.zeros((len(panel),)) for _ in range(4))
             if mine:
                 # 1 + len(name): 4 for "val", 12 for "val/holdout" (kept: it fixes the panels' draws)
                 key = jax.random.fold_in(jax.random.PRNGKey(self.config.val.seed), 1 + len(name))
-                res = self._play(self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key)
+                res = self._play(
+                    self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key, self.val_pools[name]
+                )
                 for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order
                     played = [e for e in res.episodes[j * G : (j + 1) * G] if e.env_error is None]
                     won[i] = np.mean([e.won for e in played]) if played else np.nan
                     length[i] = np.mean([e.length for e in played]) if played else np.nan
                     errors[i] = G - len(played)
-            won, length, errors = (distributed.allgather(a).sum(0) for a in (won, length, errors))
+                    scores = [e.score for e in played if e.score is not None]
+                    score[i] = np.mean(scores) if scores else np.nan
+            won, length, errors, score = (distributed.allgather(a).sum(0) for a in (won, length, errors, score))
+            if not np.isnan(score).all():  # the game reports a task score (WebShop)
+                out[f"{name}/score"] = float(np.nanmean(score))
             out[f"{name}/success_rate"] = float(np.nanmean(won)) if not np.isnan(won).all() else float("nan")
             out[f"{name}/episode_length"] = float(np.nanmean(length)) if not np.isnan(length).all() else float("nan")
             out[f"{name}/tasks"] = len(panel)
@@ -356,7 +380,7 @@ class Trainer:
             for key_name in ("depth", "task_type"):
                 cats: dict[str, list] = {}
                 for (tid, _), w in zip(panel, won):
-                    v = self._task_info(tid).get(key_name)
+                    v = self._task_infos[name](tid).get(key_name)
                     if v is not None and not np.isnan(w):
                         cats.setdefault(str(v), []).append(w)
                 for v, ws in sorted(cats.items()):
@@ -469,4 +493,5 @@ class Trainer:
     def close(self) -> None:
         self.metrics.close()
         self.checkpointer.close()
-        self.pool.close()
+        for pool in {id(p): p for p in (self.pool, *self.val_pools.values())}.values():
+            pool.close()

@@ -23,6 +23,21 @@ GAMES = {
 }
 
 
+# Validation panels: ALFWorld plays 128 games of valid_seen (the paper's in-distribution split) and 128
+# of valid_unseen (out of distribution); WebShop 256 of the test goals 0-499; TextCraft has no split:
+# 64 training goals with unseen distractor seeds.
+VALIDATION = {
+    "alfworld": dict(
+        options='{"split": "eval_in_distribution"}',
+        holdout_options='{"split": "eval_out_of_distribution"}',
+        num_tasks=128,
+        num_holdout_tasks=128,
+    ),
+    "webshop": dict(options='{"split": "test"}', num_tasks=256, num_holdout_tasks=0),
+    "textcraft": dict(num_tasks=64, num_holdout_tasks=0),
+}
+
+
 def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     """The paper setting for ``game`` x ``size``; ``model.checkpoint`` must be set by the user."""
     c = base.get_config()
@@ -50,4 +65,12 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     c.rollout.reject_cjk = True
     c.rollout.invalid_action = "projected"
     c.rollout.projection_chars = g["projection_chars"]
+    # verl-agent's validation: every 5 iterations on the game's evaluation split, not on training games
+    c.val.every = 5
+    for k, v in VALIDATION[game].items():
+        c.val[k] = v
+    if game == "alfworld":  # a paper run must not fall back to the 12 bundled fixture games
+        c.env.options = '{"require_real_data": true}'
+    if game == "webshop":  # synthetic goals, 10 only for a perfect score (the score is logged: val/score)
+        c.env.options = '{"human_goals": false, "reward": "success"}'
     return c

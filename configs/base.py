@@ -46,6 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.max_steps = 50  # step cap per episode (ALFWorld 50, WebShop 15)
     c.env.num_workers = 0  # env pool worker processes; 0 = the pool's default
     c.env.timeout_s = 30.0  # per-call timeout of the pool before a worker is replaced
+    c.env.options = ""  # JSON object of game options for every game, e.g. '{"require_real_data": true}'
 
     # Task selectors (strings): "all"; "a:b" (ids in range(a, b)); "3,7,9" (ids); "key=v1,v2"
     # (task_info filter, e.g. "depth=2,3" for TextCraft); joined with "&" to intersect.
@@ -147,6 +148,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.val.seeds_per_goal = 1  # game seeds per panel goal (each a distinct unseen game)
     c.val.group_size = 1  # plays per panel game (same seed)
     c.val.temperature = 0.4
+    # JSON objects of game options (on top of env.options) for the panels' games; when set, the panel's
+    # goals come from that game's tasks (ALFWorld: '{"split": "eval_in_distribution"}' = valid_seen)
+    c.val.options = ""
+    c.val.holdout_options = ""  # the held-out panel's game (ALFWorld: eval_out_of_distribution = valid_unseen)
     c.val.seed = 1_000_000  # seed base of the panel; >= 1e6, so never a training game seed (those are < 1e6)
 
     # --- bookkeeping -----------------------------------------------------------------------

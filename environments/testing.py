@@ -30,11 +30,17 @@ class FaultyEnv(TextEnv):
     then crashes), -4 gives a per-process observation (breaks task-group equality), -5 raises
     ValueError, -6 raises RuntimeError, -7 segfaults. ``task_info`` of task 99 hangs, of task 98
     raises. ``step_cost_ms`` makes every step busy the CPU that long (a synthetic slow game
-    for benchmarks, e.g. 36 ms like an ALFWorld step).
+    for benchmarks, e.g. 36 ms like an ALFWorld step). ``split="valid"`` is a 7-task game whose
+    ``task_info`` has ``task_type="valid"`` (for validation panels drawn from another split).
     """
 
-    def __init__(self, max_steps: int = 20, marker_dir: str | None = None, step_cost_ms: float = 0.0):
+    def __init__(
+        self, max_steps: int = 20, marker_dir: str | None = None, step_cost_ms: float = 0.0, split: str = "train"
+    ):
         super().__init__(max_steps)
+        if split not in ("train", "valid"):
+            raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
+        self.split = split
         self.marker_dir = marker_dir
         self.step_cost_ms = float(step_cost_ms)
         self._task = (0, 0)
@@ -42,9 +48,11 @@ class FaultyEnv(TextEnv):
 
     @property
     def num_tasks(self) -> int:
-        return 100
+        return 100 if self.split == "train" else 7
 
     def task_info(self, task_id: int) -> dict[str, Any]:
+        if self.split == "valid":
+            return {"task": int(task_id), "task_type": "valid"}
         if task_id == 99:
             time.sleep(3600)
         if task_id == 98:

@@ -23,7 +23,8 @@ Conventions (verl-agent's WebShop setup, which the GiGPO and BiPACE papers use):
   a search bar, then "click[<clickable>]" for each clickable the engine lists (lower-cased button
   texts, product ids, option values).
 - Reward = the engine's task score in [0, 1], given when the agent clicks "buy now" (which ends the
-  episode); ``won`` = the score is exactly 1. ``max_steps`` defaults to 15 (verl-agent's).
+  episode), or with ``reward="success"`` (verl-agent's) 1 only for a score of exactly 1; ``won`` =
+  the score is exactly 1; ``info["task_score"]`` is the score. ``max_steps`` defaults to 15.
 - Task ids: ``split="test"`` plays goals 0..499, ``split="train"`` goals 500.. (verl-agent's split of
   WebShop's human goals); ``task_info`` gives the goal index. WebShop has no expert:
   ``oracle_action()`` returns None.
@@ -122,12 +123,17 @@ def is_available(action: str, available: Mapping[str, Any]) -> bool:
     return arg.lower() in available["clickables"]
 
 
-def score_outcome(score: float, done: bool) -> tuple[float, bool]:
-    """(reward, won) for an engine step: reward = the task score, won = done with score exactly 1."""
+REWARDS = ("score", "success")
+
+
+def score_outcome(score: float, done: bool, reward: str = "score") -> tuple[float, bool]:
+    """(reward, won) for an engine step: won = done with score exactly 1; the reward is the task score
+    (``reward="score"``, partial credit) or 1.0 exactly when won, else 0 (``"success"``, verl-agent)."""
     score = float(score or 0.0)
     if not 0.0 <= score <= 1.0:
         raise ValueError(f"WebShop score must lie in [0, 1], got {score}")
-    return score, bool(done and score == 1.0)
+    won = bool(done and score == 1.0)
+    return (score if reward == "score" else float(won)), won
 
 
 def _import_text_env():
@@ -145,7 +151,10 @@ class WebShopEnv(TextEnv):
       max_steps: step cap (default 15, verl-agent's WebShop setting).
       split: "train" (goals 500..) or "test" (goals 0..499).
       num_products: products to load (None = all, WebShop's default; small numbers for smoke tests).
-      human_goals: use the human-written instructions (WebShop's default, verl-agent's setting).
+      human_goals: use the human-written instructions (WebShop's default); verl-agent, and so the
+        paper, trains on the synthetic ones (False).
+      reward: ``"score"`` (the task score in [0, 1]) or ``"success"`` (1 only for a score of exactly 1,
+        verl-agent's); ``info["task_score"]`` holds the score either way.
       engine_kwargs: further keyword arguments for ``WebAgentTextEnv``.
 
     Raises ImportError (with install instructions) when ``web_agent_site`` is missing and
@@ -158,11 +167,15 @@ class WebShopEnv(TextEnv):
         split: str = "train",
         num_products: int | None = None,
         human_goals: bool = True,
+        reward: str = "score",
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
         super().__init__(max_steps)
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+        self.reward_mode = reward
         text_env_cls = _import_text_env()
         self._engine = text_env_cls(
             observation_mode="text", num_products=num_products, human_goals=human_goals, **dict(engine_kwargs or {})
@@ -212,9 +225,9 @@ class WebShopEnv(TextEnv):
             page, score, done = self._engine.observation, 0.0, False
         else:
             page, score, done, _ = self._engine.step(action)
-        reward, won = score_outcome(score, done)
+        reward, won = score_outcome(score, done, self.reward_mode)
         # info["admissible"]: the command was among the page's listed actions (is_available).
-        info = {"won": won, "task_score": reward, "admissible": valid}
+        info = {"won": won, "task_score": float(score or 0.0), "admissible": valid}
         return self._observation(page, won), reward, bool(done), info
 
     def oracle_action(self) -> str | None:

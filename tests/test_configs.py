@@ -235,3 +235,30 @@ def test_stop_ids_are_the_union_of_config_generation_config_and_tokenizer(tmp_pa
     assert stop_token_ids((0,), SimpleNamespace(eos_token_id=None), "") == (0,)  # no folder, no tokenizer EOS
     GenerationConfig(eos_token_id=5).save_pretrained(tmp_path / "single")
     assert stop_token_ids((0,), tok, str(tmp_path / "single")) == (0, 5, 2)
+
+
+def test_paper_validation_protocol_and_game_options():
+    alf, ws, tc = _load("alfworld_qwen2_5_7b"), _load("webshop_qwen2_5_1_5b"), _load("textcraft_qwen2_5_7b")
+    assert alf.val.every == ws.val.every == tc.val.every == 5
+    assert (alf.val.options, alf.val.holdout_options) == (
+        '{"split": "eval_in_distribution"}',  # valid_seen: the paper's in-distribution split
+        '{"split": "eval_out_of_distribution"}',  # valid_unseen
+    )
+    assert (alf.val.num_tasks, alf.val.num_holdout_tasks, alf.env.options) == (128, 128, '{"require_real_data": true}')
+    assert (ws.val.options, ws.val.num_tasks, ws.env.options) == (
+        '{"split": "test"}',
+        256,
+        '{"human_goals": false, "reward": "success"}',
+    )
+    assert (tc.val.options, tc.env.options) == ("", "")
+
+
+def test_alfworld_paper_config_without_data_stops_naming_alfworld_data(tmp_path, monkeypatch):
+    pytest.importorskip("alfworld")
+    from bipace_jax.trainer import Trainer
+
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "nothing_here"))
+    c = _load("alfworld_qwen2_5_1_5b")
+    c.model.preset, c.model.fingerprint_layer, c.mesh.fsdp = "tiny", -1, 1  # never built: the games fail first
+    with pytest.raises(configs.ConfigError, match=r"config.env.options: .*set \$ALFWORLD_DATA"):
+        Trainer(c, str(tmp_path / "run"), tokenizer=object())

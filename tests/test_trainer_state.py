@@ -215,3 +215,46 @@ def test_two_metrics_loggers_started_in_the_same_second_keep_both_event_files(tm
             steps += [event.step for v in event.summary.value if v.tag == "x"]
             data = data[16 + n :]
     assert sorted(steps) == [0, 1]
+
+
+def test_validation_panels_come_from_the_games_of_val_options(tmp_path):
+    # verl-agent validates ALFWorld on valid_seen / valid_unseen, not on training games: val.options and
+    # val.holdout_options build those panels' games (here FaultyEnv's 7-task "valid" split) on their own pools
+    import configs.textcraft_tiny
+    from bipace_jax import config as config_lib
+    from bipace_jax.tiny import build_game_tokenizer
+    from bipace_jax.trainer import Trainer
+    from environments.testing import FaultyEnv
+
+    c = configs.textcraft_tiny.get_config()
+    c.model.checkpoint = ""
+    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
+    c.model.intermediate_size = 64
+    c.env.max_steps, c.env.num_workers = 2, 1
+    c.tasks.train, c.tasks.holdout = "all", ""
+    c.rollout.num_groups, c.rollout.group_size = 2, 2
+    c.sampler.max_new_tokens, c.sampler.batch_buckets = 8, (4, 8)
+    c.ppo.micro_batch_rows, c.ppo.mini_batch_rows, c.ppo.old_logprobs = 8, 0, "recompute"
+    c.val.num_tasks, c.val.num_holdout_tasks, c.val.seeds_per_goal = 3, 2, 1
+    c.val.options, c.val.holdout_options = '{"split": "valid"}', '{"split": "valid", "max_steps": 1}'
+    c.log.progress, c.rollout.show_inventory, c.rollout.template = False, False, ""
+    tok = build_game_tokenizer(c, str(tmp_path / "tok"), num_tasks=4)
+    tr = Trainer(c, str(tmp_path / "run"), tokenizer=tok, env_factory=FaultyEnv)
+    try:
+        assert [t for t, _ in tr.val_panel] == [0, 3, 6] and [t for t, _ in tr.holdout_panel] == [0, 6]
+        assert len(tr.train_ids) == 100  # training goals from the game without options
+        pools = tr.val_pools
+        assert pools["val"] is not tr.pool and pools["val/holdout"] not in (tr.pool, pools["val"])
+        assert pools["val"].env_options == {"max_steps": 2, "split": "valid"}
+        assert pools["val/holdout"].env_options == {"max_steps": 1, "split": "valid"}
+        v = tr.validate()
+        assert v["val/tasks"] == 3 and v["val/holdout/tasks"] == 2 and v["val/tasks/task_type_valid"] == 3
+        assert v["val/holdout/episode_length"] == 1.0  # its own step cap: played on its own game
+    finally:
+        tr.close()
+    c.val.options = '{"split": "test"}'
+    with pytest.raises(config_lib.ConfigError, match=r"config.val.options: the game .* refused .*split must be"):
+        Trainer(c, str(tmp_path / "run2"), tokenizer=tok, env_factory=FaultyEnv)
+    c.val.options = "[1]"
+    with pytest.raises(config_lib.ConfigError, match=r"config.val.options must be '' or a JSON object"):
+        config_lib.validate(c)

@@ -104,6 +104,22 @@ def test_reward_is_the_score_and_success_is_score_one(score, done, expected):
     assert ws.score_outcome(score, done) == expected
 
 
+@pytest.mark.parametrize("score, done, expected", [(1.0, True, (1.0, True)), (0.75, True, (0.0, False))])
+def test_success_reward_pays_only_a_perfect_score(score, done, expected):
+    assert ws.score_outcome(score, done, "success") == expected
+
+
+def test_success_reward_keeps_the_score_in_info(replay_engine):
+    env = ws.WebShopEnv(reward="success", human_goals=False)
+    assert replay_engine.instances[-1].kwargs["human_goals"] is False
+    env.reset(0, seed=0)
+    for step in STEPS[1:]:
+        obs, reward, done, info = env.step(step["action"])
+    assert (reward, done, info["task_score"]) == (1.0, True, 1.0)
+    with pytest.raises(ValueError, match=r"reward must be one of \('score', 'success'\)"):
+        ws.WebShopEnv(reward="partial")
+
+
 def test_score_outside_unit_interval_is_rejected():
     with pytest.raises(ValueError, match="score"):
         ws.score_outcome(1.5, True)
