@@ -120,11 +120,14 @@ def make_plots(
     *,
     train_temperature: float | None = None,
     val_temperature: float | None = None,
+    grouping: str | None = None,
 ) -> list[str]:
     """PNG plots from the metrics: success curve, singleton rate hash vs clusters, PACE row mix.
 
     ``train_temperature`` / ``val_temperature``: the rollout and validation sampling temperatures,
-    named in the success plot's legend when given.
+    named in the success plot's legend when given. ``grouping``: the estimator's step groups
+    (``EstimatorSpec.grouping``: ``"obs_hash"``, ``"cluster"``, ``"none"``), marked in the singleton
+    plot; both partitions are drawn from what every run records (``estimator/hash_*``, ``cluster_*``).
 
     Returns the paths written (under ``<workdir>/plots``).
     """
@@ -156,6 +159,9 @@ def make_plots(
         fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
         plt.close(fig)
 
+    def mark(kind):
+        return ": trained on" if kind == grouping else ""
+
     def named(label, t):
         return label if t is None else f"{label} (T={t:g})"
 
@@ -174,12 +180,12 @@ def make_plots(
     line_plot(
         "singleton_rate.png",
         (
-            ("estimator/hash_singleton_group_rate", "exact hash (GiGPO)"),
-            ("estimator/singleton_group_rate", "clusters (BiGPO)"),
+            ("estimator/hash_singleton_group_rate", "exact hashing (GiGPO's)" + mark("obs_hash")),
+            ("estimator/cluster_singleton_group_rate", "fingerprint clusters (BiGPO's, BiPACE's)" + mark("cluster")),
         ),
         "iteration",
         "singleton step-group rate",
-        "Singleton rate: hash vs clusters",
+        "Singleton rate of each partition on this run's batches",
     )
 
     fig, ax = plt.subplots(figsize=(6, 4))

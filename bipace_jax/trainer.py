@@ -447,9 +447,9 @@ class Trainer:
             bar.close()
         if self.is_primary:
             if c.log.plots:
-                summary["plots"] = make_plots(
-                    self.workdir, train_temperature=c.sampler.temperature, val_temperature=c.val.temperature
-                )
+                temps = dict(train_temperature=c.sampler.temperature, val_temperature=c.val.temperature)
+                grouping = config_lib.estimator_config(c, self.epsilon).spec.grouping
+                summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
             if c.checkpoint.export_hf:
                 summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
         return summary

@@ -73,7 +73,7 @@ def test_metrics_logger_drops_lines_of_iterations_that_will_be_rerun(tmp_path):
     rows = read_metrics(str(tmp_path))
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[2]["train/success_rate"] == 0.9 and rows[1]["val/success_rate"] is None
-    paths = make_plots(str(tmp_path))
+    paths = make_plots(str(tmp_path), grouping="obs_hash")
     assert [os.path.basename(p) for p in paths] == ["success.png", "singleton_rate.png", "pace_row_mix.png"]
 
 
