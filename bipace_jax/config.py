@@ -339,7 +339,13 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
     """
     m, dtype = c.model, _DTYPES[c.model.dtype]
     if m.checkpoint:
-        actor = load_hf_checkpoint(resolve_path(m.checkpoint), dtype=dtype, fingerprint_layer=m.fingerprint_layer)
+        # param_dtype too: bf16 parameters would make AdamW's small updates round away
+        actor = load_hf_checkpoint(
+            resolve_path(m.checkpoint),
+            dtype=dtype,
+            param_dtype=_DTYPES[m.param_dtype],
+            fingerprint_layer=m.fingerprint_layer,
+        )
         actor.matmul_precision = m.matmul_precision
         return actor
     if m.preset != "tiny":

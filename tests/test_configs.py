@@ -262,3 +262,22 @@ def test_alfworld_paper_config_without_data_stops_naming_alfworld_data(tmp_path,
     c.model.preset, c.model.fingerprint_layer, c.mesh.fsdp = "tiny", -1, 1  # never built: the games fail first
     with pytest.raises(configs.ConfigError, match=r"config.env.options: .*set \$ALFWORLD_DATA"):
         Trainer(c, str(tmp_path / "run"), tokenizer=object())
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_a_loaded_checkpoint_keeps_the_configured_parameter_dtype(param_dtype):
+    # bf16 activations with fp32 master weights (the paper configs): loading must not cast the weights
+    # to the activation dtype (in bf16, 98% of AdamW's 1e-6 updates round away)
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bipace_jax import config as config_lib
+    from bipace_jax.models import load_tokenizer
+
+    c = _load("textcraft_tiny")
+    c.model.checkpoint = "bipace_jax/data/textcraft_tiny"  # the shipped warm start
+    c.model.dtype, c.model.param_dtype = "bfloat16", param_dtype
+    actor = config_lib.build_actor(c, load_tokenizer(config_lib.resolve_path(c.model.checkpoint)))
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(actor, nnx.Param))}
+    assert dtypes == {jnp.dtype(param_dtype)} and actor.dtype == jnp.bfloat16
