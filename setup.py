@@ -29,11 +29,17 @@ ALFWORLD_REQUIRES = [
     "fast-downward-textworld==20.6.4",
 ]
 
+# Our WebShop engine: the search index (Lucene's BM25), Porter stemming, thefuzz's token-set ratio.
+WEBSHOP_REQUIRES = ["bm25s==0.3.16", "PyStemmer==3.1.0", "rapidfuzz==3.14.6"]
+
 EXTRAS_REQUIRE = {
     # ALFWorld's real text engine (compiles fast-downward with cmake, about 75 s).
     "alfworld": ALFWORLD_REQUIRES,
+    # WebShop on its data files; spaCy (+ en_core_web_sm) only to tag a new catalogue's title nouns.
+    "webshop": WEBSHOP_REQUIRES,
+    "webshop-nouns": ["spacy>=3.7"],
     # torch is the parity reference only: the library never imports it.
-    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "ruff==0.17.6", *ALFWORLD_REQUIRES],
+    "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "ruff==0.17.6", *ALFWORLD_REQUIRES, *WEBSHOP_REQUIRES],
 }
 
 setup(

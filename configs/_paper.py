@@ -71,6 +71,6 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
         c.val[k] = v
     if game == "alfworld":  # a paper run must not fall back to the 12 bundled fixture games
         c.env.options = '{"require_real_data": true}'
-    if game == "webshop":  # synthetic goals, 10 only for a perfect score (the score is logged: val/score)
-        c.env.options = '{"human_goals": false, "reward": "success"}'
+    if game == "webshop":  # our engine on $WEBSHOP_DATA; synthetic goals; 10 only for a score of 1
+        c.env.options = '{"goals": "synthetic", "reward": "success"}'
     return c

@@ -1,42 +1,70 @@
-"""WebShop adapter: WebShop's text environment (``web_agent_site``) behind the ``TextEnv`` contract.
+"""WebShop (Yao et al., 2022): our own engine on WebShop's data files, and an adapter over the original.
 
-WebShop (Yao et al., 2022) is not on PyPI in usable form (the ``webshop`` 0.1.0 package lacks the
-site code and data). A user installs it from its repository, with its product data and search
-index (pyserini, which needs Java 21)::
+``environments.make("webshop", **options)`` builds ``WebShopEnv``, a pure-Python engine that
+reproduces what verl-agent's WebShop agents see and are paid, with no Java, search index, Flask or
+(given a noun cache) spaCy. ``engine="original"`` builds ``OriginalWebShopEnv`` instead, the
+adapter over WebShop's own ``web_agent_site`` package (installed from its repository).
 
-    git clone https://github.com/princeton-nlp/WebShop && cd WebShop
-    ./setup.sh -d all            # pip installs, product data, search index
-    export PYTHONPATH=$PWD:$PYTHONPATH   # makes `web_agent_site` importable
+Data: WebShop's files (``environments/webshop_data.py``): ``items_shuffle_1000.json`` (products),
+``items_ins_v2_1000.json`` (attributes, synthetic instructions), ``items_human_ins.json`` (human
+goals, only for ``goals="human"``), which WebShop's ``./setup.sh -d small`` downloads (repository
+github.com/princeton-nlp/WebShop). Point ``data_dir`` (or ``$WEBSHOP_DATA``) at that folder;
+``data_dir="sample"`` plays the 10-product sample shipped in ``environments/data/webshop_sample``.
+The reward's title nouns come from ``title_nouns.json`` next to the data, written on first use
+with spaCy (``pip install spacy && python -m spacy download en_core_web_sm``).
 
-Without it, ``make("webshop")`` raises ImportError with these instructions. The formatting and
-parsing functions below need nothing installed.
+Options of ``WebShopEnv`` (``make("webshop", ...)``):
 
-Conventions (verl-agent's WebShop setup, which the GiGPO and BiPACE papers use):
+* ``data_dir``: the data folder (default ``$WEBSHOP_DATA``; ``"sample"``: the shipped sample).
+* ``goals``: ``"synthetic"`` (one per option combination of each product with an instruction,
+  verl-agent's choice, and so the paper's) or ``"human"`` (crowd-written instructions).
+* ``split``: ``"test"`` plays goals ``[0, num_test_goals)``, ``"train"`` the rest (verl-agent's
+  split; ``num_test_goals`` is 500 there, smaller for the sample's 55 goals).
+* ``goal_seed`` (0): the seed of the ranged products' prices, the price caps and the goal order
+  (verl-agent seeds them per worker; here one order serves every game, so task ids are stable).
+* ``reward``: ``"score"`` (the task score in [0, 1]) or ``"success"`` (1 only for a score of
+  exactly 1, verl-agent's; the trainer's ``rollout.success_reward`` makes it 10).
+* ``max_steps`` (15, verl-agent's WebShop cap).
 
-- The engine runs in ``observation_mode="text"``: each page is its visible strings joined by
-  " [SEP] " (``SEP``). The first page reads "WebShop [SEP] Instruction: [SEP] <instruction> [SEP]
-  Search"; ``task`` is that instruction (``extract_instruction``).
-- ``text`` = ``anchor`` = ``format_page(page, instruction)``: the page's parts after the
-  instruction, each in single quotes, joined by " [SEP] " ("'Back to Search' [SEP] 'Page 1 ...'");
-  a page without the instruction (the purchase confirmation) is kept as it is.
-- ``admissible_actions`` = ``format_available_actions``: "search[<your query>]" when the page has
-  a search bar, then "click[<clickable>]" for each clickable the engine lists (lower-cased button
-  texts, product ids, option values).
-- Reward = the engine's task score in [0, 1], given when the agent clicks "buy now" (which ends the
-  episode), or with ``reward="success"`` (verl-agent's) 1 only for a score of exactly 1; ``won`` =
-  the score is exactly 1; ``info["task_score"]`` is the score. ``max_steps`` defaults to 15.
-- Task ids: ``split="test"`` plays goals 0..499, ``split="train"`` goals 500.. (verl-agent's split of
-  WebShop's human goals); ``task_info`` gives the goal index. WebShop has no expert:
-  ``oracle_action()`` returns None.
+The game (exact page texts, ``render_*`` below): each page is its visible strings joined by
+" [SEP] ". The start page is "WebShop [SEP] Instruction: [SEP] <instruction> [SEP] Search";
+``search[<words>]`` (on any page) shows "Page p (Total results: n)" and 10 of the 50 best hits
+(asin, title, price), with "< Prev" (p > 1) and "Next >" (always); ``click[<asin>]`` opens an item
+page (option groups and values, title, price, "Rating: N.A.", Description / Features / Reviews /
+Buy Now); ``click[<option value>]`` chooses it (the page text does not show the choice);
+``click[< prev]`` goes back one level, ``click[back to search]`` to the start page; ``click[buy
+now]`` ends the episode with the task score (``environments/webshop_reward.py``). Anything else
+(unknown action, a click on something the page does not list, ``click[search]``) changes nothing.
+Action arguments are lower-cased; the action name is matched as written ("Click[...]" does nothing).
+
+What the agent sees (verl-agent's formatting, used by both engines):
+
+* ``task`` is the instruction; ``text`` = ``anchor`` = ``format_page(page, instruction)``: the
+  page's parts after the instruction, each in single quotes, joined by " [SEP] " ("'Back to
+  Search' [SEP] 'Page 1 ...'"); the purchase page, which lacks the instruction, is kept whole.
+* ``admissible_actions`` = ``format_available_actions``: "search[<your query>]" on the start page,
+  then "click[<clickable>]" per clickable: lower-cased buttons, product ids, option values.
+* ``info["task_score"]`` is the score, ``info["won"]`` (and ``Observation.won``) a score of
+  exactly 1, ``info["admissible"]`` whether the action was among the listed ones.
+* ``task_info(t)`` = ``{"goal_index", "asin", "task_type"}`` (task_type: WebShop's category).
+* ``oracle_action()`` (our engine): search the goal product's title, open it (paging if needed),
+  choose the goal's options, buy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import random
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from environments import webshop_data as data
 from environments.base import Observation, TextEnv, register
+from environments.webshop_reward import Score, task_score
+from environments.webshop_search import TOP_K, SearchIndex, document_text
 
 SEP = " [SEP] "
 INSTRUCTION_MARK = "Instruction:"
@@ -136,6 +164,334 @@ def score_outcome(score: float, done: bool, reward: str = "score") -> tuple[floa
     return (score if reward == "score" else float(won)), won
 
 
+# --- our engine: pages --------------------------------------------------------------------------
+PRODUCTS_PER_PAGE = 10
+SUB_PAGES = ("description", "features", "reviews")
+ENGINES = ("native", "original")
+# WebShop's own action grammar (greedy, matched at the start): "name[arg]".
+_ENGINE_ACTION_RE = re.compile(r"(.+)\[(.+)\]")
+_HTML_SPACE = " \t\n\r\f"
+
+
+def _field(text: str) -> list[str]:
+    """The text field a template value becomes: none for "" or blank text with a newline (the
+    HTML parser folds it into a dropped "\\n"), "" for other blank text, else the stripped text."""
+    if text == "":
+        return []
+    if not text.strip(_HTML_SPACE):
+        return [] if "\n" in text else [""]
+    return [text.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """A rendered page: its text fields, its clickables (key -> ``(kind, payload)``; kinds
+    "button", "product" (payload: asin), "option" (payload: option name)) in page order, and
+    whether it has the search bar."""
+
+    fields: tuple[str, ...]
+    clickables: Mapping[str, tuple[str, str | None]]
+    has_search_bar: bool = False
+
+    @property
+    def text(self) -> str:
+        return SEP.join(self.fields)
+
+    def available(self) -> dict[str, Any]:
+        """The page's ``get_available_actions()`` dict (``format_available_actions`` input)."""
+        return {"has_search_bar": self.has_search_bar, "clickables": list(self.clickables)}
+
+
+def _header(instruction: str) -> list[str]:
+    return [INSTRUCTION_MARK, *_field(instruction), "Back to Search"]
+
+
+def render_search(instruction: str) -> Page:
+    """The start page: "WebShop [SEP] Instruction: [SEP] <instruction> [SEP] Search"."""
+    return Page(("WebShop", INSTRUCTION_MARK, *_field(instruction), "Search"), {"search": ("button", None)}, True)
+
+
+def render_results(instruction: str, products: Sequence[data.Product], page: int, total: int) -> Page:
+    """A results page: page ``page`` of ``total`` hits showing ``products`` (asin, title, price tag)."""
+    fields = _header(instruction) + [f"Page {page} (Total results: {total})"]
+    clickables: dict[str, tuple[str, str | None]] = {"back to search": ("button", None)}
+    if page > 1:
+        fields.append("< Prev")
+        clickables["< prev"] = ("button", None)
+    fields.append("Next >")
+    clickables["next >"] = ("button", None)
+    for p in products:
+        fields += [*_field(p.asin), *_field(p.title), *_field(p.price_tag)]
+        clickables[p.asin.lower()] = ("product", p.asin)
+    return Page(tuple(fields), clickables)
+
+
+def render_item(instruction: str, product: data.Product) -> Page:
+    """An item page: option groups with their values, title, price, rating and the four buttons."""
+    fields = _header(instruction) + ["< Prev"]
+    for name, values in product.options.items():
+        fields += _field(name)
+        for v in values:
+            fields += _field(v)
+    fields += [*_field(product.title), f"Price: {product.price_tag}", f"Rating: {product.rating}"]
+    fields += ["Description", "Features", "Reviews", "Buy Now"]
+    buttons = ("back to search", "< prev", *SUB_PAGES, "buy now")
+    clickables: dict[str, tuple[str, str | None]] = {b: ("button", None) for b in buttons}
+    for name, values in product.options.items():
+        for v in values:
+            clickables[v] = ("option", name)  # a repeated value keeps its first place, points to its last group
+    return Page(tuple(fields), clickables)
+
+
+def render_sub_page(instruction: str, product: data.Product, which: str) -> Page:
+    """The description, features (one field per bullet point) or reviews (always empty) page."""
+    fields = _header(instruction) + ["< Prev"]
+    if which == "description":
+        fields += _field(product.description)
+    elif which == "features":
+        for bullet in product.bullet_points:
+            fields += _field(" " + bullet)
+    elif which != "reviews":
+        raise ValueError(f"sub-page must be one of {SUB_PAGES}, got {which!r}")
+    return Page(tuple(fields), {"back to search": ("button", None), "< prev": ("button", None)})
+
+
+def _options_json(options: Mapping[str, str]) -> str:
+    # Flask's tojson: sorted keys, ASCII, and <, >, &, ' escaped for HTML.
+    text = json.dumps(dict(options), sort_keys=True)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("'", "\\u0027")):
+        text = text.replace(ch, esc)
+    return text
+
+
+def render_done(asin: str, options: Mapping[str, str], score: float) -> Page:
+    """The purchase page (no instruction; its hidden parts are text too, as in WebShop's template)."""
+    fields = ["Thank you for shopping with us!", "Your code:", "None", "(Paste it in your MTurk interface.)"]
+    fields += ["Purchased", "asin", *_field(asin), "options", _options_json(options)]
+    for label in ("attrs", "category", "query", "product category"):
+        fields += [label, "None"]
+    fields += ["Target", "asin", "options", "attrs", "price upper", "instuction text"]
+    fields += ["category", "product category", "query", "Goal", "None", "Reward"]
+    fields += ["Your score (min 0.0, max 1.0)", str(float(score)), "Reward Details", "None"]
+    return Page(tuple(fields), {})
+
+
+@functools.lru_cache(maxsize=4)
+def _search_index(data_dir: str) -> SearchIndex:
+    products = data.load_catalogue(data_dir).products
+    return SearchIndex([(p.asin, document_text(p.title, p.description, p.bullet_points, p.options)) for p in products])
+
+
+def search_query(text: str) -> str:
+    """``text`` as a search argument the engine parses back whole: lower case, no brackets, single spaces."""
+    return " ".join(re.sub(r"[\[\]]", " ", text.lower()).split())
+
+
+# --- our engine ---------------------------------------------------------------------------------
+class WebShopEnv(TextEnv):
+    """WebShop on its own data files (conventions and options in the module docstring).
+
+    Args:
+      data_dir: WebShop's data folder (default ``$WEBSHOP_DATA``); ``"sample"``: the shipped sample.
+      goals: ``"synthetic"`` or ``"human"``.
+      split: ``"train"`` (goals ``num_test_goals``..) or ``"test"`` (goals 0..``num_test_goals``-1).
+      reward: ``"score"`` or ``"success"``.
+      max_steps: step cap (default 15).
+      num_test_goals: size of the test split (default 500, verl-agent's).
+      goal_seed: seed of the prices, price caps and goal order (default 0).
+
+    Raises:
+      FileNotFoundError: no data folder, or a data file missing (the message says where WebShop's
+        setup gets them).
+      ImportError: the title nouns are not cached and spaCy cannot compute them, or the search /
+        reward libraries (the ``webshop`` extra) are missing.
+      ValueError: a bad option (named, with the values it takes), or a split without goals.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        goals: str = "synthetic",
+        split: str = "train",
+        reward: str = "score",
+        max_steps: int = 15,
+        num_test_goals: int = TEST_GOALS,
+        goal_seed: int = 0,
+    ):
+        super().__init__(max_steps)
+        if goals not in data.GOAL_KINDS:
+            raise ValueError(f"goals must be one of {data.GOAL_KINDS}, got {goals!r}")
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+        if not isinstance(num_test_goals, int) or isinstance(num_test_goals, bool) or num_test_goals < 0:
+            raise ValueError(f"num_test_goals must be an int >= 0, got {num_test_goals!r}")
+        if not isinstance(goal_seed, int) or isinstance(goal_seed, bool):
+            raise ValueError(f"goal_seed must be an int, got {goal_seed!r}")
+        self.data_dir = data.resolve_data_dir(data_dir)
+        self.catalogue = data.load_catalogue(self.data_dir)
+        self.prices, all_goals = data.build_goals(self.data_dir, goals, goal_seed)
+        self.goals = all_goals[:num_test_goals] if split == "test" else all_goals[num_test_goals:]
+        if not self.goals:
+            raise ValueError(
+                f"WebShop split {split!r} has no goals: {len(all_goals)} {goals} goals in {self.data_dir!r}, "
+                f"the first num_test_goals={num_test_goals} are the test split"
+            )
+        self._offset = 0 if split == "test" else num_test_goals
+        self.split, self.reward_mode, self.goal_kind = split, reward, goals
+        self.nouns = data.title_nouns(self.data_dir)
+        self.index = _search_index(self.data_dir)
+        self._hits_cache: dict[str, list[data.Product]] = {}
+        self.goal: data.Goal | None = None
+        self.last_score: Score | None = None
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.goals)
+
+    def task_info(self, task_id: int) -> dict[str, Any]:
+        """``{"goal_index": <index among all goals>, "asin": <target>, "task_type": <WebShop category>}``."""
+        if not 0 <= int(task_id) < self.num_tasks:
+            raise ValueError(f"task_id must lie in [0, {self.num_tasks}), got {task_id}")
+        g = self.goals[int(task_id)]
+        return {"goal_index": self._offset + int(task_id), "asin": g.asin, "task_type": g.category}
+
+    # -- search ------------------------------------------------------------------------------
+    def hits(self, keywords: Sequence[str]) -> list[data.Product]:
+        """The products a search for ``keywords`` (split on " ") returns, best first.
+
+        First keywords with special meaning, as in WebShop: ``<r>`` 50 random products (this
+        episode's seed), ``<c> <category>``, ``<q> <query...>`` (equality); ``<a>`` returns nothing
+        (WebShop's text environment cannot serve it).
+        """
+        products = self.catalogue.products
+        head = keywords[0] if keywords else ""
+        if head == "<r>":
+            return self._rng.sample(list(products), k=min(len(products), TOP_K))
+        if head == "<c>":
+            cat = keywords[1].strip() if len(keywords) > 1 else ""
+            return [p for p in products if p.category == cat]
+        if head == "<q>":
+            q = " ".join(keywords[1:]).strip()
+            return [p for p in products if p.query == q]
+        if head == "<a>":
+            return []
+        query = " ".join(keywords)
+        if query not in self._hits_cache:
+            self._hits_cache[query] = [products[i] for i in self.index.search(query)]
+        return self._hits_cache[query]
+
+    # -- game --------------------------------------------------------------------------------
+    def _show(self, page: Page, kind: str) -> None:
+        self._page, self._kind = page, kind
+
+    def _start_page(self) -> None:
+        self._keywords, self._page_no, self._asin, self._options = None, None, None, {}
+        self._show(render_search(self.goal.instruction_text), "search")
+
+    def _results(self, keywords: list[str], page_no: int) -> None:
+        self._keywords, self._page_no, self._asin, self._options = keywords, page_no, None, {}
+        hits = self.hits(keywords)
+        shown = hits[(page_no - 1) * PRODUCTS_PER_PAGE : page_no * PRODUCTS_PER_PAGE] if page_no >= 1 else []
+        self._show(render_results(self.goal.instruction_text, shown, page_no, len(hits)), "results")
+
+    def _item(self) -> None:
+        self._show(render_item(self.goal.instruction_text, self.catalogue.by_asin[self._asin]), "item")
+
+    def _reset(self, task_id: int, seed: int) -> Observation:
+        self.goal = self.goals[task_id]
+        self._rng = random.Random(seed)  # only the "<r>" search draws from it
+        self.last_score = None
+        self._instruction = self.goal.instruction_text.strip()
+        self._start_page()
+        return self._observation()
+
+    def _click(self, key: str) -> tuple[float, bool]:
+        kind, payload = self._page.clickables[key]
+        at = self._kind
+        if key == "buy now":
+            product = self.catalogue.by_asin[self._asin]
+            nouns = self.nouns.__getitem__
+            self.last_score = task_score(product, self.goal, self.prices[self._asin], self._options, nouns)
+            self._show(render_done(self._asin, self._options, self.last_score.total), "done")
+            return self.last_score.total, True
+        if key == "back to search":
+            self._start_page()
+        elif key == "next >" and at == "results":
+            self._results(self._keywords, self._page_no + 1)
+        elif key == "< prev" and at == "results":
+            self._results(self._keywords, self._page_no - 1)
+        elif key == "< prev" and at in SUB_PAGES:
+            self._item()
+        elif key == "< prev" and at == "item":
+            self._results(self._keywords, self._page_no)
+        elif key in SUB_PAGES:
+            self._show(render_sub_page(self.goal.instruction_text, self.catalogue.by_asin[self._asin], key), key)
+        else:
+            if kind == "product":
+                self._asin = payload
+            elif kind == "option":
+                self._options[payload] = key
+            self._item()
+        return 0.0, False
+
+    def _observation(self, won: bool = False) -> Observation:
+        text = format_page(self._page.text, self._instruction)
+        actions = format_available_actions(self._page.available())
+        return Observation(text=text, anchor=text, task=self._instruction, admissible_actions=actions, won=won)
+
+    def _step(self, action: str):
+        if not isinstance(action, str):
+            raise TypeError(f"action must be a str, got {type(action).__name__}")
+        admissible = is_available(action, self._page.available())
+        score, done = 0.0, False
+        m = _ENGINE_ACTION_RE.match(action.strip())
+        if m is not None:
+            name, arg = m.group(1), m.group(2).lower()
+            if name == "search":
+                self._results(arg.split(" "), 1)
+            elif name == "click" and arg in self._page.clickables and arg != "search":
+                score, done = self._click(arg)
+        reward, won = score_outcome(score, done, self.reward_mode)
+        info = {"won": won, "task_score": float(score), "admissible": admissible}
+        return self._observation(won), reward, done, info
+
+    # -- expert ------------------------------------------------------------------------------
+    def _wanted_options(self) -> list[str]:
+        """The option values the goal asks for that the item page offers, not yet chosen."""
+        clickables = self._page.clickables
+        if isinstance(self.goal.goal_options, Mapping):
+            wanted = [(name, v) for name, v in self.goal.goal_options.items()]
+        else:
+            wanted = [(clickables.get(v, ("", None))[1], v) for v in self.goal.goal_options]
+        return [v for name, v in wanted if clickables.get(v) == ("option", name) and self._options.get(name) != v]
+
+    def oracle_action(self) -> str | None:
+        """The expert's next action (see the module docstring); None when done or when searching the
+        goal product's title does not find it."""
+        if self.goal is None or self._done or self._kind == "done":
+            return None
+        target = self.goal.asin
+        query = search_query(self.catalogue.by_asin[target].title)
+        if self._kind == "item" and self._asin == target:
+            todo = self._wanted_options()
+            return f"click[{todo[0]}]" if todo else "click[buy now]"
+        if self._kind in SUB_PAGES and self._asin == target:
+            return "click[< prev]"
+        if self._kind == "results":
+            if target.lower() in self._page.clickables:
+                return f"click[{target.lower()}]"
+            asins = [p.asin for p in self.hits(self._keywords)]
+            if target in asins:
+                return (
+                    "click[next >]" if asins.index(target) // PRODUCTS_PER_PAGE + 1 > self._page_no else "click[< prev]"
+                )
+            if self._keywords == query.split(" "):
+                return None
+        return f"search[{query}]"
+
+
 def _import_text_env():
     try:
         from web_agent_site.envs.web_agent_text_env import WebAgentTextEnv
@@ -144,8 +500,10 @@ def _import_text_env():
     return WebAgentTextEnv
 
 
-class WebShopEnv(TextEnv):
-    """WebShop's text environment, one session at a time (conventions in the module docstring).
+# --- the original engine -------------------------------------------------------------------------
+class OriginalWebShopEnv(TextEnv):
+    """WebShop's own text environment (``web_agent_site``), one session at a time: the option
+    ``engine="original"`` (conventions in the module docstring; it has no expert).
 
     Args:
       max_steps: step cap (default 15, verl-agent's WebShop setting).
@@ -231,11 +589,17 @@ class WebShopEnv(TextEnv):
         return self._observation(page, won), reward, bool(done), info
 
     def oracle_action(self) -> str | None:
-        """WebShop has no expert: always None."""
+        """The original engine has no expert: always None."""
         return None
 
 
 @register("webshop")
-def make_webshop(**options) -> WebShopEnv:
-    """``environments.make("webshop", **options)``: a ``WebShopEnv`` (options as its arguments)."""
-    return WebShopEnv(**options)
+def make_webshop(engine: str = "native", **options) -> TextEnv:
+    """``environments.make("webshop", **options)``: our ``WebShopEnv`` (``engine="native"``, the
+    default) or the adapter ``OriginalWebShopEnv`` (``engine="original"``), options as their
+    arguments. Raises ValueError for another engine name."""
+    if engine == "native":
+        return WebShopEnv(**options)
+    if engine == "original":
+        return OriginalWebShopEnv(**options)
+    raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

@@ -4,7 +4,9 @@
 
 Games: TextCraft (actions: the oracle's plan of each episode, computed before timing), ALFWorld
 when ``environments.make("alfworld")`` works (random admissible actions; skipped with the reason
-otherwise), and a synthetic game that burns 36 ms of CPU a step (``FaultyEnv(step_cost_ms=36)``,
+otherwise), WebShop (our engine on ``--webshop_options``' data, default the shipped
+10-product sample; the oracle's episodes, computed before timing: searches, item pages, option
+clicks and purchases), and a synthetic game that burns 36 ms of CPU a step (``FaultyEnv(step_cost_ms=36)``,
 about an ALFWorld step's cost on a generated game, see ``environments/alfworld.py``) to show the pool on a slow game. Every mode
 plays the same episodes: ``num_envs`` games stepped together for ``turns`` turns, finished games
 reset (in one batched call) to the next task. Steps/s counts env steps over the whole loop,
@@ -40,6 +42,12 @@ flags.DEFINE_string(
     "JSON options for make('alfworld'); without data_path and $ALFWORLD_DATA the committed "
     "fixture games (environments/data/alfworld_fixtures) are used",
 )
+flags.DEFINE_string(
+    "webshop_options",
+    '{"data_dir": "sample", "split": "test"}',
+    "JSON options for make('webshop'); set data_dir (or $WEBSHOP_DATA) to WebShop's data folder for the real catalogue",
+)
+flags.DEFINE_integer("webshop_turns", 100, "turns per mode for WebShop")
 flags.DEFINE_string("out", "benchmarks/envs.json", "where to write the JSON")
 
 
@@ -125,6 +133,22 @@ def _bench_game(env, options, num_tasks, turns, policy) -> dict[str, Any]:
     return out
 
 
+GAMES = ("textcraft", "synthetic_36ms", "alfworld", "webshop")
+
+
+def _oracle_plans(env, keys) -> dict[tuple[int, int], list[str]]:
+    """The oracle's whole episode per (task, seed), played before timing (WebShop is deterministic)."""
+    plans = {}
+    for task, seed in keys:
+        env.reset(task, seed)
+        plan, done = [], False
+        while not done and (action := env.oracle_action()) is not None:
+            plan.append(action)
+            done = env.step(action)[2]
+        plans[(task, seed)] = plan
+    return plans
+
+
 def main(argv):
     del argv
     num_envs = FLAGS.num_envs
@@ -178,6 +202,23 @@ def main(argv):
         }
         results["alfworld"]["policy"] = "uniform over admissible actions except help, seeded"
 
+    ws_options = json.loads(FLAGS.webshop_options)
+    try:
+        ws_tasks = environments.make("webshop", **ws_options).num_tasks
+    except Exception as e:  # noqa: BLE001  (any failure to build WebShop skips it, with the reason)
+        results["webshop"] = {"skipped": f"make('webshop') failed: {type(e).__name__}: {e}"}
+    else:
+        ws_keys = [(i % ws_tasks, 1000 + i) for i in range(num_envs * 64)]
+        ws_plans = _oracle_plans(environments.make("webshop", **ws_options), ws_keys)
+
+        def webshop_policy(key, obs, n, rng):
+            plan = ws_plans.get(key)
+            return plan[n] if plan and n < len(plan) else "click[back to search]"
+
+        results["webshop"] = _bench_game("webshop", ws_options, ws_tasks, FLAGS.webshop_turns, webshop_policy)
+        results["webshop"]["options"] = ws_options
+        results["webshop"]["policy"] = "the oracle's episode of each (task, seed), computed before timing"
+
     results["machine"]["load_avg_at_end"] = os.getloadavg()
     load = max(results["machine"]["load_avg_at_start"][0], results["machine"]["load_avg_at_end"][0])
     if load >= (os.cpu_count() or 1):
@@ -188,13 +229,13 @@ def main(argv):
         )
     results["speedup"] = {
         f"{game}_{k.split('speedup_')[1]}": v
-        for game in ("textcraft", "synthetic_36ms", "alfworld")
+        for game in GAMES
         for k, v in results[game].items()
         if k.startswith("speedup_")
     }
 
     print(f"{'game':<16}{'mode':<16}{'steps':>8}{'resets':>8}{'steps/s':>12}{'speedup':>10}")
-    for game in ("textcraft", "synthetic_36ms", "alfworld"):
+    for game in GAMES:
         r = results[game]
         if "skipped" in r:
             print(f"{game:<16}skipped: {r['skipped']}")

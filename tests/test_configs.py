@@ -248,7 +248,7 @@ def test_paper_validation_protocol_and_game_options():
     assert (ws.val.options, ws.val.num_tasks, ws.env.options) == (
         '{"split": "test"}',
         256,
-        '{"human_goals": false, "reward": "success"}',
+        '{"goals": "synthetic", "reward": "success"}',
     )
     assert (tc.val.options, tc.env.options) == ("", "")
 
@@ -281,3 +281,45 @@ def test_a_loaded_checkpoint_keeps_the_configured_parameter_dtype(param_dtype):
     actor = config_lib.build_actor(c, load_tokenizer(config_lib.resolve_path(c.model.checkpoint)))
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(actor, nnx.Param))}
     assert dtypes == {jnp.dtype(param_dtype)} and actor.dtype == jnp.bfloat16
+
+
+def test_webshop_paper_config_without_data_stops_naming_webshop_data(tmp_path, monkeypatch):
+    from bipace_jax.trainer import Trainer
+
+    monkeypatch.delenv("WEBSHOP_DATA", raising=False)
+    c = _load("webshop_qwen2_5_1_5b")
+    c.model.preset, c.model.fingerprint_layer, c.mesh.fsdp = "tiny", -1, 1  # never built: the games fail first
+    with pytest.raises(configs.ConfigError, match=r"config.env.options: .*set \$WEBSHOP_DATA.*setup.sh -d small"):
+        Trainer(c, str(tmp_path / "run"), tokenizer=object())
+
+
+@pytest.mark.slow
+def test_webshop_paper_config_trains_the_tiny_actor_one_iteration_on_the_sample(tmp_path, monkeypatch):
+    """The paper's WebShop setting (our engine, synthetic goals, success reward, validation on the
+    test split) on the 10-product sample: a tiny random actor plays and updates once."""
+    import configs.textcraft_tiny
+    from bipace_jax.tiny import build_game_tokenizer
+    from bipace_jax.trainer import Trainer
+
+    monkeypatch.setenv("WEBSHOP_DATA", "sample")
+    c = _load("webshop_qwen2_5_1_5b")
+    assert json.loads(c.env.options) == {"goals": "synthetic", "reward": "success"}
+    c.env.options = '{"goals": "synthetic", "reward": "success", "num_test_goals": 40}'  # 55 goals: 40 test, 15 train
+    c.model.preset, c.model.fingerprint_layer, c.model.dtype = "tiny", -1, "float32"
+    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
+    c.model.intermediate_size, c.mesh.fsdp = 64, 1
+    c.env.max_steps, c.env.num_workers = 2, 1
+    c.rollout.num_groups, c.rollout.group_size, c.rollout.max_prompt_length = 2, 2, 2048
+    c.sampler.max_new_tokens, c.sampler.batch_buckets = 8, (4, 8)
+    c.ppo.micro_batch_rows, c.ppo.mini_batch_rows, c.ppo.old_logprobs = 8, 0, "recompute"
+    c.val.every, c.val.at_start, c.val.num_tasks, c.log.progress, c.log.plots = 0, False, 3, False, False
+    tc = configs.textcraft_tiny.get_config()  # any game's tokenizer serves a random tiny actor
+    tc.model.vocab_size = c.model.vocab_size
+    tok = build_game_tokenizer(tc, str(tmp_path / "tok"), num_tasks=4)
+    tr = Trainer(c, str(tmp_path / "run"), tokenizer=tok)
+    try:
+        assert len(tr.train_ids) == 15 and tr._task_infos["val"](0)["goal_index"] == 0  # validation: test split
+        rec = tr.train_iteration()
+    finally:
+        tr.close()
+    assert tr.iteration == 1 and rec["loss/updates"] >= 1 and rec["train/rows"] > 0

@@ -1,6 +1,6 @@
-"""WebShop adapter: page formatting and action parsing on recorded page strings (tests/data), the
-adapter's conventions on a recorded session replayed by a stand-in engine, and the error raised
-when WebShop is not installed."""
+"""WebShop: the shared page formatting and action parsing on recorded page strings (tests/data), the
+original engine's adapter (engine="original") on a recorded session replayed by a stand-in engine,
+and the error raised when WebShop is not installed."""
 
 import importlib.util
 import json
@@ -110,14 +110,14 @@ def test_success_reward_pays_only_a_perfect_score(score, done, expected):
 
 
 def test_success_reward_keeps_the_score_in_info(replay_engine):
-    env = ws.WebShopEnv(reward="success", human_goals=False)
+    env = ws.OriginalWebShopEnv(reward="success", human_goals=False)
     assert replay_engine.instances[-1].kwargs["human_goals"] is False
     env.reset(0, seed=0)
     for step in STEPS[1:]:
         obs, reward, done, info = env.step(step["action"])
     assert (reward, done, info["task_score"]) == (1.0, True, 1.0)
     with pytest.raises(ValueError, match=r"reward must be one of \('score', 'success'\)"):
-        ws.WebShopEnv(reward="partial")
+        ws.OriginalWebShopEnv(reward="partial")
 
 
 def test_score_outside_unit_interval_is_rejected():
@@ -175,7 +175,7 @@ def replay_engine(monkeypatch):
 
 
 def test_adapter_plays_a_recorded_session_with_verl_agent_conventions(replay_engine):
-    env = environments.make("webshop")
+    env = environments.make("webshop", engine="original")
     engine = replay_engine.instances[-1]
     assert env.max_steps == 15 and env.num_tasks == 100  # 600 goals, the first 500 are the test split
     assert env.task_info(0) == {"goal_index": 500}
@@ -198,7 +198,7 @@ def test_adapter_plays_a_recorded_session_with_verl_agent_conventions(replay_eng
 
 
 def test_adapter_keeps_malformed_commands_from_the_engine(replay_engine):
-    env = ws.WebShopEnv(split="test", max_steps=4)
+    env = ws.OriginalWebShopEnv(split="test", max_steps=4)
     engine = replay_engine.instances[-1]
     assert env.num_tasks == 500 and env.task_info(3) == {"goal_index": 3}
     first = env.reset(3, seed=0)
@@ -209,11 +209,11 @@ def test_adapter_keeps_malformed_commands_from_the_engine(replay_engine):
     assert engine.calls[-1] == ("step", "click[b08kbvj4xn]")
     assert obs == first and info["admissible"] is False and not done
     with pytest.raises(ValueError, match="split"):
-        ws.WebShopEnv(split="eval")
+        ws.OriginalWebShopEnv(split="eval")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("web_agent_site") is not None, reason="WebShop is installed")
 def test_make_webshop_without_webshop_installed_says_what_to_install():
     with pytest.raises(ImportError, match="web_agent_site") as err:
-        environments.make("webshop")
+        environments.make("webshop", engine="original")
     assert "github.com/princeton-nlp/WebShop" in str(err.value)
