@@ -27,7 +27,7 @@ class EstimatorConfig:
         (`docs/estimators.md`, "Returns").
       omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float.
       norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
-        level and the gigpo/bigpo step level; the BiPACE step level never divides by a std.
+        level and the gigpo/bigpo step level; the BiPACE step level only with step_norm="std".
       epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
         Only read by the clustering estimators; it is a traced value, so changing it does not recompile.
       centroid: "mean" (re-normalised running sum of members) or "leader" (the cluster's first member).
