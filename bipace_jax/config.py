@@ -459,6 +459,10 @@ def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None)
         centroid=e.centroid,
         key=e.key,
         capacity=e.capacity or None,
+        penalty=e.penalty,
+        episode_stats=e.episode_stats,
+        step_norm=e.step_norm,
+        pace_fallback=e.pace_fallback,
     )
 
 

@@ -14,7 +14,10 @@ contract (ascending group, trajectory, step; ``docs/estimators.md``): the token 
 * ``group_id``: task group index k (the k-th entry of ``task_ids``).
 * ``traj_id``: game index ``k * group_size + g`` (the pool's env index).
 * ``step``: turn index inside the trajectory, 0..T-1.
-* ``reward``: ``success_reward * env_reward - invalid_penalty * (response invalid)``.
+* ``reward``: ``success_reward * env_reward`` (the game's part).
+* ``penalty``: ``invalid_penalty * (response invalid)``, kept apart so the estimator can charge it to
+  its own row (``EstimatorConfig.penalty="own_row"``); the default ``"in_reward"`` uses
+  ``reward - penalty``, the step's net reward.
 * ``obs_hash``: ``assign_ids`` of the anchor text of the observation the prompt showed.
 * ``fingerprint``: the sampler's prompt fingerprint (hidden state at the last prompt token).
 * ``action_key``: ``assign_ids`` of the PACE key: ``action_tag(response)`` or the first 8 response
@@ -156,7 +159,7 @@ class Episode:
     Attributes:
       task_id, seed: the game played; ``group_id``: its task group; ``traj_id``: its pool env index.
       won: the game reported success. ``length``: steps taken. ``invalid_count``: unparsable responses.
-      episode_return: undiscounted sum of the step rewards (success and invalid-action terms).
+      episode_return: undiscounted sum of the net step rewards (success term minus invalid-action charges).
       env_error: the pool's fault kind (``environments.pool.ENV_ERRORS``) when the game failed at
         reset or mid-game, else None; such a game's rows are left out of the batch (its return is
         not the game's), it is not counted in ``success_rate``.
@@ -186,7 +189,8 @@ class StepRecord:
     traj: int
     group: int
     step: int
-    reward: float
+    reward: float  # the game's part: success_reward * env reward
+    penalty: float  # the invalid-action charge, >= 0
     anchor: str
     fingerprint: np.ndarray  # float32[D]
     pace: Any  # the PACE key (action tag text or first token ids)
@@ -540,7 +544,8 @@ def collect(
                     pace = action_tag(texts[r])
                 else:
                     pace = tuple(int(t) for t in toks[:FIRST_TOKENS])
-                reward = rcfg.success_reward * float(res.reward) - rcfg.invalid_penalty * penalised[r]
+                reward = rcfg.success_reward * float(res.reward)
+                penalty = rcfg.invalid_penalty * penalised[r]
                 ep = episodes[i]
                 rows.append(
                     StepRecord(
@@ -548,6 +553,7 @@ def collect(
                         group=i // g_size,
                         step=ep.length,
                         reward=reward,
+                        penalty=penalty,
                         anchor=obs[i].anchor,
                         fingerprint=np.asarray(out.fingerprints[r], np.float32),
                         pace=pace,
@@ -562,7 +568,7 @@ def collect(
                         label=labels[r],
                     )
                 )
-                ep.episode_return += reward
+                ep.episode_return += reward - penalty
                 ep.length += 1
                 ep.invalid_count += not valid[r]
                 history[i].append((obs[i].text, actions[r]))
@@ -630,6 +636,7 @@ def collect(
         traj_id=padded([r.traj for r in rows], np.int32),
         step=padded([r.step for r in rows], np.int32),
         reward=padded([r.reward for r in rows], np.float32),
+        penalty=padded([r.penalty for r in rows], np.float32),
         obs_hash=padded(assign_ids([r.anchor for r in rows]), np.int32),
         fingerprint=padded(np.stack([r.fingerprint for r in rows]), np.float32),
         action_key=padded(assign_ids([r.pace for r in rows]), np.int32, fill=-1),

@@ -48,6 +48,15 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     c.estimator.norm = g["norm"]
     c.estimator.name = "bipace_q"
     c.estimator.epsilon = m["epsilon"]
+    # GiGPO's statistics as verl-agent computes them: the invalid-action charge on its own row only, and
+    # the episode mean/std over the task group's rows (compute_mean_std_cross_steps=True).
+    c.estimator.penalty = "own_row"
+    c.estimator.episode_stats = "rows"
+    # The paper's reading of PACE: a drop-in replacement of GiGPO's partition and baseline, so its step
+    # term is divided by the cluster std where GiGPO divides (norm="mean_std" games), and a row whose
+    # same-action pool is a singleton falls back to leave-one-out ("if the pool is a singleton").
+    c.estimator.step_norm = "std" if g["norm"] == "mean_std" else "none"
+    c.estimator.pace_fallback = "singleton_pool"
     c.model.preset = size
     c.model.fingerprint_layer = m["fingerprint_layer"]
     c.model.dtype = "bfloat16"

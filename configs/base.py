@@ -100,6 +100,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.estimator.centroid = "mean"  # mean | leader
     c.estimator.key = "action_tag"  # PACE key: action_tag | first_tokens
     c.estimator.capacity = 0  # clusters per task group; 0 = the group's row capacity (never overflows)
+    # Protocol options (docs/estimators.md, "Protocol options"); the defaults are the contract's plain reading.
+    c.estimator.penalty = (
+        "in_reward"  # in_reward (discounted back like any reward) | own_row (its row only; needs rows)
+    )
+    c.estimator.episode_stats = "trajectory"  # trajectory (one score per episode) | rows (per row, verl-agent)
+    c.estimator.step_norm = "none"  # none | std (bipace_* step term / cluster std, under norm=mean_std)
+    c.estimator.pace_fallback = "same_key_cluster"  # same_key_cluster | singleton_pool (per-row LOO, paper)
     # One-shot calibration (the paper's sweep; clustering estimators only): on the first iteration, epsilon becomes the smallest
     # grid value whose singleton step-group rate on that batch's fingerprints is <= the target
     # (paper, TextCraft-7B: clusters 22.4% singletons vs 50.3% for exact hashing). Off: epsilon as set.

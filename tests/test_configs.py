@@ -12,6 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import configs
+from bipace_jax.config import estimator_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,6 +103,27 @@ def test_paper_settings_carry_the_paper_values(game, size, layer, eps, steps, no
     r = c.rollout
     assert (r.require_think, r.reject_cjk, r.invalid_action) == (True, True, "projected")
     assert r.projection_chars == (20 if game == "webshop" else 30)
+    # Protocol options: verl-agent's GiGPO statistics, the paper's PACE (step std only where GiGPO divides).
+    e = c.estimator
+    assert (e.penalty, e.episode_stats, e.pace_fallback) == ("own_row", "rows", "singleton_pool")
+    assert e.step_norm == ("std" if norm == "mean_std" else "none")
+    ecfg = estimator_config(c)
+    assert (ecfg.penalty, ecfg.episode_stats, ecfg.step_norm, ecfg.pace_fallback) == (
+        e.penalty,
+        e.episode_stats,
+        e.step_norm,
+        e.pace_fallback,
+    )
+
+
+def test_tiny_cpu_config_keeps_the_protocol_defaults():
+    e = _load("textcraft_tiny").estimator
+    assert (e.penalty, e.episode_stats, e.step_norm, e.pace_fallback) == (
+        "in_reward",
+        "trajectory",
+        "none",
+        "same_key_cluster",
+    )
 
 
 def test_command_line_overrides_reach_nested_fields():
@@ -131,6 +153,14 @@ def test_command_line_overrides_reach_nested_fields():
         ("estimator.epsilon", 1.5, "config.estimator.epsilon: expected a value in [0, 1), got 1.5"),
         ("estimator.name", "gipgo", "config.estimator.name: expected one of"),
         ("estimator.gamma", -0.1, "config.estimator.gamma"),
+        ("estimator.step_norm", "mad", "config.estimator.step_norm: expected one of ('none', 'std'), got 'mad'"),
+        ("estimator.pace_fallback", "loo", "config.estimator.pace_fallback: expected one of"),
+        ("estimator.episode_stats", "steps", "config.estimator.episode_stats: expected one of"),
+        (
+            "estimator.penalty",
+            "own_row",
+            "config.estimator.penalty: 'own_row' requires config.estimator.episode_stats='rows', got",
+        ),
         ("rollout.group_size", 0, "config.rollout.group_size must be an int >= 1, got 0"),
         ("rollout.reset_retries", -1, "config.rollout.reset_retries must be an int >= 0, got -1"),
         ("rollout.invalid_action", "skip", "config.rollout.invalid_action must be one of ('fallback', 'projected')"),

@@ -4,7 +4,8 @@ Every batch has the same padded shapes (N=64, D=8, 4 task-group slots, 24 rows p
 estimator config compiles once. Batches have random group sizes, trajectory lengths, padding rows
 anywhere holding garbage (NaN rewards and fingerprints, ids colliding with real rows), duplicate,
 zero and NaN fingerprints, exact ties (fingerprints whose float32 arithmetic is exact), and
-unparsable action keys.
+unparsable action keys. The protocol options ("Protocol options") are checked on the same batches
+with a random `penalty` field, every valid option combination for every built-in estimator.
 """
 
 import os
@@ -22,8 +23,10 @@ from bipace_jax.estimators import (
     clustering,
     compute_advantages,
     reference,
+    registry,
     step_group_labels,
 )
+from bipace_jax.estimators.config import EPISODE_STATS, PACE_FALLBACKS, PENALTIES, STEP_NORMS
 from bipace_jax.estimators.synthetic import random_step_arrays
 
 N, D, GROUPS, ROWS = 64, 8, 4, 24
@@ -45,8 +48,8 @@ CLUSTER_VARIANTS = {
 }
 
 
-def _batch(seed):
-    arrays = random_step_arrays(np.random.default_rng(seed), num_rows=N, dim=D, max_groups=GROUPS)
+def _batch(seed, penalty=False):
+    arrays = random_step_arrays(np.random.default_rng(seed), num_rows=N, dim=D, max_groups=GROUPS, penalty=penalty)
     return StepBatch.from_numpy(**arrays, group_capacity=GROUPS, row_capacity=ROWS)
 
 
@@ -145,3 +148,45 @@ def test_kernel_blocks_and_chunks_give_the_oracle_greedy_clusters(seed, epsilon,
             assert slot[gi, i] == (-1 if a is None else a)
             assert bool(over[gi, i]) == o
             assert bool(degenerate[gi, i]) == d
+
+
+# Every valid (penalty, episode_stats, step_norm, pace_fallback); own_row needs episode_stats="rows".
+PROTOCOLS = [
+    (p, e, s, f)
+    for p in PENALTIES
+    for e in EPISODE_STATS
+    for s in STEP_NORMS
+    for f in PACE_FALLBACKS
+    if not (p == "own_row" and e == "trajectory")
+]
+# step_norm and pace_fallback only reach the PACE step levels: the others see each (penalty, episode_stats) once.
+PROTOCOL_CASES = [
+    (name, protocol)
+    for name in registry.names()[:5]
+    for protocol in PROTOCOLS
+    if registry.get(name).uses_pace_options or protocol[2:] == (STEP_NORMS[0], PACE_FALLBACKS[0])
+]
+
+
+@pytest.mark.parametrize("name,protocol", PROTOCOL_CASES)
+@settings(
+    max_examples=max(1, int(os.environ.get("EST_EXAMPLES", 400)) // 16),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(norm=st.sampled_from(("mean_std", "mean")), epsilon=st.sampled_from(EPSILONS), **common)
+def test_protocol_options_match_oracle_on_random_batches(name, protocol, seed, gamma, omega, norm, epsilon):
+    penalty, episode_stats, step_norm, pace_fallback = protocol
+    cfg = EstimatorConfig(
+        name=name,
+        gamma=gamma,
+        omega=omega,
+        norm=norm,
+        epsilon=epsilon,
+        penalty=penalty,
+        episode_stats=episode_stats,
+        step_norm=step_norm,
+        pace_fallback=pace_fallback,
+    )
+    _check(_batch(seed, penalty=True), cfg)

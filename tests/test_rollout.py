@@ -115,7 +115,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     assert s.num_rows == 4 * 8 and s.group_capacity == 2 and s.row_capacity == 16
     np.testing.assert_array_equal(np.asarray(s.mask), np.arange(s.num_rows) < n)
     gid, tid, step = (np.asarray(x)[:n] for x in (s.group_id, s.traj_id, s.step))
-    reward, obs_hash, akey = (np.asarray(x)[:n] for x in (s.reward, s.obs_hash, s.action_key))
+    reward, penalty, obs_hash, akey = (np.asarray(x)[:n] for x in (s.reward, s.penalty, s.obs_hash, s.action_key))
     assert res.stats["rows"] == n == res.response_ids.shape[0] == res.prompt_ids.shape[0]
     order = np.lexsort((step, tid, gid))
     np.testing.assert_array_equal(order, np.arange(n))  # canonical order
@@ -125,10 +125,9 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
         expected = np.zeros(e.length)
         if e.won:
             expected[-1] = 10.0
-        if e.traj_id == 1:
-            expected -= 0.1
-        np.testing.assert_allclose(reward[rows], expected, atol=1e-6)
-        assert e.episode_return == pytest.approx(expected.sum(), abs=1e-6)
+        np.testing.assert_allclose(reward[rows], expected, atol=1e-6)  # the game's part only
+        np.testing.assert_allclose(penalty[rows], 0.1 if e.traj_id == 1 else 0.0, atol=1e-7)  # charged apart
+        assert e.episode_return == pytest.approx(expected.sum() - penalty[rows].sum(), abs=1e-6)
     # Fallback action sent for the gibberish env; action keys: unparsable -> -1, equal tags -> equal ids.
     assert all(a == "inventory" for a, t in zip(res.actions, tid) if t == 1)
     assert (akey[tid == 1] == -1).all() and (akey[tid != 1] >= 0).all()
@@ -252,8 +251,9 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     lengths = res.response_mask.sum(1)
     assert ((lengths >= 1) & (lengths <= 8)).all()
     assert (res.sample_logprobs[res.response_mask == 1] < 0).all()
-    # Random weights never produce "<action>...</action>": every step is invalid, reward -0.1.
-    np.testing.assert_allclose(np.asarray(res.steps.reward)[:n], -0.1, atol=1e-6)
+    # Random weights never produce "<action>...</action>": every step is invalid, reward 0 and penalty 0.1.
+    np.testing.assert_allclose(np.asarray(res.steps.reward)[:n], 0.0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(res.steps.penalty)[:n], 0.1, atol=1e-6)
     assert res.actions == ["inventory"] * 8 and res.stats["invalid_rate"] == 1.0
     assert res.timing["sampling_s"] > 0 and res.stats["response_tokens"] == lengths.sum()
     assert 0 < res.timing["prefill_s"] + res.timing["decode_s"] <= res.timing["sampling_s"]
@@ -307,15 +307,17 @@ def test_finish_reasons_are_recorded_and_length_rows_are_scored_by_the_config(to
     )
     traj = np.asarray(res.steps.traj_id)[: res.rows]
     reward = np.asarray(res.steps.reward)[: res.rows]
+    charged = np.asarray(res.steps.penalty)[: res.rows]
     assert res.rows == 6 and list(traj) == [0, 0, 1, 1, 2, 2]
     assert res.finish_reasons == ["eos", "eos", "length", "length", "length", "length"]
     assert res.stats["finish_eos_rate"] == pytest.approx(1 / 3) and res.stats["finish_stop_rate"] == 0.0
     assert res.stats["finish_length_rate"] == pytest.approx(2 / 3)
     cut_ok = mode == "parse"  # env 1's cut response holds a whole action
     assert [res.actions[k] == "inventory" for k in range(6)] == [False, False, not cut_ok, not cut_ok, True, True]
-    # Oracle steps of a 5-6 step goal pay no game reward yet: a row's reward is its penalty only.
+    # Oracle steps of a 5-6 step goal pay no game reward yet: a row's net reward is minus its penalty.
     penalty = {"parse": [0, 0, 0, 0, 0.1, 0.1], "invalid": [0, 0, 0.1, 0.1, 0.1, 0.1], "unpenalised": [0] * 6}[mode]
-    np.testing.assert_allclose(reward, -np.asarray(penalty), atol=1e-7)
+    np.testing.assert_allclose(reward, 0.0, atol=1e-7)
+    np.testing.assert_allclose(charged, penalty, atol=1e-7)
 
 
 def test_finish_reason_prefers_eos_then_stop_text():

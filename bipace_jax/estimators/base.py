@@ -29,6 +29,8 @@ class StepInputs(NamedTuple):
     include: bool, the valid real rows.
     num_segments: static number of label slots.
     norm: static "mean_std" or "mean" (`EstimatorConfig.norm`).
+    step_norm, pace_fallback: static `EstimatorConfig.step_norm` / `pace_fallback` ("Protocol
+      options"); only step levels whose spec sets `uses_pace_options` read them.
     """
 
     returns: Any
@@ -37,6 +39,8 @@ class StepInputs(NamedTuple):
     include: Any
     num_segments: int
     norm: str
+    step_norm: str = "none"
+    pace_fallback: str = "same_key_cluster"
 
 
 class StepOutput(NamedTuple):
@@ -66,6 +70,9 @@ class EstimatorSpec:
         `keys` the members' PACE keys (hashable; each unparsable key already unique to its row) or
         None unless `uses_action_keys`. Only called for estimators with step groups.
       uses_action_keys: the step level reads `StepBatch.action_key`; otherwise it is not passed.
+      uses_pace_options: the step level honours `EstimatorConfig.step_norm` and `pace_fallback`
+        (`StepInputs` always carries them; `reference_step` then also receives them as the keyword
+        arguments `step_norm=` and `pace_fallback=`); otherwise both options are ignored.
     """
 
     name: str
@@ -73,6 +80,7 @@ class EstimatorSpec:
     step_advantage: Callable[[StepInputs], StepOutput]
     reference_step: Callable[..., StepOutput]
     uses_action_keys: bool = False
+    uses_pace_options: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -82,8 +90,9 @@ class EstimatorSpec:
         for field in ("step_advantage", "reference_step"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"EstimatorSpec.{field}: expected a callable, got {getattr(self, field)!r}")
-        if not isinstance(self.uses_action_keys, bool):
-            raise ValueError(f"EstimatorSpec.uses_action_keys: expected a bool, got {self.uses_action_keys!r}")
+        for field in ("uses_action_keys", "uses_pace_options"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"EstimatorSpec.{field}: expected a bool, got {getattr(self, field)!r}")
 
     @property
     def clusters(self) -> bool:

@@ -31,11 +31,14 @@ class StepBatch:
       group_id: int32[N] task group.
       traj_id: int32[N] trajectory, unique across the batch.
       step: int32[N] step index inside the trajectory (0..T-1).
-      reward: float32[N] per-step reward, invalid-action penalty already included.
+      reward: float32[N] per-step reward (with `penalty` absent, the invalid-action charge already
+        subtracted; with `penalty`, the game's part only).
       obs_hash: int32[N] id of the exact anchor observation text (`assign_ids`: equal text, equal id).
       fingerprint: float32 or bfloat16 [N, D] actor hidden state at the last prompt token.
       action_key: int32[N] id of the PACE action key; negative = unparsable (matches no other row).
       mask: bool[N] True for real rows, False for padding (padding may hold anything, NaN included).
+      penalty: float32[N] >= 0, the row's invalid-action charge, or None (= zeros). How it enters the
+        returns is `EstimatorConfig.penalty` ("Protocol options"); None and zeros give the same result.
     Static metadata (not traced; part of the pytree structure, so a change recompiles):
       group_capacity: at most this many task groups (the clustering layout's first axis), or None.
       row_capacity: at most this many real rows per task group (the clustering layout's second axis
@@ -52,6 +55,7 @@ class StepBatch:
     fingerprint: jax.Array
     action_key: jax.Array
     mask: jax.Array
+    penalty: jax.Array | None = None
     group_capacity: int | None = flax.struct.field(pytree_node=False, default=None)
     row_capacity: int | None = flax.struct.field(pytree_node=False, default=None)
 
@@ -72,6 +76,7 @@ class StepBatch:
         fingerprint,
         action_key,
         mask=None,
+        penalty=None,
         group_capacity: int | None = None,
         row_capacity: int | None = None,
     ) -> StepBatch:
@@ -83,6 +88,8 @@ class StepBatch:
           fingerprint: floating array [N, D]; float32 and bfloat16 are kept, other floats become float32.
             Non-finite or all-zero rows become degenerate singletons (`docs/estimators.md`, "Clustering").
           mask: bool [N], True for real rows; None means every row is real.
+          penalty: floating array [N] (stored as float32), finite and >= 0 on real rows; None: no
+            separate penalty (the field stays None).
           group_capacity: static number of task-group slots; default: the number of task groups.
           row_capacity: static row slots per task group; default: the largest group's real rows
             rounded up to a multiple of 16 (small changes in episode length do not recompile).
@@ -91,7 +98,8 @@ class StepBatch:
 
         Raises:
           ValueError: naming the field, when a field is missing its shape or dtype, lengths differ, a
-            value does not fit int32, or a real row has a non-finite reward, a negative step, a
+            value does not fit int32, or a real row has a non-finite reward, a non-finite or negative
+            penalty, a negative step, a
             trajectory in two task groups, a duplicate (traj_id, step), steps that are not exactly
             0..T-1, or when the batch exceeds the given capacities.
         """
@@ -132,6 +140,13 @@ class StepBatch:
         if not np.issubdtype(arrays["reward"].dtype, np.floating):
             raise ValueError(f"StepBatch.reward: expected a floating dtype (float32), got {arrays['reward'].dtype}")
         arrays["reward"] = arrays["reward"].astype(np.float32)
+        if penalty is not None:
+            pen = np.asarray(penalty)
+            if pen.shape != (n,):
+                raise ValueError(f"StepBatch.penalty: expected shape ({n},) like reward, got {pen.shape}")
+            if not np.issubdtype(pen.dtype, np.floating):
+                raise ValueError(f"StepBatch.penalty: expected a floating dtype (float32), got {pen.dtype}")
+            arrays["penalty"] = pen.astype(np.float32)
         fp = arrays["fingerprint"]
         if fp.ndim != 2 or fp.shape[0] != n or fp.shape[1] < 1:
             raise ValueError(f"StepBatch.fingerprint: expected shape ({n}, D) with D >= 1, got {fp.shape}")
@@ -170,6 +185,14 @@ def _validate_real_rows(a: dict[str, np.ndarray]) -> tuple[int, int]:
     if bad.any():
         i = idx[np.argmax(bad)]
         raise ValueError(f"StepBatch.reward: expected finite values on real rows, got {a['reward'][i]} at row {i}")
+    if "penalty" in a:
+        pen = a["penalty"][idx]
+        bad = ~(np.isfinite(pen) & (pen >= 0))
+        if bad.any():
+            i = idx[np.argmax(bad)]
+            raise ValueError(
+                f"StepBatch.penalty: expected finite values >= 0 on real rows, got {a['penalty'][i]} at row {i}"
+            )
     step = a["step"][idx]
     if (step < 0).any():
         i = idx[np.argmax(step < 0)]

@@ -10,6 +10,10 @@ from bipace_jax.estimators import registry
 NORMS = ("mean_std", "mean")
 CENTROIDS = ("mean", "leader")
 KEYS = ("action_tag", "first_tokens")
+PENALTIES = ("in_reward", "own_row")
+EPISODE_STATS = ("trajectory", "rows")
+STEP_NORMS = ("none", "std")
+PACE_FALLBACKS = ("same_key_cluster", "singleton_pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +27,7 @@ class EstimatorConfig:
         (`docs/estimators.md`, "Returns").
       omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float.
       norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
-        level and the gigpo/bigpo step level; the BiPACE step level never divides by a std.
+        level and the gigpo/bigpo step level; the BiPACE step level only with step_norm="std".
       epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
         Only read by the clustering estimators; it is a traced value, so changing it does not recompile.
       centroid: "mean" (re-normalised running sum of members) or "leader" (the cluster's first member).
@@ -32,10 +36,21 @@ class EstimatorConfig:
       capacity: fixed number of clusters per task group (K), or None for the batch's row capacity per
         task group (which never overflows). Rows that would open a cluster beyond it become singletons
         counted in the `overflow_rows` diagnostic.
+      penalty, episode_stats, step_norm, pace_fallback: the protocol options (`docs/estimators.md`,
+        "Protocol options"); each default keeps the rest of the contract unchanged.
+        penalty: "in_reward" (`reward - penalty` is the reward everywhere) or "own_row" (a row's return
+          and episode score lose only its own `StepBatch.penalty`; needs episode_stats="rows").
+        episode_stats: "trajectory" (episode level over trajectories) or "rows" (over the task group's
+          rows, each with its own episode score).
+        step_norm: "none" or "std" (bipace_q/bipace_diff under norm="mean_std": the step term is divided
+          by the cluster's unbiased std of R + 1e-6); other estimators ignore it.
+        pace_fallback: "same_key_cluster" (leave-one-out when the whole cluster shares one key) or
+          "singleton_pool" (leave-one-out when the row's PACE pool is empty); read by bipace_* only.
 
     Raises:
-      ValueError: on an unknown name, norm, centroid or key, gamma outside [0, 1], epsilon outside
-        [0, 1), a non-finite omega, or a capacity below 1.
+      ValueError: on an unknown name, norm, centroid, key, penalty, episode_stats, step_norm or
+        pace_fallback, gamma outside [0, 1], epsilon outside [0, 1), a non-finite omega, a capacity
+        below 1, or penalty="own_row" with episode_stats="trajectory".
     """
 
     name: str = "bipace_q"
@@ -46,6 +61,10 @@ class EstimatorConfig:
     centroid: str = "mean"
     key: str = "action_tag"
     capacity: int | None = None
+    penalty: str = "in_reward"
+    episode_stats: str = "trajectory"
+    step_norm: str = "none"
+    pace_fallback: str = "same_key_cluster"
 
     def __post_init__(self):
         if self.name not in registry.names():
@@ -69,6 +88,20 @@ class EstimatorConfig:
             isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1
         ):
             raise ValueError(f"EstimatorConfig.capacity: expected None or an int >= 1, got {self.capacity!r}")
+        for field, allowed in (
+            ("penalty", PENALTIES),
+            ("episode_stats", EPISODE_STATS),
+            ("step_norm", STEP_NORMS),
+            ("pace_fallback", PACE_FALLBACKS),
+        ):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"EstimatorConfig.{field}: expected one of {allowed}, got {getattr(self, field)!r}")
+        if self.penalty == "own_row" and self.episode_stats != "rows":
+            # A per-row charge gives the rows of one trajectory different scores: only "rows" defines them.
+            raise ValueError(
+                "EstimatorConfig.penalty: 'own_row' requires EstimatorConfig.episode_stats='rows', "
+                f"got episode_stats={self.episode_stats!r}"
+            )
 
     @property
     def spec(self) -> registry.EstimatorSpec:

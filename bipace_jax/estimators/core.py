@@ -2,8 +2,8 @@
 
 The estimator's `registry.EstimatorSpec` chooses the step grouping and the step level; everything
 else (canonical order, returns, episode level, diagnostics) is shared. One compiled function per
-(estimator, norm, centroid, capacity, batch shapes and capacities, mesh); gamma, omega and epsilon
-are traced scalars, so tuning them (e.g. `EpsilonController`) never recompiles.
+(estimator, norm, centroid, capacity, protocol options, batch shapes and capacities, whether the
+batch has a penalty, mesh); gamma, omega and epsilon are traced scalars, so tuning them (e.g. `EpsilonController`) never recompiles.
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ def _advantages(
     norm: str,
     centroid: str,
     capacity: int | None,
+    protocol: tuple[str, str, str, str],
     mesh,
     data_axis: str,
 ):
+    penalty, episode_stats, step_norm, pace_fallback = protocol
     caps = (batch.group_capacity, batch.row_capacity) if spec.clusters else (None, None)
     rows = canonical_rows(batch, *caps)
     n = rows.reward.shape[0]
     include = rows.valid
-    returns = discounted_returns(rows, gamma)
-    a_ep = episode_advantage(rows, norm)
+    returns = discounted_returns(rows, gamma, penalty)
+    a_ep = episode_advantage(rows, norm, penalty, episode_stats)
     hash_lab = hash_labels(rows)
     diag = diagnostics.partition_stats(hash_lab, include, n, prefix="hash_")
     over_rows = deg_rows = jnp.int32(0)
@@ -63,7 +65,9 @@ def _advantages(
         over_rows = jnp.sum(over, dtype=jnp.int32)
         diag.update(diagnostics.partition_stats(step_label, include, num_segments))
     action_key = rows.action_key if spec.uses_action_keys else None
-    out = spec.step_advantage(registry.StepInputs(returns, step_label, action_key, include, num_segments, norm))
+    out = spec.step_advantage(
+        registry.StepInputs(returns, step_label, action_key, include, num_segments, norm, step_norm, pace_fallback)
+    )
     zero_rate = jnp.float32(0.0)
     diag.update(
         pace_row_rate=zero_rate if out.pace_rows is None else diagnostics.row_rate(out.pace_rows, include),
@@ -79,13 +83,29 @@ def _advantages(
 
 
 @functools.cache
-def _jitted(spec, norm, centroid, capacity, mesh, data_axis):
+def _jitted(spec, norm, centroid, capacity, protocol, mesh, data_axis):
     # Keyed by the spec itself, so re-registering a name never reuses a stale compiled function.
     return jax.jit(
         functools.partial(
-            _advantages, spec=spec, norm=norm, centroid=centroid, capacity=capacity, mesh=mesh, data_axis=data_axis
+            _advantages,
+            spec=spec,
+            norm=norm,
+            centroid=centroid,
+            capacity=capacity,
+            protocol=protocol,
+            mesh=mesh,
+            data_axis=data_axis,
         )
     )
+
+
+def _protocol(cfg: EstimatorConfig) -> tuple[str, str, str, str]:
+    """The protocol options as a static key; options a step level ignores are normalised to their
+    defaults so they do not compile a second, identical function."""
+    step_norm, pace_fallback = cfg.step_norm, cfg.pace_fallback
+    if not cfg.spec.uses_pace_options:
+        step_norm, pace_fallback = "none", "same_key_cluster"
+    return (cfg.penalty, cfg.episode_stats, step_norm, pace_fallback)
 
 
 def jitted_advantages(cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
@@ -95,7 +115,7 @@ def jitted_advantages(cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data
     lower and compile it themselves.
     """
     spec = registry.get(cfg.name)
-    fn = _jitted(spec, cfg.norm, cfg.centroid, cfg.capacity, mesh if spec.clusters else None, data_axis)
+    fn = _jitted(spec, cfg.norm, cfg.centroid, cfg.capacity, _protocol(cfg), mesh if spec.clusters else None, data_axis)
     return fn, (jnp.float32(cfg.gamma), jnp.float32(cfg.omega), clustering.join_threshold(cfg.epsilon))
 
 
@@ -129,8 +149,8 @@ def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, dat
 
     A = A_ep + omega * A_step for valid real rows, 0 for padding and invalid rows: A_ep is GRPO over
     each task group's trajectories, A_step the step level of the registered estimator `cfg.name`. One
-    compile per config (name, norm, centroid, capacity), batch shapes/dtypes/capacities and mesh (gamma,
-    omega and epsilon are traced); results do not depend on the row order.
+    compile per config (name, norm, centroid, capacity, protocol options), batch shapes/dtypes/capacities
+    and mesh (gamma, omega and epsilon are traced); results do not depend on the row order.
 
     Args:
       batch: `StepBatch` with N rows (clustering estimators need its capacities, see `from_numpy`).

@@ -1,7 +1,7 @@
 """Canonical row order, row validity, discounted returns and the episode (GRPO) level, jitted.
 
-`docs/estimators.md`, sections "Terms", "Inputs", "Returns" and "Episode level" (with its
-"Equal values stay equal" rule). Everything here runs on the rows sorted into the canonical order
+`docs/estimators.md`, sections "Terms", "Inputs", "Returns", "Episode level" (with its
+"Equal values stay equal" rule) and the `penalty` / `episode_stats` protocol options. Everything here runs on the rows sorted into the canonical order
 (real rows first, ascending (group_id, traj_id, step)); `Rows.perm` maps back to the batch order.
 """
 
@@ -33,6 +33,7 @@ class Rows(NamedTuple):
     action_key: jax.Array  # int32
     reward: jax.Array  # float32, 0 where not valid
     invalid_rows: jax.Array  # int32 scalar: real rows that are not valid
+    penalty: jax.Array | None = None  # float32, 0 where not valid; None when the batch has none
 
 
 def _shift_right(x, fill):
@@ -47,7 +48,7 @@ def canonical_rows(batch, group_capacity: int | None, row_capacity: int | None) 
     """Sorts rows canonically and marks invalid trajectories (the jitted path never raises).
 
     A real row is invalid when its trajectory (all real rows with its traj_id) has a non-finite
-    reward, rows in two task groups, steps that are not exactly 0..T-1 (negative, duplicate or
+    reward, a non-finite or negative penalty, rows in two task groups, steps that are not exactly 0..T-1 (negative, duplicate or
     missing steps), or, when capacities are given, a row beyond `group_capacity` task groups or
     beyond `row_capacity` rows of its task group. Invalid rows are treated as padding (advantage 0,
     in no statistic) and counted in `invalid_rows`.
@@ -68,6 +69,10 @@ def canonical_rows(batch, group_capacity: int | None, row_capacity: int | None) 
     reward = batch.reward.astype(jnp.float32)[perm]
 
     bad = (s != k - traj_start) | ~jnp.isfinite(reward)
+    penalty = None
+    if batch.penalty is not None:
+        penalty = batch.penalty.astype(jnp.float32)[perm]
+        bad = bad | ~(jnp.isfinite(penalty) & (penalty >= 0))
     # A traj_id in two task groups: sort by (traj_id, group_id) and look for a change of group.
     _, t2, g2, perm2 = lax.sort((pad_key, batch.traj_id, batch.group_id, k), num_keys=3, is_stable=True)
     real2 = real_in[perm2]
@@ -97,21 +102,29 @@ def canonical_rows(batch, group_capacity: int | None, row_capacity: int | None) 
         action_key=batch.action_key[perm],
         reward=jnp.where(valid, reward, 0.0),
         invalid_rows=jnp.sum(real & ~valid, dtype=jnp.int32),
+        penalty=None if penalty is None else jnp.where(valid, penalty, 0.0),
     )
 
 
-def discounted_returns(rows: Rows, gamma) -> jax.Array:
+def _summed_reward(rows: Rows, penalty: str):
+    """The reward that is summed and discounted: `reward - penalty` ("in_reward"), `reward` ("own_row")."""
+    if rows.penalty is None or penalty == "own_row":
+        return rows.reward
+    return rows.reward - rows.penalty
+
+
+def discounted_returns(rows: Rows, gamma, penalty: str = "in_reward") -> jax.Array:
     """R[t] = reward[t] + gamma * R[t+1] inside each trajectory (`docs/estimators.md`, "Returns"); float32[N].
 
-    The invalid-action penalty is an ordinary reward term here, so it is discounted back to earlier
-    steps like any reward (verl-agent subtracts it from its own row only). Computed as a segmented
-    linear recurrence with `lax.associative_scan` (log-depth); gamma = 0 is exact because the
-    coefficient of R[t+1] is then exactly 0.
+    penalty="in_reward": the reward is `reward - penalty`, so the invalid-action charge is discounted
+    back to earlier steps like any reward; "own_row": R of `reward` alone, minus the row's own penalty
+    (verl-agent's reading). Computed as a segmented linear recurrence with `lax.associative_scan`
+    (log-depth); gamma = 0 is exact because the coefficient of R[t+1] is then exactly 0.
     """
     nxt_same = (_shift_left(rows.traj_idx, -1) == rows.traj_idx) & _shift_left(rows.valid, False) & rows.valid
     a = jnp.where(nxt_same, jnp.asarray(gamma, jnp.float32), 0.0)
     # Reverse time: y[u] = a'[u] * y[u-1] + b[u] with a'[u] = a[u] (coefficient of the later row).
-    a_rev, b_rev = a[::-1], rows.reward[::-1]
+    a_rev, b_rev = a[::-1], _summed_reward(rows, penalty)[::-1]
 
     def combine(earlier, later):
         a1, b1 = earlier
@@ -119,7 +132,10 @@ def discounted_returns(rows: Rows, gamma) -> jax.Array:
         return a1 * a2, a2 * b1 + b2
 
     _, y = lax.associative_scan(combine, (a_rev, b_rev))
-    return jnp.where(rows.valid, y[::-1], 0.0)
+    y = y[::-1]
+    if penalty == "own_row" and rows.penalty is not None:
+        y = y - rows.penalty
+    return jnp.where(rows.valid, y, 0.0)
 
 
 class GroupStats(NamedTuple):
@@ -165,18 +181,24 @@ def normalised_advantage(values, labels, include, num_segments: int, norm: str) 
     return jnp.where(keep, centred, 0.0)
 
 
-def episode_advantage(rows: Rows, norm: str) -> jax.Array:
-    """A_ep per row (`docs/estimators.md`, "Episode level"): GRPO over the trajectories of each task group.
+def episode_advantage(rows: Rows, norm: str, penalty: str = "in_reward", stats: str = "trajectory") -> jax.Array:
+    """A_ep per row (`docs/estimators.md`, "Episode level" and "Protocol options"). float32[N] in canonical order.
 
-    One value per trajectory (not per row): G = sum_t reward[t] (undiscounted), normalised inside the
-    task group over its valid trajectories; a group with one trajectory gets 0; every row of a
-    trajectory carries its trajectory's A_ep. float32[N] in canonical order.
+    stats="trajectory": one value per trajectory (not per row): G = sum_t reward[t] (undiscounted),
+    normalised inside the task group over its valid trajectories; a group with one trajectory gets 0;
+    every row of a trajectory carries its trajectory's A_ep. stats="rows": every valid row's own
+    episode score (G, and with penalty="own_row" G of `reward` minus the row's own penalty) is
+    normalised over the task group's valid rows.
     """
     n = rows.reward.shape[0]
     seg = jnp.where(rows.valid, rows.traj_idx, n)
-    ep_return = jax.ops.segment_sum(rows.reward, seg, n)
+    ep_return = jax.ops.segment_sum(_summed_reward(rows, penalty), seg, n)
     traj = jnp.clip(rows.traj_idx, 0, n - 1)
     g_row = ep_return[traj]
+    if penalty == "own_row" and rows.penalty is not None:
+        g_row = g_row - rows.penalty
+    if stats == "rows":
+        return normalised_advantage(g_row, rows.group_idx, rows.valid, n, norm)
     a_first = normalised_advantage(g_row, rows.group_idx, rows.first_of_traj, n, norm)
     a_traj = jax.ops.segment_sum(a_first, jnp.where(rows.first_of_traj, rows.traj_idx, n), n)
     return jnp.where(rows.valid, a_traj[traj], 0.0)

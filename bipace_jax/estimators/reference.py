@@ -24,14 +24,18 @@ JOIN_SLACK = 1e-6
 
 def _fields(batch):
     names = ("group_id", "traj_id", "step", "reward", "obs_hash", "fingerprint", "action_key", "mask")
-    return {k: np.asarray(getattr(batch, k)) for k in names}
+    a = {k: np.asarray(getattr(batch, k)) for k in names}
+    # No penalty field reads as zeros: "in_reward" then subtracts 0 and "own_row" charges nothing.
+    pen = getattr(batch, "penalty", None)
+    a["penalty"] = np.zeros(a["reward"].shape, np.float32) if pen is None else np.asarray(pen)
+    return a
 
 
 def valid_rows(batch, group_capacity=None, row_capacity=None) -> tuple[list[int], int]:
     """Real rows whose trajectory passes every check (`docs/estimators.md`, "Inputs"), canonical order.
 
-    A trajectory (all real rows of one traj_id) is invalid when it has a non-finite reward, rows in
-    two task groups, steps that are not exactly 0..T-1, or (capacities given) a row whose task group
+    A trajectory (all real rows of one traj_id) is invalid when it has a non-finite reward, a
+    non-finite or negative penalty, rows in two task groups, steps that are not exactly 0..T-1, or (capacities given) a row whose task group
     ranks at or beyond `group_capacity` or which sits at or beyond `row_capacity` in its task group.
     Returns (valid rows in canonical order, number of real rows that are invalid).
     """
@@ -56,12 +60,19 @@ def valid_rows(batch, group_capacity=None, row_capacity=None) -> tuple[list[int]
         for i in members:
             if not math.isfinite(float(a["reward"][i])):
                 bad_traj.add(t)
+            if not (math.isfinite(float(a["penalty"][i])) and float(a["penalty"][i]) >= 0):
+                bad_traj.add(t)
             if group_capacity is not None and group_rank[int(a["group_id"][i])] >= group_capacity:
                 bad_traj.add(t)
             if row_capacity is not None and position[i] >= row_capacity:
                 bad_traj.add(t)
     valid = [i for i in canonical if int(a["traj_id"][i]) not in bad_traj]
     return valid, len(real) - len(valid)
+
+
+def all_equal(v: np.ndarray) -> bool:
+    """The span rule: values spanning at most 1e-5 * max(1, max|v|) are all-equal (`docs/estimators.md`)."""
+    return bool(v.max() - v.min() <= EQUAL_RTOL * max(1.0, float(np.abs(v).max())))
 
 
 def normalise(values: list, norm: str, dtype) -> list:
@@ -73,7 +84,7 @@ def normalise(values: list, norm: str, dtype) -> list:
     v = np.asarray(values, dtype=dtype)
     if len(v) < 2:
         return [dtype(0.0)] * len(v)
-    if v.max() - v.min() <= EQUAL_RTOL * max(1.0, float(np.abs(v).max())):
+    if all_equal(v):
         return [dtype(0.0)] * len(v)
     centred = v - v.mean(dtype=dtype)
     if norm == "mean_std":
@@ -160,28 +171,46 @@ def compute_advantages_reference(batch, cfg, dtype=np.float32, return_groups: bo
     num_rows = len(rows)
 
     # "Returns": backward recursion per trajectory; episode return G = sum of rewards.
+    # "Protocol options", penalty: "in_reward" sums and discounts reward - penalty; "own_row" sums
+    # and discounts reward, then charges each row its own penalty.
+    own_row = cfg.penalty == "own_row"
+
+    def summed(i):
+        return dtype(a["reward"][i]) if own_row else dtype(dtype(a["reward"][i]) - dtype(a["penalty"][i]))
+
+    def charge(i):
+        return dtype(a["penalty"][i]) if own_row else dtype(0.0)
+
     by_traj = defaultdict(list)
     for i in rows:
         by_traj[int(a["traj_id"][i])].append(i)  # canonical order: ascending step
-    step_return, episode_return = {}, {}
-    for t, members in by_traj.items():
+    step_return, score = {}, {}
+    for members in by_traj.values():
         later = dtype(0.0)
         for i in reversed(members):
-            later = dtype(a["reward"][i]) + gamma * later
-            step_return[i] = later
+            later = summed(i) + gamma * later
+            step_return[i] = dtype(later - charge(i))
         total = dtype(0.0)
         for i in members:
-            total = dtype(total + dtype(a["reward"][i]))
-        episode_return[t] = total
+            total = dtype(total + summed(i))
+        for i in members:
+            score[i] = dtype(total - charge(i))
 
-    # "Episode level": one value per trajectory, normalised in its task group.
+    # "Episode level": one value per trajectory ("trajectory") or per row ("rows"), normalised in
+    # its task group.
     trajs_of_group = defaultdict(list)
     for t, members in by_traj.items():
         trajs_of_group[int(a["group_id"][members[0]])].append(t)
-    a_ep_traj = {}
+    a_ep = {}
     for trajs in trajs_of_group.values():
-        for t, v in zip(trajs, normalise([episode_return[t] for t in trajs], cfg.norm, dtype)):
-            a_ep_traj[t] = v
+        if cfg.episode_stats == "rows":
+            members = [i for t in trajs for i in by_traj[t]]
+            for i, v in zip(members, normalise([score[i] for i in members], cfg.norm, dtype)):
+                a_ep[i] = v
+        else:
+            for t, v in zip(trajs, normalise([score[by_traj[t][0]] for t in trajs], cfg.norm, dtype)):
+                for i in by_traj[t]:
+                    a_ep[i] = v
 
     # Exact-hash partition over (group_id, obs_hash), for gigpo and the hash_ diagnostics.
     hash_groups = defaultdict(list)
@@ -225,7 +254,10 @@ def compute_advantages_reference(batch, cfg, dtype=np.float32, return_groups: bo
             # An unparsable (negative) key matches no other row: give each such row its own key.
             keys = [int(a["action_key"][i]) for i in members]
             keys = [k if k >= 0 else ("unparsable", i) for k, i in zip(keys, members)]
-        out = spec.reference_step([step_return[i] for i in members], keys, cfg.norm, dtype)
+        options = {}
+        if spec.uses_pace_options:
+            options = dict(step_norm=cfg.step_norm, pace_fallback=cfg.pace_fallback)
+        out = spec.reference_step([step_return[i] for i in members], keys, cfg.norm, dtype, **options)
         for i, v in zip(members, out.advantage):
             a_step[i] = v
         loo_rows += 0 if out.loo_rows is None else int(np.sum(out.loo_rows))
@@ -233,7 +265,7 @@ def compute_advantages_reference(batch, cfg, dtype=np.float32, return_groups: bo
 
     adv = np.zeros((n,), dtype)
     for i in rows:
-        adv[i] = a_ep_traj[int(a["traj_id"][i])] + omega * a_step[i]
+        adv[i] = a_ep[i] + omega * a_step[i]
 
     diag = size_stats(hash_groups, num_rows, prefix="hash_")
     if spec.grouping == base.NO_GROUPS:

@@ -34,6 +34,7 @@ def random_step_arrays(
     max_trajs: int = 4,
     max_steps: int = 5,
     fingerprints: str | None = None,
+    penalty: bool = False,
 ) -> dict[str, np.ndarray]:
     """A padded random batch as `StepBatch.from_numpy` keyword arrays (rows shuffled).
 
@@ -42,6 +43,8 @@ def random_step_arrays(
       num_rows: N (must hold max_groups * max_trajs * max_steps rows).
       fingerprints: "onehot" (one-hot of obs_hash, times a power of two), "palette" (exact
         structured vectors, duplicates likely), "gaussian" (generic), or None to draw one.
+      penalty: also draw a `penalty` array (0, 0.1 or 0.5 on real rows, NaN or negative garbage on
+        padding); drawn after everything else, so the other arrays are those of penalty=False.
     """
     kind = fingerprints or rng.choice(["onehot", "palette", "gaussian"])
     rows = []
@@ -84,6 +87,11 @@ def random_step_arrays(
     reward[pad & (rng.random(n) < 0.5)] = np.nan
     fp[pad & (rng.random(n) < 0.3)] = np.nan
     perm = rng.permutation(n)
+    extra = {}
+    if penalty:
+        pen = rng.choice(np.array([0.0, 0.0, 0.1, 0.5], np.float32), n)
+        pen[pad] = rng.choice(np.array([np.nan, -1.0, 0.1], np.float32), int(pad.sum()))
+        extra["penalty"] = pen
     out = dict(
         group_id=group_id,
         traj_id=traj_id,
@@ -93,6 +101,7 @@ def random_step_arrays(
         fingerprint=fp,
         action_key=action_key,
         mask=mask,
+        **extra,
     )
     return {k: v[perm] for k, v in out.items()}
 
