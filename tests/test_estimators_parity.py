@@ -170,7 +170,7 @@ PROTOCOL_CASES = [
 
 @pytest.mark.parametrize("name,protocol", PROTOCOL_CASES)
 @settings(
-    max_examples=max(1, int(os.environ.get("EST_EXAMPLES", 400)) // 16),
+    max_examples=max(1, int(os.environ.get("EST_EXAMPLES", 400)) // 50),  # 8 per case: 33 cases
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
