@@ -38,6 +38,10 @@ EXTRAS_REQUIRE = {
     # WebShop on its data files; spaCy (+ en_core_web_sm) only to tag a new catalogue's title nouns.
     "webshop": WEBSHOP_REQUIRES,
     "webshop-nouns": ["spacy>=3.7"],
+    # Accelerators (the same jax version): TPU (libtpu from PyPI; also lets a CPU machine compile for
+    # TPU topologies) and NVIDIA GPUs (CUDA 12 wheels).
+    "tpu": ["jax[tpu]==0.10.2"],
+    "cuda": ["jax[cuda12]==0.10.2"],
     # torch is the parity reference only: the library never imports it.
     "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "ruff==0.17.6", *ALFWORLD_REQUIRES, *WEBSHOP_REQUIRES],
 }
