@@ -416,7 +416,8 @@ def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalt
     # env 1 answers "I do not know.": the game gets its last 8 characters, lower-cased
     assert [a for a, t in zip(res.actions, tid) if t == 1] == ["ot know."] * 3
     assert all(a != "ot know." for a, t in zip(res.actions, tid) if t != 1)
-    np.testing.assert_allclose(np.asarray(res.steps.reward)[:n][tid == 1], -0.1, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(res.steps.reward)[:n][tid == 1], 0.0, atol=1e-6)  # the game's part
+    np.testing.assert_allclose(np.asarray(res.steps.penalty)[:n][tid == 1], 0.1, atol=1e-6)  # the charge
     # the history shows the projected command, as verl-agent's memory does
     text = tokenizer.decode(res.prompt_ids[int(np.flatnonzero(tid == 1)[1])])
     assert "ot know." in text
