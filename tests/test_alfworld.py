@@ -264,7 +264,7 @@ def test_task_group_plays_in_pool_workers_and_the_oracle_wins():
 
     options = {"data_path": alf.FIXTURES_DIR, "expert_type": "planner", "task_types": [4]}
     with EnvPool("alfworld", 2, env_options=options, num_workers=2, timeout_s=60.0) as pool:
-        first = pool.reset([0, 1], [1, 1], [0, 0])  # one task group: the pool checks they agree
+        first = [r.obs for r in pool.reset([0, 1], [1, 1], [0, 0])]  # one task group: the pool checks they agree
         assert first[0] == first[1] and first[0].task
         assert [info["task_type"] for info in pool.task_info([0, 1])] == ["pick_heat_then_place_in_recep"] * 2
         won = [False, False]
