@@ -95,3 +95,23 @@ def pytest_configure(config):
                 stale.append(key)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Each compiled XLA CPU program maps ~3 code pages; a whole-suite run compiles thousands and once
+    reached the kernel's vm.max_map_count (65,530), after which a compile segfaulted. Past 30,000
+    mappings the test's compiled programs are dropped (later tests recompile what they need)."""
+    yield
+    try:
+        with open("/proc/self/maps") as f:
+            mappings = sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to guard
+        return
+    if mappings > 30_000:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
