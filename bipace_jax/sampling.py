@@ -434,6 +434,12 @@ def _advance_stop(table: jax.Array, stop_lens: jax.Array, state: jax.Array, toke
     return new, hit
 
 
+def _draw(static: _Static, logits, keys, step, temperature):
+    """``sample_tokens`` with the sampler's static filters: the prefill and every decode step draw alike."""
+    kw = dict(greedy=static.greedy, top_k=static.top_k, top_p=static.top_p, support=static.support)
+    return sample_tokens(logits, keys, step, temperature, **kw)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"))
 def _prefill_program(
     graphdef,
@@ -461,16 +467,7 @@ def _prefill_program(
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     logits = out.logits
     keys = _row_keys(key, row_ids)
-    token, logp = sample_tokens(
-        logits,
-        keys,
-        0,
-        temperature,
-        greedy=static.greedy,
-        top_k=static.top_k,
-        top_p=static.top_p,
-        support=static.support,
-    )
+    token, logp = _draw(static, logits, keys, 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     token = jnp.where(row_mask, token, static.pad_id)
@@ -514,16 +511,7 @@ def _decode_program(
     def body(carry):
         i, cache, tokens, logps, lengths, done, stop_state, last = carry
         logits, cache = actor.decode_step(last, cache)
-        token, logp = sample_tokens(
-            logits,
-            keys,
-            i,
-            temperature,
-            greedy=static.greedy,
-            top_k=static.top_k,
-            top_p=static.top_p,
-            support=static.support,
-        )
+        token, logp = _draw(static, logits, keys, i, temperature)
         token = jnp.where(done, static.pad_id, token)
         logp = jnp.where(done, 0.0, logp)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
