@@ -171,6 +171,8 @@ def _pm(ms: tuple[float, float], pct: bool = True) -> str:
 
 
 def to_markdown(report: dict[str, Any]) -> str:
+    """``report.md``: the arms' success table, the final success per category, the diagnostics table
+    (rates and success in percent, mean +- sample std over seeds)."""
     arms = report["arms"]
     lines = [
         "| arm | seeds | final success (%) | best success (%) | "

@@ -125,6 +125,7 @@ def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> No
 
 
 def cell_command(config: str, run_dir: str, cell: list[tuple[str, str]], extra: list[str]) -> list[str]:
+    """The ``launch.train`` argv of one cell: the config, its run folder, the shared overrides, then the cell's."""
     overrides = [f"--config.{f}={v}" for f, v in cell]
     return [sys.executable, "-m", "launch.train", f"--config={config}", f"--workdir={run_dir}", *extra, *overrides]
 
