@@ -30,7 +30,7 @@ import environments
 from bipace_jax import losses
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
-from bipace_jax.models.qwen2 import MATMUL_PRECISIONS
+from bipace_jax.models.qwen2 import MATMUL_PRECISIONS, REMAT_POLICIES
 from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
@@ -155,6 +155,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _choice(c, "model.dtype", tuple(_DTYPES))
     _choice(c, "model.param_dtype", tuple(_DTYPES))
     _choice(c, "model.matmul_precision", MATMUL_PRECISIONS)
+    _choice(c, "model.remat", REMAT_POLICIES)
+    _choice(c, "model.scan_layers", (True, False))
     # env and tasks
     _choice(c, "env.name", environments.registered())
     _int(c, "env.max_steps", 1)
@@ -199,6 +201,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _int(c, "ppo.epochs", 1)
     _int(c, "ppo.mini_batch_rows", 0)
     _int(c, "ppo.micro_batch_rows", 1)
+    _int(c, "ppo.logprob_chunk", 0)
     if c.ppo.mini_batch_rows and c.ppo.mini_batch_rows % c.ppo.micro_batch_rows:
         _fail(
             "ppo.mini_batch_rows",
@@ -346,7 +349,7 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
             param_dtype=_DTYPES[m.param_dtype],
             fingerprint_layer=m.fingerprint_layer,
         )
-        actor.matmul_precision = m.matmul_precision
+        actor.matmul_precision, actor.remat, actor.scan_layers = m.matmul_precision, m.remat, m.scan_layers
         return actor
     if m.preset != "tiny":
         cfg = Qwen2Config.preset(m.preset)
@@ -365,6 +368,8 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
         param_dtype=_DTYPES[m.param_dtype],
         rngs=rngs,
         matmul_precision=m.matmul_precision,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
     )
 
 
@@ -384,6 +389,7 @@ def ppo_learner(c: ml_collections.ConfigDict, actor: Qwen2Actor, mesh, local_mes
         fused_old_logprobs=p.old_logprobs == "fused",
         prompt_buckets=c.sampler.length_buckets,
         support=min(support, actor.config.vocab_size),
+        logprob_chunk=p.logprob_chunk,
     )
 
 

@@ -148,14 +148,37 @@ def ppo_loss(
     cfg: PPOLossConfig,
     denom: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
+    """Total PPO objective on one (micro-)batch from its logits (see `ppo_loss_from_logprobs`).
+
+    Args:
+      logits: float ``[B, M, V]`` raw current-policy logits predicting ``targets`` (divided by
+        ``cfg.temperature`` here).
+      targets: int32 ``[B, M]`` response tokens; the other arguments as `ppo_loss_from_logprobs`.
+    """
+    if cfg.temperature != 1.0:
+        logits = logits.astype(jnp.float32) / cfg.temperature
+    logprobs, ent = token_logprobs(logits, targets), entropy_from_logits(logits)
+    return ppo_loss_from_logprobs(logprobs, ent, mask, old_logprobs, ref_logprobs, advantages, cfg, denom)
+
+
+def ppo_loss_from_logprobs(
+    logprobs: jax.Array,
+    entropy: jax.Array,
+    mask: jax.Array,
+    old_logprobs: jax.Array,
+    ref_logprobs: jax.Array | None,
+    advantages: jax.Array,
+    cfg: PPOLossConfig,
+    denom: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, Any]]:
     """Total PPO objective on one (micro-)batch, token-mean aggregated::
 
         loss = mean_tok(L_ppo) + kl_coef * mean_tok(k3) - entropy_coef * mean_tok(H)
 
     Args:
-      logits: float ``[B, M, V]`` raw current-policy logits predicting ``targets`` (divided by
-        ``cfg.temperature`` here).
-      targets: int32 ``[B, M]`` response tokens; mask: bool ``[B, M]`` real ones.
+      logprobs: float32 ``[B, M]`` current-policy log-probs (at ``cfg.temperature``) of the response
+        tokens; entropy: float32 ``[B, M]`` the policy's entropy at each position, nats.
+      mask: bool ``[B, M]`` real response tokens.
       old_logprobs, ref_logprobs: float32 ``[B, M]`` behaviour- and reference-policy log-probs
         (ref may be None: KL term 0, ``cfg.kl_coef`` must be 0).
       advantages: float32 ``[B]``, one per row; cfg: coefficients.
@@ -170,15 +193,11 @@ def ppo_loss(
     """
     if ref_logprobs is None and cfg.kl_coef > 0:
         raise ValueError(f"ref_logprobs is None but kl_coef={cfg.kl_coef} > 0")
-    if cfg.temperature != 1.0:
-        logits = logits.astype(jnp.float32) / cfg.temperature
-    logprobs = token_logprobs(logits, targets)
     pg, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], cfg.clip_eps, cfg.dual_clip)
-    ent = entropy_from_logits(logits)
     if denom is None:
         denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
     pg_loss = token_mean(pg, mask, denom)
-    entropy = token_mean(ent, mask, denom)
+    entropy = token_mean(entropy, mask, denom)
     if ref_logprobs is not None:
         kl = token_mean(low_var_kl(logprobs, ref_logprobs, cfg.kl_bound), mask, denom)
     else:

@@ -44,18 +44,39 @@ class MicroBatch:
     advantages: jax.Array  # float32[B]
 
 
-def response_logits(
-    model, input_ids: jax.Array, attention_mask: jax.Array, num_response: int, support: int | None = None
-) -> jax.Array:
-    """float32[B, M, S] logits of the M positions that predict response tokens (position t predicts t + 1).
+def response_logprobs(
+    model,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    response_ids: jax.Array,
+    *,
+    temperature: float = 1.0,
+    support: int | None = None,
+    chunk: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """(log-probs, entropy), float32[B, M] each, of the response tokens ``response_ids`` int32[B, M]
+    under ``softmax(logits[..., :support] / temperature)``.
 
-    The LM head runs on those M positions only, not on [B, T, V]: with a 152k vocabulary that is most
-    of the memory. ``support``: only the first S ids, the ones the sampler can draw (the tokenizer's
-    size; all V when None), so log-probs, entropy and KL are over the distribution that played.
+    ``chunk`` > 0: the LM head, softmax and entropy run over ``chunk`` response positions at a time
+    (the last chunk zero-padded), rematerialised in the backward, so no fp32 [B, M, V] logits are ever
+    live (at 512 x 152k that is 311 MB per row). Same values as ``chunk=0`` (all M at once).
     """
     h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
-    prompt_len = input_ids.shape[1] - num_response
-    return model.lm_logits(h[:, prompt_len - 1 : -1])[..., :support]
+    b, m = response_ids.shape
+    h = h[:, input_ids.shape[1] - m - 1 : -1]  # the M positions that predict the response
+
+    def head(h_c, ids_c):
+        logits = model.lm_logits(h_c)[..., :support] / temperature
+        return losses.token_logprobs(logits, ids_c), losses.entropy_from_logits(logits)
+
+    if not chunk or chunk >= m:
+        return head(h, response_ids)
+    n = -(-m // chunk)
+    pad = n * chunk - m
+    h_c = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1).swapaxes(0, 1)
+    ids_c = jnp.pad(response_ids, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+    logp, ent = jax.lax.map(lambda xs: jax.checkpoint(head)(*xs), (h_c, ids_c))
+    return logp.swapaxes(0, 1).reshape(b, -1)[:, :m], ent.swapaxes(0, 1).reshape(b, -1)[:, :m]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,27 +92,35 @@ class PPOObjective:
     cfg: losses.PPOLossConfig
     fused_old: bool = False
     support: int | None = None
+    chunk: int = 0
 
     def __call__(self, model, mb: MicroBatch, denom):
         cfg = self.cfg
-        logits = response_logits(model, mb.input_ids, mb.attention_mask, mb.response_ids.shape[1], self.support)
+        logp, ent = response_logprobs(
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.response_ids,
+            temperature=cfg.temperature,
+            support=self.support,
+            chunk=self.chunk,
+        )
         old, gap = mb.old_logprobs, jnp.zeros((), jnp.float32)
         if self.fused_old:
-            logp = losses.token_logprobs(logits, mb.response_ids, cfg.temperature)
             gap = losses.token_mean(jnp.abs(old - logp), mb.response_mask, denom)
             old = jax.lax.stop_gradient(logp)
         ref = mb.ref_logprobs if cfg.kl_coef > 0 else None
-        loss, stats = losses.ppo_loss(logits, mb.response_ids, mb.response_mask, old, ref, mb.advantages, cfg, denom)
+        loss, stats = losses.ppo_loss_from_logprobs(logp, ent, mb.response_mask, old, ref, mb.advantages, cfg, denom)
         return loss, dict(stats, sampler_gap=gap)
 
 
 @functools.lru_cache(maxsize=16)
-def _logprobs_program(graphdef, temperature: float, support: int | None):
+def _logprobs_program(graphdef, temperature: float, support: int | None, chunk: int = 0):
     @jax.jit
     def logprobs(params, rest, input_ids, attention_mask, response_ids):
         model = nnx.merge(graphdef, params, rest)
-        logits = response_logits(model, input_ids, attention_mask, response_ids.shape[1], support)
-        return losses.token_logprobs(logits, response_ids, temperature)
+        kw = dict(temperature=temperature, support=support, chunk=chunk)
+        return response_logprobs(model, input_ids, attention_mask, response_ids, **kw)[0]
 
     return logprobs
 
@@ -112,6 +141,7 @@ class PPOLearner(Learner):
         () keeps every micro-batch at the iteration's ``TokenBatch.prompt_len``.
       support: ids below it form the policy's distribution (the tokenizer's size, as the sampler's);
         None: all of the logits' V columns.
+      logprob_chunk: response positions per LM-head chunk (``response_logprobs``); 0: all at once.
 
     Raises:
       ValueError: ``fused_old_logprobs`` with more than one optimizer step per update.
@@ -131,6 +161,7 @@ class PPOLearner(Learner):
         fused_old_logprobs: bool = False,
         prompt_buckets: Sequence[int] = (),
         support: int | None = None,
+        logprob_chunk: int = 0,
     ):
         if fused_old_logprobs and (epochs != 1 or mini_batch_rows != 0):
             raise ValueError(
@@ -140,14 +171,14 @@ class PPOLearner(Learner):
         super().__init__(actor, mesh, tx, local_mesh=local_mesh, keep_reference=loss_cfg.kl_coef > 0)
         self.loss_cfg = loss_cfg
         self.support = support
-        self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support)
+        self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support, logprob_chunk)
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
         self.fused_old_logprobs = fused_old_logprobs
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
 
     def logprobs(self, params_local, batch: TokenBatch) -> np.ndarray:
         """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched)."""
-        fn = _logprobs_program(self.graphdef, self.loss_cfg.temperature, self.support)
+        fn = _logprobs_program(self.graphdef, self.loss_cfg.temperature, self.support, self.objective.chunk)
         B = self.micro_batch_rows
         out = np.zeros(batch.response_ids.shape, np.float32)
         plen = batch.prompt_lengths()

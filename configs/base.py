@@ -39,6 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
     # every actor matmul (sampling, log-probs, loss): default (bf16 passes on TPU, TF32 on NVIDIA, fp32 on
     # CPU) | high | highest (full fp32)
     c.model.matmul_precision = "default"
+    # what each decoder layer keeps for the backward pass: none | full (its input only: one extra
+    # forward) | save_dots (matmul outputs); paper sizes need full at 2048 + 512 tokens
+    c.model.remat = "none"
+    c.model.scan_layers = False  # one lax.scan over the decoder layers: compile time flat in depth
 
     # --- the game --------------------------------------------------------------------------
     c.env = ml_collections.ConfigDict()
@@ -133,6 +137,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.ppo.epochs = 1  # passes over the iteration's rows
     c.ppo.mini_batch_rows = 0  # rows per optimizer update; 0 = all rows of the iteration (one update)
     c.ppo.micro_batch_rows = 8  # rows per forward/backward (fixed shape; gradient accumulation)
+    # response positions per LM-head chunk in the loss and log-probs: fp32 logits [rows, chunk, V]
+    # instead of [rows, M, V], the head recomputed per chunk in the backward (0 = all M at once)
+    c.ppo.logprob_chunk = 0
     c.ppo.old_logprobs = "recompute"  # recompute (a forward of the current policy) | sampler (the sampler's own) |
     # fused (stop_gradient inside the gradient pass; needs epochs 1, mini_batch_rows 0)
 

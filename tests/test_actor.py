@@ -526,3 +526,37 @@ def test_rope_tables_looked_up_by_position_equal_the_direct_ones():
     cos, sin = rope_cos_sin(jnp.asarray([[8, 1]], jnp.int32), 16, 10000.0, num_positions=8)
     assert np.isnan(np.asarray(cos[0, 0])).all() and np.isnan(np.asarray(sin[0, 0])).all()
     assert np.isfinite(np.asarray(cos[0, 1])).all()
+
+
+# fingerprint 2 and 3 cut the scan in two (3: just before the prefill's unrolled last layer)
+@pytest.mark.parametrize("policy,fingerprint_layer", [("none", 2), ("full", -1), ("save_dots", 0), ("full", 3)])
+def test_scanned_layers_and_remat_policies_give_the_unrolled_outputs_gradients_and_cache(policy, fingerprint_layer):
+    cfg = Qwen2Config.tiny(num_hidden_layers=4)
+    actor = Qwen2Actor(cfg, fingerprint_layer=fingerprint_layer, rngs=nnx.Rngs(3))
+    ids, mask = random_batch(3, 9, cfg.vocab_size, padding="left", seed=15)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+
+    def loss(model):
+        out = model(ids, mask)
+        return jnp.sum(jax.nn.log_softmax(out.logits)[..., 5] * mask) + jnp.sum(out.fingerprint[:, :3])
+
+    grad = nnx.jit(nnx.value_and_grad(loss))
+    value, grads = grad(actor)
+    ref_out, ref_cache = actor.prefill(ids, mask, actor.init_cache(3, 12))
+    actor.remat, actor.scan_layers = policy, True
+    value_s, grads_s = grad(actor)
+    np.testing.assert_allclose(float(value_s), float(value), rtol=1e-6)
+    for (path, g), (_, g_s) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_s)):
+        np.testing.assert_allclose(
+            np.asarray(g_s.get_value()), np.asarray(g.get_value()), rtol=1e-4, atol=1e-5, err_msg=str(path)
+        )
+    out, cache = actor.prefill(ids, mask, actor.init_cache(3, 12))
+    np.testing.assert_allclose(out.logits, ref_out.logits, atol=2e-5)
+    np.testing.assert_allclose(out.fingerprint, ref_out.fingerprint, atol=2e-6)
+    np.testing.assert_allclose(cache.k, ref_cache.k, atol=2e-5)
+    np.testing.assert_allclose(cache.v, ref_cache.v, atol=2e-5)
+
+
+def test_unknown_remat_policy_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="remat must be a bool or one of"):
+        Qwen2Actor(Qwen2Config.tiny(), remat="dots")

@@ -225,3 +225,48 @@ def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
         p = jax.nn.softmax(logits, -1)
         ents += list(np.asarray(-(p * jnp.log(p)).sum(-1)))
     np.testing.assert_allclose(float(stats["entropy"]), np.mean(ents), rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [2, 3])  # 3 does not divide M = 5: the last chunk is padded
+def test_chunked_lm_head_gives_the_same_logprobs_and_update(chunk):
+    b = _batch(n=6, seed=5)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
+    results = []
+    for c in (0, chunk):
+        mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        cfg = losses.PPOLossConfig(kl_coef=0.0, entropy_coef=0.01, temperature=0.7)
+        L = PPOLearner(_actor(), mesh, cfg, SGD, micro_batch_rows=3, logprob_chunk=c)
+        old = L.logprobs(L.params_local, b)
+        out = L.update(b, old - 0.05, None, adv, jax.random.PRNGKey(0))
+        results.append((old, out, jax.tree.map(np.asarray, L.params)))
+    (old0, out0, p0), (old1, out1, p1) = results
+    np.testing.assert_allclose(old1, old0, atol=1e-6)
+    for k in ("loss/pg_loss", "loss/entropy", "loss/grad_norm"):
+        np.testing.assert_allclose(out1[k], out0[k], rtol=1e-5, err_msg=k)
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6, rtol=1e-5), p0, p1)
+
+
+def test_fp32_master_weights_with_bf16_compute_change_every_weight_under_small_adamw_steps():
+    # bf16 parameters would round most of these 1e-6 updates away (issue: "updates vanish").
+    cfg = Qwen2Config.tiny(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.02,
+    )
+    actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    L = PPOLearner(actor, mesh, losses.PPOLossConfig(kl_coef=0.0), optax.adamw(1e-6), micro_batch_rows=6)
+    before = jax.tree.map(np.asarray, L.params)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(before))
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(L.opt_state) if hasattr(x, "dtype") and x.ndim)
+    b = _batch(n=6, seed=2)
+    adv = np.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], np.float32)
+    for it in range(10):
+        L.update(b, L.logprobs(L.params_local, b), None, adv, jax.random.PRNGKey(it))
+    after = jax.tree.map(np.asarray, L.params)
+    changed = jax.tree.leaves(jax.tree.map(lambda a, c: float(np.mean(a != c)), before, after))
+    assert min(changed) == 1.0, changed

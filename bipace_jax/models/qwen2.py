@@ -72,6 +72,19 @@ def _act(x: Array, kind: str) -> Array:
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
+# What each decoder layer keeps for the backward pass: "none" all activations (fastest, most memory),
+# "full" only its input (recomputes the layer: one extra forward), "save_dots" the matmul outputs
+# without a batch dimension (recomputes the elementwise work only).
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+def _remat(fn: Callable, policy: str) -> Callable:
+    """``fn`` under the named `REMAT_POLICIES` entry (``jax.checkpoint``)."""
+    if policy == "none":
+        return fn
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "save_dots" else None
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
+
 
 def _with_precision(method):
     """Traces ``method`` under the actor's ``matmul_precision`` (every dot of the forward, decode and head)."""
@@ -412,16 +425,20 @@ class Qwen2Actor(nnx.Module):
         paths alike (sampling, log-probs, the loss): ``"default"`` is the backend's fast mode
         (bf16 passes on TPU, TF32 on NVIDIA GPUs, full fp32 on CPU), ``"high"`` (3 bf16 passes on
         TPU), ``"highest"`` (full fp32). Settable later, before the next trace.
-      remat: rematerialise each decoder layer in the backward pass of `__call__` /
-        `forward_hidden` (`nnx.remat`): activation memory of one layer instead of L, at the cost of
-        a second forward; outputs and gradients are unchanged. Settable later (`actor.remat = True`).
+      remat: what each decoder layer keeps for the backward pass of `__call__` / `forward_hidden`
+        (`REMAT_POLICIES`: "none", "full" = only the layer input, one extra forward; "save_dots" =
+        the matmul outputs); True means "full", False "none". Outputs and gradients are unchanged.
+        Settable later (`actor.remat = "full"`), before the next trace.
+      scan_layers: run runs of identical decoder layers as one `lax.scan` over their stacked
+        parameters in the full forward and the prefill (compile time flat in depth: one layer body
+        instead of L; the parameters stay stored per layer). Same values. Settable later.
 
     Params: embed.embedding [V, D]; layers[i] (see `DecoderLayer`); final_norm.scale [D];
     lm_head.kernel [D, V] only when the head is untied.
 
     Raises:
       ValueError: fingerprint_layer out of range, config not a Qwen2Config, or an unknown
-        matmul_precision.
+        matmul_precision or remat policy.
     """
 
     def __init__(
@@ -432,8 +449,9 @@ class Qwen2Actor(nnx.Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
-        remat: bool = False,
+        remat: bool | str = "none",
         matmul_precision: str = "default",
+        scan_layers: bool = False,
     ):
         if not isinstance(config, Qwen2Config):
             raise ValueError(f"Qwen2Actor: config must be a Qwen2Config, got {type(config).__name__}")
@@ -443,17 +461,19 @@ class Qwen2Actor(nnx.Module):
                 f"Qwen2Actor: fingerprint_layer must be an int in [{-(n_layers + 1)}, {n_layers}] "
                 f"(HF hidden_states index, L={n_layers}), got {fingerprint_layer!r}"
             )
+        self.remat = remat
+        self.remat_policy  # noqa: B018 (validates remat)
         if matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"Qwen2Actor: matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}"
             )
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.matmul_precision = matmul_precision
+        self.scan_layers = bool(scan_layers)
         self.config = config
         self.fingerprint_layer = int(fingerprint_layer)
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
-        self.remat = bool(remat)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed = _Embed(
             _normal(config.initializer_range)(rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype)
@@ -553,19 +573,35 @@ class Qwen2Actor(nnx.Module):
         hidden = [x] if output_hidden_states else None
         fingerprint = self._fingerprint(x, fingerprint_index) if fp_at == 0 else None
         ks, vs = [], []
-        call = nnx.remat(_call_layer) if self.remat else _call_layer
-        for i, layer in enumerate(self.layers):
-            if last_query_only and i + 1 == n_layers:
-                x, k, v = layer(x, cos, sin, attn_mask, query_index=fingerprint_index)
-            else:
-                x, k, v = call(layer, x, cos, sin, attn_mask)
+        policy = self.remat_policy
+        n_full = n_layers - 1 if last_query_only else n_layers  # layers run over every column
+        if self.scan_layers and not output_hidden_states:
+            # One scan per run of layers, cut at the fingerprint's layer so it is read between two.
+            cuts = sorted({0, n_full} | ({fp_at} if 0 < fp_at < n_full else set()))
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                x, k, v = self._scan_layers(a, b, x, cos, sin, attn_mask, policy, keep_kv=last_query_only)
+                if last_query_only:
+                    ks.extend(k[j] for j in range(b - a))
+                    vs.extend(v[j] for j in range(b - a))
+                if fp_at == b and b < n_layers:
+                    fingerprint = self._fingerprint(x, fingerprint_index)
+        else:
+            for i, layer in enumerate(list(self.layers)[:n_full]):
+                if policy == "none":
+                    x, k, v = layer(x, cos, sin, attn_mask, causal=True)
+                else:
+                    x, k, v = _layer_fn(nnx.graphdef(layer), policy, True)(nnx.state(layer), x, cos, sin, attn_mask)
+                ks.append(k)
+                vs.append(v)
+                if i + 1 < n_layers:
+                    if output_hidden_states:
+                        hidden.append(x)
+                    if fp_at == i + 1:
+                        fingerprint = self._fingerprint(x, fingerprint_index)
+        if last_query_only:
+            x, k, v = self.layers[n_layers - 1](x, cos, sin, attn_mask, query_index=fingerprint_index)
             ks.append(k)
             vs.append(v)
-            if i + 1 < n_layers:
-                if output_hidden_states:
-                    hidden.append(x)
-                if fp_at == i + 1:
-                    fingerprint = self._fingerprint(x, fingerprint_index)
         h = self.final_norm(x)
         if output_hidden_states:
             hidden.append(h)
@@ -574,6 +610,37 @@ class Qwen2Actor(nnx.Module):
                 h, jnp.zeros_like(fingerprint_index) if last_query_only else fingerprint_index
             )
         return h, fingerprint, hidden, ks, vs
+
+    def _scan_layers(self, a, b, x, cos, sin, mask, policy, *, keep_kv):
+        """Layers [a, b) over x [B, T, D] as one `lax.scan` over their stacked parameters; returns
+        (x, k, v) with k, v [b - a, B, T, K, Hd] when `keep_kv`, else None."""
+        layers = list(self.layers)[a:b]
+        # Cast before stacking: the stacked copy is the compute-dtype weights each layer uses anyway.
+        stacked = jax.tree.map(
+            lambda *w: jnp.stack([u.astype(self.dtype) if jnp.issubdtype(u.dtype, jnp.floating) else u for u in w]),
+            *[nnx.state(layer) for layer in layers],
+        )
+        fn = _layer_fn(nnx.graphdef(layers[0]), policy, keep_kv)
+
+        def step(x, state):
+            x, k, v = fn(state, x, cos, sin, mask)
+            return x, (k, v)
+
+        x, (k, v) = jax.lax.scan(step, x, stacked)
+        return x, k, v
+
+    @property
+    def remat_policy(self) -> str:
+        """`remat` as a `REMAT_POLICIES` name (True -> "full", False -> "none").
+
+        Raises:
+          ValueError: `remat` is not a bool or one of `REMAT_POLICIES`.
+        """
+        r = self.remat
+        policy = ("full" if r else "none") if isinstance(r, (bool, np.bool_)) else r
+        if policy not in REMAT_POLICIES:
+            raise ValueError(f"Qwen2Actor: remat must be a bool or one of {REMAT_POLICIES}, got {r!r}")
+        return policy
 
     # ----------------------------------------------------------------------------------------------
     def _prepare(self, input_ids, attention_mask, fingerprint_index, where):
@@ -783,9 +850,17 @@ class Qwen2Actor(nnx.Module):
         return logits, new_cache
 
 
-def _call_layer(layer: DecoderLayer, x: Array, cos: Array, sin: Array, mask: Array):
-    """One layer of the full causal forward (`_run`'s mask is causal & padding)."""
-    return layer(x, cos, sin, mask, causal=True)
+@functools.lru_cache(maxsize=64)
+def _layer_fn(graphdef, policy: str, keep_kv: bool) -> Callable:
+    """``fn(layer_state, x, cos, sin, mask) -> (x, k, v)``: one decoder layer of the full causal
+    forward (`_run`'s mask is causal & padding) under the remat `policy`; k, v are None unless
+    `keep_kv`."""
+
+    def layer_fn(state, x, cos, sin, mask):
+        x, k, v = nnx.merge(graphdef, state)(x, cos, sin, mask, causal=True)
+        return (x, k, v) if keep_kv else (x, None, None)
+
+    return _remat(layer_fn, policy)
 
 
 class _Embed(nnx.Module):
