@@ -1,0 +1,409 @@
+"""Compile every program of a run for a device topology from abstract shapes: does a config fit?
+
+    python -m launch.aot --config=configs/alfworld_qwen2_5_1_5b.py --topology=v5e:4x4
+    python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --config.ppo.micro_batch_rows=4
+    python -m launch.aot --topology=cpu:8                       # the CPU default on 8 emulated CPU devices
+
+No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
+every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
+``jax.jit(...).lower(...).compile()`` runs the target's own compiler. A TPU topology
+(``v5e:4x4``, ``v5e:8x8``, ``v5p:2x2x4``, ``v4:2x2x4``, ``v6e:4x4``, ...) needs libtpu
+(``pip install -e ".[tpu]"``), not a TPU: ``jax.experimental.topologies`` describes the slice on any
+machine. ``cpu:N`` compiles for N CPU devices of this machine (for tests).
+
+Programs (the ones a run compiles, at their largest shapes):
+  ppo_grad   the micro-batch gradient (``learner``'s accumulate: forward, PPO loss, backward)
+  ppo_apply  the optimizer update (fp32 master weights and AdamW moments)
+  logprobs   the old / reference log-prob pass of a micro-batch (host-local parameter copy)
+  prefill    the sampler's prefill and first token, largest batch and prompt bucket
+  decode     the sampler's decode loop over ``sampler.max_new_tokens`` from that cache
+  estimator  the advantage estimator at the rollout's row capacity (one device per host)
+
+Per chip, a program needs its own peak (``memory_analysis``) plus the long-lived arrays it does not take
+as arguments (master weights, AdamW moments, the reference and sampler copies): ``total_bytes_per_chip``.
+The config fits when every program's total is at most ``--budget`` (0.9) of the chip's HBM; otherwise the
+command exits with status 1. Writes a table to stdout and JSON to
+``--out/<config>__<topology>.json`` (``benchmarks/aot/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from ml_collections import config_flags
+
+from bipace_jax import config as config_lib
+from bipace_jax import learner, ppo, sampling, sharding
+from bipace_jax.estimators import StepBatch
+from bipace_jax.estimators.core import jitted_advantages
+from bipace_jax.models import Qwen2Actor, Qwen2Config
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "textcraft_tiny.py"), "Run config.")
+_TOPOLOGY = flags.DEFINE_string("topology", "cpu:8", "TPU topology (e.g. v5e:4x4, v5p:2x2x4) or cpu:N.")
+_OUT = flags.DEFINE_string("out", os.path.join(_ROOT, "benchmarks", "aot"), "Folder of the JSON report.")
+_BUDGET = flags.DEFINE_float("budget", 0.9, "Largest fraction of a chip's HBM a program may use.")
+_PROGRAMS = flags.DEFINE_list("programs", "", "Compile only these programs (default: all).")
+
+PROGRAMS = ("ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "estimator")
+GiB = 1 << 30
+# HBM per chip by `device_kind` substring (Cloud TPU data sheets); first match wins.
+HBM_BYTES = (
+    ("v5 lite", 16 * GiB),
+    ("v5e", 16 * GiB),
+    ("v5p", 95 * 10**9),
+    ("v5", 95 * 10**9),
+    ("v6 lite", 32 * GiB),
+    ("v6e", 32 * GiB),
+    ("v4", 32 * GiB),
+)
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def topology_devices(name: str) -> list:
+    """The devices of ``name``: ``cpu:N`` (this machine's CPU devices; N must not exceed them) or a TPU
+    topology (``jax.experimental.topologies``; needs libtpu).
+
+    Raises:
+      ValueError: a malformed name, too few CPU devices, or a TPU topology without libtpu.
+    """
+
+    if name.startswith("cpu:"):
+        n = int(name[4:]) if name[4:].isdigit() else 0
+        devices = jax.devices("cpu")
+        if n < 1 or n > len(devices):
+            raise ValueError(f"--topology={name}: expected cpu:N with 1 <= N <= {len(devices)} CPU devices")
+        return devices[:n]
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu missing or an unknown slice name
+        raise ValueError(
+            f"--topology={name}: not a TPU topology this machine can describe ({type(e).__name__}: {e}); "
+            'TPU topologies need libtpu: pip install -e ".[tpu]"'
+        ) from e
+
+
+def hbm_bytes(device) -> int:
+    """HBM of one chip; for CPU devices this machine's memory divided among them."""
+    if device.platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(jax.devices("cpu"))
+    kind = device.device_kind.lower()
+    for key, size in HBM_BYTES:
+        if key in kind:
+            return size
+    raise ValueError(f"unknown HBM size of device kind {device.device_kind!r}; add it to HBM_BYTES")
+
+
+def _abstract(tree, shardings):
+
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+
+def _bytes_per_chip(tree) -> int:
+    """Bytes of one device's shard of every array of ``tree`` (ShapeDtypeStructs with shardings)."""
+
+    return int(
+        sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )
+
+
+def _stats(compiled, compile_s: float, other_resident: int) -> dict:
+    mem = compiled.memory_analysis()
+    arg, out, temp = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes
+    alias = mem.alias_size_in_bytes
+    peak = getattr(mem, "peak_memory_in_bytes", 0) or arg + out + temp - alias
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost or {}
+    text = compiled.as_text()
+    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+    return dict(
+        peak_bytes_per_chip=int(peak),
+        argument_bytes=int(arg),
+        temp_bytes=int(temp),
+        output_bytes=int(out),
+        alias_bytes=int(alias),
+        other_resident_bytes=int(other_resident),
+        total_bytes_per_chip=int(peak + other_resident),
+        flops=float(cost.get("flops", 0.0)),
+        collectives=counts,
+        compile_s=round(compile_s, 1),
+    )
+
+
+def compile_all(c, devices, programs=PROGRAMS, log=print) -> dict:
+    """Compiles ``programs`` of config ``c`` for ``devices``; returns the report (see the module doc)."""
+
+    m = c.model
+    data, fsdp, tensor = config_lib.mesh_shape(c, len(devices))
+    mesh = sharding.make_mesh(data, fsdp, tensor, devices=devices)
+    hosts = sorted({d.process_index for d in devices})
+    local = [d for d in devices if d.process_index == hosts[0]]
+    # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
+    t_local = tensor if len(local) % tensor == 0 else 1
+    local_mesh = mesh if len(hosts) == 1 else sharding.make_mesh(-1, 1, t_local, devices=local)
+    if m.preset == "tiny":
+        cfg = Qwen2Config.tiny(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads,
+            num_key_value_heads=m.num_kv_heads,
+        )
+    else:
+        cfg = Qwen2Config.preset(m.preset)
+    dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+    actor = nnx.eval_shape(
+        lambda: Qwen2Actor(
+            cfg,
+            fingerprint_layer=m.fingerprint_layer,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+            matmul_precision=m.matmul_precision,
+            rngs=nnx.Rngs(0),
+        )
+    )
+    graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    master = _abstract(params, sharding.param_shardings(params, mesh))
+    # The sampler's and the reference's host-local copies (the global parameters themselves on one host).
+    local_params = _abstract(params, sharding.param_shardings(params, local_mesh))
+    tx = config_lib.make_optimizer(c.optim)
+    with jax.set_mesh(mesh):
+        opt_shardings = jax.jit(tx.init).lower(master).compile().output_shardings
+    # scalars (AdamW's count) come back on one device: replicate them over the mesh, as the trainer's are
+    rep = NamedSharding(mesh, P())
+    opt_shardings = jax.tree.map(lambda x: x if isinstance(x, NamedSharding) else rep, opt_shardings)
+    opt_state = _abstract(jax.eval_shape(tx.init, master), opt_shardings)
+
+    s = config_lib.sampler_config(c, eos_token_ids=cfg.eos_token_ids)
+    prompt = next(b for b in s.length_buckets if b >= c.rollout.max_prompt_length)
+    response = s.max_new_tokens
+    rows = c.ppo.micro_batch_rows * len(hosts)
+    games = c.rollout.num_groups // len(hosts) * c.rollout.group_size
+    dp_local = local_mesh.shape["data"] * local_mesh.shape["fsdp"]
+    batch = next((b for b in s.batch_buckets if b >= games), s.batch_buckets[-1])
+    batch = -(-batch // dp_local) * dp_local
+    resident = dict(
+        params=_bytes_per_chip(master),
+        opt_state=_bytes_per_chip(opt_state),
+        reference=_bytes_per_chip(local_params) if c.ppo.kl_coef > 0 else 0,
+        sampler_params=_bytes_per_chip(local_params) if len(hosts) > 1 else 0,
+    )
+    report = dict(
+        topology=None,
+        chips=len(devices),
+        hosts=len(hosts),
+        device_kind=devices[0].device_kind,
+        hbm_bytes_per_chip=hbm_bytes(devices[0]),
+        param_dtype=str(param_dtype),
+        compute_dtype=str(dtype),
+        mesh=dict(data=data, fsdp=fsdp, tensor=tensor),
+        sampler_mesh=dict(local_mesh.shape),
+        model=dict(
+            preset=m.preset, params=n_params, layers=cfg.num_hidden_layers, remat=m.remat, scan_layers=m.scan_layers
+        ),
+        shapes=dict(
+            prompt_tokens=prompt,
+            response_tokens=response,
+            micro_batch_rows=rows,
+            mini_batch_rows=c.ppo.mini_batch_rows,
+            sampler_batch=batch,
+            estimator_rows=games * c.env.max_steps,
+            logprob_chunk=c.ppo.logprob_chunk,
+        ),
+        resident_bytes_per_chip=resident,
+        programs={},
+    )
+
+    def rows_sds(shape, dtype, mesh_):
+        return jax.ShapeDtypeStruct(
+            shape, dtype, sharding=NamedSharding(mesh_, P(("data", "fsdp"), *[None] * (len(shape) - 1)))
+        )
+
+    def scalar(mesh_, dtype=jnp.float32, shape=()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh_, P()))
+
+    def run(name, mesh_, fn, *args, other=(), **kwargs):
+        if name not in programs:
+            return None
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh_):
+            compiled = fn.lower(*args, **kwargs).compile()
+        report["programs"][name] = _stats(compiled, time.perf_counter() - t0, sum(resident[k] for k in other))
+        log(f"  compiled {name} in {report['programs'][name]['compile_s']} s")
+        return compiled
+
+    objective = ppo.PPOObjective(
+        config_lib.loss_config(c), c.ppo.old_logprobs == "fused", cfg.vocab_size, c.ppo.logprob_chunk
+    )
+    accumulate, apply, _, _ = learner._programs(graphdef, objective, tx)
+    width = prompt + response
+    mb = ppo.MicroBatch(
+        input_ids=rows_sds((rows, width), jnp.int32, mesh),
+        attention_mask=rows_sds((rows, width), jnp.int32, mesh),
+        response_ids=rows_sds((rows, response), jnp.int32, mesh),
+        response_mask=rows_sds((rows, response), jnp.bool_, mesh),
+        old_logprobs=rows_sds((rows, response), jnp.float32, mesh),
+        ref_logprobs=rows_sds((rows, response), jnp.float32, mesh),
+        advantages=rows_sds((rows,), jnp.float32, mesh),
+    )
+    stats = {k: scalar(mesh) for k in (*ppo.STAT_KEYS, "loss")}
+    local_rest = rest  # the actor has no non-parameter state: an empty pytree, placed nowhere
+    run(
+        "ppo_grad",
+        mesh,
+        accumulate,
+        master,
+        rest,
+        master,
+        stats,
+        mb,
+        scalar(mesh),
+        other=("opt_state", "reference", "sampler_params"),
+    )
+    run("ppo_apply", mesh, apply, master, opt_state, master, other=("reference", "sampler_params"))
+
+    lp = ppo._logprobs_program(graphdef, objective.cfg.temperature, cfg.vocab_size, c.ppo.logprob_chunk)
+    lrows = c.ppo.micro_batch_rows
+    lrows = -(-lrows // dp_local) * dp_local
+    run(
+        "logprobs",
+        local_mesh,
+        lp,
+        local_params,
+        local_rest,
+        rows_sds((lrows, width), jnp.int32, local_mesh),
+        rows_sds((lrows, width), jnp.int32, local_mesh),
+        rows_sds((lrows, response), jnp.int32, local_mesh),
+        other=("params", "opt_state", "reference") if len(hosts) > 1 else ("opt_state",),
+    )
+
+    static = sampling._Static(
+        greedy=False,
+        top_k=s.top_k,
+        top_p=float(s.top_p),
+        max_new_tokens=response,
+        cache_length=prompt + response,
+        pad_id=0,
+        support=cfg.vocab_size,
+    )
+    q = max([len(x.encode("utf-8")) for x in s.stop_strings], default=1)
+    consts = (
+        scalar(local_mesh, jnp.int32, (len(s.stop_strings), q, cfg.vocab_size)),
+        scalar(local_mesh, jnp.int32, (len(s.stop_strings),)),
+        scalar(local_mesh, jnp.int32, (len(cfg.eos_token_ids),)),
+    )
+    gdef_s, state_s = nnx.split(actor)  # the sampler merges the whole actor from one state
+    state = _abstract(state_s, sharding.param_shardings(state_s, local_mesh))
+    ids = rows_sds((batch, prompt), jnp.int32, local_mesh)
+    row_ids, row_mask = rows_sds((batch,), jnp.int32, local_mesh), rows_sds((batch,), jnp.bool_, local_mesh)
+    key, temp = scalar(local_mesh, jnp.uint32, (2,)), scalar(local_mesh)
+    sampler_other = ("params", "opt_state", "reference") if len(hosts) > 1 else ("opt_state", "reference")
+    pre_args = (gdef_s, state, ids, ids, row_ids, row_mask, key, temp, *consts)
+    run("prefill", local_mesh, sampling._prefill_program, *pre_args, static=static, other=sampler_other)
+    if "decode" in programs:
+        with jax.set_mesh(local_mesh):
+            lowered = sampling._prefill_program.lower(*pre_args, static=static)
+            out = _abstract(lowered.out_info, lowered.compile().output_shardings)
+        token, logp, done, stop_state, _, cache = out
+        dec_args = (gdef_s, state, cache, token, logp, done, stop_state, row_ids, row_mask, key, temp, *consts)
+        run("decode", local_mesh, sampling._decode_program, *dec_args, static=static, other=sampler_other)
+
+    ecfg = config_lib.estimator_config(c)
+    fn, scalars = jitted_advantages(ecfg)
+    n = games * c.env.max_steps
+    one = jax.sharding.SingleDeviceSharding(local[0])
+
+    def vec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+
+    steps = StepBatch(
+        group_id=vec((n,), jnp.int32),
+        traj_id=vec((n,), jnp.int32),
+        step=vec((n,), jnp.int32),
+        reward=vec((n,), jnp.float32),
+        obs_hash=vec((n,), jnp.int32),
+        fingerprint=vec((n, cfg.hidden_size), jnp.float32),
+        action_key=vec((n,), jnp.int32),
+        mask=vec((n,), jnp.bool_),
+        penalty=vec((n,), jnp.float32),
+        group_capacity=c.rollout.num_groups // len(hosts),
+        row_capacity=-(-c.rollout.group_size * c.env.max_steps // 16) * 16,
+    )
+    scalars = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one) for x in scalars)
+    run("estimator", jax.sharding.Mesh(np.array(local[:1]), ("data",)), fn, steps, *scalars, other=tuple(resident))
+    return report
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    name = _TOPOLOGY.value
+    if name.startswith("cpu:") and name[4:].isdigit():
+        jax.config.update("jax_num_cpu_devices", int(name[4:]))  # before the CPU backend starts
+    devices = topology_devices(name)
+    c = _CONFIG.value
+    programs = tuple(_PROGRAMS.value) or PROGRAMS
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {PROGRAMS}")
+
+    config_lib.validate(c, num_devices=len(devices))
+    print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
+    report = compile_all(c, devices, programs, log=lambda s: print(s, flush=True))
+    report["topology"] = name
+    hbm = report["hbm_bytes_per_chip"]
+    report["budget_fraction"] = _BUDGET.value
+    for p in report["programs"].values():
+        p["fraction_of_hbm"] = round(p["total_bytes_per_chip"] / hbm, 4)
+    report["fits"] = all(p["fraction_of_hbm"] <= _BUDGET.value for p in report["programs"].values())
+    if "ppo_apply" in report["programs"]:
+        share = report["model"]["params"] / report["chips"]
+        report["ppo_apply_argument_bytes_per_param"] = round(
+            report["programs"]["ppo_apply"]["argument_bytes"] / share, 2
+        )
+
+    report["jax_version"] = jax.__version__
+    setting = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
+    report["config"] = setting
+    gib = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
+    print(f"\n{setting} on {name}: HBM {hbm / GiB:.1f} GiB per chip, budget {_BUDGET.value:.0%}")
+    print(
+        f"{'program':10s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (GiB per chip)"
+    )
+    for k, p in report["programs"].items():
+        coll = " ".join(f"{n}={v}" for n, v in p["collectives"].items() if v)
+        print(
+            f"{k:10s} {gib(p['peak_bytes_per_chip'])} {gib(p['argument_bytes'])} {gib(p['temp_bytes'])} "
+            f"{gib(p['output_bytes'])} {gib(p['other_resident_bytes'])} {gib(p['total_bytes_per_chip'])}  "
+            f"{p['fraction_of_hbm']:5.0%}  {p['flops'] / 1e12:7.2f}  {p['compile_s']:6.1f}s  {coll}"
+        )
+    print(f"fits: {report['fits']}")
+    out = _OUT.value
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{setting}__{name.replace(':', '-')}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    if not report["fits"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)
