@@ -127,3 +127,92 @@ def test_loads_into_shardings_and_learner_runs_under_the_mesh_on_8_cpu_devices()
     assert r["bf16_values"] and r["bf16_shardings"] and r["bf16_actor"] == "bfloat16", r
     assert r["bf16_logprob_err"] <= 1e-6, r
     assert r["bf16_export_dtype"] == "float32", r
+
+
+TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    import jax
+    from bipace_jax import distributed
+
+    distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+    import jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+    from bipace_jax import sharding as shd
+    from bipace_jax.learner import Learner
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
+
+    hops = []
+    gather = multihost_utils.process_allgather
+    def counted(*a, **k):
+        hops.append(1)
+        return gather(*a, **k)
+    distributed.multihost_utils.process_allgather = counted
+
+    cfg = Qwen2Config.tiny(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2)
+    want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(Qwen2Actor(cfg, rngs=nnx.Rngs(1)), nnx.Param))]
+    mesh = shd.make_mesh(1, 4, 2)  # fsdp over both hosts, tensor inside each
+    out = {"process": jax.process_index(), "local_devices": jax.local_device_count()}
+    actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    L = Learner(actor, mesh, optax.sgd(0.1), local_mesh=distributed.local_mesh(mesh, 2), keep_reference=True)
+    local, ref = jax.tree.leaves(L.params_local), jax.tree.leaves(L.ref_params_local)
+    shardings = jax.tree.leaves(L.local_shardings)
+    out["global_addressable"] = all(x.is_fully_addressable for x in jax.tree.leaves(L.params))
+    out["addressable"] = all(x.is_fully_addressable for x in local + ref)
+    out["on_local"] = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(local, shardings))
+    out["dtypes"] = sorted({str(x.dtype) for x in local + ref})
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16)).astype(np.float32)
+    out["values"] = all(np.array_equal(np.asarray(x).astype(np.float32), bf(w)) for x, w in zip(local, want))
+    out["ref_values"] = all(np.array_equal(np.asarray(x).astype(np.float32), bf(w)) for x, w in zip(ref, want))
+    out["hops_on_device"] = len(hops)
+    # no local shardings: one copy on the host's first device
+    first = distributed.local_copy(L.params)
+    out["first_device"] = all(x.devices() == {jax.local_devices()[0]} for x in jax.tree.leaves(first))
+    out["first_values"] = all(np.array_equal(np.asarray(x), w) for x, w in zip(jax.tree.leaves(first), want))
+    # a local tensor axis of another size than the global one: through host memory, same values
+    wide = shd.param_shardings(L.params, shd.make_mesh(1, 1, 4, devices=jax.local_devices()))
+    hops.clear()
+    other = distributed.local_copy(L.params, wide)
+    out["hops_other_tensor"] = len(hops) > 0
+    out["other_values"] = all(np.array_equal(np.asarray(x), w) for x, w in zip(jax.tree.leaves(other), want))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_two_processes_make_their_local_copies_on_device():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_PROCESS_SCRIPT, f"localhost:{port}", str(pid)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    for stdout, _ in outs:
+        r = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT") :])
+        assert r["local_devices"] == 4 and not r["global_addressable"], r
+        # bf16 copies of the fp32 masters on this host's (data, 1, tensor) mesh, made without a host hop
+        assert r["addressable"] and r["on_local"] and r["dtypes"] == ["bfloat16"], r
+        assert r["values"] and r["ref_values"] and r["hops_on_device"] == 0, r
+        assert r["first_device"] and r["first_values"], r
+        # a layout the host's shards cannot give (local tensor 4, global 2) goes through host memory
+        assert r["hops_other_tensor"] and r["other_values"], r
