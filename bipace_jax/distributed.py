@@ -1,7 +1,7 @@
 """Multi-host plumbing: ``jax.distributed`` start-up, host gathers, host-local <-> global placement.
 
-One process: every function is the identity (or a trivial stack), so single-host code calls them
-unconditionally.
+One process: the gathers are trivial stacks and the placements keep arrays where they are (or
+reshard / cast them on device), so single-host code calls them unconditionally.
 """
 
 from __future__ import annotations
@@ -65,14 +65,6 @@ def host_mean(d: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, map(float, vals)))
 
 
-def host_local(tree: Any, local_shardings: Any = None) -> Any:
-    """A host-local copy of a pytree of (possibly multi-host) global arrays, placed on
-    ``local_shardings`` (over this host's devices; default its first device). One process: the tree.
-
-    Same as ``local_copy`` without a cast (kept for callers that name it so)."""
-    return local_copy(tree, local_shardings)
-
-
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -117,13 +109,15 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
     targets = treedef.flatten_up_to(local_shardings)
     host_wide = [_host_wide(x, s) for x, s in zip(leaves, targets)]
     on_device = [i for i, h in enumerate(host_wide) if h is not None]
-    gathered = jax.jit(cast, out_shardings=[host_wide[i] for i in on_device])([leaves[i] for i in on_device])
+    gathered = []
+    if on_device:
+        gathered = jax.jit(cast, out_shardings=[host_wide[i] for i in on_device])([leaves[i] for i in on_device])
     out = [None] * len(leaves)
     for i, y in zip(on_device, gathered):
         out[i] = _reassemble(y, targets[i])
     for i, x in enumerate(leaves):
         if out[i] is None:
-            # this host lacks some tensor-parallel shard: only a gather through the hosts brings it
+            # no on-device route to this host's layout: across processes only a host gather brings the shards
             full = x.addressable_data(0) if x.is_fully_replicated else multihost_utils.process_allgather(x, tiled=True)
             out[i] = jax.device_put(cast(np.asarray(full)), targets[i])
     return treedef.unflatten(out)
