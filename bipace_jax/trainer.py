@@ -446,13 +446,12 @@ class Trainer:
                 bar.set_postfix(success=f"{rec['train/success_rate']:.2f}", it_s=f"{rec['time/iteration_s']:.1f}")
         finally:
             bar.close()
-        if self.is_primary:
-            if c.log.plots:
-                temps = dict(train_temperature=c.sampler.temperature, val_temperature=c.val.temperature)
-                grouping = config_lib.estimator_config(c, self.epsilon).spec.grouping
-                summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
-            if c.checkpoint.export_hf:
-                summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
+        if self.is_primary and c.log.plots:
+            temps = dict(train_temperature=c.sampler.temperature, val_temperature=c.val.temperature)
+            grouping = config_lib.estimator_config(c, self.epsilon).spec.grouping
+            summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
+        if c.checkpoint.export_hf:  # every process: the global master parameters are gathered for process 0
+            summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
         return summary
 
     # ------------------------------------------------------------------------------------------
@@ -487,7 +486,8 @@ class Trainer:
             log.info("resumed from %s step %d (iteration %d)", self.checkpointer.directory, step, self.iteration)
 
     def export_hf(self, path: str) -> str:
-        """Write the current policy as a Hugging Face folder (weights, config, tokenizer)."""
+        """Write the current policy's master parameters as a Hugging Face folder (weights, config,
+        tokenizer); every process calls it, process 0 writes."""
         save_hf_checkpoint(self.learner.master_model(), path, tokenizer=self.tokenizer)
         return path
 
