@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -117,6 +118,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     """
     _int(c, "seed", 0)
     _int(c, "num_iterations", 0)
+    if not isinstance(_get(c, "compile_cache_dir"), str):
+        _fail(
+            "compile_cache_dir", "be a folder path string ('' = no persistent compilation cache)", c.compile_cache_dir
+        )
     # model
     ckpt = _get(c, "model.checkpoint")
     if not isinstance(ckpt, str):
@@ -270,6 +275,29 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int
     return tuple(num_devices // fixed if s == -1 else s for s in sizes)
 
 
+def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) -> None:
+    """With several processes the mesh's tensor axis (its resolved size ``tensor``) must lie inside one
+    host: its all-reduces then stay on the host's fast links, and each host's sampler and reference
+    copies hold whole tensor-parallel shards.
+
+    Raises:
+      ConfigError: ``num_processes > 1`` and ``tensor`` does not divide ``local_devices``.
+    """
+    if num_processes > 1 and local_devices % tensor:
+        divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
+        _fail(
+            "mesh.tensor",
+            f"divide the {local_devices} devices of each host ({num_processes} processes): one of {divisors}",
+            tensor,
+        )
+
+
+def enable_compile_cache(c: ml_collections.ConfigDict) -> None:
+    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (nothing when it is "")."""
+    if c.get("compile_cache_dir"):
+        jax.config.update("jax_compilation_cache_dir", resolve_path(c.compile_cache_dir))
+
+
 # ------------------------------------------------------------------------------------------------
 # Sections -> dataclasses (the only place a config field is mapped onto a library field).
 _CLASS_OF_SECTION = {
@@ -334,17 +362,20 @@ def system_prompt_of(value: str) -> str | None:
     return None if value == "default" else value
 
 
-def build_actor(c: ml_collections.ConfigDict, tokenizer: Any) -> Qwen2Actor:
+def build_actor(c: ml_collections.ConfigDict, tokenizer: Any, mesh: Any = None) -> Qwen2Actor:
     """The actor of ``c.model``: loaded from ``checkpoint``, or a random ``preset`` init.
 
     A random tiny init takes its sizes from ``model.*`` and its vocabulary and EOS from the tokenizer;
-    parameters are drawn from ``nnx.Rngs(c.seed)``.
+    parameters are drawn from ``nnx.Rngs(c.seed)``. ``mesh``: a checkpoint's tensors load straight
+    into their ``NamedSharding`` on it (each device reads only its shard; see ``load_hf_checkpoint``);
+    None: onto the default device.
     """
     m, dtype = c.model, _DTYPES[c.model.dtype]
     if m.checkpoint:
         # param_dtype too: bf16 parameters would make AdamW's small updates round away
         actor = load_hf_checkpoint(
             resolve_path(m.checkpoint),
+            mesh=mesh,
             dtype=dtype,
             param_dtype=_DTYPES[m.param_dtype],
             fingerprint_layer=m.fingerprint_layer,

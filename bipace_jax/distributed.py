@@ -1,7 +1,7 @@
 """Multi-host plumbing: ``jax.distributed`` start-up, host gathers, host-local <-> global placement.
 
-One process: every function is the identity (or a trivial stack), so single-host code calls them
-unconditionally.
+One process: the gathers are trivial stacks and the placements keep arrays where they are (or
+reshard / cast them on device), so single-host code calls them unconditionally.
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding
 
@@ -62,27 +65,112 @@ def host_mean(d: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, map(float, vals)))
 
 
-def host_local(tree: Any, local_shardings: Any = None) -> Any:
-    """A host-local copy of a pytree of (possibly multi-host) global arrays, placed on
-    ``local_shardings`` (over this host's devices; default its first device). One process: the tree."""
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast_to(dtype: Any):
+    """A function casting a pytree's floating arrays to ``dtype`` (None: the identity)."""
+    if dtype is None:
+        return lambda t: t
+    return lambda t: jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, t)
+
+
+def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any:
+    """This host's copy of a pytree of global arrays, made on device (never through host memory when
+    JAX allows it), with its floating arrays cast to ``dtype`` (None: kept).
+
+    One process: ``tree`` itself when nothing is cast (the global mesh is the host's; the result
+    shares the buffers), else the cast arrays with each input's sharding. Several processes: one
+    jitted program gathers every array over the global mesh's data/fsdp axes on device (the tensor
+    axis kept, so each host holds whole tensor-parallel copies) and this host's shards are reassembled
+    on ``local_shardings`` (``NamedSharding`` leaves over this host's devices; None: replicated on its
+    first device). Arrays whose layout does not allow that (a local tensor axis of another size than
+    the global one, or a host without every tensor-parallel index) go through host memory instead.
+
+    Args:
+      tree: pytree of ``jax.Array`` (global, over the learner's mesh).
+      local_shardings: pytree like ``tree`` of this host's shardings, or None.
+      dtype: the copy's floating dtype (e.g. the compute dtype for bf16 sampler/reference copies).
+
+    Returns:
+      A pytree like ``tree`` of fully addressable arrays.
+    """
+    cast = _cast_to(dtype)
+    needs_cast = dtype is not None and any(_is_float(x) and x.dtype != jnp.dtype(dtype) for x in jax.tree.leaves(tree))
     if jax.process_count() == 1:
-        return tree
-
-    def full(x):
-        if x.is_fully_replicated:
-            return x.addressable_data(0)
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
+        if not needs_cast:
+            return tree
+        return jax.jit(cast, out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
     if local_shardings is None:
         dev = jax.local_devices()[0]
-        return jax.tree.map(lambda x: jax.device_put(full(x), dev), tree)
-    return jax.tree.map(lambda x, s: jax.device_put(full(x), s), tree, local_shardings)
+        local_shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(local_shardings)
+    host_wide = [_host_wide(x, s) for x, s in zip(leaves, targets)]
+    on_device = [i for i, h in enumerate(host_wide) if h is not None]
+    gathered = []
+    if on_device:
+        gathered = jax.jit(cast, out_shardings=[host_wide[i] for i in on_device])([leaves[i] for i in on_device])
+    out = [None] * len(leaves)
+    for i, y in zip(on_device, gathered):
+        out[i] = _reassemble(y, targets[i])
+    for i, x in enumerate(leaves):
+        if out[i] is None:
+            # no on-device route to this host's layout: across processes only a host gather brings the shards
+            full = x.addressable_data(0) if x.is_fully_replicated else multihost_utils.process_allgather(x, tiled=True)
+            out[i] = jax.device_put(cast(np.asarray(full)), targets[i])
+    return treedef.unflatten(out)
+
+
+def _host_wide(x: jax.Array, local: Any) -> Any:
+    """The global sharding under which each host holds all of ``x`` the way ``local`` splits it
+    (``local``'s spec on ``x``'s mesh), or None when the two meshes' axis sizes differ."""
+    mesh = getattr(x.sharding, "mesh", None)
+    spec = local.spec if isinstance(local, NamedSharding) else P()
+    if mesh is None:
+        return None
+    local_sizes = sharding.mesh_axis_sizes(local.mesh) if isinstance(local, NamedSharding) else {}
+    global_sizes = sharding.mesh_axis_sizes(mesh)
+    for entry in spec:
+        for ax in () if entry is None else ((entry,) if isinstance(entry, str) else entry):
+            if local_sizes.get(ax) != global_sizes.get(ax):
+                return None
+    return NamedSharding(mesh, spec)
+
+
+def _index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _reassemble(y: jax.Array, local: Any) -> jax.Array | None:
+    """``y``'s shards on this host as one array on ``local`` (device-to-device moves only); None when
+    this host's shards do not cover every index ``local`` needs."""
+    have = {}
+    for shard in y.addressable_shards:
+        have.setdefault(_index_key(shard.index, y.shape), {})[shard.device] = shard.data
+    arrays = []
+    for dev, index in local.addressable_devices_indices_map(y.shape).items():
+        on = have.get(_index_key(index, y.shape))
+        if not on:
+            return None
+        arrays.append(on[dev] if dev in on else jax.device_put(next(iter(on.values())), dev))
+    return jax.make_array_from_single_device_arrays(y.shape, local, arrays)
 
 
 def to_global(tree: Any, shardings: Any) -> Any:
-    """Place a host-local pytree (identical on every process) onto global shardings."""
+    """Place a pytree onto global shardings.
+
+    Arrays already on their sharding are kept (not copied: they share the buffers). Otherwise, one
+    process: an on-device ``jax.device_put``; several: ``tree`` must be host-local and identical on
+    every process, and each device takes its shard of it.
+    """
 
     def one(x, s):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+            return x
+        if jax.process_count() == 1:
+            return jax.device_put(x, s)
         a = np.asarray(x)
         return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
 

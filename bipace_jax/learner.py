@@ -7,6 +7,7 @@ fixed-shape micro-batches, refuses a non-finite loss or gradient, then applies t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -61,16 +62,30 @@ def shard_rows(mesh, tree: Any) -> Any:
     )
 
 
+def mesh_context(mesh):
+    """``jax.set_mesh(mesh)`` for a mesh of several devices, so the model's sharding constraints and
+    FSDP gathers apply; a one-device mesh sets none (nothing to split, and CPU keeps its own
+    attention schedules)."""
+    return jax.set_mesh(mesh) if mesh is not None and mesh.devices.size > 1 else contextlib.nullcontext()
+
+
 class Learner:
     """Parameters, optimizer state and one jitted accumulate-then-apply step (no games, no files).
 
     Args:
-      actor: the (host-local) model; its ``nnx.Param`` state becomes the learner's global parameters.
+      actor: the model; its ``nnx.Param`` state becomes the learner's global parameters (arrays already
+        on their ``param_shardings``, e.g. from ``load_hf_checkpoint(mesh=...)``, are used as they are,
+        not copied: the updates donate them, and the actor is pointed at ``params_local``).
       mesh: the global mesh (axes data, fsdp, tensor); parameters follow ``sharding.param_shardings``.
       tx: the optax transformation.
       local_mesh: the mesh of this host's devices for ``params_local``, the host-local copy the sampler
         and the no-gradient forwards use (default: ``mesh`` with one process, else the host's first device).
       keep_reference: keep a frozen host-local copy of the initial parameters (``ref_params_local``).
+
+    ``params_local`` and ``ref_params_local`` hold the actor's compute dtype (``actor.dtype``, e.g. bf16
+    over fp32 master parameters): the forward casts every parameter to it at use, so the values it
+    computes are the same, in half the memory. With one process and equal dtypes ``params_local`` is
+    ``params`` itself (no copy).
     """
 
     def __init__(
@@ -86,24 +101,38 @@ class Learner:
         self.graphdef, params, self.rest = nnx.split(actor, nnx.Param, ...)
         self.param_shardings = sharding.param_shardings(params, mesh)
         self.params = distributed.to_global(params, self.param_shardings)
-        self.opt_state = jax.jit(tx.init)(self.params)
-        self.local_shardings = None
-        if local_mesh is not None and jax.process_count() > 1:
-            self.local_shardings = sharding.param_shardings(params, local_mesh)
+        del params  # the caller's arrays may be the learner's now (donated by the first update)
+        with mesh_context(mesh):
+            self.opt_state = jax.jit(tx.init)(self.params)
+        if jax.process_count() == 1:
+            self.local_mesh, self.local_shardings = mesh, None
+        else:
+            self.local_mesh = local_mesh or sharding.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
+            self.local_shardings = sharding.param_shardings(self.params, self.local_mesh)
+        dtype = getattr(actor, "dtype", None)
+        self.local_dtype = jnp.dtype(dtype) if dtype is not None else None
         self.ref_params_local = None
         if keep_reference:
-            self.ref_params_local = jax.tree.map(jnp.copy, distributed.host_local(self.params, self.local_shardings))
+            ref = distributed.local_copy(self.params, self.local_shardings, self.local_dtype)
+            # a copy that shares the master buffers would be donated away by the first update
+            self.ref_params_local = jax.tree.map(lambda r, p: jnp.copy(r) if r is p else r, ref, self.params)
         self.sync_local()
 
     def sync_local(self) -> None:
-        """Refresh the host-local parameters and point the actor at them (after an update or restore)."""
-        self.params_local = distributed.host_local(self.params, self.local_shardings)
+        """Refresh the host-local parameters and point the actor at them (after an update or restore):
+        an on-device reshard (and cast to the compute dtype) of the global ones."""
+        self.params_local = distributed.local_copy(self.params, self.local_shardings, self.local_dtype)
         nnx.update(self.actor, self.params_local)
+
+    def master_model(self) -> nnx.Module:
+        """The model with the (global) master parameters in ``param_dtype``, e.g. for export."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
 
     def step(
         self, loss_fn: LossFn, micro_batches: Iterable[Any], denom: float, stat_keys: Sequence[str], where: str = ""
     ) -> tuple[dict[str, float], float]:
-        """One optimizer step on the summed gradients of ``loss_fn`` over ``micro_batches``.
+        """One optimizer step on the summed gradients of ``loss_fn`` over ``micro_batches``, its programs
+        run under the mesh (``mesh_context``).
 
         Args:
           loss_fn: see ``LossFn``; its stats must have exactly ``stat_keys`` (``"loss"`` is added).
@@ -118,15 +147,16 @@ class Learner:
           NonFiniteError: NaN/Inf loss or gradient; the step is not applied.
         """
         accumulate, apply, zeros, global_norm = _programs(self.graphdef, loss_fn, self.tx)
-        grads = zeros(self.params)
-        stats = {k: jnp.zeros((), jnp.float32) for k in (*stat_keys, "loss")}
-        for mb in micro_batches:
-            grads, stats = accumulate(self.params, self.rest, grads, stats, mb, jnp.float32(denom))
-        stats = {k: float(v) for k, v in stats.items()}
-        gnorm = float(global_norm(grads))
-        if not (math.isfinite(stats["loss"]) and math.isfinite(gnorm)):
-            raise NonFiniteError(
-                f"non-finite {where or 'update'}: loss={stats['loss']}, grad_norm={gnorm}; the update was not applied"
-            )
-        self.params, self.opt_state = apply(self.params, self.opt_state, grads)
+        with mesh_context(self.mesh):
+            grads = zeros(self.params)
+            stats = {k: jnp.zeros((), jnp.float32) for k in (*stat_keys, "loss")}
+            for mb in micro_batches:
+                grads, stats = accumulate(self.params, self.rest, grads, stats, mb, jnp.float32(denom))
+            stats = {k: float(v) for k, v in stats.items()}
+            gnorm = float(global_norm(grads))
+            if not (math.isfinite(stats["loss"]) and math.isfinite(gnorm)):
+                raise NonFiniteError(
+                    f"non-finite {where or 'update'}: loss={stats['loss']}, grad_norm={gnorm}; the update was not applied"
+                )
+            self.params, self.opt_state = apply(self.params, self.opt_state, grads)
         return stats, gnorm

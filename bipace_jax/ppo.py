@@ -22,8 +22,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bipace_jax import distributed, losses
-from bipace_jax.learner import Learner, NonFiniteError, shard_rows
+from bipace_jax import distributed, losses, sharding
+from bipace_jax.learner import Learner, NonFiniteError, mesh_context, shard_rows
 from bipace_jax.rollout import TokenBatch
 
 __all__ = ["MicroBatch", "NonFiniteError", "PPOLearner", "PPOObjective"]
@@ -177,18 +177,28 @@ class PPOLearner(Learner):
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
 
     def logprobs(self, params_local, batch: TokenBatch) -> np.ndarray:
-        """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched)."""
+        """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched).
+
+        Runs under this host's mesh (``local_mesh``) with each micro-batch's rows split over its
+        ("data", "fsdp") axes; the rows are padded to a multiple of data*fsdp (padding rows are dropped).
+        """
         fn = _logprobs_program(self.graphdef, self.loss_cfg.temperature, self.support, self.objective.chunk)
-        B = self.micro_batch_rows
+        dp = math.prod(sharding.mesh_axis_sizes(self.local_mesh)[a] for a in ("data", "fsdp"))
+        B = -(-self.micro_batch_rows // dp) * dp
         out = np.zeros(batch.response_ids.shape, np.float32)
         plen = batch.prompt_lengths()
         order = np.argsort(plen, kind="stable")  # similar lengths share a micro-batch
-        for s in range(0, batch.rows, B):
-            r = order[s : s + B]
+        for s in range(0, batch.rows, self.micro_batch_rows):
+            r = order[s : s + self.micro_batch_rows]
             width = self._prompt_width(int(plen[r].max()), batch.prompt_len)
-            ids, att = (self._micro_rows(x, r, batch, width) for x in (batch.input_ids, batch.attention_mask))
+            ids, att = (
+                _pad_rows(self._micro_rows(x, r, batch, width), B) for x in (batch.input_ids, batch.attention_mask)
+            )
             att[:, -1] |= att.sum(1) == 0  # padding rows get one real token (no empty softmax)
-            lp = fn(params_local, self.rest, *map(jnp.asarray, (ids, att, _pad_rows(batch.response_ids[r], B))))
+            rows = [ids, att, _pad_rows(batch.response_ids[r], B)]
+            with mesh_context(self.local_mesh):
+                placed = [jax.device_put(x, sharding.batch_sharding(self.local_mesh, x.ndim)) for x in rows]
+                lp = fn(params_local, self.rest, *placed)
             out[r] = np.asarray(lp)[: len(r)]
         return out
 

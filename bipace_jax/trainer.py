@@ -93,6 +93,7 @@ class Trainer:
                 f"{self.num_hosts}, got {c.rollout.num_groups}"
             )
         data, fsdp, tensor = config_lib.mesh_shape(c, jax.device_count())
+        config_lib.check_tensor_in_host(tensor, self.num_hosts, jax.local_device_count())
         if (c.ppo.micro_batch_rows * self.num_hosts) % (data * fsdp):
             raise config_lib.ConfigError(
                 f"config.ppo.micro_batch_rows x processes must be a multiple of mesh data*fsdp={data * fsdp}, "
@@ -100,7 +101,7 @@ class Trainer:
             )
         os.makedirs(workdir, exist_ok=True)
         self.mesh = sharding.make_mesh(data, fsdp, tensor)
-        self.local_mesh = distributed.local_mesh(self.mesh, c.mesh.tensor)
+        self.local_mesh = distributed.local_mesh(self.mesh, tensor)
 
         # Tasks first (missing game data fails before the model loads): training and held-out goals, and
         # the validation panels (from the training goals, or from the games of val.options /
@@ -128,7 +129,7 @@ class Trainer:
 
         # Model and learner.
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.actor = actor if actor is not None else config_lib.build_actor(c, self.tokenizer)
+        self.actor = actor if actor is not None else config_lib.build_actor(c, self.tokenizer, self.mesh)
         support = len(self.tokenizer)  # embedding rows past the tokenizer (Qwen2.5 pads V) are never drawn
         self.learner = config_lib.ppo_learner(c, self.actor, self.mesh, self.local_mesh, support=support)
 
@@ -445,13 +446,12 @@ class Trainer:
                 bar.set_postfix(success=f"{rec['train/success_rate']:.2f}", it_s=f"{rec['time/iteration_s']:.1f}")
         finally:
             bar.close()
-        if self.is_primary:
-            if c.log.plots:
-                temps = dict(train_temperature=c.sampler.temperature, val_temperature=c.val.temperature)
-                grouping = config_lib.estimator_config(c, self.epsilon).spec.grouping
-                summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
-            if c.checkpoint.export_hf:
-                summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
+        if self.is_primary and c.log.plots:
+            temps = dict(train_temperature=c.sampler.temperature, val_temperature=c.val.temperature)
+            grouping = config_lib.estimator_config(c, self.epsilon).spec.grouping
+            summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
+        if c.checkpoint.export_hf:  # every process: the global master parameters are gathered for process 0
+            summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
         return summary
 
     # ------------------------------------------------------------------------------------------
@@ -486,8 +486,9 @@ class Trainer:
             log.info("resumed from %s step %d (iteration %d)", self.checkpointer.directory, step, self.iteration)
 
     def export_hf(self, path: str) -> str:
-        """Write the current policy as a Hugging Face folder (weights, config, tokenizer)."""
-        save_hf_checkpoint(self.actor, path, tokenizer=self.tokenizer)
+        """Write the current policy's master parameters as a Hugging Face folder (weights, config,
+        tokenizer); every process calls it, process 0 writes."""
+        save_hf_checkpoint(self.learner.master_model(), path, tokenizer=self.tokenizer)
         return path
 
     def close(self) -> None:

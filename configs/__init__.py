@@ -4,6 +4,22 @@ The checks live with the library (``bipace_jax.config``); they are re-exported h
 hold a config.
 """
 
-from bipace_jax.config import ConfigError, mesh_shape, resolve_path, validate, validate_selector
+from bipace_jax.config import (
+    ConfigError,
+    check_tensor_in_host,
+    enable_compile_cache,
+    mesh_shape,
+    resolve_path,
+    validate,
+    validate_selector,
+)
 
-__all__ = ["ConfigError", "mesh_shape", "resolve_path", "validate", "validate_selector"]
+__all__ = [
+    "ConfigError",
+    "check_tensor_in_host",
+    "enable_compile_cache",
+    "mesh_shape",
+    "resolve_path",
+    "validate",
+    "validate_selector",
+]

@@ -111,6 +111,7 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
     import jax
 
+    config_lib.enable_compile_cache(config)  # before the first compile
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
     try:
         tr = trainer_lib.Trainer(config, workdir, resume=resume, env_factory=env_factory)

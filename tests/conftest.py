@@ -46,6 +46,8 @@ SLOW = {
     "test_estimators_protocol.py::test_step_norm_is_ignored_under_norm_mean_and_zeroes_an_all_equal_cluster",
     "test_estimators_protocol.py::test_step_norm_std_divides_the_pace_term_by_the_cluster_std",
     "test_estimators_sharded.py::test_sharded_over_eight_devices_equals_one_device",
+    "test_learner_sharded.py::test_loads_into_shardings_and_learner_runs_under_the_mesh_on_8_cpu_devices",
+    "test_learner_sharded.py::test_two_processes_make_their_local_copies_on_device",
     "test_losses.py::test_micro_batch_losses_with_global_denominator_sum_to_full_batch_token_mean",
     "test_prompts.py::test_parse_action_never_raises_and_matches_reference_on_10000_strings",
     "test_rollout.py::test_collect_with_the_tiny_actor_and_real_sampler",

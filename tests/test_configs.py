@@ -220,6 +220,39 @@ def test_mesh_must_fit_the_device_count():
     assert configs.mesh_shape(c, 16) == (1, 4, 4)
 
 
+def test_tensor_axis_must_stay_inside_a_host():
+    configs.check_tensor_in_host(8, 1, 4)  # one process: the whole mesh is the host's
+    configs.check_tensor_in_host(4, 2, 4)
+    configs.check_tensor_in_host(2, 4, 8)
+    with pytest.raises(configs.ConfigError, match=r"config.mesh.tensor must divide the 4 devices of each host") as e:
+        configs.check_tensor_in_host(8, 2, 4)
+    assert "[1, 2, 4], got 8" in str(e.value)
+    with pytest.raises(configs.ConfigError, match="config.mesh.tensor"):
+        configs.check_tensor_in_host(3, 2, 8)
+
+
+def test_compile_cache_dir_is_checked_and_sets_jax_cache(tmp_path):
+    import jax
+
+    c = _load("base")
+    assert c.compile_cache_dir == ""
+    with c.unlocked():  # a non-string value (the command line keeps the field's type)
+        del c["compile_cache_dir"]
+        c.compile_cache_dir = 3
+    with pytest.raises(configs.ConfigError, match="config.compile_cache_dir must be a folder path string"):
+        configs.validate(c)
+    before = jax.config.jax_compilation_cache_dir
+    c = _load("base")
+    configs.enable_compile_cache(c)
+    assert jax.config.jax_compilation_cache_dir == before
+    c.compile_cache_dir = str(tmp_path / "xla")
+    try:
+        configs.enable_compile_cache(c)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_paper_config_without_checkpoint_fails_before_anything_runs():
     out = subprocess.run(
         [
@@ -303,14 +336,20 @@ def test_a_loaded_checkpoint_keeps_the_configured_parameter_dtype(param_dtype):
     from flax import nnx
 
     from bipace_jax import config as config_lib
+    from bipace_jax import sharding
     from bipace_jax.models import load_tokenizer
 
     c = _load("textcraft_tiny")
     c.model.checkpoint = "bipace_jax/data/textcraft_tiny"  # the shipped warm start
     c.model.dtype, c.model.param_dtype = "bfloat16", param_dtype
-    actor = config_lib.build_actor(c, load_tokenizer(config_lib.resolve_path(c.model.checkpoint)))
-    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(actor, nnx.Param))}
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    actor = config_lib.build_actor(c, load_tokenizer(config_lib.resolve_path(c.model.checkpoint)), mesh)
+    params = nnx.state(actor, nnx.Param)
+    dtypes = {x.dtype for x in jax.tree.leaves(params)}
     assert dtypes == {jnp.dtype(param_dtype)} and actor.dtype == jnp.bfloat16
+    # loaded into the mesh's shardings (the 8-device case: tests/test_learner_sharded.py)
+    want = jax.tree.leaves(sharding.param_shardings(params, mesh))
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), want))
 
 
 def test_webshop_paper_config_without_data_stops_naming_webshop_data(tmp_path, monkeypatch):

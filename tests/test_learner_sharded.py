@@ -1,0 +1,218 @@
+"""Weights load into their mesh shardings; the learner's programs run under the mesh; the sampler and
+reference copies are made on device (in the compute dtype): on 8 emulated CPU devices, against one."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent(r"""
+    import json, tempfile
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    from bipace_jax import losses, ppo, sharding as shd
+    from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, save_hf_checkpoint
+    from bipace_jax.rollout import TokenBatch
+
+    assert len(jax.devices()) == 8, jax.devices()
+    out = {}
+
+    # 1. A checkpoint loads straight into each parameter's NamedSharding, with the one-device values.
+    cfg = Qwen2Config.tiny(tie_word_embeddings=False)
+    ckpt = save_hf_checkpoint(Qwen2Actor(cfg, rngs=nnx.Rngs(0)), tempfile.mkdtemp())
+    one = nnx.state(load_hf_checkpoint(ckpt), nnx.Param)
+    mesh = shd.make_mesh(2, 2, 2)
+    state = nnx.state(load_hf_checkpoint(ckpt, mesh=mesh), nnx.Param)
+    want = shd.param_shardings(state, mesh)
+    flat = lambda t: dict(nnx.to_flat_state(t))
+    got, ref, exp = flat(state), flat(one), flat(want)
+    out["load_sharding_mismatch"] = [str(k) for k in got if got[k].get_value().sharding != exp[k].get_value()]
+    out["load_max_err"] = max(float(np.abs(np.asarray(got[k].get_value()) - np.asarray(ref[k].get_value())).max()) for k in got)
+    q = got[("layers", 0, "attn", "q_proj", "kernel")].get_value()
+    out["load_q_shard"] = list(q.addressable_shards[0].data.shape)
+
+    # 2. PPO learner on the 2x2x2 mesh vs one device: log-probs (rows split over data*fsdp) and the update.
+    V = 48
+    small = Qwen2Config.tiny(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2)
+    rng = np.random.default_rng(0)
+    n, p, m = 6, 7, 5
+    pid, pm = np.zeros((n, p), np.int32), np.zeros((n, p), np.int32)
+    rid, rm = np.zeros((n, m), np.int32), np.zeros((n, m), bool)
+    for i in range(n):
+        lp_, lr = rng.integers(2, p + 1), rng.integers(1, m + 1)
+        pid[i, p - lp_:] = rng.integers(3, V, lp_); pm[i, p - lp_:] = 1
+        rid[i, :lr] = rng.integers(3, V, lr); rm[i, :lr] = True
+    batch = TokenBatch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, p)
+    adv = rng.normal(size=n).astype(np.float32)
+
+    seen = []
+    program = ppo._logprobs_program
+    def spy(*a):
+        fn = program(*a)
+        def run(params, rest, ids, att, resp):
+            seen.append(str(ids.sharding.spec))
+            return fn(params, rest, ids, att, resp)
+        return run
+    ppo._logprobs_program = spy
+
+    tx = optax.adamw(3e-3)
+    loss_cfg = losses.PPOLossConfig(kl_coef=0.1, entropy_coef=0.001)
+    results = {}
+    for name, mesh_ in (("one", shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])), ("mesh", mesh)):
+        actor = Qwen2Actor(small, rngs=nnx.Rngs(1))
+        L = ppo.PPOLearner(actor, mesh_, loss_cfg, tx, micro_batch_rows=4)
+        old = L.logprobs(L.params_local, batch)
+        refl = L.logprobs(L.ref_params_local, batch)
+        stats = L.update(batch, old, refl, adv, jax.random.PRNGKey(0))
+        new = L.logprobs(L.params_local, batch)
+        leaves = jax.tree.leaves(L.params)
+        results[name] = dict(old=old, new=new, stats=stats, params=[np.asarray(x) for x in leaves],
+                             same_local=all(a is b for a, b in zip(jax.tree.leaves(L.params_local), leaves)),
+                             local_sharded=all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(jax.tree.leaves(L.params_local),
+                                                                               jax.tree.leaves(L.param_shardings))))
+    a, b = results["one"], results["mesh"]
+    out["logprob_specs"] = sorted(set(seen))
+    out["old_err"] = float(np.abs(a["old"] - b["old"]).max())
+    out["new_err"] = float(np.abs(a["new"] - b["new"]).max())
+    out["param_err"] = max(float(np.abs(x - y).max()) for x, y in zip(a["params"], b["params"]))
+    out["stat_err"] = max(abs(a["stats"][k] - b["stats"][k]) for k in a["stats"])
+    out["same_local"] = [a["same_local"], b["same_local"]]
+    out["local_sharded"] = b["local_sharded"]
+
+    # 3. bf16 compute over fp32 master parameters: bf16 sampler/reference copies, same shardings, same log-probs.
+    actor = Qwen2Actor(small, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    L = ppo.PPOLearner(actor, mesh, loss_cfg, tx, micro_batch_rows=3)  # log-prob rows padded to 4
+    loc, ref_, master = (jax.tree.leaves(t) for t in (L.params_local, L.ref_params_local, L.params))
+    out["bf16_dtypes"] = sorted({str(x.dtype) for x in loc + ref_})
+    out["master_dtypes"] = sorted({str(x.dtype) for x in master})
+    out["bf16_values"] = all(np.array_equal(np.asarray(x), np.asarray(y.astype(jnp.bfloat16))) for x, y in zip(loc, master))
+    out["bf16_shardings"] = all(x.sharding.is_equivalent_to(y.sharding, x.ndim) for x, y in zip(loc, master))
+    out["bf16_actor"] = str(L.actor.layers[0].attn.q_proj.kernel.get_value().dtype)
+    out["bf16_logprob_err"] = float(np.abs(L.logprobs(L.params_local, batch) - L.logprobs(L.params, batch)).max())
+    out["bf16_export_dtype"] = str(L.master_model().layers[0].attn.q_proj.kernel.get_value().dtype)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_loads_into_shardings_and_learner_runs_under_the_mesh_on_8_cpu_devices():
+    env = dict(
+        os.environ,
+        JAX_NUM_CPU_DEVICES="8",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=REPO,
+        JAX_PLATFORMS="cpu",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    r = json.loads(line[len("RESULT") :])
+    # Loading: every parameter on its NamedSharding, values those of the one-device load.
+    assert r["load_sharding_mismatch"] == [] and r["load_max_err"] == 0.0, r
+    assert r["load_q_shard"] == [32, 2, 16]  # q kernel [D=64, N=4, Hd=16] split over fsdp=2 x tensor=2
+    # Log-probs: each micro-batch's rows split over data*fsdp; values, update and stats those of one device.
+    assert r["logprob_specs"] == ["P(('data', 'fsdp'), None)"], r["logprob_specs"]
+    assert r["old_err"] <= 1e-5 and r["new_err"] <= 1e-5, r
+    assert r["param_err"] <= 1e-5 and r["stat_err"] <= 1e-4, r
+    # One process, same dtype: the sampler's copy is the global parameters themselves (no copy).
+    assert r["same_local"] == [True, True] and r["local_sharded"], r
+    # bf16 compute: bf16 copies (values the cast of the fp32 masters, same shardings), same log-probs.
+    assert r["bf16_dtypes"] == ["bfloat16"] and r["master_dtypes"] == ["float32"], r
+    assert r["bf16_values"] and r["bf16_shardings"] and r["bf16_actor"] == "bfloat16", r
+    assert r["bf16_logprob_err"] <= 1e-6, r
+    assert r["bf16_export_dtype"] == "float32", r
+
+
+TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    import jax
+    from bipace_jax import distributed
+
+    distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+    import jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+    from bipace_jax import sharding as shd
+    from bipace_jax.learner import Learner
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
+
+    hops = []
+    gather = multihost_utils.process_allgather
+    def counted(*a, **k):
+        hops.append(1)
+        return gather(*a, **k)
+    distributed.multihost_utils.process_allgather = counted
+
+    cfg = Qwen2Config.tiny(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2)
+    want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(Qwen2Actor(cfg, rngs=nnx.Rngs(1)), nnx.Param))]
+    mesh = shd.make_mesh(1, 4, 2)  # fsdp over both hosts, tensor inside each
+    out = {"process": jax.process_index(), "local_devices": jax.local_device_count()}
+    actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    L = Learner(actor, mesh, optax.sgd(0.1), local_mesh=distributed.local_mesh(mesh, 2), keep_reference=True)
+    local, ref = jax.tree.leaves(L.params_local), jax.tree.leaves(L.ref_params_local)
+    shardings = jax.tree.leaves(L.local_shardings)
+    out["global_addressable"] = all(x.is_fully_addressable for x in jax.tree.leaves(L.params))
+    out["addressable"] = all(x.is_fully_addressable for x in local + ref)
+    out["on_local"] = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(local, shardings))
+    out["dtypes"] = sorted({str(x.dtype) for x in local + ref})
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16)).astype(np.float32)
+    out["values"] = all(np.array_equal(np.asarray(x).astype(np.float32), bf(w)) for x, w in zip(local, want))
+    out["ref_values"] = all(np.array_equal(np.asarray(x).astype(np.float32), bf(w)) for x, w in zip(ref, want))
+    out["hops_on_device"] = len(hops)
+    # no local shardings: one copy on the host's first device
+    first = distributed.local_copy(L.params)
+    out["first_device"] = all(x.devices() == {jax.local_devices()[0]} for x in jax.tree.leaves(first))
+    out["first_values"] = all(np.array_equal(np.asarray(x), w) for x, w in zip(jax.tree.leaves(first), want))
+    # a local tensor axis of another size than the global one: through host memory, same values
+    wide = shd.param_shardings(L.params, shd.make_mesh(1, 1, 4, devices=jax.local_devices()))
+    hops.clear()
+    other = distributed.local_copy(L.params, wide)
+    out["hops_other_tensor"] = len(hops) > 0
+    out["other_values"] = all(np.array_equal(np.asarray(x), w) for x, w in zip(jax.tree.leaves(other), want))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_two_processes_make_their_local_copies_on_device():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_PROCESS_SCRIPT, f"localhost:{port}", str(pid)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    for stdout, _ in outs:
+        r = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT") :])
+        assert r["local_devices"] == 4 and not r["global_addressable"], r
+        # bf16 copies of the fp32 masters on this host's (data, 1, tensor) mesh, made without a host hop
+        assert r["addressable"] and r["on_local"] and r["dtypes"] == ["bfloat16"], r
+        assert r["values"] and r["ref_values"] and r["hops_on_device"] == 0, r
+        assert r["first_device"] and r["first_values"], r
+        # a layout the host's shards cannot give (local tensor 4, global 2) goes through host memory
+        assert r["hops_other_tensor"] and r["other_values"], r
