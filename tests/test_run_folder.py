@@ -1,0 +1,157 @@
+"""The run folder layer (``bipace_jax.runfolder``) and a whole run on a fake GCS bucket.
+
+The fake: ``gs://`` URLs are served by an fsspec filesystem rooted in a local "bucket" folder (what
+etils.epath uses for gs:// with gcsfs), and orbax's TensorStore writes its arrays under the same root
+(its GCS kvstore is swapped for a file kvstore there). Every test runs in an empty working directory
+with ``tempfile`` pointed at a folder of its own, and checks that nothing but the bucket was written:
+no ``gs:`` folder in the working directory, no staging folder left behind.
+"""
+
+import importlib
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from etils.epath import backend as epath_backend
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from orbax.checkpoint._src.path import gcs_utils
+
+from bipace_jax import runfolder
+from bipace_jax.checkpointing import Checkpointer
+from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
+
+RUN = "gs://fake-bucket/runs/r1"
+
+
+class _FakeGCS(DirFileSystem):
+    """gs://bucket/key -> <root>/bucket/key on the local disk."""
+
+    protocol = ("gs", "gcs")
+    cachable = False  # a new root per test
+    root = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(path=type(self).root, fs=LocalFileSystem())
+
+
+def _files(folder) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+@pytest.fixture
+def fake_gcs(tmp_path, monkeypatch):
+    """(bucket root on disk, working directory, temp folder); asserts afterwards that the working
+    directory and the temp folder stayed empty."""
+    root, cwd, tmp = (tmp_path / n for n in ("gcs", "cwd", "tmp"))
+    for d in (root, cwd, tmp):
+        d.mkdir()
+    monkeypatch.setattr(_FakeGCS, "root", str(root))
+    for proto in _FakeGCS.protocol:
+        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, proto, _FakeGCS)
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+
+    def kvstore(path):  # orbax's TensorStore spec for a gs:// path, on the fake's root
+        bucket, key = gcs_utils.parse_gcs_path(path, add_trailing_slash=False)
+        return {"driver": "file", "path": os.path.join(root, bucket, key)}
+
+    monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", kvstore)
+    monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
+    monkeypatch.setattr(runfolder, "_missing_gcp_packages", lambda: [])
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    monkeypatch.chdir(cwd)
+    yield root, cwd, tmp
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    assert _files(cwd) == [] and os.listdir(cwd) == [], "written outside the bucket (working directory)"
+    assert os.listdir(tmp) == [], "a staging folder was left behind"
+
+
+def test_path_makes_local_folders_absolute_and_keeps_gs_urls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert str(runfolder.path("runs/a")) == os.path.join(str(tmp_path), "runs", "a")
+    assert str(runfolder.path("gs://b/x/y")) == "gs://b/x/y"
+    assert runfolder.is_remote("gs://b/x") and not runfolder.is_remote("runs/a")
+
+
+@pytest.mark.parametrize("bad", ["memory://run", "s3://b/run", ""])
+def test_other_schemes_and_empty_folders_are_refused_naming_the_flag(bad, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir.*expected a writable local folder or a gs://"):
+        runfolder.prepare(bad)
+    assert os.listdir(tmp_path) == []  # no local "memory:" folder
+
+
+def test_prepare_names_the_flag_and_the_cause_when_the_folder_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=.*file/run: cannot create or write.*gs://bucket"):
+        runfolder.prepare(str(tmp_path / "file" / "run"))
+    assert runfolder.prepare(str(tmp_path / "ok")) == runfolder.path(str(tmp_path / "ok"))
+    assert os.listdir(tmp_path / "ok") == []  # the probe file is removed
+
+
+def test_gs_without_the_gcp_packages_names_the_extra(monkeypatch):
+    monkeypatch.setattr(runfolder, "_missing_gcp_packages", lambda: ["gcsfs"])
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=gs://b/run: .*gcsfs.*\[gcp\]"):
+        runfolder.prepare("gs://b/run")
+
+
+def test_files_staged_folders_and_copies_round_trip_through_the_bucket(fake_gcs):
+    root, _, _ = fake_gcs
+    run = runfolder.prepare(RUN)
+    runfolder.write_text(run / "a.json", '{"x": 1}')
+    runfolder.write_text(run / "a.json", '{"x": 2}')
+    assert runfolder.read_text(run / "a.json") == '{"x": 2}' and runfolder.read_text(run / "none") is None
+    with runfolder.staged(run / "tok") as local:
+        os.makedirs(os.path.join(local, "sub"))
+        for name in ("t.json", os.path.join("sub", "s.bin")):
+            with open(os.path.join(local, name), "wb") as f:
+                f.write(name.encode())
+    with runfolder.local_copy(run / "tok") as local:
+        assert _files(local) == ["sub/s.bin", "t.json"]
+        assert open(os.path.join(local, "sub", "s.bin"), "rb").read() == b"sub/s.bin"
+    assert _files(root) == [
+        "fake-bucket/runs/r1/a.json",
+        "fake-bucket/runs/r1/tok/sub/s.bin",
+        "fake-bucket/runs/r1/tok/t.json",
+    ]
+
+
+def test_metrics_events_and_plots_on_gcs_resume_without_lost_or_repeated_rows(fake_gcs):
+    root, _, _ = fake_gcs
+    bucket_run = root / "fake-bucket" / "runs" / "r1"
+    m = MetricsLogger(RUN)
+    for i in range(3):
+        m.write(i, {"train/success_rate": 0.1 * i})
+    m.close()
+    m = MetricsLogger(RUN, start_iteration=2)  # iteration 2 is re-run after a restart
+    assert [r["iteration"] for r in read_metrics(RUN)] == [0, 1]
+    m.write(2, {"train/success_rate": 0.9})
+    m.write(3, {"train/success_rate": 1.0})
+    m.close()
+    rows = [json.loads(line) for line in (bucket_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3] and rows[2]["train/success_rate"] == 0.9
+    events = os.listdir(bucket_run / "tb")
+    assert len(events) == 2 and all((bucket_run / "tb" / e).stat().st_size > 0 for e in events)
+    paths = make_plots(RUN)
+    assert paths[0] == RUN + "/plots/success.png"
+    assert (bucket_run / "plots" / "success.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checkpoints_save_and_restore_on_gcs(fake_gcs):
+    root, _, _ = fake_gcs
+    params = {"w": jax.numpy.arange(6.0).reshape(2, 3)}
+    opt = optax.adam(1e-3).init(params)
+    ck = Checkpointer(RUN, keep=2)
+    assert ck.directory == RUN + "/checkpoints"
+    for step in (1, 2, 3):
+        ck.save(step, jax.tree.map(lambda x, s=step: x + s, params), opt, jax.random.PRNGKey(step), {"iteration": step})
+    ck.close()
+    ck = Checkpointer(RUN, keep=2)
+    step, (p, _, _, meta) = ck.restore_latest(params, opt)
+    ck.close()
+    assert step == 3 and meta["iteration"] == 3 and ck.all_steps() == [2, 3]
+    np.testing.assert_array_equal(p["w"], params["w"] + 3)
+    assert sorted(os.listdir(root / "fake-bucket" / "runs" / "r1" / "checkpoints")) == ["2", "3"]
