@@ -155,3 +155,68 @@ def test_checkpoints_save_and_restore_on_gcs(fake_gcs):
     assert step == 3 and meta["iteration"] == 3 and ck.all_steps() == [2, 3]
     np.testing.assert_array_equal(p["w"], params["w"] + 3)
     assert sorted(os.listdir(root / "fake-bucket" / "runs" / "r1" / "checkpoints")) == ["2", "3"]
+
+
+TINY = {
+    "model.checkpoint": "",  # a random tiny actor: the tokenizer is trained and saved into the run folder
+    "model.hidden_size": 32,
+    "model.num_layers": 1,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 1,
+    "model.intermediate_size": 64,
+    "rollout.num_groups": 2,
+    "rollout.group_size": 2,
+    "env.max_steps": 3,
+    "env.num_workers": 1,
+    "sampler.max_new_tokens": 16,
+    "sampler.batch_buckets": (4, 8),
+    "val.num_tasks": 2,
+    "val.num_holdout_tasks": 1,
+    "val.every": 1,
+    "val.seeds_per_goal": 1,
+    "ppo.micro_batch_rows": 8,
+    "log.progress": False,
+}
+
+
+def _tiny_config(num_iterations):
+    import configs.textcraft_tiny
+
+    c = configs.textcraft_tiny.get_config()
+    for key, value in {**TINY, "num_iterations": num_iterations}.items():
+        *parents, leaf = key.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+@pytest.mark.e2e
+def test_tiny_default_runs_on_gcs_and_resumes_from_it(fake_gcs):
+    from bipace_jax.trainer import Trainer
+
+    root, _, _ = fake_gcs
+    bucket_run = root / "fake-bucket" / "runs" / "r1"
+    tr = Trainer(_tiny_config(1), RUN)
+    try:
+        first = tr.run()
+    finally:
+        tr.close()
+    assert first["iterations_run"] == 1 and first["hf_export"] == RUN + "/hf_final"
+    files = _files(bucket_run)
+    for f in ("config.json", "metrics.jsonl", "tokenizer/tokenizer.json", "hf_final/config.json", "plots/success.png"):
+        assert f in files, (f, files)
+    assert any(f.startswith("tb/events") for f in files) and any(f.startswith("checkpoints/1/") for f in files)
+
+    tr = Trainer(_tiny_config(2), RUN)  # the same folder again: resumes from its checkpoint and tokenizer
+    try:
+        assert tr.iteration == 1
+        second = tr.run()
+    finally:
+        tr.close()
+    assert second["start_iteration"] == 1 and second["iterations_run"] == 1
+    rows = read_metrics(RUN)
+    assert [r["iteration"] for r in rows] == [0, 1] and rows[1]["train/task_cursor"] == 2
+    assert sorted(os.listdir(bucket_run / "checkpoints")) == ["1", "2"]
+    assert len(os.listdir(bucket_run / "tb")) == 2
