@@ -220,3 +220,32 @@ def test_tiny_default_runs_on_gcs_and_resumes_from_it(fake_gcs):
     assert [r["iteration"] for r in rows] == [0, 1] and rows[1]["train/task_cursor"] == 2
     assert sorted(os.listdir(bucket_run / "checkpoints")) == ["1", "2"]
     assert len(os.listdir(bucket_run / "tb")) == 2
+
+
+def test_report_reads_a_study_on_gcs_and_writes_its_plots_there(fake_gcs):
+    from launch import report
+
+    root, _, _ = fake_gcs
+    study = "gs://fake-bucket/study"
+    for name, seed in (("grpo", 0), ("grpo", 1), ("bipace_q", 0)):
+        run = runfolder.prepare(f"{study}/{name}_{seed}")
+        runfolder.write_text(run / "config.json", json.dumps({"seed": seed, "estimator": {"name": name}}))
+        runfolder.write_text(run / "metrics.jsonl", json.dumps({"iteration": 0, "val/success_rate": 0.5}) + "\n")
+    runs = report.find_runs([study])
+    assert runs == [f"{study}/bipace_q_0", f"{study}/grpo_0", f"{study}/grpo_1"]
+    assert sorted(report.arms_of(runs)) == ["estimator.name=bipace_q", "estimator.name=grpo"]
+    plots = report.plot(report.aggregate(report.arms_of(runs), 0.9), study)
+    assert plots and set(plots) <= set(os.listdir(root / "fake-bucket" / "study"))
+
+
+def test_a_sweep_cell_log_on_gcs_is_copied_up_and_appended_whole(fake_gcs):
+    from launch import sweep
+
+    root, _, _ = fake_gcs
+    run_dir = "gs://fake-bucket/study/seed=0"
+    for attempt in ("first\n", "second\n"):  # a retried cell: both attempts' output, in order
+        log, path = sweep._open_log(run_dir, "seed=0")
+        assert not path.startswith(str(root))  # a local file: the child process writes to it
+        log.write(attempt)
+        sweep._close_log(log, run_dir)
+    assert (root / "fake-bucket" / "study" / "seed=0" / "train.log").read_text() == "first\nsecond\n"
