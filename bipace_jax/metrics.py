@@ -110,8 +110,7 @@ class _Events:
     def __init__(self, tb_dir: epath.Path, start_iteration: int):
         from tensorboardX import SummaryWriter
 
-        # Curves are expected live beside the run (TensorBoard reads gs://), and tensorboardX writes gs://
-        # only through google-cloud-storage, so remote events are written locally and copied at each flush.
+        # Live curves in the bucket via epath (not tensorboardX's own GCS client): local events, copied at each flush.
         self._dest = tb_dir if runfolder.is_remote(tb_dir) else None
         self._local = tempfile.mkdtemp(prefix="bipace_tb_") if self._dest is not None else os.fspath(tb_dir)
         # Event files are named by the second they start in: a suffix unique to this start keeps a
