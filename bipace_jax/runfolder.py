@@ -85,7 +85,8 @@ def prepare(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
         )
     probe = p / f".write_probe.{uuid.uuid4().hex}"
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        if not is_remote(p):  # GCS has no folders, and gcsfs's mkdir would create a misspelt bucket
+            p.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:  # noqa: BLE001 (auth, permission and network errors differ by backend)

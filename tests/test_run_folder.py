@@ -37,6 +37,14 @@ class _FakeGCS(DirFileSystem):
     def __init__(self, *args, **kwargs):
         super().__init__(path=type(self).root, fs=LocalFileSystem())
 
+    def open(self, path, mode="rb", **kwargs):
+        if any(m in mode for m in "wa"):  # objects need no folders, only an existing bucket
+            bucket = self._strip_protocol(path).split("/")[0]
+            if not os.path.isdir(os.path.join(type(self).root, bucket)):
+                raise FileNotFoundError(f"no bucket {bucket}")
+            self.makedirs(self._parent(path), exist_ok=True)
+        return super().open(path, mode, **kwargs)
+
 
 def _files(folder) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
@@ -47,8 +55,8 @@ def fake_gcs(tmp_path, monkeypatch):
     """(bucket root on disk, working directory, temp folder); asserts afterwards that the working
     directory and the temp folder stayed empty."""
     root, cwd, tmp = (tmp_path / n for n in ("gcs", "cwd", "tmp"))
-    for d in (root, cwd, tmp):
-        d.mkdir()
+    for d in (root / "fake-bucket", cwd, tmp):
+        d.mkdir(parents=True)
     monkeypatch.setattr(_FakeGCS, "root", str(root))
     for proto in _FakeGCS.protocol:
         monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, proto, _FakeGCS)
@@ -96,6 +104,13 @@ def test_gs_without_the_gcp_packages_names_the_extra(monkeypatch):
     monkeypatch.setattr(runfolder, "_missing_gcp_packages", lambda: ["gcsfs"])
     with pytest.raises(runfolder.RunFolderError, match=r"--workdir=gs://b/run: .*gcsfs.*\[gcp\]"):
         runfolder.prepare("gs://b/run")
+
+
+def test_a_missing_bucket_fails_naming_the_flag_and_is_not_created(fake_gcs):
+    root, _, _ = fake_gcs
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=gs://no-such-bucket/run: cannot create or write"):
+        runfolder.prepare("gs://no-such-bucket/run")
+    assert os.listdir(root) == ["fake-bucket"]
 
 
 def test_files_staged_folders_and_copies_round_trip_through_the_bucket(fake_gcs):
