@@ -42,6 +42,9 @@ EXTRAS_REQUIRE = {
     # TPU topologies) and NVIDIA GPUs (CUDA 12 wheels).
     "tpu": ["jax[tpu]==0.10.2"],
     "cuda": ["jax[cuda12]==0.10.2"],
+    # Run folders on GCS (--workdir=gs://bucket/run): gcsfs backs etils.epath's gs://, orbax lists and
+    # deletes checkpoint steps with google-cloud-storage.
+    "gcp": ["gcsfs>=2024.2.0", "google-cloud-storage>=2.14"],
     # torch is the parity reference only: the library never imports it.
     "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "ruff==0.17.6", *ALFWORLD_REQUIRES, *WEBSHOP_REQUIRES],
 }

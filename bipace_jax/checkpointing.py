@@ -21,6 +21,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from bipace_jax import runfolder
+
 log = logging.getLogger(__name__)
 
 #: The file orbax writes into a step folder once the step is complete.
@@ -31,14 +33,18 @@ class Checkpointer:
     """Save/restore training state in ``<workdir>/checkpoints``, keeping the last ``keep`` steps.
 
     Args:
-      workdir: run folder (local path or any path orbax accepts, e.g. ``gs://...``).
+      workdir: run folder (a local path or ``gs://bucket/path``, see ``bipace_jax.runfolder``).
       keep: number of checkpoints kept (older ones are deleted after a successful save).
+
+    Raises:
+      ValueError: ``keep`` < 1.
+      RunFolderError: ``workdir`` is a URL of a scheme other than ``gs://``.
     """
 
     def __init__(self, workdir: str, keep: int = 2):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.directory = os.path.join(os.path.abspath(workdir) if "://" not in workdir else workdir, "checkpoints")
+        self.directory = os.fspath(runfolder.path(workdir) / "checkpoints")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,

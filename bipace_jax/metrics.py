@@ -3,7 +3,7 @@
 Keys are ``<section>/<name>`` (``train/success_rate``, ``val/success_rate``, ``time/rollout_s``,
 ``estimator/singleton_group_rate``, ...) plus ``iteration``. Only the primary process writes.
 On resume, lines for iterations that are re-run are dropped first, so the file holds exactly one
-line per completed iteration, in order.
+line per completed iteration, in order. Every file goes through ``bipace_jax.runfolder`` (local or gs://).
 """
 
 from __future__ import annotations
@@ -11,11 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+from etils import epath
+
+from bipace_jax import runfolder
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -31,30 +36,37 @@ def _clean(v: Any):
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """All lines of ``<workdir>/metrics.jsonl`` as dicts (empty list when absent)."""
-    path = os.path.join(workdir, METRICS_FILE)
-    if not os.path.exists(path):
-        return []
+    """All lines of ``<workdir>/metrics.jsonl`` as dicts (empty list when absent).
+
+    Raises:
+      RunFolderError: ``workdir`` is a URL of a scheme other than ``gs://``.
+    """
+    text = runfolder.read_text(runfolder.path(workdir) / METRICS_FILE)
     rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by a kill mid-write: it is re-run
-                    break
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill mid-write (older runs appended): it is re-run
+                break
     return rows
 
 
 class MetricsLogger:
     """Writes one record per iteration to JSON lines and TensorBoard.
 
+    GCS has no append: the logger keeps the run's lines and rewrites ``metrics.jsonl`` whole after
+    each record (a few MB at most), so the file always holds complete lines only.
+
     Args:
-      workdir: run folder.
+      workdir: run folder (local or ``gs://``, see ``bipace_jax.runfolder``).
       start_iteration: first iteration this process will log; earlier lines are kept, later
         (and any partial) lines are removed.
       enabled: False on non-primary processes (everything becomes a no-op).
+
+    Raises:
+      RunFolderError: ``workdir`` is a URL of a scheme other than ``gs://``.
     """
 
     def __init__(self, workdir: str, start_iteration: int = 0, enabled: bool = True):
@@ -63,40 +75,59 @@ class MetricsLogger:
         self._tb = None
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
+        self._dir = runfolder.path(workdir)
+        self._dir.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(workdir) if int(r.get("iteration", -1)) < start_iteration]
-        path = os.path.join(workdir, METRICS_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, path)
-        from tensorboardX import SummaryWriter
+        self._lines = [json.dumps(r) for r in kept]
+        self._save()
+        self._tb = _Events(self._dir / "tb", start_iteration)
 
-        # Event files are named by the second they start in: a suffix unique to this start keeps a
-        # restart within the same second from replacing the previous file.
-        suffix = f".{os.getpid()}.{time.time_ns()}"
-        self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"), purge_step=start_iteration, filename_suffix=suffix)
+    def _save(self) -> None:
+        runfolder.write_text(self._dir / METRICS_FILE, "".join(line + "\n" for line in self._lines))
 
     def write(self, iteration: int, record: dict[str, Any]) -> None:
-        """Append ``record`` (scalars, or small dicts/strings kept in JSON only) for ``iteration``."""
+        """Add ``record`` (scalars, or small dicts/strings kept in JSON only) for ``iteration``."""
         if not self.enabled:
             return
         rec = {"iteration": int(iteration)}
         rec.update({k: _clean(v) for k, v in record.items()})
-        with open(os.path.join(self.workdir, METRICS_FILE), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self._lines.append(json.dumps(rec))
+        self._save()
         for k, v in rec.items():
             if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(k, v, global_step=iteration)
+                self._tb.writer.add_scalar(k, v, global_step=iteration)
         self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+class _Events:
+    """TensorBoard event files in ``tb_dir``, written by tensorboardX."""
+
+    def __init__(self, tb_dir: epath.Path, start_iteration: int):
+        from tensorboardX import SummaryWriter
+
+        # Live curves in the bucket via epath (not tensorboardX's own GCS client): local events, copied at each flush.
+        self._dest = tb_dir if runfolder.is_remote(tb_dir) else None
+        self._local = tempfile.mkdtemp(prefix="bipace_tb_") if self._dest is not None else os.fspath(tb_dir)
+        # Event files are named by the second they start in: a suffix unique to this start keeps a
+        # restart within the same second from replacing the previous file.
+        suffix = f".{os.getpid()}.{time.time_ns()}"
+        self.writer = SummaryWriter(logdir=self._local, purge_step=start_iteration, filename_suffix=suffix)
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if self._dest is not None:
+            runfolder.upload(self._local, self._dest)
+
+    def close(self) -> None:
+        self.writer.close()
+        if self._dest is not None:
+            runfolder.upload(self._local, self._dest)
+            shutil.rmtree(self._local, ignore_errors=True)
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -137,9 +168,15 @@ def make_plots(
     import matplotlib.pyplot as plt
 
     rows = list(rows) if rows is not None else read_metrics(workdir)
-    out_dir = os.path.join(workdir, "plots")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = runfolder.path(workdir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+
+    def save(fig, name):
+        paths.append(os.fspath(out_dir / name))
+        with (out_dir / name).open("wb") as f:  # a file object: the folder may be gs://
+            fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
 
     def line_plot(name, series, xlabel, ylabel, title, ylim=None):
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -155,9 +192,7 @@ def make_plots(
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         ax.grid(alpha=0.3)
-        paths.append(os.path.join(out_dir, name))
-        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        save(fig, name)
 
     def mark(kind):
         return ": trained on" if kind == grouping else ""
@@ -199,7 +234,5 @@ def make_plots(
     ax.set_ylabel("share of rows")
     ax.set_ylim(0, 1)
     ax.set_title("PACE row mix")
-    paths.append(os.path.join(out_dir, "pace_row_mix.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, "pace_row_mix.png")
     return paths

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
 from tqdm import tqdm
 
 import environments
-from bipace_jax import tasks
+from bipace_jax import runfolder, tasks
 from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.config import resolve_template, system_prompt_of
 from bipace_jax.learner import Learner, shard_rows
@@ -228,16 +229,13 @@ def train_step(learner: Learner, batch: SFTBatch, micro_rows: int, where: str = 
 # The run.
 
 
-def _save_examples(path: str, examples: Sequence[Example]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump([{"p": e.prompt_ids, "r": e.response_ids, "d": e.depth, "s": e.source} for e in examples], f)
-    os.replace(tmp, path)
+def _save_examples(path: epath.Path, examples: Sequence[Example]) -> None:
+    rows = [{"p": e.prompt_ids, "r": e.response_ids, "d": e.depth, "s": e.source} for e in examples]
+    runfolder.write_text(path, json.dumps(rows))
 
 
-def _load_examples(path: str) -> list[Example]:
-    with open(path) as f:
-        return [Example(r["p"], r["r"], r["d"], r["s"]) for r in json.load(f)]
+def _load_examples(path: epath.Path) -> list[Example]:
+    return [Example(r["p"], r["r"], r["d"], r["s"]) for r in json.loads(path.read_text())]
 
 
 def validate_config(c) -> None:
@@ -309,20 +307,30 @@ def rollout_config(c) -> RolloutConfig:
 
 
 def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> dict[str, Any]:
-    """Runs the whole warm start; returns the report dict (also written to ``workdir/report.json``)."""
+    """Runs the whole warm start; returns the report dict (also written to ``workdir/report.json``).
+
+    ``workdir`` and ``out`` may be local folders or ``gs://`` URLs (``bipace_jax.runfolder``).
+
+    Raises:
+      ValueError: a bad config field (``validate_config``).
+      RunFolderError: ``workdir`` or ``out`` cannot be created or written (checked before anything loads).
+    """
     validate_config(c)
     t_start = time.time()
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    run_dir = runfolder.prepare(workdir, "--workdir")
+    out_dir = runfolder.prepare(out, "--out") if out else None
+    workdir = os.fspath(run_dir)
     template = resolve_template(c.env.template)
 
     # 1. tokenizer
-    tok_dir = c.tokenizer_path or os.path.join(workdir, "tokenizer")
-    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-        warm_start_tokenizer(
-            c.env.game, template, vocab_size=c.tokenizer_vocab_size, seeds=c.tokenizer_seeds
-        ).save_pretrained(tok_dir)
-    tokenizer = load_tokenizer(tok_dir)
+    tok_dir = runfolder.path(c.tokenizer_path, "config.tokenizer_path") if c.tokenizer_path else run_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        with runfolder.staged(tok_dir) as local:
+            warm_start_tokenizer(
+                c.env.game, template, vocab_size=c.tokenizer_vocab_size, seeds=c.tokenizer_seeds
+            ).save_pretrained(local)
+    with runfolder.local_copy(tok_dir) as local:
+        tokenizer = load_tokenizer(local)
     t_tok = time.time() - t_start
 
     # 2. tasks, the panel and expert data
@@ -341,9 +349,9 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
     )
     panel, held_set = seen + held, set(held_ids)
     rcfg = rollout_config(c)
-    data_path = os.path.join(workdir, "examples.json")
+    data_path = run_dir / "examples.json"
     ostats = {}
-    if os.path.exists(data_path):
+    if data_path.exists():
         examples = _load_examples(data_path)
     else:
         pairs = [(t, s) for s in range(c.data.expert_seeds) for t in train_ids]
@@ -378,8 +386,8 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
         learner.sync_local()
         start_round, step = latest + 1, int(meta["updates"])
     for r in range(start_round):  # DAgger data of the finished rounds
-        path = os.path.join(workdir, f"dagger_{r}.json")
-        if os.path.exists(path):
+        path = run_dir / f"dagger_{r}.json"
+        if path.exists():
             examples += _load_examples(path)
     metrics = MetricsLogger(workdir, start_iteration=step + 1 if restored is not None else 0)
     samplers = {
@@ -446,7 +454,7 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
                 # States far off the expert's path can outgrow the longest bucket: left out, counted.
                 new = dagger_examples(res, tokenizer)
                 fit = [e for e in new if fits(e)]
-                _save_examples(os.path.join(workdir, f"dagger_{rnd}.json"), fit)
+                _save_examples(run_dir / f"dagger_{rnd}.json", fit)
                 examples.extend(fit)
                 s = summarize(res.episodes)
                 rec.update(
@@ -499,14 +507,14 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
         "panel_episodes": [dataclasses.asdict(e) for e in eps],
         "config": c.to_dict(),
     }
-    with open(os.path.join(workdir, "report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    if out:
-        save_hf_checkpoint(learner.actor, out, tokenizer=tokenizer)
-        # transformers' AutoTokenizer, seeing config.json's model_type "qwen2", would swap in Qwen's
-        # pre-tokenizer: the tokenizer as trained also goes to <out>/tokenizer (no config.json beside it).
-        tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
-        small = {k: v for k, v in report.items() if k not in ("panel", "panel_episodes")}
-        with open(os.path.join(out, "sft_report.json"), "w") as f:
-            json.dump(small, f, indent=1, default=str)
+    runfolder.write_text(run_dir / "report.json", json.dumps(report, indent=1, default=str))
+    if out_dir is not None:
+        with runfolder.staged(out_dir) as local:
+            save_hf_checkpoint(learner.actor, local, tokenizer=tokenizer)
+            # transformers' AutoTokenizer, seeing config.json's model_type "qwen2", would swap in Qwen's
+            # pre-tokenizer: the tokenizer as trained also goes to <out>/tokenizer (no config.json beside it).
+            tokenizer.save_pretrained(os.path.join(local, "tokenizer"))
+            small = {k: v for k, v in report.items() if k not in ("panel", "panel_episodes")}
+            with open(os.path.join(local, "sft_report.json"), "w") as f:
+                json.dump(small, f, indent=1, default=str)
     return report

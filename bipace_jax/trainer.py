@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import environments
 from bipace_jax import config as config_lib
-from bipace_jax import distributed, sharding, tasks
+from bipace_jax import distributed, runfolder, sharding, tasks
 from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.estimators import calibrate_epsilon, compute_advantages
 from bipace_jax.estimators.diagnostics import SIZE_STATS
@@ -58,7 +58,7 @@ class Trainer:
 
     Args:
       config: a ``configs/base.py``-layout config (checked by ``bipace_jax.config.validate``).
-      workdir: run folder (metrics.jsonl, tb/, plots/, checkpoints/, tokenizer/, hf_final/).
+      workdir: run folder, local or ``gs://`` (metrics.jsonl, tb/, plots/, checkpoints/, tokenizer/, hf_final/).
       resume: restore the latest checkpoint in ``workdir`` when there is one (a run started again in
         the same folder continues; pass False to refuse, which raises if a checkpoint exists).
       actor, tokenizer: optional pre-built actor/tokenizer (hooks for warm starts and tests);
@@ -69,6 +69,7 @@ class Trainer:
 
     Raises:
       ConfigError: a bad config field (before anything compiles).
+      RunFolderError: ``workdir`` cannot be created or written (before the model loads).
       FileExistsError: ``resume=False`` and ``workdir`` already has checkpoints.
     """
 
@@ -99,7 +100,7 @@ class Trainer:
                 f"config.ppo.micro_batch_rows x processes must be a multiple of mesh data*fsdp={data * fsdp}, "
                 f"got {c.ppo.micro_batch_rows} x {self.num_hosts}"
             )
-        os.makedirs(workdir, exist_ok=True)
+        runfolder.prepare(workdir)  # fails in seconds, before the model loads
         self.mesh = sharding.make_mesh(data, fsdp, tensor)
         self.local_mesh = distributed.local_mesh(self.mesh, tensor)
 
@@ -177,19 +178,20 @@ class Trainer:
 
         self.metrics = MetricsLogger(workdir, start_iteration=self.iteration, enabled=self.is_primary)
         if self.is_primary:
-            with open(os.path.join(workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2))
+            runfolder.write_text(runfolder.path(workdir) / "config.json", config.to_json_best_effort(indent=2))
 
     def _load_tokenizer(self):
         m = self.config.model
         if m.tokenizer or m.checkpoint:
             return load_tokenizer(config_lib.resolve_path(m.tokenizer or m.checkpoint))
-        path = os.path.join(self.workdir, "tokenizer")
-        if os.path.exists(os.path.join(path, "tokenizer.json")):
-            return load_tokenizer(path)
+        path = runfolder.path(self.workdir) / "tokenizer"
+        if (path / "tokenizer.json").exists():
+            with runfolder.local_copy(path) as local:
+                return load_tokenizer(local)
         if self.num_hosts > 1:
             raise config_lib.ConfigError("config.model.tokenizer must be set for a multi-host random init, got ''")
-        return build_game_tokenizer(self.config, path)
+        with runfolder.staged(path) as local:
+            return build_game_tokenizer(self.config, local)
 
     def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None):
         """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by default)."""
@@ -451,7 +453,7 @@ class Trainer:
             grouping = config_lib.estimator_config(c, self.epsilon).spec.grouping
             summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
         if c.checkpoint.export_hf:  # every process: the global master parameters are gathered for process 0
-            summary["hf_export"] = self.export_hf(os.path.join(self.workdir, "hf_final"))
+            summary["hf_export"] = self.export_hf(os.fspath(runfolder.path(self.workdir) / "hf_final"))
         return summary
 
     # ------------------------------------------------------------------------------------------
@@ -487,8 +489,9 @@ class Trainer:
 
     def export_hf(self, path: str) -> str:
         """Write the current policy's master parameters as a Hugging Face folder (weights, config,
-        tokenizer); every process calls it, process 0 writes."""
-        save_hf_checkpoint(self.learner.master_model(), path, tokenizer=self.tokenizer)
+        tokenizer), local or gs://; every process calls it, process 0 writes."""
+        with runfolder.staged(path) as local:
+            save_hf_checkpoint(self.learner.master_model(), local, tokenizer=self.tokenizer)
         return path
 
     def close(self) -> None:

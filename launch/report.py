@@ -17,7 +17,7 @@ fields that tell the arms apart (e.g. ``estimator.name=bipace_q``). Per arm, ove
   leave-one-out row shares, epsilon; BiPACE's share of the iteration time.
 
 Writes ``report.md``, ``report.json`` and plots (learning curves with a band over seeds, singleton
-rates, PACE mix) to ``--out`` (default: the first folder given).
+rates, PACE mix) to ``--out`` (default: the first folder given). Folders may be local or ``gs://``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sys
 from typing import Any
 
 from absl import app, flags
+
+from bipace_jax import runfolder
 
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
 _OUT = flags.DEFINE_string("out", "", "Output folder (default: the first folder given).")
@@ -52,10 +54,11 @@ def find_runs(paths: list[str]) -> list[str]:
     """
     runs = []
     for p in paths:
-        if not os.path.isdir(p):
+        folder = runfolder.path(p, "run folder")
+        if not folder.is_dir():
             raise ValueError(f"not a folder: {p}")
-        candidates = [p] + [os.path.join(p, d) for d in sorted(os.listdir(p))]
-        runs += [c for c in candidates if os.path.isfile(os.path.join(c, "metrics.jsonl"))]
+        candidates = [p] + [os.path.join(p, d) for d in sorted(x.name for x in folder.iterdir())]
+        runs += [c for c in candidates if (runfolder.path(c) / "metrics.jsonl").exists()]
     if not runs:
         raise ValueError(f"no run folder (metrics.jsonl) in {paths}")
     return sorted(set(runs))
@@ -75,11 +78,8 @@ def arms_of(runs: list[str]) -> dict[str, list[str]]:
     """Runs grouped by their config without ``seed``; each arm named by the fields that differ."""
     configs = {}
     for r in runs:
-        path = os.path.join(r, "config.json")
-        configs[r] = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                configs[r] = _flatten(json.load(f))
+        text = runfolder.read_text(runfolder.path(r) / "config.json")
+        configs[r] = _flatten(json.loads(text)) if text is not None else {}
     keys = sorted({k for c in configs.values() for k in c} - {"seed"})
     differing = [k for k in keys if len({c.get(k) for c in configs.values()}) > 1]
     arms: dict[str, list[str]] = {}
@@ -236,7 +236,8 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
             ax.set_title(f"{title} (mean over seeds, band: min..max)")
             ax.legend(fontsize=7)
             fig.tight_layout()
-            fig.savefig(os.path.join(out, fname), dpi=110)
+            with (runfolder.path(out, "--out") / fname).open("wb") as f:  # a file object: --out may be gs://
+                fig.savefig(f, format="png", dpi=110)
             files.append(fname)
         plt.close(fig)
     return files
@@ -254,13 +255,14 @@ def main(argv):
         sys.exit(f"error: {e}")
     report = aggregate(arms_of(runs), _THRESHOLD.value)
     out = _OUT.value or paths[0]
-    os.makedirs(out, exist_ok=True)
+    try:
+        folder = runfolder.prepare(out, "--out")
+    except runfolder.RunFolderError as e:
+        sys.exit(f"error: {e}")
     md = to_markdown(report)
     report["plots"] = plot(report, out)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    runfolder.write_text(folder / "report.md", md)
+    runfolder.write_text(folder / "report.json", json.dumps(report, indent=2))
     print(md)
     print(f"wrote {out}/report.md, report.json, " + ", ".join(report["plots"]))
 

@@ -10,7 +10,8 @@ every ``--config.<field>=<value>`` given here. ``--grid`` may repeat (the cells 
 Cells run as separate processes, ``--parallel`` at a time (on a pod, keep 1: each cell takes the
 whole slice). The sweep is resumable: a finished cell (``sweep_cell.json`` with exit code 0) is
 skipped, a killed one resumes from its latest checkpoint. ``<workdir>/sweep.json`` records the grid
-and each cell's status; ``python -m launch.report <workdir>`` aggregates the runs.
+and each cell's status; ``python -m launch.report <workdir>`` aggregates the runs. ``--workdir`` may be
+``gs://bucket/study`` (a cell's ``train.log`` is then written locally and copied up when the cell ends).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from absl import app, flags
+from etils import epath
+
+from bipace_jax import runfolder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,11 +136,29 @@ def cell_command(config: str, run_dir: str, cell: list[tuple[str, str]], extra: 
 
 
 def _done(run_dir: str) -> bool:
-    path = os.path.join(run_dir, "sweep_cell.json")
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        return json.load(f).get("returncode") == 0
+    text = runfolder.read_text(epath.Path(run_dir) / "sweep_cell.json")
+    return text is not None and json.loads(text).get("returncode") == 0
+
+
+def _open_log(run_dir: str, name: str) -> tuple[Any, str]:
+    """The cell's log file opened for appending, and where it is: ``<run_dir>/train.log``, or for a
+    gs:// study a local temporary file (a child's output needs a local file) copied up by ``_close_log``."""
+    if not runfolder.is_remote(run_dir):
+        os.makedirs(run_dir, exist_ok=True)
+        return open(os.path.join(run_dir, "train.log"), "a"), os.path.join(run_dir, "train.log")
+    fd, path = tempfile.mkstemp(prefix=f"sweep_{re.sub(r'[^A-Za-z0-9_.=-]', '_', name)}_", suffix=".log")
+    os.close(fd)
+    return open(path, "a"), path
+
+
+def _close_log(log: Any, run_dir: str) -> None:
+    log.close()
+    if runfolder.is_remote(run_dir):  # GCS has no append: the earlier attempts' log + this one, written whole
+        dest = epath.Path(run_dir) / "train.log"
+        dest.parent.mkdir(parents=True, exist_ok=True)  # a cell that failed at once made no folder
+        with open(log.name) as f:
+            runfolder.write_text(dest, (runfolder.read_text(dest) or "") + f.read())
+        os.remove(log.name)
 
 
 def _summary_line(run_dir: str) -> str:
@@ -159,7 +182,10 @@ def main(argv):
     config = os.path.abspath(_CONFIG.value)
     if not os.path.exists(config):
         raise app.UsageError(f"--config {config} does not exist")
-    study = os.path.abspath(_WORKDIR.value)
+    try:
+        study = os.fspath(runfolder.path(_WORKDIR.value))
+    except runfolder.RunFolderError as e:
+        sys.exit(f"error: {e}")
     extra = list(_OVERRIDES)
     jobs = [(cell_name(c), c) for c in cells]
     for _, cell in jobs:  # every cell's config is checked before the first one starts
@@ -169,9 +195,12 @@ def main(argv):
             sys.exit(f"error: {e}")
     if _DRY_RUN.value:
         for name, cell in jobs:
-            print(" ".join(cell_command(config, os.path.join(study, name), cell, extra)))
+            print(" ".join(cell_command(config, os.fspath(epath.Path(study) / name), cell, extra)))
         return
-    os.makedirs(study, exist_ok=True)
+    try:  # the study folder is checked before the first cell starts
+        runfolder.prepare(study)
+    except runfolder.RunFolderError as e:
+        sys.exit(f"error: {e}")
     record: dict[str, Any] = {
         "config": os.path.relpath(config, ROOT) if config.startswith(ROOT) else config,
         "grid": _GRID.value,
@@ -181,12 +210,11 @@ def main(argv):
     }
 
     def save():
-        with open(os.path.join(study, "sweep.json"), "w") as f:
-            json.dump(record, f, indent=2)
+        runfolder.write_text(epath.Path(study) / "sweep.json", json.dumps(record, indent=2))
 
     todo = []
     for k, (name, cell) in enumerate(jobs):
-        run_dir = os.path.join(study, name)
+        run_dir = os.fspath(epath.Path(study) / name)
         if _done(run_dir):
             print(f"[{k + 1}/{len(jobs)}] {name}: finished earlier, skipped ({_summary_line(run_dir)})", flush=True)
             record["cells"][name] = "done"
@@ -200,26 +228,24 @@ def main(argv):
     while todo or running:
         while todo and len(running) < _PARALLEL.value:
             k, name, cell, run_dir = todo.pop(0)
-            os.makedirs(run_dir, exist_ok=True)
-            log = open(os.path.join(run_dir, "train.log"), "a")
+            log, log_path = _open_log(run_dir, name)
             cmd = cell_command(config, run_dir, cell, extra)
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((k, name, run_dir, proc, time.perf_counter(), log))
             record["cells"][name] = "running"
             save()
-            print(
-                f"[{k + 1}/{len(jobs)}] {name}: started (log {os.path.relpath(run_dir, study)}/train.log)", flush=True
-            )
+            where = f"{name}/train.log" if log_path.startswith(study) else f"{log_path}, then {name}/train.log"
+            print(f"[{k + 1}/{len(jobs)}] {name}: started (log {where})", flush=True)
         time.sleep(0.5)
         for item in list(running):
             k, name, run_dir, proc, t0, log = item
             if proc.poll() is None:
                 continue
             running.remove(item)
-            log.close()
+            _close_log(log, run_dir)
             wall = time.perf_counter() - t0
-            with open(os.path.join(run_dir, "sweep_cell.json"), "w") as f:
-                json.dump({"returncode": proc.returncode, "wall_s": wall, "cell": dict(jobs[k][1])}, f, indent=2)
+            cell_record = {"returncode": proc.returncode, "wall_s": wall, "cell": dict(jobs[k][1])}
+            runfolder.write_text(epath.Path(run_dir) / "sweep_cell.json", json.dumps(cell_record, indent=2))
             if proc.returncode == 0:
                 record["cells"][name] = "done"
                 print(f"[{k + 1}/{len(jobs)}] {name}: done in {wall:.0f} s ({_summary_line(run_dir)})", flush=True)

@@ -8,6 +8,7 @@ Every config field can be overridden with ``--config.<field>=<value>``. The run 
 ``metrics.jsonl``, TensorBoard events (``tb/``), plots (``plots/``), orbax checkpoints
 (``checkpoints/``) and, at the end, the policy as a Hugging Face folder (``hf_final/``). Starting again
 with the same ``--workdir`` resumes from the latest checkpoint (``--noresume`` refuses instead).
+``--workdir=gs://bucket/run`` writes all of it to GCS (needs ``pip install -e '.[gcp]'``).
 
 Multi-host (one process per host): ``--coordinator_address=host0:1234 --num_processes=N
 --process_id=i``, or the ``BIPACE_COORDINATOR`` / ``BIPACE_NUM_PROCESSES`` / ``BIPACE_PROCESS_ID``
@@ -28,7 +29,9 @@ _DEFAULT_CONFIG = os.path.join(
 )
 
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file (configs/*.py).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (metrics, events, plots, checkpoints).", required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run folder, local or gs://bucket/path (metrics, events, plots, checkpoints).", required=True
+)
 _RESUME = flags.DEFINE_bool(
     "resume", True, "Resume from the latest checkpoint in --workdir (--noresume: fail if one exists)."
 )
@@ -93,8 +96,8 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     """The job behind ``main``: check the config, start JAX (multi-host from the flags), train, report.
 
     ``env_factory``: passed to ``Trainer`` (a wrapped game, e.g. ``launch.chaos``'s fault injector).
-    Exits with a one-line error on a bad config, an existing run with ``resume=False`` or a
-    non-finite update.
+    Exits with a one-line error on a bad config, a run folder that cannot be written (checked before
+    the model loads), an existing run with ``resume=False`` or a non-finite update.
     """
     t_start = time.perf_counter()
     from bipace_jax import config as config_lib
@@ -105,7 +108,7 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         config_lib.validate(config)
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
-    from bipace_jax import distributed
+    from bipace_jax import distributed, runfolder
     from bipace_jax import trainer as trainer_lib
 
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
@@ -115,7 +118,7 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
     try:
         tr = trainer_lib.Trainer(config, workdir, resume=resume, env_factory=env_factory)
-    except (config_lib.ConfigError, FileExistsError) as e:
+    except (config_lib.ConfigError, runfolder.RunFolderError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     try:
         summary = tr.run()

@@ -1,0 +1,181 @@
+"""The run folder: every file a run writes or reads goes through ``etils.epath``, local or ``gs://``.
+
+A run folder is a local folder (made absolute) or a ``gs://bucket/path`` URL. GCS has no append and
+no atomic rename of a folder, so files here are written whole (one object write each, and locally a
+temporary file renamed over the old one). Writers that only take a local folder (``save_pretrained``,
+``save_hf_checkpoint``, TensorBoard's event writer) write into a local staging folder (``staged``) that
+is copied up and removed; readers that need one read a local copy (``local_copy``).
+
+``gs://`` needs the ``[gcp]`` extra (``pip install -e '.[gcp]'``: gcsfs for etils.epath,
+google-cloud-storage for orbax) and credentials (``gcloud auth application-default login`` or the VM's
+service account).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+from etils import epath
+
+#: The URL schemes a run folder may use (orbax writes arrays with TensorStore, which has GCS only).
+REMOTE_PREFIXES = ("gs://",)
+EXPECTED = "a writable local folder or a gs://bucket/path URL"
+_CHUNK = 16 * 1024 * 1024  # bytes per read when copying (HF shard files reach 5 GiB)
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used: a scheme other than gs://, a missing package, no write access."""
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for a URL (``gs://...``), False for a local path."""
+    return "://" in os.fspath(path)
+
+
+def path(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
+    """``folder`` as an ``epath.Path``: a local path made absolute, or a ``gs://`` URL as given.
+
+    Raises:
+      RunFolderError: ``folder`` is a URL of another scheme (it would silently become a local folder
+        named after the scheme), or is empty; the message names ``flag``.
+    """
+    s = os.fspath(folder)
+    if not s:
+        raise RunFolderError(f"{flag}: expected {EXPECTED}, got ''")
+    if is_remote(s):
+        if not s.startswith(REMOTE_PREFIXES):
+            raise RunFolderError(f"{flag}: expected {EXPECTED}, got {s!r} (unsupported scheme)")
+        return epath.Path(s)
+    return epath.Path(os.path.abspath(s))
+
+
+def _missing_gcp_packages() -> list[str]:
+    """The [gcp] extra's packages that do not import (gcsfs backs epath's gs://, orbax lists steps with
+    google-cloud-storage)."""
+    missing = []
+    for module, package in (("gcsfs", "gcsfs"), ("google.cloud.storage", "google-cloud-storage")):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
+def prepare(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
+    """Create the run folder and check that this process can write to it; returns ``path(folder)``.
+
+    Call it before anything heavy loads, so a wrong folder fails in seconds. Every process of a
+    multi-host run may call it (each writes and deletes its own probe file).
+
+    Raises:
+      RunFolderError: an unsupported scheme, a ``gs://`` folder without the ``[gcp]`` packages, or a
+        folder that cannot be created or written (the cause is named); the message names ``flag`` and
+        the expected value.
+    """
+    p = path(folder, flag)
+    if is_remote(p) and (missing := _missing_gcp_packages()):
+        raise RunFolderError(
+            f"{flag}={os.fspath(folder)}: a gs:// run folder needs {', '.join(missing)} "
+            f"(pip install -e '.[gcp]'); expected {EXPECTED}"
+        )
+    probe = p / f".write_probe.{uuid.uuid4().hex}"
+    try:
+        if not is_remote(p):  # GCS has no folders, and gcsfs's mkdir would create a misspelt bucket
+            p.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except Exception as e:  # noqa: BLE001 (auth, permission and network errors differ by backend)
+        detail = str(e).splitlines()[0][:300] if str(e) else ""
+        raise RunFolderError(
+            f"{flag}={os.fspath(folder)}: cannot create or write the run folder ({type(e).__name__}: {detail}); "
+            f"expected {EXPECTED}"
+        ) from e
+    return p
+
+
+def read_text(file: str | os.PathLike) -> str | None:
+    """The text of ``file``, or None when it does not exist."""
+    p = epath.Path(file)
+    return p.read_text() if p.exists() else None
+
+
+def write_text(file: str | os.PathLike, text: str) -> None:
+    """Write ``file`` whole, so a reader sees the old or the new text, never a part.
+
+    Locally a temporary file is renamed over ``file``; on GCS one object write is atomic.
+    """
+    p = epath.Path(file)
+    if is_remote(p):
+        p.write_text(text)
+        return
+    tmp = f"{p}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def upload(local_dir: str | os.PathLike, dest: str | os.PathLike) -> list[epath.Path]:
+    """Copy every file under the local folder ``local_dir`` to ``dest`` (same layout); returns the copies."""
+    dest, out = epath.Path(dest), []
+    for root, _, files in os.walk(local_dir):
+        rel = os.path.relpath(root, local_dir)
+        target = dest if rel == "." else dest / rel
+        target.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            with open(os.path.join(root, name), "rb") as src, (target / name).open("wb") as dst:
+                shutil.copyfileobj(src, dst, _CHUNK)
+            out.append(target / name)
+    return out
+
+
+def download(src: str | os.PathLike, local_dir: str | os.PathLike) -> None:
+    """Copy the folder ``src`` (any epath folder) into the local folder ``local_dir``."""
+    src = epath.Path(src)
+    os.makedirs(local_dir, exist_ok=True)
+    for child in src.iterdir():
+        if child.is_dir():
+            download(child, os.path.join(local_dir, child.name))
+        else:
+            with child.open("rb") as f, open(os.path.join(local_dir, child.name), "wb") as dst:
+                shutil.copyfileobj(f, dst, _CHUNK)
+
+
+@contextlib.contextmanager
+def staged(dest: str | os.PathLike) -> Iterator[str]:
+    """A local folder for a writer that needs one; its files end up in ``dest``.
+
+    Local ``dest``: ``dest`` itself (created). Remote: a temporary folder, copied to ``dest`` when the
+    block ends without an error, and removed in any case.
+    """
+    if not is_remote(dest):
+        os.makedirs(dest, exist_ok=True)
+        yield os.fspath(dest)
+        return
+    tmp = tempfile.mkdtemp(prefix="bipace_stage_")
+    try:
+        yield tmp
+        upload(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_copy(src: str | os.PathLike) -> Iterator[str]:
+    """A local folder holding the files of ``src``: ``src`` itself when local, else a temporary copy
+    removed when the block ends."""
+    if not is_remote(src):
+        yield os.fspath(src)
+        return
+    tmp = tempfile.mkdtemp(prefix="bipace_fetch_")
+    try:
+        download(src, tmp)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

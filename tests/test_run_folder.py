@@ -1,0 +1,266 @@
+"""The run folder layer (``bipace_jax.runfolder``) and a whole run on a fake GCS bucket.
+
+The fake: ``gs://`` URLs are served by an fsspec filesystem rooted in a local "bucket" folder (what
+etils.epath uses for gs:// with gcsfs), and orbax's TensorStore writes its arrays under the same root
+(its GCS kvstore is swapped for a file kvstore there). Every test runs in an empty working directory
+with ``tempfile`` pointed at a folder of its own, and checks that nothing but the bucket was written:
+no ``gs:`` folder in the working directory, no staging folder left behind.
+"""
+
+import importlib
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from etils.epath import backend as epath_backend
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from orbax.checkpoint._src.path import gcs_utils
+
+from bipace_jax import runfolder
+from bipace_jax.checkpointing import Checkpointer
+from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
+
+RUN = "gs://fake-bucket/runs/r1"
+
+
+class _FakeGCS(DirFileSystem):
+    """gs://bucket/key -> <root>/bucket/key on the local disk."""
+
+    protocol = ("gs", "gcs")
+    cachable = False  # a new root per test
+    root = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(path=type(self).root, fs=LocalFileSystem())
+
+    def open(self, path, mode="rb", **kwargs):
+        if any(m in mode for m in "wa"):  # objects need no folders, only an existing bucket
+            bucket = self._strip_protocol(path).split("/")[0]
+            if not os.path.isdir(os.path.join(type(self).root, bucket)):
+                raise FileNotFoundError(f"no bucket {bucket}")
+            self.makedirs(self._parent(path), exist_ok=True)
+        return super().open(path, mode, **kwargs)
+
+
+def _files(folder) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+@pytest.fixture
+def fake_gcs(tmp_path, monkeypatch):
+    """(bucket root on disk, working directory, temp folder); asserts afterwards that the working
+    directory and the temp folder stayed empty."""
+    root, cwd, tmp = (tmp_path / n for n in ("gcs", "cwd", "tmp"))
+    for d in (root / "fake-bucket", cwd, tmp):
+        d.mkdir(parents=True)
+    monkeypatch.setattr(_FakeGCS, "root", str(root))
+    for proto in _FakeGCS.protocol:
+        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, proto, _FakeGCS)
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+
+    def kvstore(path):  # orbax's TensorStore spec for a gs:// path, on the fake's root
+        bucket, key = gcs_utils.parse_gcs_path(path, add_trailing_slash=False)
+        return {"driver": "file", "path": os.path.join(root, bucket, key)}
+
+    monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", kvstore)
+    monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
+    monkeypatch.setattr(runfolder, "_missing_gcp_packages", lambda: [])
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    monkeypatch.chdir(cwd)
+    yield root, cwd, tmp
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    assert _files(cwd) == [] and os.listdir(cwd) == [], "written outside the bucket (working directory)"
+    assert os.listdir(tmp) == [], "a staging folder was left behind"
+
+
+def test_path_makes_local_folders_absolute_and_keeps_gs_urls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert str(runfolder.path("runs/a")) == os.path.join(str(tmp_path), "runs", "a")
+    assert str(runfolder.path("gs://b/x/y")) == "gs://b/x/y"
+    assert runfolder.is_remote("gs://b/x") and not runfolder.is_remote("runs/a")
+
+
+@pytest.mark.parametrize("bad", ["memory://run", "s3://b/run", ""])
+def test_other_schemes_and_empty_folders_are_refused_naming_the_flag(bad, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir.*expected a writable local folder or a gs://"):
+        runfolder.prepare(bad)
+    assert os.listdir(tmp_path) == []  # no local "memory:" folder
+
+
+def test_prepare_names_the_flag_and_the_cause_when_the_folder_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=.*file/run: cannot create or write.*gs://bucket"):
+        runfolder.prepare(str(tmp_path / "file" / "run"))
+    assert runfolder.prepare(str(tmp_path / "ok")) == runfolder.path(str(tmp_path / "ok"))
+    assert os.listdir(tmp_path / "ok") == []  # the probe file is removed
+
+
+def test_gs_without_the_gcp_packages_names_the_extra(monkeypatch):
+    monkeypatch.setattr(runfolder, "_missing_gcp_packages", lambda: ["gcsfs"])
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=gs://b/run: .*gcsfs.*\[gcp\]"):
+        runfolder.prepare("gs://b/run")
+
+
+def test_a_missing_bucket_fails_naming_the_flag_and_is_not_created(fake_gcs):
+    root, _, _ = fake_gcs
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=gs://no-such-bucket/run: cannot create or write"):
+        runfolder.prepare("gs://no-such-bucket/run")
+    assert os.listdir(root) == ["fake-bucket"]
+
+
+def test_files_staged_folders_and_copies_round_trip_through_the_bucket(fake_gcs):
+    root, _, _ = fake_gcs
+    run = runfolder.prepare(RUN)
+    runfolder.write_text(run / "a.json", '{"x": 1}')
+    runfolder.write_text(run / "a.json", '{"x": 2}')
+    assert runfolder.read_text(run / "a.json") == '{"x": 2}' and runfolder.read_text(run / "none") is None
+    with runfolder.staged(run / "tok") as local:
+        os.makedirs(os.path.join(local, "sub"))
+        for name in ("t.json", os.path.join("sub", "s.bin")):
+            with open(os.path.join(local, name), "wb") as f:
+                f.write(name.encode())
+    with runfolder.local_copy(run / "tok") as local:
+        assert _files(local) == ["sub/s.bin", "t.json"]
+        assert open(os.path.join(local, "sub", "s.bin"), "rb").read() == b"sub/s.bin"
+    assert _files(root) == [
+        "fake-bucket/runs/r1/a.json",
+        "fake-bucket/runs/r1/tok/sub/s.bin",
+        "fake-bucket/runs/r1/tok/t.json",
+    ]
+
+
+def test_metrics_events_and_plots_on_gcs_resume_without_lost_or_repeated_rows(fake_gcs):
+    root, _, _ = fake_gcs
+    bucket_run = root / "fake-bucket" / "runs" / "r1"
+    m = MetricsLogger(RUN)
+    for i in range(3):
+        m.write(i, {"train/success_rate": 0.1 * i})
+    m.close()
+    m = MetricsLogger(RUN, start_iteration=2)  # iteration 2 is re-run after a restart
+    assert [r["iteration"] for r in read_metrics(RUN)] == [0, 1]
+    m.write(2, {"train/success_rate": 0.9})
+    m.write(3, {"train/success_rate": 1.0})
+    m.close()
+    rows = [json.loads(line) for line in (bucket_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3] and rows[2]["train/success_rate"] == 0.9
+    events = os.listdir(bucket_run / "tb")
+    assert len(events) == 2 and all((bucket_run / "tb" / e).stat().st_size > 0 for e in events)
+    paths = make_plots(RUN)
+    assert paths[0] == RUN + "/plots/success.png"
+    assert (bucket_run / "plots" / "success.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checkpoints_save_and_restore_on_gcs(fake_gcs):
+    root, _, _ = fake_gcs
+    params = {"w": jax.numpy.arange(6.0).reshape(2, 3)}
+    opt = optax.adam(1e-3).init(params)
+    ck = Checkpointer(RUN, keep=2)
+    assert ck.directory == RUN + "/checkpoints"
+    for step in (1, 2, 3):
+        ck.save(step, jax.tree.map(lambda x, s=step: x + s, params), opt, jax.random.PRNGKey(step), {"iteration": step})
+    ck.close()
+    ck = Checkpointer(RUN, keep=2)
+    step, (p, _, _, meta) = ck.restore_latest(params, opt)
+    ck.close()
+    assert step == 3 and meta["iteration"] == 3 and ck.all_steps() == [2, 3]
+    np.testing.assert_array_equal(p["w"], params["w"] + 3)
+    assert sorted(os.listdir(root / "fake-bucket" / "runs" / "r1" / "checkpoints")) == ["2", "3"]
+
+
+TINY = {
+    "model.checkpoint": "",  # a random tiny actor: the tokenizer is trained and saved into the run folder
+    "model.hidden_size": 32,
+    "model.num_layers": 1,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 1,
+    "model.intermediate_size": 64,
+    "rollout.num_groups": 2,
+    "rollout.group_size": 2,
+    "env.max_steps": 3,
+    "env.num_workers": 1,
+    "sampler.max_new_tokens": 16,
+    "sampler.batch_buckets": (4, 8),
+    "val.num_tasks": 2,
+    "val.num_holdout_tasks": 1,
+    "val.every": 1,
+    "val.seeds_per_goal": 1,
+    "ppo.micro_batch_rows": 8,
+    "log.progress": False,
+}
+
+
+def _tiny_config(num_iterations):
+    import configs.textcraft_tiny
+
+    c = configs.textcraft_tiny.get_config()
+    for key, value in {**TINY, "num_iterations": num_iterations}.items():
+        *parents, leaf = key.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+@pytest.mark.e2e
+def test_tiny_default_runs_on_gcs_and_resumes_from_it(fake_gcs):
+    from bipace_jax.trainer import Trainer
+
+    root, _, _ = fake_gcs
+    bucket_run = root / "fake-bucket" / "runs" / "r1"
+    tr = Trainer(_tiny_config(1), RUN)
+    try:
+        first = tr.run()
+    finally:
+        tr.close()
+    assert first["iterations_run"] == 1 and first["hf_export"] == RUN + "/hf_final"
+    files = _files(bucket_run)
+    for f in ("config.json", "metrics.jsonl", "tokenizer/tokenizer.json", "hf_final/config.json", "plots/success.png"):
+        assert f in files, (f, files)
+    assert any(f.startswith("tb/events") for f in files) and any(f.startswith("checkpoints/1/") for f in files)
+
+    tr = Trainer(_tiny_config(2), RUN)  # the same folder again: resumes from its checkpoint and tokenizer
+    try:
+        assert tr.iteration == 1
+        second = tr.run()
+    finally:
+        tr.close()
+    assert second["start_iteration"] == 1 and second["iterations_run"] == 1
+    rows = read_metrics(RUN)
+    assert [r["iteration"] for r in rows] == [0, 1] and rows[1]["train/task_cursor"] == 2
+    assert sorted(os.listdir(bucket_run / "checkpoints")) == ["1", "2"]
+    assert len(os.listdir(bucket_run / "tb")) == 2
+
+
+def test_report_reads_a_study_on_gcs_and_writes_its_plots_there(fake_gcs):
+    from launch import report
+
+    root, _, _ = fake_gcs
+    study = "gs://fake-bucket/study"
+    for name, seed in (("grpo", 0), ("grpo", 1), ("bipace_q", 0)):
+        run = runfolder.prepare(f"{study}/{name}_{seed}")
+        runfolder.write_text(run / "config.json", json.dumps({"seed": seed, "estimator": {"name": name}}))
+        runfolder.write_text(run / "metrics.jsonl", json.dumps({"iteration": 0, "val/success_rate": 0.5}) + "\n")
+    runs = report.find_runs([study])
+    assert runs == [f"{study}/bipace_q_0", f"{study}/grpo_0", f"{study}/grpo_1"]
+    assert sorted(report.arms_of(runs)) == ["estimator.name=bipace_q", "estimator.name=grpo"]
+    plots = report.plot(report.aggregate(report.arms_of(runs), 0.9), study)
+    assert plots and set(plots) <= set(os.listdir(root / "fake-bucket" / "study"))
+
+
+def test_a_sweep_cell_log_on_gcs_is_copied_up_and_appended_whole(fake_gcs):
+    from launch import sweep
+
+    root, _, _ = fake_gcs
+    run_dir = "gs://fake-bucket/study/seed=0"
+    for attempt in ("first\n", "second\n"):  # a retried cell: both attempts' output, in order
+        log, path = sweep._open_log(run_dir, "seed=0")
+        assert not path.startswith(str(root))  # a local file: the child process writes to it
+        log.write(attempt)
+        sweep._close_log(log, run_dir)
+    assert (root / "fake-bucket" / "study" / "seed=0" / "train.log").read_text() == "first\nsecond\n"
