@@ -292,6 +292,27 @@ def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) ->
         )
 
 
+def process_layout(c: ml_collections.ConfigDict, num_processes: int, devices: int, local_devices: int):
+    """The mesh's resolved (data, fsdp, tensor) for ``devices`` over ``num_processes`` hosts, after the
+    checks that need the process count: task groups and micro-batch rows split evenly over hosts and
+    the batch axes, the tensor axis inside a host (`check_tensor_in_host`).
+
+    Raises:
+      ConfigError: naming the field whose value does not split.
+    """
+    if c.rollout.num_groups % num_processes:
+        _fail("rollout.num_groups", f"be a multiple of the process count {num_processes}", c.rollout.num_groups)
+    data, fsdp, tensor = mesh_shape(c, devices)
+    check_tensor_in_host(tensor, num_processes, local_devices)
+    if (c.ppo.micro_batch_rows * num_processes) % (data * fsdp):
+        _fail(
+            "ppo.micro_batch_rows",
+            f"times the {num_processes} processes be a multiple of mesh data*fsdp={data * fsdp}",
+            c.ppo.micro_batch_rows,
+        )
+    return data, fsdp, tensor
+
+
 def enable_compile_cache(c: ml_collections.ConfigDict) -> None:
     """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (nothing when it is "")."""
     if c.get("compile_cache_dir"):

@@ -88,18 +88,7 @@ class Trainer:
         self.workdir = workdir
         self.is_primary = jax.process_index() == 0
         self.num_hosts = jax.process_count()
-        if c.rollout.num_groups % self.num_hosts:
-            raise config_lib.ConfigError(
-                f"config.rollout.num_groups must be a multiple of the process count "
-                f"{self.num_hosts}, got {c.rollout.num_groups}"
-            )
-        data, fsdp, tensor = config_lib.mesh_shape(c, jax.device_count())
-        config_lib.check_tensor_in_host(tensor, self.num_hosts, jax.local_device_count())
-        if (c.ppo.micro_batch_rows * self.num_hosts) % (data * fsdp):
-            raise config_lib.ConfigError(
-                f"config.ppo.micro_batch_rows x processes must be a multiple of mesh data*fsdp={data * fsdp}, "
-                f"got {c.ppo.micro_batch_rows} x {self.num_hosts}"
-            )
+        data, fsdp, tensor = config_lib.process_layout(c, self.num_hosts, jax.device_count(), jax.local_device_count())
         runfolder.prepare(workdir)  # fails in seconds, before the model loads
         self.mesh = sharding.make_mesh(data, fsdp, tensor)
         self.local_mesh = distributed.local_mesh(self.mesh, tensor)
