@@ -109,12 +109,13 @@ def validate_selector(field: str, value: str, allow_empty: bool) -> None:
             _fail(field, "be a task selector: 'all', 'a:b', 'i,j,k' or 'key=v1,v2', joined by '&'", value)
 
 
-def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, abstract: bool = False) -> None:
     """Check every field of a run config; raises ``ConfigError`` naming the first bad field.
 
     Args:
       c: the config (``configs/base.py`` layout).
       num_devices: when given, the mesh must fit this many devices exactly.
+      abstract: the config is only compiled from shapes (``launch.aot``): no checkpoint is needed.
     """
     _int(c, "seed", 0)
     _int(c, "num_iterations", 0)
@@ -130,7 +131,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
         Qwen2Config.preset(_get(c, "model.preset"))
     except (ValueError, AttributeError) as e:
         raise ConfigError(f"config.model.preset must name a Qwen2Config preset ({e})") from None
-    if ckpt:
+    if ckpt and not abstract:
         if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
             _fail(
                 "model.checkpoint",
@@ -138,7 +139,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
                 "--config.model.checkpoint= for a random tiny init)",
                 ckpt,
             )
-    elif _get(c, "model.preset") != "tiny":
+    elif _get(c, "model.preset") != "tiny" and not abstract:
         _fail(
             "model.checkpoint",
             f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)",
@@ -307,7 +308,7 @@ def process_layout(c: ml_collections.ConfigDict, num_processes: int, devices: in
     if (c.ppo.micro_batch_rows * num_processes) % (data * fsdp):
         _fail(
             "ppo.micro_batch_rows",
-            f"times the {num_processes} processes be a multiple of mesh data*fsdp={data * fsdp}",
+            f"be such that it times the {num_processes} processes is a multiple of mesh data*fsdp={data * fsdp}",
             c.ppo.micro_batch_rows,
         )
     return data, fsdp, tensor

@@ -69,6 +69,23 @@ def mesh_context(mesh):
     return jax.set_mesh(mesh) if mesh is not None and mesh.devices.size > 1 else contextlib.nullcontext()
 
 
+def opt_state_shardings(tx: optax.GradientTransformation, params: Any, param_shardings: Any, mesh) -> Any:
+    """Shardings of ``tx.init(params)``: every parameter-shaped leaf (AdamW's moments) takes its
+    parameter's sharding, everything else (step counts) is replicated over ``mesh``.
+
+    Left to the compiler, ``jax.jit(tx.init)`` replicates the moments (zeros depend on no input's
+    sharding): 8 bytes per parameter on every chip.
+    """
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, params),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+
+
 class Learner:
     """Parameters, optimizer state and one jitted accumulate-then-apply step (no games, no files).
 
@@ -102,8 +119,9 @@ class Learner:
         self.param_shardings = sharding.param_shardings(params, mesh)
         self.params = distributed.to_global(params, self.param_shardings)
         del params  # the caller's arrays may be the learner's now (donated by the first update)
+        opt_shardings = opt_state_shardings(tx, self.params, self.param_shardings, mesh)
         with mesh_context(mesh):
-            self.opt_state = jax.jit(tx.init)(self.params)
+            self.opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(self.params)
         if jax.process_count() == 1:
             self.local_mesh, self.local_shardings = mesh, None
         else:

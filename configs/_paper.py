@@ -61,6 +61,11 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     c.model.fingerprint_layer = m["fingerprint_layer"]
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
+    # 2048 + 512 tokens: each layer keeps only its input for the backward, one scanned layer body
+    # compiles instead of 28, and the loss's LM head runs 128 response positions at a time
+    c.model.remat = "full"
+    c.model.scan_layers = True
+    c.ppo.logprob_chunk = 128
     c.model.checkpoint = ""  # required: --config.model.checkpoint=/path/to/Qwen2.5-...-Instruct
     for k, v in m["mesh"].items():
         c.mesh[k] = v

@@ -147,10 +147,10 @@ def compile_all(c, devices, programs=PROGRAMS, log=print) -> dict:
     """Compiles ``programs`` of config ``c`` for ``devices``; returns the report (see the module doc)."""
 
     m = c.model
-    data, fsdp, tensor = config_lib.mesh_shape(c, len(devices))
-    mesh = sharding.make_mesh(data, fsdp, tensor, devices=devices)
     hosts = sorted({d.process_index for d in devices})
     local = [d for d in devices if d.process_index == hosts[0]]
+    data, fsdp, tensor = config_lib.process_layout(c, len(hosts), len(devices), len(local))
+    mesh = sharding.make_mesh(data, fsdp, tensor, devices=devices)
     # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
     t_local = tensor if len(local) % tensor == 0 else 1
     local_mesh = mesh if len(hosts) == 1 else sharding.make_mesh(-1, 1, t_local, devices=local)
@@ -182,13 +182,10 @@ def compile_all(c, devices, programs=PROGRAMS, log=print) -> dict:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     master = _abstract(params, sharding.param_shardings(params, mesh))
     # The sampler's and the reference's host-local copies (the global parameters themselves on one host).
-    local_params = _abstract(params, sharding.param_shardings(params, local_mesh))
+    local_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)  # copies in compute dtype
+    local_params = _abstract(local_params, sharding.param_shardings(local_params, local_mesh))
     tx = config_lib.make_optimizer(c.optim)
-    with jax.set_mesh(mesh):
-        opt_shardings = jax.jit(tx.init).lower(master).compile().output_shardings
-    # scalars (AdamW's count) come back on one device: replicate them over the mesh, as the trainer's are
-    rep = NamedSharding(mesh, P())
-    opt_shardings = jax.tree.map(lambda x: x if isinstance(x, NamedSharding) else rep, opt_shardings)
+    opt_shardings = learner.opt_state_shardings(tx, master, sharding.param_shardings(params, mesh), mesh)
     opt_state = _abstract(jax.eval_shape(tx.init, master), opt_shardings)
 
     s = config_lib.sampler_config(c, eos_token_ids=cfg.eos_token_ids)
@@ -310,6 +307,7 @@ def compile_all(c, devices, programs=PROGRAMS, log=print) -> dict:
         scalar(local_mesh, jnp.int32, (len(cfg.eos_token_ids),)),
     )
     gdef_s, state_s = nnx.split(actor)  # the sampler merges the whole actor from one state
+    state_s = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), state_s)
     state = _abstract(state_s, sharding.param_shardings(state_s, local_mesh))
     ids = rows_sds((batch, prompt), jnp.int32, local_mesh)
     row_ids, row_mask = rows_sds((batch,), jnp.int32, local_mesh), rows_sds((batch,), jnp.bool_, local_mesh)
@@ -355,18 +353,24 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     name = _TOPOLOGY.value
-    if name.startswith("cpu:") and name[4:].isdigit():
+    if name.startswith("cpu:") and name[4:].isdigit() and int(name[4:]) > 0:
         jax.config.update("jax_num_cpu_devices", int(name[4:]))  # before the CPU backend starts
-    devices = topology_devices(name)
+    try:
+        devices = topology_devices(name)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     c = _CONFIG.value
     programs = tuple(_PROGRAMS.value) or PROGRAMS
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; expected some of {PROGRAMS}")
 
-    config_lib.validate(c, num_devices=len(devices))
+    config_lib.validate(c, num_devices=len(devices), abstract=True)
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
-    report = compile_all(c, devices, programs, log=lambda s: print(s, flush=True))
+    try:
+        report = compile_all(c, devices, programs, log=lambda s: print(s, flush=True))
+    except config_lib.ConfigError as e:
+        raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
     report["topology"] = name
     hbm = report["hbm_bytes_per_chip"]
     report["budget_fraction"] = _BUDGET.value

@@ -71,6 +71,11 @@ SCRIPT = textwrap.dedent(r"""
         stats = L.update(batch, old, refl, adv, jax.random.PRNGKey(0))
         new = L.logprobs(L.params_local, batch)
         leaves = jax.tree.leaves(L.params)
+        # AdamW's moments live where their parameters do (never replicated on every device)
+        mu = jax.tree.leaves(L.opt_state[0].mu)
+        out[f"moments_sharded_{name}"] = all(
+            x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(mu, jax.tree.leaves(L.param_shardings))
+        ) and len(mu) == len(leaves)
         results[name] = dict(old=old, new=new, stats=stats, params=[np.asarray(x) for x in leaves],
                              same_local=all(a is b for a, b in zip(jax.tree.leaves(L.params_local), leaves)),
                              local_sharded=all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(jax.tree.leaves(L.params_local),
@@ -122,6 +127,7 @@ def test_loads_into_shardings_and_learner_runs_under_the_mesh_on_8_cpu_devices()
     assert r["param_err"] <= 1e-5 and r["stat_err"] <= 1e-4, r
     # One process, same dtype: the sampler's copy is the global parameters themselves (no copy).
     assert r["same_local"] == [True, True] and r["local_sharded"], r
+    assert r["moments_sharded_one"] and r["moments_sharded_mesh"], r
     # bf16 compute: bf16 copies (values the cast of the fp32 masters, same shardings), same log-probs.
     assert r["bf16_dtypes"] == ["bfloat16"] and r["master_dtypes"] == ["float32"], r
     assert r["bf16_values"] and r["bf16_shardings"] and r["bf16_actor"] == "bfloat16", r

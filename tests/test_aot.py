@@ -1,0 +1,85 @@
+"""`launch.aot`: every program of a run compiled from abstract shapes, memory per chip, fits or not.
+
+The CPU tests compile the tiny default for 8 CPU devices; the committed TPU reports
+(`benchmarks/aot/*.json`) are checked always and compiled again when libtpu is installed.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRAMS = {"ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "estimator"}
+PROGRAM_KEYS = {"peak_bytes_per_chip", "argument_bytes", "temp_bytes", "output_bytes", "flops", "compile_s"}
+COMMITTED = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*__v*.json")))
+
+
+def _aot(tmp_path, *args, env=None):
+    cmd = [sys.executable, "-m", "launch.aot", f"--out={tmp_path}", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_cpu8_compiles_every_program_with_fsdp_sharded_fp32_master_weights_and_moments(tmp_path):
+    proc = _aot(tmp_path, "--topology=cpu:8", "--config.mesh.data=1", "--config.mesh.fsdp=-1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "textcraft_tiny__cpu-8.json"))
+    r = json.load(open(path))
+    assert r["topology"] == "cpu:8" and r["chips"] == 8 and r["fits"] is True
+    assert r["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert r["param_dtype"] == "float32" and r["hbm_bytes_per_chip"] > 0
+    assert set(r["programs"]) == PROGRAMS
+    for name, p in r["programs"].items():
+        assert PROGRAM_KEYS <= set(p), name
+        assert p["total_bytes_per_chip"] == p["peak_bytes_per_chip"] + p["other_resident_bytes"]
+    # the update reads fp32 parameters, gradients and both AdamW moments, each split 8 ways:
+    # 16 bytes per parameter of a chip's share (norm scales and biases that 8 does not divide stay whole)
+    assert 16.0 <= r["ppo_apply_argument_bytes_per_param"] < 17.0
+    assert r["programs"]["ppo_grad"]["flops"] > r["programs"]["logprobs"]["flops"] > 0
+    assert "fits: True" in proc.stdout and "ppo_grad" in proc.stdout
+
+
+def test_a_program_over_the_budget_exits_nonzero_and_says_so(tmp_path):
+    proc = _aot(tmp_path, "--topology=cpu:2", "--programs=ppo_apply", "--budget=0.0000001")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__cpu-2.json"))
+    assert r["fits"] is False and set(r["programs"]) == {"ppo_apply"}
+    assert "fits: False" in proc.stdout
+
+
+def test_unknown_topology_and_program_are_refused_by_name(tmp_path):
+    proc = _aot(tmp_path, "--topology=cpu:0")
+    assert proc.returncode != 0 and "--topology=cpu:0" in proc.stderr
+    proc = _aot(tmp_path, "--topology=cpu:3")  # 8 micro-batch rows do not split over 3 devices
+    assert proc.returncode != 0 and "ppo.micro_batch_rows" in proc.stderr and "--topology=cpu:3" in proc.stderr
+    proc = _aot(tmp_path, "--topology=cpu:1", "--programs=backward")
+    assert proc.returncode != 0 and "--programs" in proc.stderr and "backward" in proc.stderr
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[os.path.basename(p) for p in COMMITTED])
+def test_committed_tpu_reports_fit_with_fp32_master_weights(path):
+    r = json.load(open(path))
+    assert r["fits"] is True and set(r["programs"]) == PROGRAMS
+    assert r["param_dtype"] == "float32" and r["compute_dtype"] == "bfloat16"
+    assert r["shapes"]["prompt_tokens"] == 2048 and r["shapes"]["response_tokens"] == 512
+    for name, p in r["programs"].items():
+        assert PROGRAM_KEYS <= set(p), name
+        assert p["total_bytes_per_chip"] <= r["budget_fraction"] * r["hbm_bytes_per_chip"], name
+    assert 15.5 <= r["ppo_apply_argument_bytes_per_param"] <= 17.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")')
+@pytest.mark.parametrize("path", COMMITTED, ids=[os.path.basename(p) for p in COMMITTED])
+def test_committed_tpu_reports_compile_again_to_the_same_memory(path, tmp_path):
+    r = json.load(open(path))
+    overrides = [f"--config.{k}={v}" for k, v in r.get("overrides", {}).items()]
+    config = os.path.join(ROOT, "configs", r["config"] + ".py")
+    proc = _aot(tmp_path, f"--config={config}", f"--topology={r['topology']}", *overrides)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    again = json.load(open(tmp_path / os.path.basename(path)))
+    for name, p in r["programs"].items():
+        assert again["programs"][name]["peak_bytes_per_chip"] == p["peak_bytes_per_chip"], name
