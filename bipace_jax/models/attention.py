@@ -13,7 +13,10 @@ A `Schedule` says how the same values are computed:
   * `causal_blocks`: causal self-attention in equal query blocks, block i against the keys up to
     its end only (skips the masked upper triangle).
 `REFERENCE` (all rows, one block) is the plain path; `choose_schedule` is the one place that picks
-a schedule, from the devices the computation runs on. Why and how much each schedule saves:
+a schedule, from the devices the computation runs on. Causal self-attention (the training forward
+and the prefill) runs as fused kernels on accelerators, without fp32 [T, T] scores in memory: TPU's
+Pallas splash-attention kernel (`splash_attention`, T a multiple of 128) and, on GPU,
+`jax.nn.dot_product_attention` (`fused_attention`); both are tested equal to the reference. Why and how much each schedule saves:
 docs/performance.md.
 """
 
@@ -23,6 +26,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+from bipace_jax import sharding
 
 __all__ = [
     "NEG_INF",
@@ -36,6 +43,8 @@ __all__ = [
     "causal_blocks",
     "choose_schedule",
     "attention",
+    "splash_attention",
+    "fused_attention",
 ]
 
 Array = jax.Array
@@ -147,6 +156,13 @@ def attention(
     """
     b, t, n, _ = q.shape
     s = mask.shape[-1]
+    if schedule is None and causal and not cache_layout:
+        platform = device_platform()
+        # The last query column of causal self-attention sees every real key: the padding mask.
+        if platform == "tpu" and t % SPLASH_BLOCK == 0:
+            return splash_attention(q, k, v, mask[:, -1, :])
+        if platform == "gpu":
+            return fused_attention(q, k, v, mask)
     if schedule is None:
         schedule = choose_schedule(b, t, s, n, causal=causal and not cache_layout)
     blocks = schedule.causal_blocks
@@ -211,3 +227,60 @@ def _attend(q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Ar
     out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
     out = (out.reshape(b, kh, g, t, hd) / denom).astype(q.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
+
+
+SPLASH_BLOCK = 128  # the splash kernel's smallest query/key block
+
+
+def splash_attention(q: Array, k: Array, v: Array, key_mask: Array, *, interpret: bool = False) -> Array:
+    """Causal self-attention of q [B, T, N, Hd] over k, v [B, T, K, Hd] with padding `key_mask`
+    bool [B, T] (True = real token), by the Pallas TPU splash-attention kernel -> [B, T, N, Hd].
+
+    Real query columns get the reference values; padding columns attend other padding columns only
+    (meaningless either way). Under a mesh the kernel runs per device (`jax.shard_map`: rows over
+    the batch axes, heads over "tensor"). `interpret` runs the kernel in Python (tests on CPU).
+
+    Raises:
+      ValueError: T is not a multiple of `SPLASH_BLOCK`.
+    """
+    b, t, n, hd = q.shape
+    if t % SPLASH_BLOCK:
+        raise ValueError(f"splash_attention: T={t} must be a multiple of {SPLASH_BLOCK}")
+
+    def local(q, k, v, key_mask):
+        kh = k.shape[2]
+        g = q.shape[2] // kh
+        block = next(x for x in (512, 256, SPLASH_BLOCK) if t % x == 0)
+        sizes = sk.BlockSizes(
+            block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+        )  # fmt: skip
+        mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * g)
+        kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+        qg = (q * hd**-0.5).reshape(q.shape[0], t, kh, g, hd).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Hd]
+        kk, vv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, Hd]
+        seg = key_mask.astype(jnp.int32)
+
+        def one(qh, kh_, vh, s):
+            return kernel(qh, kh_, vh, segment_ids=sk.SegmentIds(q=s, kv=s))
+
+        out = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qg, kk, vv, seg)  # [B, K, G, T, Hd]
+        return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", True):
+        return local(q, k, v, key_mask)
+    qs = sharding.logical_to_spec(("batch", "seq", "heads", "head_dim"), q.shape, mesh)
+    ks = sharding.logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape, mesh)
+    if qs[2] != ks[2]:  # heads and KV heads must split alike, or a device lacks its group's keys
+        qs = jax.sharding.PartitionSpec(qs[0], None, None, None)
+        ks = jax.sharding.PartitionSpec(ks[0], None, None, None)
+    ms = jax.sharding.PartitionSpec(qs[0], None)
+    return jax.shard_map(local, in_specs=(qs, ks, ks, ms), out_specs=qs, check_vma=False)(q, k, v, key_mask)
+
+
+def fused_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Self-attention of q [B, T, N, Hd] over k, v [B, S, K, Hd] where mask bool [B, T, S], by
+    `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, grouped heads natively)
+    -> [B, T, N, Hd]. Same values as the reference at every column that attends a key."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)
