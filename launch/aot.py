@@ -96,6 +96,19 @@ def topology_devices(name: str) -> list:
         ) from e
 
 
+def host_devices(name: str, devices: list) -> list:
+    """The devices one host compiles its own programs for (sampler, log-probs, estimator): for a TPU
+    slice the single-host topology of its first host's block of chips (the TPU compiler numbers a
+    program's devices from 0), for ``cpu:N`` all N."""
+    local = [d for d in devices if d.process_index == devices[0].process_index]
+    if len(local) == len(devices) or devices[0].platform == "cpu":
+        return local
+    coords = np.array([d.coords for d in local])
+    dims = len(name.split(":")[1].split("x"))
+    block = "x".join(str(int(x)) for x in (coords.max(0) - coords.min(0) + 1)[:dims])
+    return topology_devices(f"{name.split(':')[0]}:{block}")
+
+
 def hbm_bytes(device) -> int:
     """HBM of one chip; for CPU devices this machine's memory divided among them."""
     if device.platform == "cpu":
@@ -143,12 +156,12 @@ def _stats(compiled, compile_s: float, other_resident: int) -> dict:
     )
 
 
-def compile_all(c, devices, programs=PROGRAMS, log=print) -> dict:
-    """Compiles ``programs`` of config ``c`` for ``devices``; returns the report (see the module doc)."""
+def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
+    """Compiles ``programs`` of config ``c`` for ``devices`` (``local``: one host's, `host_devices`);
+    returns the report (see the module doc)."""
 
     m = c.model
     hosts = sorted({d.process_index for d in devices})
-    local = [d for d in devices if d.process_index == hosts[0]]
     data, fsdp, tensor = config_lib.process_layout(c, len(hosts), len(devices), len(local))
     mesh = sharding.make_mesh(data, fsdp, tensor, devices=devices)
     # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
@@ -368,7 +381,7 @@ def main(argv):
     config_lib.validate(c, num_devices=len(devices), abstract=True)
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
-        report = compile_all(c, devices, programs, log=lambda s: print(s, flush=True))
+        report = compile_all(c, devices, host_devices(name, devices), programs, log=lambda s: print(s, flush=True))
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
     report["topology"] = name
