@@ -399,6 +399,10 @@ def main(argv):
     report["jax_version"] = jax.__version__
     setting = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
     report["config"] = setting
+    # the command's --config.<field>=<value> overrides, so a check can compile the same setting again
+    report["overrides"] = dict(
+        a[len("--config.") :].split("=", 1) for a in sys.argv if a.startswith("--config.") and "=" in a
+    )
     gib = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
     print(f"\n{setting} on {name}: HBM {hbm / GiB:.1f} GiB per chip, budget {_BUDGET.value:.0%}")
     print(
