@@ -7,9 +7,10 @@ from configs import base
 # Per model size: fingerprint layer and epsilon (paper), plus a mesh that fits the model.
 MODEL_SIZES = {
     # 1.5B: params + AdamW states in fp32 are ~25 GB: shard them over every device (FSDP).
-    "qwen2_5_1_5b": dict(fingerprint_layer=-12, epsilon=0.05, mesh=dict(data=1, fsdp=-1, tensor=1)),
+    "qwen2_5_1_5b": dict(fingerprint_layer=-12, epsilon=0.05, mesh=dict(data=1, fsdp=-1, tensor=1), micro_batch_rows=8),
     # 7B: ~122 GB of fp32 params + AdamW states: FSDP over hosts' devices and 4-way tensor parallel.
-    "qwen2_5_7b": dict(fingerprint_layer=-8, epsilon=0.10, mesh=dict(data=1, fsdp=-1, tensor=4)),
+    # 4 rows per micro-batch: at 8, a v5e:8x8 gradient step needs 92% of a chip (launch.aot)
+    "qwen2_5_7b": dict(fingerprint_layer=-8, epsilon=0.10, mesh=dict(data=1, fsdp=-1, tensor=4), micro_batch_rows=4),
 }
 
 # mini_batch_rows: verl-agent's ppo_mini_batch_size, one AdamW step per that many step rows (ALFWorld
@@ -72,7 +73,7 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
     c.rollout.num_groups = 16
     c.rollout.group_size = 8
     c.sampler.max_new_tokens = 512
-    c.ppo.micro_batch_rows = 8
+    c.ppo.micro_batch_rows = m["micro_batch_rows"]
     c.ppo.mini_batch_rows = g["mini_batch_rows"]
     # verl-agent's validity rule and projection of invalid responses (think required, no CJK)
     c.rollout.require_think = True

@@ -97,6 +97,9 @@ def test_paper_settings_carry_the_paper_values(game, size, layer, eps, steps, no
         c.num_iterations,
         c.estimator.name,
     ) == (1.0, 0.4, 2, 0.1, 150, "bipace_q")
+    # memory at 2048 + 512 tokens (launch.aot): full remat, scanned layers, 128-position LM-head chunks
+    assert (c.model.remat, c.model.scan_layers, c.ppo.logprob_chunk) == ("full", True, 128)
+    assert c.ppo.micro_batch_rows == (8 if size == "qwen2_5_1_5b" else 4)
     # verl-agent's ppo_mini_batch_size: one AdamW step per 256 (ALFWorld, TextCraft) / 64 (WebShop) step rows
     assert c.ppo.mini_batch_rows == (64 if game == "webshop" else 256) and c.ppo.epochs == 1
     # verl-agent's validity rule (think and no CJK) and projection of invalid responses
@@ -170,6 +173,8 @@ def test_command_line_overrides_reach_nested_fields():
             "tf32",
             "config.model.matmul_precision must be one of ['default', 'high', 'highest'], got 'tf32'",
         ),
+        ("model.remat", "dots", "config.model.remat must be one of ['none', 'full', 'save_dots'], got 'dots'"),
+        ("ppo.logprob_chunk", -1, "config.ppo.logprob_chunk must be an int >= 0, got -1"),
         ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (None or, in a run config, 0 = off), got 0.5"),
         ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),
         ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),
