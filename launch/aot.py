@@ -143,6 +143,7 @@ def _stats(compiled, compile_s: float, other_resident: int) -> dict:
     try:
         text = compiled.as_text()
         counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+        counts["pallas_kernels"] = text.count('custom_call_target="tpu_custom_call"')  # e.g. splash attention
     except jax.errors.JaxRuntimeError:  # libtpu cannot print some programs' async collectives back as HLO
         counts = None
     return dict(
