@@ -213,12 +213,16 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
     dp_local = local_mesh.shape["data"] * local_mesh.shape["fsdp"]
     batch = next((b for b in s.batch_buckets if b >= games), s.batch_buckets[-1])
     batch = -(-batch // dp_local) * dp_local
+    # one host with equal dtypes: the sampler's copy is the master parameters themselves
+    separate = len(hosts) > 1 or dtype != param_dtype
     resident = dict(
         params=_bytes_per_chip(master),
         opt_state=_bytes_per_chip(opt_state),
         reference=_bytes_per_chip(local_params) if c.ppo.kl_coef > 0 else 0,
-        sampler_params=_bytes_per_chip(local_params) if len(hosts) > 1 else 0,
+        sampler_params=_bytes_per_chip(local_params) if separate else 0,
     )
+    # programs on the host-local copy: the rest of the long-lived state stays resident meanwhile
+    host_other = ("params", "opt_state", "reference") if separate else ("opt_state", "reference")
     report = dict(
         topology=None,
         chips=len(devices),
@@ -305,7 +309,7 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
         rows_sds((lrows, width), jnp.int32, local_mesh),
         rows_sds((lrows, width), jnp.int32, local_mesh),
         rows_sds((lrows, response), jnp.int32, local_mesh),
-        other=("params", "opt_state", "reference") if len(hosts) > 1 else ("opt_state",),
+        other=host_other,
     )
 
     static = sampling._Static(
@@ -329,16 +333,15 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
     ids = rows_sds((batch, prompt), jnp.int32, local_mesh)
     row_ids, row_mask = rows_sds((batch,), jnp.int32, local_mesh), rows_sds((batch,), jnp.bool_, local_mesh)
     key, temp = scalar(local_mesh, jnp.uint32, (2,)), scalar(local_mesh)
-    sampler_other = ("params", "opt_state", "reference") if len(hosts) > 1 else ("opt_state", "reference")
     pre_args = (gdef_s, state, ids, ids, row_ids, row_mask, key, temp, *consts)
-    run("prefill", local_mesh, sampling._prefill_program, *pre_args, static=static, other=sampler_other)
+    run("prefill", local_mesh, sampling._prefill_program, *pre_args, static=static, other=host_other)
     if "decode" in programs:
         with jax.set_mesh(local_mesh):
             lowered = sampling._prefill_program.lower(*pre_args, static=static)
             out = _abstract(lowered.out_info, lowered.compile().output_shardings)
         token, logp, done, stop_state, _, cache = out
         dec_args = (gdef_s, state, cache, token, logp, done, stop_state, row_ids, row_mask, key, temp, *consts)
-        run("decode", local_mesh, sampling._decode_program, *dec_args, static=static, other=sampler_other)
+        run("decode", local_mesh, sampling._decode_program, *dec_args, static=static, other=host_other)
 
     ecfg = config_lib.estimator_config(c)
     fn, scalars = jitted_advantages(ecfg)
