@@ -531,7 +531,7 @@ def test_rope_tables_looked_up_by_position_equal_the_direct_ones():
 
 
 # fingerprint 2 and 3 cut the scan in two (3: just before the prefill's unrolled last layer)
-@pytest.mark.parametrize("policy,fingerprint_layer", [("none", 2), ("full", -1), ("save_dots", 0), ("full", 3)])
+@pytest.mark.parametrize("policy,fingerprint_layer", [("none", 2), ("save_dots", 0), ("full", 3)])
 def test_scanned_layers_and_remat_policies_give_the_unrolled_outputs_gradients_and_cache(policy, fingerprint_layer):
     cfg = Qwen2Config.tiny(num_hidden_layers=4)
     actor = Qwen2Actor(cfg, fingerprint_layer=fingerprint_layer, rngs=nnx.Rngs(3))
