@@ -385,9 +385,9 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; expected some of {PROGRAMS}")
 
-    config_lib.validate(c, num_devices=len(devices), abstract=True)
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
+        config_lib.validate(c, num_devices=len(devices), abstract=True)
         report = compile_all(c, devices, host_devices(name, devices), programs, log=lambda s: print(s, flush=True))
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
@@ -413,7 +413,7 @@ def main(argv):
     gib = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
     print(f"\n{setting} on {name}: HBM {hbm / GiB:.1f} GiB per chip, budget {_BUDGET.value:.0%}")
     print(
-        f"{'program':10s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (GiB per chip)"
+        f"{'program':10s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (memory in GiB per chip)"
     )
     for k, p in report["programs"].items():
         coll = (
