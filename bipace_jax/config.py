@@ -404,22 +404,33 @@ def build_actor(c: ml_collections.ConfigDict, tokenizer: Any, mesh: Any = None) 
         )
         actor.matmul_precision, actor.remat, actor.scan_layers = m.matmul_precision, m.remat, m.scan_layers
         return actor
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if m.preset == "tiny" else None
+    return init_actor(c, actor_architecture(c, len(tokenizer), eos))
+
+
+def actor_architecture(c: ml_collections.ConfigDict, vocab_size: int, eos_token_id: int | None = None) -> Qwen2Config:
+    """The ``Qwen2Config`` of a random init of ``c.model``: the named ``preset``, or for "tiny" the sizes
+    ``model.*`` with ``vocab_size`` and ``eos_token_id`` (None: ``Qwen2Config.tiny``'s)."""
+    m = c.model
     if m.preset != "tiny":
-        cfg = Qwen2Config.preset(m.preset)
-    else:
-        sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
-        heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
-        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        cfg = Qwen2Config.tiny(
-            vocab_size=len(tokenizer), eos_token_id=eos, max_position_embeddings=8192, **sizes, **heads
-        )
-    rngs = nnx.Rngs(c.seed)
+        return Qwen2Config.preset(m.preset)
+    sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
+    heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
+    eos = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+    return Qwen2Config.tiny(vocab_size=vocab_size, max_position_embeddings=8192, **eos, **sizes, **heads)
+
+
+def init_actor(c: ml_collections.ConfigDict, cfg: Qwen2Config) -> Qwen2Actor:
+    """A ``Qwen2Actor`` of architecture ``cfg`` with ``c.model``'s fingerprint layer, dtypes, matmul
+    precision, remat policy and layer scan; parameters drawn from ``nnx.Rngs(c.seed)`` (under
+    ``nnx.eval_shape``: shapes only)."""
+    m = c.model
     return Qwen2Actor(
         cfg,
         fingerprint_layer=m.fingerprint_layer,
-        dtype=dtype,
+        dtype=_DTYPES[m.dtype],
         param_dtype=_DTYPES[m.param_dtype],
-        rngs=rngs,
+        rngs=nnx.Rngs(c.seed),
         matmul_precision=m.matmul_precision,
         remat=m.remat,
         scan_layers=m.scan_layers,

@@ -48,7 +48,6 @@ from bipace_jax import config as config_lib
 from bipace_jax import learner, ppo, sampling, sharding
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
-from bipace_jax.models import Qwen2Actor, Qwen2Config
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "textcraft_tiny.py"), "Run config.")
@@ -171,30 +170,9 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
     # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
     t_local = tensor if len(local) % tensor == 0 else 1
     local_mesh = mesh if len(hosts) == 1 else sharding.make_mesh(-1, 1, t_local, devices=local)
-    if m.preset == "tiny":
-        cfg = Qwen2Config.tiny(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_layers,
-            num_attention_heads=m.num_heads,
-            num_key_value_heads=m.num_kv_heads,
-        )
-    else:
-        cfg = Qwen2Config.preset(m.preset)
+    cfg = config_lib.actor_architecture(c, m.vocab_size)
     dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
-    actor = nnx.eval_shape(
-        lambda: Qwen2Actor(
-            cfg,
-            fingerprint_layer=m.fingerprint_layer,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            remat=m.remat,
-            scan_layers=m.scan_layers,
-            matmul_precision=m.matmul_precision,
-            rngs=nnx.Rngs(0),
-        )
-    )
+    actor = nnx.eval_shape(lambda: config_lib.init_actor(c, cfg))
     graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     master = _abstract(params, sharding.param_shardings(params, mesh))
@@ -282,7 +260,6 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
         advantages=rows_sds((rows,), jnp.float32, mesh),
     )
     stats = {k: scalar(mesh) for k in (*ppo.STAT_KEYS, "loss")}
-    local_rest = rest  # the actor has no non-parameter state: an empty pytree, placed nowhere
     run(
         "ppo_grad",
         mesh,
@@ -305,7 +282,7 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
         local_mesh,
         lp,
         local_params,
-        local_rest,
+        rest,
         rows_sds((lrows, width), jnp.int32, local_mesh),
         rows_sds((lrows, width), jnp.int32, local_mesh),
         rows_sds((lrows, response), jnp.int32, local_mesh),

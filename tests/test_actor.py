@@ -300,26 +300,6 @@ def test_forward_hidden_and_lm_logits_compose_to_the_forward():
     np.testing.assert_allclose(np.concatenate(chunks, axis=1), np.asarray(full.logits), atol=1e-6)
 
 
-def test_remat_leaves_outputs_and_gradients_unchanged():
-    actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(9))
-    ids, mask = random_batch(2, 6, 512, padding="left", seed=14)
-    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-
-    def loss(model):
-        out = model(ids, mask)
-        return jnp.sum(jax.nn.log_softmax(out.logits)[..., 7] * mask) + jnp.sum(out.fingerprint[:, :3])
-
-    grad = nnx.jit(nnx.value_and_grad(loss))
-    value, grads = grad(actor)
-    actor.remat = True
-    value_r, grads_r = grad(actor)
-    np.testing.assert_allclose(float(value_r), float(value), rtol=1e-6)
-    for (path, g), (_, g_r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_r)):
-        np.testing.assert_allclose(
-            np.asarray(g_r.get_value()), np.asarray(g.get_value()), rtol=1e-4, atol=1e-5, err_msg=str(path)
-        )
-
-
 # --------------------------------------------------------------------------------------------------
 # Attention schedules (bipace_jax.models.attention): each must give the reference path's values.
 def test_row_chunk_is_the_largest_divisor_whose_scores_fit():
@@ -530,9 +510,12 @@ def test_rope_tables_looked_up_by_position_equal_the_direct_ones():
     assert np.isfinite(np.asarray(cos[0, 1])).all()
 
 
-# fingerprint 2 and 3 cut the scan in two (3: just before the prefill's unrolled last layer)
-@pytest.mark.parametrize("policy,fingerprint_layer", [("none", 2), ("save_dots", 0), ("full", 3)])
-def test_scanned_layers_and_remat_policies_give_the_unrolled_outputs_gradients_and_cache(policy, fingerprint_layer):
+# fingerprint 2 and 3 cut the scan in two (3: just before the prefill's unrolled last layer);
+# remat=True (= "full") on the unrolled layers
+@pytest.mark.parametrize(
+    "policy,fingerprint_layer,scan", [("none", 2, True), ("save_dots", 0, True), ("full", 3, True), (True, -1, False)]
+)
+def test_remat_policies_and_scanned_layers_give_the_plain_outputs_gradients_and_cache(policy, fingerprint_layer, scan):
     cfg = Qwen2Config.tiny(num_hidden_layers=4)
     actor = Qwen2Actor(cfg, fingerprint_layer=fingerprint_layer, rngs=nnx.Rngs(3))
     ids, mask = random_batch(3, 9, cfg.vocab_size, padding="left", seed=15)
@@ -545,7 +528,7 @@ def test_scanned_layers_and_remat_policies_give_the_unrolled_outputs_gradients_a
     grad = nnx.jit(nnx.value_and_grad(loss))
     value, grads = grad(actor)
     ref_out, ref_cache = actor.prefill(ids, mask, actor.init_cache(3, 12))
-    actor.remat, actor.scan_layers = policy, True
+    actor.remat, actor.scan_layers = policy, scan
     value_s, grads_s = grad(actor)
     np.testing.assert_allclose(float(value_s), float(value), rtol=1e-6)
     for (path, g), (_, g_s) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_s)):

@@ -2,13 +2,9 @@
 device: identical partitions and advantages. Runs in a subprocess so that the device count is set
 before JAX initialises."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
@@ -39,13 +35,6 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_over_eight_devices_equals_one_device():
-    env = dict(
-        os.environ,
-        JAX_NUM_CPU_DEVICES="8",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        PYTHONPATH=str(ROOT),
-    )
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_on_cpu_devices(SCRIPT, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "CHECKED 8" in out.stdout

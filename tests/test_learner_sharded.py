@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.devices import run_on_cpu_devices
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent(r"""
@@ -105,16 +107,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_loads_into_shardings_and_learner_runs_under_the_mesh_on_8_cpu_devices():
-    env = dict(
-        os.environ,
-        JAX_NUM_CPU_DEVICES="8",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        PYTHONPATH=REPO,
-        JAX_PLATFORMS="cpu",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
+    proc = run_on_cpu_devices(SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     r = json.loads(line[len("RESULT") :])

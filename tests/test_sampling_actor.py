@@ -4,9 +4,6 @@ and sharded over 8 emulated CPU devices equal to one device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -17,8 +14,7 @@ from flax import nnx
 
 from bipace_jax.models import load_hf_checkpoint, load_tokenizer
 from bipace_jax.sampling import Sampler, SamplerConfig
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.devices import run_on_cpu_devices
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +112,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_over_8_cpu_devices_equals_one_device():
-    env = dict(
-        os.environ,
-        PYTHONPATH=ROOT,
-        JAX_NUM_CPU_DEVICES="8",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    )
-    res = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
+    res = run_on_cpu_devices(_SHARDED_SCRIPT)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(res.stdout.strip().splitlines()[-1])
     one, eight = result["one"], result["eight"]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,8 +15,7 @@ from jax.sharding import PartitionSpec as P
 from bipace_jax import sharding as shd
 from bipace_jax.models import Qwen2Actor, Qwen2Config, abstract_params, count_params, per_device_bytes
 from bipace_jax.models.qwen2 import ACTIVATION_AXES, cache_shardings
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.devices import run_on_cpu_devices
 
 
 def test_logical_axes_map_to_mesh_axes_and_drop_what_does_not_divide():
@@ -230,16 +226,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
-    env = dict(
-        os.environ,
-        JAX_NUM_CPU_DEVICES="8",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        PYTHONPATH=REPO,
-        JAX_PLATFORMS="cpu",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_on_cpu_devices(SCRIPT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # FSDP gathers weights, never activations the partitioner cannot reshard.
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]

@@ -17,7 +17,7 @@ SGD = optax.sgd(0.5)  # shared transformations: learners of one model + loss + o
 ADAMW = optax.adamw(3e-3)
 
 
-def _actor(seed=0):
+def _actor(seed=0, **kw):
     cfg = Qwen2Config.tiny(
         vocab_size=V,
         hidden_size=32,
@@ -26,7 +26,7 @@ def _actor(seed=0):
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    return Qwen2Actor(cfg, rngs=nnx.Rngs(seed))
+    return Qwen2Actor(cfg, rngs=nnx.Rngs(seed), **kw)
 
 
 def _batch(n=6, p=7, m=5, seed=0):
@@ -247,16 +247,7 @@ def test_chunked_lm_head_gives_the_same_logprobs_and_update(chunk=3):  # 3 does 
 
 def test_fp32_master_weights_with_bf16_compute_change_every_weight_under_small_adamw_steps():
     # bf16 parameters would round most of these 1e-6 updates away (issue: "updates vanish").
-    cfg = Qwen2Config.tiny(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.02,
-    )
-    actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    actor = _actor(1, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     L = PPOLearner(actor, mesh, losses.PPOLossConfig(kl_coef=0.0), optax.adamw(1e-6), micro_batch_rows=6)
     before = jax.tree.map(np.asarray, L.params)
