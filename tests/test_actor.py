@@ -496,7 +496,7 @@ def test_per_layer_cache_form_gives_the_stacked_forms_values():
 
 
 def test_rope_tables_looked_up_by_position_equal_the_direct_ones():
-    from bipace_jax.models.qwen2 import rope_cos_sin
+    from bipace_jax.models.layers import rope_cos_sin
 
     positions = jnp.asarray([[0, 1, 2, 7], [3, 3, 0, 5]], jnp.int32)
     direct = rope_cos_sin(positions, 16, 10000.0)

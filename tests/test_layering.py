@@ -4,6 +4,7 @@ Rules: nothing in ``bipace_jax`` imports ``configs`` or ``launch``; nothing in `
 ``bipace_jax``, ``configs`` or ``launch``; ``configs`` never imports ``launch``; the module graph of the
 project (every import statement, at module level or inside a function) has no cycle; and a project
 library module is never imported inside a function (lazy imports hid the cycles this test now forbids).
+No library module is over 800 lines, and `trainer.py` is at most 500.
 """
 
 import ast
@@ -125,3 +126,10 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
     deps = _imports("bipace_jax.x", str(p))
     assert ("bipace_jax.trainer", False, 1) in deps and ("bipace_jax.estimators.gigpo", False, 2) in deps
     assert ("configs.base", True, 4) in deps
+
+
+def test_library_modules_stay_readable_in_one_sitting():
+    # Issue 11's size limits: no library file over 800 lines, the trainer loop at most 500.
+    sizes = {m: sum(1 for _ in open(p)) for m, p in MODULES.items() if m.startswith("bipace_jax")}
+    assert sizes["bipace_jax.trainer"] <= 500, sizes["bipace_jax.trainer"]
+    assert not {m: n for m, n in sizes.items() if n > 800}

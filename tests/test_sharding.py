@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding as shd
 from bipace_jax.models import Qwen2Actor, Qwen2Config, abstract_params, count_params, per_device_bytes
-from bipace_jax.models.qwen2 import ACTIVATION_AXES, cache_shardings
+from bipace_jax.models.kv_cache import cache_shardings
+from bipace_jax.models.layers import ACTIVATION_AXES
 from tests.devices import run_on_cpu_devices
 
 

@@ -40,34 +40,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bipace_jax import sharding
-from bipace_jax.models.attention import attention
 from bipace_jax.models.config import Qwen2Config
+from bipace_jax.models.kv_cache import KVCache
+from bipace_jax.models.layers import (
+    DecoderLayer,
+    Embed,
+    Proj,
+    RMSNorm,
+    constrain,
+    last_real_index,
+    normal_init,
+    param_value,
+    positions_from_mask,
+    rope_cos_sin,
+)
 
-__all__ = ["ACTIVATION_AXES", "ActorOutput", "KVCache", "Qwen2Actor", "cache_shardings"]
+__all__ = ["ActorOutput", "KVCache", "MATMUL_PRECISIONS", "Qwen2Actor", "REMAT_POLICIES"]
 
 Array = jax.Array
-
-# Logical axes of the activations the actor constrains under a mesh (see `bipace_jax.sharding`).
-ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
-    "hidden": ("batch", "seq", "act_embed"),  # [B, T, D]
-    "q": ("batch", "seq", "heads", "head_dim"),  # [B, T, N, Hd]
-    "kv": ("batch", "seq", "kv_heads", "head_dim"),  # [B, T, K, Hd]
-    "mlp": ("batch", "seq", "mlp"),  # [B, T, F]
-    "logits": ("batch", "seq", "vocab"),  # [B, T, V]
-    "last_logits": ("batch", "vocab"),  # [B, V]
-    "cache_k": ("layers", "batch", "kv_heads", "head_dim", "cache_seq"),  # keys [L, B, K, Hd, S]
-    "cache_k_layer": ("batch", "kv_heads", "head_dim", "cache_seq"),  # [B, K, Hd, S] (per-layer form)
-    "cache_v": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # values [L, B, K, S, Hd]
-    "cache_v_layer": ("batch", "kv_heads", "cache_seq", "head_dim"),  # [B, K, S, Hd] (per-layer form)
-    "cache_mask": ("batch", "cache_seq"),  # [B, S]
-    "per_row": ("batch",),  # [B]
-}
-
-
-def _act(x: Array, kind: str) -> Array:
-    """Pins activation `x` to the logical axes `ACTIVATION_AXES[kind]` when a mesh is set."""
-    return sharding.constrain(x, ACTIVATION_AXES[kind])
 
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -99,12 +89,6 @@ def _with_precision(method):
     return wrapped
 
 
-def _use(param: nnx.Param, dtype: Any = None) -> Array:
-    """A parameter's value (cast to `dtype`), FSDP-gathered at its point of use under a mesh."""
-    w = param[...] if dtype is None else param[...].astype(dtype)
-    return sharding.gather_param(w, sharding.logical_axes(param))
-
-
 @flax.struct.dataclass
 class ActorOutput:
     """Output of `Qwen2Actor`.
@@ -121,294 +105,6 @@ class ActorOutput:
     logits: Array
     fingerprint: Array
     hidden_states: tuple[Array, ...] | None = None
-
-
-@flax.struct.dataclass
-class KVCache:
-    """Key/value cache for incremental decoding (a pytree; every field is an array).
-
-    Attributes:
-      k: [L, B, K, Hd, S] in the actor's `dtype`: keys (after RoPE) per layer and KV head, slots
-        minor, so the decode step's scores q [G, Hd] @ k [Hd, S] read each (row, head) block as a
-        plain [Hd, S] matrix (faster on XLA's CPU backend; docs/performance.md).
-      v: [L, B, K, S, Hd]: values, slots second-minor, the layout of the probabilities-times-values
-        contraction p [G, S] @ v [S, Hd]. Neither is transposed per step; a decode step writes one
-        [Hd] column of k and one [Hd] row of v per (row, head).
-        Per-layer form (`per_layer()`, `init_cache(..., per_layer=True)`): tuples of L arrays
-        [B, K, Hd, S] / [B, K, S, Hd] instead. Same values; a compiled decode loop should carry
-        this form: attention reads layer i's block in place, whereas `k[i]` of the stacked array
-        is copied out on every step (XLA materialises the slice before the dot).
-        `prefill` and `decode_step` return the form they were given.
-      slot_mask: bool [B, S], True where a slot holds a real token of that row.
-      lengths: int32 [B], real tokens so far per row = the position id of the row's next token.
-      index: int32 [], the next slot to write, shared by all rows (prompt padding keeps rows aligned).
-    """
-
-    k: Array
-    v: Array
-    slot_mask: Array
-    lengths: Array
-    index: Array
-
-    @property
-    def max_length(self) -> int:
-        """S, the number of slots."""
-        return self.v[0].shape[-2]
-
-    @property
-    def batch_size(self) -> int:
-        """B, the number of rows."""
-        return self.k[0].shape[0]
-
-    @property
-    def is_per_layer(self) -> bool:
-        """True when k, v are tuples of per-layer arrays (k [B, K, Hd, S], v [B, K, S, Hd])."""
-        return isinstance(self.k, (tuple, list))
-
-    def per_layer(self) -> KVCache:
-        """The same cache with k, v as tuples of L arrays [B, K, Hd, S] / [B, K, S, Hd] (unchanged if
-        already)."""
-        if self.is_per_layer:
-            return self
-        return self.replace(
-            k=tuple(self.k[i] for i in range(self.k.shape[0])), v=tuple(self.v[i] for i in range(self.v.shape[0]))
-        )
-
-    def stacked(self) -> KVCache:
-        """The same cache with k, v as stacked [L, B, K, Hd, S] / [L, B, K, S, Hd] arrays (unchanged if
-        already)."""
-        if not self.is_per_layer:
-            return self
-        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
-
-
-def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:
-    """`NamedSharding`s for a `KVCache` (stacked or per-layer form) on `mesh`, from `ACTIVATION_AXES`."""
-
-    def spec(kind, leaf):
-        return sharding.logical_sharding(ACTIVATION_AXES[kind], leaf.shape, mesh)
-
-    def kv(x, kind):
-        if isinstance(x, (tuple, list)):
-            return tuple(spec(kind + "_layer", a) for a in x)
-        return spec(kind, x)
-
-    return KVCache(
-        k=kv(cache.k, "cache_k"),
-        v=kv(cache.v, "cache_v"),
-        slot_mask=spec("cache_mask", cache.slot_mask),
-        lengths=spec("per_row", cache.lengths),
-        index=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Small pieces.
-def rope_cos_sin(
-    positions: Array, head_dim: int, theta: float, num_positions: int | None = None
-) -> tuple[Array, Array]:
-    """RoPE tables for integer `positions` [B, T]: cos, sin float32 [B, T, Hd].
-
-    Frequencies theta^(-2i/Hd), i < Hd/2, duplicated over both halves (HF's rotate-half layout).
-
-    With `num_positions` (static; every position must lie in [0, num_positions): a position outside
-    gets NaN tables, never a clamped one), cos and sin are evaluated once per position
-    0..num_positions-1 and looked up by position: the same values, computed once instead of being
-    fused into (and recomputed in) every q/k consumer (docs/performance.md).
-    """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if num_positions is None:
-        freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    else:
-        table = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq  # [P, Hd/2]
-        cos_t, sin_t = jnp.cos(table), jnp.sin(table)
-        cos = jnp.take(cos_t, positions, axis=0, mode="fill", fill_value=jnp.nan)
-        sin = jnp.take(sin_t, positions, axis=0, mode="fill", fill_value=jnp.nan)
-        return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotates x [B, T, H, Hd] by the tables [B, T, Hd] (computed in fp32, returned in x.dtype)."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
-
-
-def last_real_index(attention_mask: Array) -> Array:
-    """int32 [B]: column of each row's last real (mask=1) token; T-1 for a row with none."""
-    mask = attention_mask.astype(bool)
-    t = mask.shape[1]
-    return (t - 1 - jnp.argmax(mask[:, ::-1], axis=1)).astype(jnp.int32)
-
-
-def positions_from_mask(attention_mask: Array) -> Array:
-    """int32 [B, T]: number of real tokens before each column (padding columns get 0)."""
-    mask = attention_mask.astype(jnp.int32)
-    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
-
-
-def _normal(stddev: float):
-    return jax.nn.initializers.normal(stddev)
-
-
-# --------------------------------------------------------------------------------------------------
-# Modules.
-class RMSNorm(nnx.Module):
-    """RMSNorm: x / sqrt(mean(x^2) + eps) * scale, statistics in fp32 (HF `Qwen2RMSNorm`).
-
-    Param `scale` [D] (init 1). Input any float dtype [..., D]; output in `dtype`.
-    """
-
-    def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
-        self.eps = eps
-        self.dtype = dtype
-
-    def __call__(self, x: Array) -> Array:
-        xf = x.astype(jnp.float32)
-        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
-        normed = (xf * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
-        return self.scale[...].astype(self.dtype) * normed
-
-
-class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE and q/k/v bias (no o bias), without repeating K/V.
-
-    Params: q_proj.kernel [D, N, Hd], q_proj.bias [N, Hd]; k_proj/v_proj.kernel [D, K, Hd],
-    bias [K, Hd]; o_proj.kernel [N, Hd, D].
-    """
-
-    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
-        d, n, k, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        init = _normal(cfg.initializer_range)
-        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-        self.q_proj = _Proj(init(rngs.params(), (d, n, hd), param_dtype), q_axes, jnp.zeros((n, hd), param_dtype))
-        self.k_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), kv_axes, jnp.zeros((k, hd), param_dtype))
-        self.v_proj = _Proj(init(rngs.params(), (d, k, hd), param_dtype), kv_axes, jnp.zeros((k, hd), param_dtype))
-        self.o_proj = _Proj(init(rngs.params(), (n, hd, d), param_dtype), ("heads", "head_dim", "embed"))
-        self.dtype = dtype
-
-    def qkv(self, h: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
-        """h [B, T, D] -> q [B, T, N, Hd], k, v [B, T, K, Hd] (q and k rotated), in `dtype`."""
-        dt = self.dtype
-        wq = _use(self.q_proj.kernel, dt)
-        wk = _use(self.k_proj.kernel, dt)
-        wv = _use(self.v_proj.kernel, dt)
-        q = jnp.einsum("btd,dnh->btnh", h, wq) + self.q_proj.bias[...].astype(dt)
-        k = jnp.einsum("btd,dkh->btkh", h, wk) + self.k_proj.bias[...].astype(dt)
-        v = jnp.einsum("btd,dkh->btkh", h, wv) + self.v_proj.bias[...].astype(dt)
-        q = _act(apply_rope(q, cos, sin), "q")
-        k = _act(apply_rope(k, cos, sin), "kv")
-        v = _act(v, "kv")
-        return q, k, v
-
-    def attend(
-        self, q: Array, k: Array, v: Array, mask: Array, *, cache_layout: bool = False, causal: bool = False
-    ) -> Array:
-        """q [B, T, N, Hd] over keys/values where mask bool [B, T, S]; -> [B, T, D] through o_proj.
-
-        Keys/values are [B, S, K, Hd] (the layer's own, from `qkv`) or, with `cache_layout`, one
-        layer of the `KVCache` read as it lies (keys [B, K, Hd, S], values [B, K, S, Hd]).
-        `causal` (static): the mask is causal self-attention. See `attention.attention`.
-        """
-        return self._project_out(attention(q, k, v, mask, cache_layout=cache_layout, causal=causal))
-
-    def _project_out(self, out: Array) -> Array:
-        """Attention output [B, T, N, Hd] -> [B, T, D] through o_proj."""
-        out = _act(out, "q")
-        wo = _use(self.o_proj.kernel, self.dtype)
-        return jnp.einsum("btnh,nhd->btd", out, wo)
-
-
-class _Proj(nnx.Module):
-    """A projection's parameters: `kernel` with its logical axes and an optional `bias` (its axes are
-    the kernel's output axes; applied by the owner's einsum)."""
-
-    def __init__(self, kernel: Array, kernel_axes: tuple[str | None, ...], bias: Array | None = None):
-        self.kernel = nnx.Param(kernel, logical_axes=kernel_axes)
-        if bias is not None:
-            self.bias = nnx.Param(bias, logical_axes=kernel_axes[kernel.ndim - bias.ndim :])
-
-
-class MLP(nnx.Module):
-    """SwiGLU MLP without bias: down(silu(gate(h)) * up(h)).
-
-    Params: gate_proj.kernel [D, F], up_proj.kernel [D, F], down_proj.kernel [F, D].
-    """
-
-    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        init = _normal(cfg.initializer_range)
-        self.gate_proj = _Proj(init(rngs.params(), (d, f), param_dtype), ("embed", "mlp"))
-        self.up_proj = _Proj(init(rngs.params(), (d, f), param_dtype), ("embed", "mlp"))
-        self.down_proj = _Proj(init(rngs.params(), (f, d), param_dtype), ("mlp", "embed"))
-        self.dtype = dtype
-
-    def __call__(self, h: Array) -> Array:
-        dt = self.dtype
-        gate = h @ _use(self.gate_proj.kernel, dt)
-        up = h @ _use(self.up_proj.kernel, dt)
-        act = _act(jax.nn.silu(gate) * up, "mlp")
-        return act @ _use(self.down_proj.kernel, dt)
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm decoder layer: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
-
-    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.attn = Attention(cfg, rngs=rngs, **kw)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, rngs=rngs, **kw)
-
-    def __call__(
-        self,
-        x: Array,
-        cos: Array,
-        sin: Array,
-        mask: Array,
-        kv_update: Callable[[Array, Array], tuple[Array, Array]] | None = None,
-        query_index: Array | None = None,
-        causal: bool = False,
-    ):
-        """One layer over x [B, T, D]. Returns (x [B, T, D], k [B, T, K, Hd], v [B, T, K, Hd]).
-
-        With `query_index` int32 [B] (the prefill's last layer), keys/values are computed for all
-        T columns but only column `query_index[b]` of each row is attended from and run through
-        the MLP: the returned x is [B, 1, D], the same values as that column of the full layer.
-
-        Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
-        new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
-        attend over in the cache layout (keys [B, K, Hd, S], values [B, K, S, Hd]; mask [B, T, S]): that is how `decode_step`
-        reads the cache.
-
-        `causal` (static): the mask is causal self-attention over the layer's own T keys (see
-        `Attention.attend`); ignored with `query_index` or `kv_update`.
-        """
-        q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
-        if query_index is not None:
-
-            def pick(a):
-                return jnp.take_along_axis(a, query_index.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
-
-            q, x, mask = pick(q), pick(x), pick(mask)
-        k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)
-        x = x + self.attn.attend(
-            q,
-            k_ctx.astype(q.dtype),
-            v_ctx.astype(q.dtype),
-            mask,
-            cache_layout=kv_update is not None,
-            causal=causal and query_index is None and kv_update is None,
-        )
-        x = _act(x, "hidden")
-        x = x + self.mlp(self.post_attn_norm(x))
-        return _act(x, "hidden"), k, v
 
 
 class Qwen2Actor(nnx.Module):
@@ -475,14 +171,16 @@ class Qwen2Actor(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        self.embed = _Embed(
-            _normal(config.initializer_range)(rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype)
+        self.embed = Embed(
+            normal_init(config.initializer_range)(
+                rngs.params(), (config.vocab_size, config.hidden_size), self.param_dtype
+            )
         )
         self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw) for _ in range(n_layers)])
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         if not config.tie_word_embeddings:
-            self.lm_head = _Proj(
-                _normal(config.initializer_range)(
+            self.lm_head = Proj(
+                normal_init(config.initializer_range)(
                     rngs.params(), (config.hidden_size, config.vocab_size), self.param_dtype
                 ),
                 ("embed", "vocab"),
@@ -497,9 +195,9 @@ class Qwen2Actor(nnx.Module):
 
     def _embed(self, ids: Array) -> Array:
         # Out-of-range ids give NaN rows (mode="fill"), never a silently clamped token.
-        table = _use(self.embed.embedding)
+        table = param_value(self.embed.embedding)
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
-        return _act(x.astype(self.dtype), "hidden")
+        return constrain(x.astype(self.dtype), "hidden")
 
     @_with_precision
     def lm_logits(self, h: Array) -> Array:
@@ -510,9 +208,9 @@ class Qwen2Actor(nnx.Module):
         """
         h = h.astype(self.dtype)
         if self.config.tie_word_embeddings:
-            w = _use(self.embed.embedding, self.dtype)
+            w = param_value(self.embed.embedding, self.dtype)
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-        w = _use(self.lm_head.kernel, self.dtype)
+        w = param_value(self.lm_head.kernel, self.dtype)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
     def _check_tokens(self, input_ids: Any, attention_mask: Any, where: str):
@@ -687,7 +385,7 @@ class Qwen2Actor(nnx.Module):
             input_ids, attention_mask, fingerprint_index, "Qwen2Actor.__call__"
         )
         h, fingerprint, hidden, _, _ = self._run(input_ids, attention_mask, fingerprint_index, output_hidden_states)
-        logits = _act(self.lm_logits(h), "logits")
+        logits = constrain(self.lm_logits(h), "logits")
         if output_hidden_states:
             hidden = tuple(a.astype(jnp.float32) for a in hidden)
         return ActorOutput(logits=logits, fingerprint=fingerprint, hidden_states=hidden)
@@ -723,11 +421,11 @@ class Qwen2Actor(nnx.Module):
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
         k_shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
         if per_layer:
-            k = tuple(_act(jnp.zeros(k_shape, self.dtype), "cache_k_layer") for _ in range(c.num_hidden_layers))
-            v = tuple(_act(jnp.zeros(shape, self.dtype), "cache_v_layer") for _ in range(c.num_hidden_layers))
+            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_k_layer") for _ in range(c.num_hidden_layers))
+            v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_v_layer") for _ in range(c.num_hidden_layers))
         else:
-            k = _act(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_k")
-            v = _act(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_v")
+            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_k")
+            v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_v")
         return KVCache(
             k=k,
             v=v,
@@ -769,16 +467,16 @@ class Qwen2Actor(nnx.Module):
         # Only the last real token's logits are needed: the last layer runs its attention output
         # and MLP at that column alone, and the LM head sees [B, D], not [B, T, D].
         h, fingerprint, _, ks, vs = self._run(input_ids, mask, last, False, last_query_only=True)
-        logits = _act(self.lm_logits(h[:, 0]), "last_logits")
+        logits = constrain(self.lm_logits(h[:, 0]), "last_logits")
         # Each layer's [B, T, K, Hd] -> the cache layout (keys [B, K, Hd, T], values [B, K, T, Hd]),
         # zero-padded to S slots.
         pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
         k_pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
         dt = cache.k[0].dtype
-        k = tuple(_act(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k_layer") for x in ks)
-        v = tuple(_act(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v_layer") for x in vs)
+        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k_layer") for x in ks)
+        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v_layer") for x in vs)
         if not cache.is_per_layer:
-            k, v = _act(jnp.stack(k), "cache_k"), _act(jnp.stack(v), "cache_v")
+            k, v = constrain(jnp.stack(k), "cache_k"), constrain(jnp.stack(v), "cache_v")
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
         new_cache = KVCache(
             k=k,
@@ -840,12 +538,12 @@ class Qwen2Actor(nnx.Module):
 
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
-        logits = _act(self.lm_logits(h), "last_logits")
+        logits = constrain(self.lm_logits(h), "last_logits")
         if per_layer:
-            k_new = tuple(_act(a, "cache_k_layer") for a in k_all)
-            v_new = tuple(_act(a, "cache_v_layer") for a in v_all)
+            k_new = tuple(constrain(a, "cache_k_layer") for a in k_all)
+            v_new = tuple(constrain(a, "cache_v_layer") for a in v_all)
         else:
-            k_new, v_new = _act(k_all, "cache_k"), _act(v_all, "cache_v")
+            k_new, v_new = constrain(k_all, "cache_k"), constrain(v_all, "cache_v")
         new_cache = KVCache(k=k_new, v=v_new, slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
 
@@ -861,10 +559,3 @@ def _layer_fn(graphdef, policy: str, keep_kv: bool) -> Callable:
         return (x, k, v) if keep_kv else (x, None, None)
 
     return _remat(layer_fn, policy)
-
-
-class _Embed(nnx.Module):
-    """Token embedding table `embedding` [V, D]."""
-
-    def __init__(self, table: Array):
-        self.embedding = nnx.Param(table, logical_axes=("vocab", "embed"))
