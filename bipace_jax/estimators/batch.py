@@ -19,10 +19,6 @@ _FINGERPRINT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 _ROW_CAPACITY_MULTIPLE = 16
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 @flax.struct.dataclass
 class StepBatch:
     """N padded step records (one row per (trajectory, step)); a JAX pytree.
@@ -160,7 +156,7 @@ class StepBatch:
         if group_capacity is None:
             group_capacity = max(num_groups, 1)
         if row_capacity is None:
-            row_capacity = _round_up(max(max_rows, 1), _ROW_CAPACITY_MULTIPLE)
+            row_capacity = -(-max(max_rows, 1) // _ROW_CAPACITY_MULTIPLE) * _ROW_CAPACITY_MULTIPLE  # round up
         for name, cap, need in (
             ("group_capacity", group_capacity, num_groups),
             ("row_capacity", row_capacity, max_rows),

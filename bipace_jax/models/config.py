@@ -129,10 +129,6 @@ class Qwen2Config:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    def replace(self, **overrides) -> Qwen2Config:
-        """A copy with some fields replaced (validated again)."""
-        return dataclasses.replace(self, **overrides)
-
     # ----------------------------------------------------------------------------------------------
     # Hugging Face config.json.
     @classmethod
