@@ -267,7 +267,6 @@ class Qwen2Config:
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=None,
             rope_theta=10000.0,
             tie_word_embeddings=True,
             max_position_embeddings=2048,
