@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -253,26 +254,19 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, ab
         if isinstance(v, bool) or not isinstance(v, int) or not (v == -1 or v >= 1):
             _fail(f"mesh.{f}", "be an int >= 1 or -1 (the devices left over)", v)
     sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
+    shown = dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2])
     if sizes.count(-1) > 1:
-        _fail("mesh", "have at most one axis set to -1", dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]))
+        _fail("mesh", "have at most one axis set to -1", shown)
     if num_devices is not None:
-        fixed = 1
-        for s in sizes:
-            fixed *= s if s != -1 else 1
+        fixed = math.prod(s for s in sizes if s != -1)
         if (-1 in sizes and num_devices % fixed) or (-1 not in sizes and fixed != num_devices):
-            _fail(
-                "mesh",
-                f"fit the {num_devices} devices (data*fsdp*tensor)",
-                dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]),
-            )
+            _fail("mesh", f"fit the {num_devices} devices (data*fsdp*tensor)", shown)
 
 
 def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes with the -1 axis resolved; call ``validate`` first."""
     sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
-    fixed = 1
-    for s in sizes:
-        fixed *= s if s != -1 else 1
+    fixed = math.prod(s for s in sizes if s != -1)
     return tuple(num_devices // fixed if s == -1 else s for s in sizes)
 
 

@@ -26,9 +26,9 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def _clean(v: Any):
-    if isinstance(v, (np.generic,)):
+    if isinstance(v, np.generic):
         v = v.item()
-    if hasattr(v, "shape") and getattr(v, "shape", None) == ():
+    if getattr(v, "shape", None) == ():
         v = float(v)
     if isinstance(v, float) and not math.isfinite(v):
         return None if math.isnan(v) else (1e308 if v > 0 else -1e308)

@@ -121,9 +121,9 @@ def write_text(file: str | os.PathLike, text: str) -> None:
     os.replace(tmp, p)
 
 
-def upload(local_dir: str | os.PathLike, dest: str | os.PathLike) -> list[epath.Path]:
-    """Copy every file under the local folder ``local_dir`` to ``dest`` (same layout); returns the copies."""
-    dest, out = epath.Path(dest), []
+def upload(local_dir: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Copy every file under the local folder ``local_dir`` to ``dest`` (same layout)."""
+    dest = epath.Path(dest)
     for root, _, files in os.walk(local_dir):
         rel = os.path.relpath(root, local_dir)
         target = dest if rel == "." else dest / rel
@@ -131,8 +131,6 @@ def upload(local_dir: str | os.PathLike, dest: str | os.PathLike) -> list[epath.
         for name in files:
             with open(os.path.join(root, name), "rb") as src, (target / name).open("wb") as dst:
                 shutil.copyfileobj(src, dst, _CHUNK)
-            out.append(target / name)
-    return out
 
 
 def download(src: str | os.PathLike, local_dir: str | os.PathLike) -> None:

@@ -27,7 +27,6 @@ __all__ = [
     "LOGICAL_TO_MESH",
     "LOGICAL_AXES_KEY",
     "make_mesh",
-    "mesh_from_config",
     "mesh_axis_sizes",
     "logical_to_spec",
     "logical_sharding",
@@ -97,12 +96,6 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
             f"expected the device count {len(devices)}"
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
-
-
-def mesh_from_config(config: Mapping[str, Any] | Any) -> Mesh:
-    """`make_mesh` from a mapping or ml_collections config with keys data, fsdp, tensor (default 1)."""
-    get = (lambda k: config.get(k, 1)) if hasattr(config, "get") else (lambda k: getattr(config, k, 1))
-    return make_mesh(data=get("data"), fsdp=get("fsdp"), tensor=get("tensor"))
 
 
 def mesh_axis_sizes(mesh: Mesh | Mapping[str, int] | Any) -> dict[str, int]:

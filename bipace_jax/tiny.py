@@ -95,10 +95,8 @@ def train_tokenizer(
         min_frequency=min_frequency,
     )
     tok.train_from_iterator(corpus, trainer)
-    if tags:
-        tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in tags])
-    if phrases:
-        tok.add_tokens([AddedToken(p, normalized=False, single_word=False) for p in phrases])
+    if tags or phrases:  # tags first, then phrases: their ids follow the BPE's in this order
+        tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in [*tags, *phrases]])
     kw = {} if model_max_length is None else {"model_max_length": model_max_length}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

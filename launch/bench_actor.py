@@ -147,7 +147,8 @@ def bench_accelerator(batch: int, length: int, repeats: int, peak_tflops: float 
     if peak is None:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k.lower() in kind.lower()), None)
     rows = []
-    for name, cfg in (("qwen2.5-0.5b", Qwen2Config.qwen2_5_0_5b()), ("qwen2.5-1.5b", Qwen2Config.qwen2_5_1_5b())):
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        cfg = Qwen2Config.preset(name)
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         ids, mask = _batch(batch, length, cfg.vocab_size)
         run = functools.partial(_jitted_forward(actor), jnp.asarray(ids), jnp.asarray(mask))

@@ -292,7 +292,7 @@ def test_config_reads_both_hf_layouts_to_the_same_fields():
     old = {k: v for k, v in new.items() if k not in ("rope_parameters", "dtype")}
     old.update(rope_theta=1000000.0, torch_dtype="bfloat16", rope_scaling=None, use_sliding_window=False)
     a, b = Qwen2Config.from_hf_config(new), Qwen2Config.from_hf_config(old)
-    assert a == b == Qwen2Config.qwen2_5_7b(eos_token_id=151645)
+    assert a == b == Qwen2Config.preset("7b", eos_token_id=151645)
     assert (a.head_dim, a.num_groups, a.rope_theta, a.torch_dtype) == (128, 7, 1e6, "bfloat16")
     assert Qwen2Config.from_hf_config(a.to_hf_dict()) == a
 

@@ -19,10 +19,6 @@ _FINGERPRINT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 _ROW_CAPACITY_MULTIPLE = 16
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 @flax.struct.dataclass
 class StepBatch:
     """N padded step records (one row per (trajectory, step)); a JAX pytree.
@@ -151,7 +147,7 @@ class StepBatch:
         if fp.ndim != 2 or fp.shape[0] != n or fp.shape[1] < 1:
             raise ValueError(f"StepBatch.fingerprint: expected shape ({n}, D) with D >= 1, got {fp.shape}")
         if fp.dtype not in _FINGERPRINT_DTYPES:
-            if not (np.issubdtype(fp.dtype, np.floating) or fp.dtype == np.dtype(ml_dtypes.bfloat16)):
+            if not np.issubdtype(fp.dtype, np.floating):
                 raise ValueError(f"StepBatch.fingerprint: expected float32 or bfloat16, got {fp.dtype}")
             fp = fp.astype(np.float32)
         arrays["fingerprint"] = fp
@@ -160,7 +156,7 @@ class StepBatch:
         if group_capacity is None:
             group_capacity = max(num_groups, 1)
         if row_capacity is None:
-            row_capacity = _round_up(max(max_rows, 1), _ROW_CAPACITY_MULTIPLE)
+            row_capacity = -(-max(max_rows, 1) // _ROW_CAPACITY_MULTIPLE) * _ROW_CAPACITY_MULTIPLE  # round up
         for name, cap, need in (
             ("group_capacity", group_capacity, num_groups),
             ("row_capacity", row_capacity, max_rows),
@@ -176,27 +172,21 @@ class StepBatch:
 
 def _validate_real_rows(a: dict[str, np.ndarray]) -> tuple[int, int]:
     """The caller errors on real rows (`docs/estimators.md`, "Inputs"); returns (task groups, max rows/group)."""
-    m = a["mask"]
-    idx = np.flatnonzero(m)
+    idx = np.flatnonzero(a["mask"])
     if idx.size == 0:
         return 0, 0
-    reward = a["reward"][idx]
-    bad = ~np.isfinite(reward)
-    if bad.any():
-        i = idx[np.argmax(bad)]
-        raise ValueError(f"StepBatch.reward: expected finite values on real rows, got {a['reward'][i]} at row {i}")
-    if "penalty" in a:
-        pen = a["penalty"][idx]
-        bad = ~(np.isfinite(pen) & (pen >= 0))
+
+    def check(field: str, bad: np.ndarray, expected: str) -> None:
         if bad.any():
             i = idx[np.argmax(bad)]
-            raise ValueError(
-                f"StepBatch.penalty: expected finite values >= 0 on real rows, got {a['penalty'][i]} at row {i}"
-            )
+            raise ValueError(f"StepBatch.{field}: expected {expected} on real rows, got {a[field][i]} at row {i}")
+
+    check("reward", ~np.isfinite(a["reward"][idx]), "finite values")
+    if "penalty" in a:
+        pen = a["penalty"][idx]
+        check("penalty", ~(np.isfinite(pen) & (pen >= 0)), "finite values >= 0")
     step = a["step"][idx]
-    if (step < 0).any():
-        i = idx[np.argmax(step < 0)]
-        raise ValueError(f"StepBatch.step: expected step >= 0 on real rows, got {a['step'][i]} at row {i}")
+    check("step", step < 0, "step >= 0")
     g, t = a["group_id"][idx], a["traj_id"][idx]
     order = np.lexsort((g, t))
     ts, gs = t[order], g[order]

@@ -25,7 +25,7 @@ class EstimatorConfig:
         "bipace_q", "bipace_diff").
       gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1]
         (`docs/estimators.md`, "Returns").
-      omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float.
+      omega: weight of the step level, `A = A_ep + omega * A_step`; a finite float >= 0.
       norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
         level and the gigpo/bigpo step level; the BiPACE step level only with step_norm="std".
       epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
@@ -78,17 +78,10 @@ class EstimatorConfig:
             raise ValueError(f"EstimatorConfig.omega: expected a finite float >= 0, got {self.omega!r}")
         if not 0.0 <= self.epsilon < 1.0:
             raise ValueError(f"EstimatorConfig.epsilon: expected a value in [0, 1), got {self.epsilon!r}")
-        if self.norm not in NORMS:
-            raise ValueError(f"EstimatorConfig.norm: expected one of {NORMS}, got {self.norm!r}")
-        if self.centroid not in CENTROIDS:
-            raise ValueError(f"EstimatorConfig.centroid: expected one of {CENTROIDS}, got {self.centroid!r}")
-        if self.key not in KEYS:
-            raise ValueError(f"EstimatorConfig.key: expected one of {KEYS}, got {self.key!r}")
-        if self.capacity is not None and (
-            isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1
-        ):
-            raise ValueError(f"EstimatorConfig.capacity: expected None or an int >= 1, got {self.capacity!r}")
         for field, allowed in (
+            ("norm", NORMS),
+            ("centroid", CENTROIDS),
+            ("key", KEYS),
             ("penalty", PENALTIES),
             ("episode_stats", EPISODE_STATS),
             ("step_norm", STEP_NORMS),
@@ -96,6 +89,10 @@ class EstimatorConfig:
         ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"EstimatorConfig.{field}: expected one of {allowed}, got {getattr(self, field)!r}")
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1
+        ):
+            raise ValueError(f"EstimatorConfig.capacity: expected None or an int >= 1, got {self.capacity!r}")
         if self.penalty == "own_row" and self.episode_stats != "rows":
             # A per-row charge gives the rows of one trajectory different scores: only "rows" defines them.
             raise ValueError(

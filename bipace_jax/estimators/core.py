@@ -85,18 +85,8 @@ def _advantages(
 @functools.cache
 def _jitted(spec, norm, centroid, capacity, protocol, mesh, data_axis):
     # Keyed by the spec itself, so re-registering a name never reuses a stale compiled function.
-    return jax.jit(
-        functools.partial(
-            _advantages,
-            spec=spec,
-            norm=norm,
-            centroid=centroid,
-            capacity=capacity,
-            protocol=protocol,
-            mesh=mesh,
-            data_axis=data_axis,
-        )
-    )
+    static = dict(spec=spec, norm=norm, centroid=centroid, capacity=capacity, protocol=protocol, mesh=mesh)
+    return jax.jit(functools.partial(_advantages, data_axis=data_axis, **static))
 
 
 def _protocol(cfg: EstimatorConfig) -> tuple[str, str, str, str]:

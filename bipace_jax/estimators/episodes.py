@@ -23,7 +23,6 @@ class Rows(NamedTuple):
     """The batch in canonical order (all arrays [N], position k = k-th row in canonical order)."""
 
     perm: jax.Array  # int32: batch row of canonical position k
-    real: jax.Array  # bool: mask
     valid: jax.Array  # bool: real and its trajectory passed every check
     group_idx: jax.Array  # int32: 0-based rank of the task group among the real rows' groups
     traj_idx: jax.Array  # int32: 0-based rank of the (group, trajectory) segment among real rows
@@ -92,7 +91,6 @@ def canonical_rows(batch, group_capacity: int | None, row_capacity: int | None) 
     valid = real & (traj_bad[jnp.clip(traj_idx, 0, n - 1)] <= 0)
     return Rows(
         perm=perm,
-        real=real,
         valid=valid,
         group_idx=group_idx,
         traj_idx=traj_idx,

@@ -82,9 +82,7 @@ def normalise(values: list, norm: str, dtype) -> list:
     (`docs/estimators.md`, "Episode level": equal values stay equal).
     """
     v = np.asarray(values, dtype=dtype)
-    if len(v) < 2:
-        return [dtype(0.0)] * len(v)
-    if all_equal(v):
+    if len(v) < 2 or all_equal(v):
         return [dtype(0.0)] * len(v)
     centred = v - v.mean(dtype=dtype)
     if norm == "mean_std":

@@ -162,9 +162,7 @@ def _weight_files(path: str) -> dict[str, str]:
     raise CheckpointError(f"{path}: no weights found (expected {SAFE_SINGLE} or {SAFE_INDEX})")
 
 
-def _check_names_and_shapes(
-    files: dict[str, str], specs: list[TensorSpec], config: Qwen2Config, path: str
-) -> dict[str, tuple[int, ...]]:
+def _check_names_and_shapes(files: dict[str, str], specs: list[TensorSpec], config: Qwen2Config, path: str) -> None:
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
@@ -190,9 +188,8 @@ def _check_names_and_shapes(
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
     unexpected = sorted(n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
-    if unexpected == ["lm_head.weight"] and config.tie_word_embeddings:
-        pass  # checked for equality with the embedding at load time
-    elif unexpected:
+    # A tied config's extra lm_head.weight is checked for equality with the embedding at load time.
+    if unexpected and not (unexpected == ["lm_head.weight"] and config.tie_word_embeddings):
         raise CheckpointError(
             f"{path}: unexpected tensor {unexpected[0]!r} with shape "
             f"{shapes[unexpected[0]]} (not part of a Qwen2 model with this config.json)"
@@ -204,7 +201,6 @@ def _check_names_and_shapes(
                 f"{path}: tensor {s.hf_name!r} has shape {shapes[s.hf_name]} in the "
                 f"checkpoint, expected {s.hf_shape} from config.json"
             )
-    return shapes
 
 
 def _read(full: str, name: str) -> np.ndarray:
@@ -221,7 +217,6 @@ def load_hf_checkpoint(
     dtype: Any = jnp.float32,
     param_dtype: Any | None = None,
     fingerprint_layer: int = -1,
-    remat: bool = False,
 ) -> Qwen2Actor:
     """Loads a HF Qwen2/Qwen2.5 folder into a `Qwen2Actor`.
 
@@ -232,7 +227,6 @@ def load_hf_checkpoint(
       dtype: activation dtype of the actor (and parameter dtype unless `param_dtype` is given).
       param_dtype: parameter storage dtype (default: `dtype`).
       fingerprint_layer: HF hidden-state index of the fingerprint (see `Qwen2Actor`).
-      remat: rematerialise decoder layers in the backward pass (see `Qwen2Actor`).
 
     Returns:
       The actor with the checkpoint's weights (cast to `param_dtype`).
@@ -253,7 +247,7 @@ def load_hf_checkpoint(
     specs = hf_tensor_specs(config)
     _check_names_and_shapes(files, specs, config, path)
 
-    kw = dict(fingerprint_layer=fingerprint_layer, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    kw = dict(fingerprint_layer=fingerprint_layer, dtype=dtype, param_dtype=param_dtype)
     abstract = nnx.eval_shape(lambda: Qwen2Actor(config, rngs=nnx.Rngs(0), **kw))
     graphdef, state = nnx.split(abstract)
     flat = {tuple(k): v for k, v in nnx.to_flat_state(state)}
@@ -261,15 +255,14 @@ def load_hf_checkpoint(
     for s in specs:
         host = s.to_actor(_read(files[s.hf_name], s.hf_name)).astype(param_dtype)
         variable = flat[s.path]
-        want = tuple(variable.shape) if hasattr(variable, "shape") else tuple(variable.value.shape)
-        if host.shape != want:  # the mapping is internal; a mismatch here is a bug, not user error
-            raise AssertionError(f"{s.hf_name}: mapped shape {host.shape} != parameter {want}")
+        if host.shape != tuple(variable.shape):  # the mapping is internal; a mismatch is a bug, not user error
+            raise AssertionError(f"{s.hf_name}: mapped shape {host.shape} != parameter {tuple(variable.shape)}")
         if mesh is not None:
             target = shd.logical_sharding(shd.logical_axes(variable), host.shape, mesh)
             value = jax.make_array_from_callback(host.shape, target, lambda idx, h=host: h[idx])
         else:
             value = jnp.asarray(host)
-        variable.set_value(value) if hasattr(variable, "set_value") else setattr(variable, "value", value)
+        variable.set_value(value)
         del host
 
     if config.tie_word_embeddings and "lm_head.weight" in files:
@@ -341,12 +334,9 @@ def save_hf_checkpoint(
     params = {tuple(k): v for k, v in nnx.to_flat_state(nnx.state(actor, nnx.Param))}
 
     shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    total = 0
+    size = total = 0
     for s in specs:
-        value = params[s.path]
-        value = value.get_value() if hasattr(value, "get_value") else value.value
-        host = np.ascontiguousarray(s.to_hf(_to_host(value)).astype(out_dtype))
+        host = np.ascontiguousarray(s.to_hf(_to_host(params[s.path].get_value())).astype(out_dtype))
         nbytes = host.nbytes
         if size and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -358,8 +348,6 @@ def save_hf_checkpoint(
         meta = {"format": "pt"}
         if len(shards) == 1:
             save_file(shards[0], os.path.join(path, SAFE_SINGLE), metadata=meta)
-            if os.path.exists(os.path.join(path, SAFE_INDEX)):
-                os.remove(os.path.join(path, SAFE_INDEX))
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
@@ -368,8 +356,9 @@ def save_hf_checkpoint(
                 weight_map.update({name: fname for name in shard})
             with open(os.path.join(path, SAFE_INDEX), "w", encoding="utf-8") as fh:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-            if os.path.exists(os.path.join(path, SAFE_SINGLE)):
-                os.remove(os.path.join(path, SAFE_SINGLE))
+        stale = os.path.join(path, SAFE_INDEX if len(shards) == 1 else SAFE_SINGLE)  # of an earlier save
+        if os.path.exists(stale):
+            os.remove(stale)
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
             json.dump(config.to_hf_dict(torch_dtype=out_dtype.name), fh, indent=2)
         gen = {

@@ -3,9 +3,9 @@
 `Qwen2Config` is a frozen dataclass holding the architecture hyper-parameters of a Qwen2 decoder.
 It is built from a Hugging Face `config.json` (both the transformers-5 layout, where the RoPE base
 sits in `rope_parameters.rope_theta` and the dtype in `dtype`, and the older layout with top-level
-`rope_theta` / `torch_dtype`), from a preset (`qwen2_5_0_5b`, `qwen2_5_1_5b`, `qwen2_5_3b`,
-`qwen2_5_7b`, shapes from the published Qwen2.5 config.json files) or as a tiny test
-configuration (`Qwen2Config.tiny(**overrides)`).
+`rope_theta` / `torch_dtype`), from a preset (`Qwen2Config.preset("0.5b" | "1.5b" | "3b" | "7b")`,
+shapes from the published Qwen2.5 config.json files) or as a tiny test configuration
+(`Qwen2Config.tiny(**overrides)`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,23 @@ __all__ = ["Qwen2Config"]
 
 # Values HF uses for a RoPE that is the plain (unscaled) rotary embedding.
 _DEFAULT_ROPE_TYPES = (None, "default")
+
+_PRESET_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+# D, L, N, K, F, V, tied head (Hd = D // N) of the published Qwen2.5 config.json files.
+_PRESETS = {
+    "0.5b": (896, 24, 14, 2, 4864, 151936, True),  # ~494M params, Hd 64
+    "1.5b": (1536, 28, 12, 2, 8960, 151936, True),  # ~1.54B, Hd 128
+    "3b": (2048, 36, 16, 2, 11008, 151936, True),  # ~3.09B, Hd 128
+    "7b": (3584, 28, 28, 4, 18944, 152064, False),  # ~7.62B, Hd 128
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +129,6 @@ class Qwen2Config:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    def replace(self, **overrides) -> Qwen2Config:
-        """A copy with some fields replaced (validated again)."""
-        return dataclasses.replace(self, **overrides)
-
     # ----------------------------------------------------------------------------------------------
     # Hugging Face config.json.
     @classmethod
@@ -160,12 +173,7 @@ class Qwen2Config:
                 raise ValueError(
                     f"{where}: rope type {t!r} is not supported (only the default unscaled RoPE used by Qwen2.5)"
                 )
-        if "rope_theta" in rope:
-            rope_theta = float(rope["rope_theta"])
-        elif "rope_theta" in hf:
-            rope_theta = float(hf["rope_theta"])
-        else:
-            rope_theta = 10000.0  # HF's Qwen2Config default.
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))  # 10000: HF's default
         if hf.get("use_sliding_window", False):
             raise ValueError(
                 f"{where}: use_sliding_window=true is not supported (Qwen2.5 uses full attention in every layer)"
@@ -201,9 +209,7 @@ class Qwen2Config:
         `rope_theta`, so older and newer transformers (and vLLM) read it.
         """
         dtype = torch_dtype or self.torch_dtype
-        eos = self.eos_token_id
-        if isinstance(eos, tuple):
-            eos = list(eos)
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         return {
             "architectures": ["Qwen2ForCausalLM"],
             "model_type": "qwen2",
@@ -231,82 +237,22 @@ class Qwen2Config:
             "torch_dtype": dtype,
         }
 
-    # ----------------------------------------------------------------------------------------------
-    # Presets (shapes from the published Qwen2.5 config.json files).
-    @classmethod
-    def qwen2_5_0_5b(cls, **overrides) -> Qwen2Config:
-        """Qwen2.5-0.5B: D 896, L 24, N 14, K 2, Hd 64, F 4864, V 151936, tied head (~494M params)."""
-        base = dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def qwen2_5_1_5b(cls, **overrides) -> Qwen2Config:
-        """Qwen2.5-1.5B: D 1536, L 28, N 12, K 2, Hd 128, F 8960, V 151936, tied head (~1.54B)."""
-        base = dict(
-            vocab_size=151936,
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def qwen2_5_3b(cls, **overrides) -> Qwen2Config:
-        """Qwen2.5-3B: D 2048, L 36, N 16, K 2, Hd 128, F 11008, V 151936, tied head (~3.09B)."""
-        base = dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=36,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def qwen2_5_7b(cls, **overrides) -> Qwen2Config:
-        """Qwen2.5-7B: D 3584, L 28, N 28, K 4, Hd 128, F 18944, V 152064, untied head (~7.62B)."""
-        base = dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            tie_word_embeddings=False,
-        )
-        return cls(**{**base, **overrides})
-
     @classmethod
     def preset(cls, name: str, **overrides) -> Qwen2Config:
-        """A preset by name: "0.5b", "1.5b", "3b", "7b" (also "qwen2.5-7b" etc.) or "tiny".
+        """A preset by name: "0.5b", "1.5b", "3b", "7b" (also "qwen2.5-7b", "qwen2_5_7b") or "tiny".
+
+        Shapes are those of the published Qwen2.5 config.json files (`_PRESETS`); any field can be
+        overridden, e.g. `Qwen2Config.preset("7b", eos_token_id=151645)`.
 
         Raises:
           ValueError: unknown name.
         """
         key = name.lower().replace("qwen2.5-", "").replace("qwen2_5_", "").replace("_", ".")
-        table = {
-            "0.5b": cls.qwen2_5_0_5b,
-            "1.5b": cls.qwen2_5_1_5b,
-            "3b": cls.qwen2_5_3b,
-            "7b": cls.qwen2_5_7b,
-            "tiny": cls.tiny,
-        }
-        if key not in table:
-            raise ValueError(f"Qwen2Config.preset: name must be one of {sorted(table)}, got {name!r}")
-        return table[key](**overrides)
+        if key == "tiny":
+            return cls.tiny(**overrides)
+        if key not in _PRESETS:
+            raise ValueError(f"Qwen2Config.preset: name must be one of {sorted([*_PRESETS, 'tiny'])}, got {name!r}")
+        return cls(**{**dict(zip(_PRESET_FIELDS, _PRESETS[key])), **overrides})
 
     @classmethod
     def tiny(cls, **overrides) -> Qwen2Config:
@@ -321,7 +267,6 @@ class Qwen2Config:
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=None,
             rope_theta=10000.0,
             tie_word_embeddings=True,
             max_position_embeddings=2048,
