@@ -30,6 +30,7 @@ from absl import app, flags
 import environments
 from environments.pool import EnvPool, ResetResult
 from environments.testing import FaultyEnv
+from launch._common import ROOT, write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_envs", 8, "games stepped together")
@@ -195,9 +196,8 @@ def main(argv):
 
         results["alfworld"] = _bench_game("alfworld", alf_options, num_tasks, FLAGS.slow_turns, alfworld_policy)
         # A path inside the project is recorded relative to its root: the JSON names no machine's folders.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         results["alfworld"]["options"] = {
-            k: os.path.relpath(v, root) if k == "data_path" and os.path.abspath(v).startswith(root + os.sep) else v
+            k: os.path.relpath(v, ROOT) if k == "data_path" and os.path.abspath(v).startswith(ROOT + os.sep) else v
             for k, v in alf_options.items()
         }
         results["alfworld"]["policy"] = "uniform over admissible actions except help, seeded"
@@ -249,10 +249,7 @@ def main(argv):
     print(
         f"load average (1, 5, 15 min): start {results['machine']['load_avg_at_start']}, end {results['machine']['load_avg_at_end']}"
     )
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out, "w") as fp:
-        json.dump(results, fp, indent=2)
-    print(f"wrote {FLAGS.out}")
+    write_json(FLAGS.out, results, indent=2)
 
 
 if __name__ == "__main__":
