@@ -64,9 +64,6 @@ class _InProcess:
     def step(self, idx, actions):
         return [self.envs[i].step(a) for i, a in zip(idx, actions)]
 
-    def close(self):
-        pass
-
 
 def _drive(runner, num_envs: int, num_tasks: int, turns: int, policy) -> dict[str, float]:
     """Step every game ``turns`` times; returns steps, resets, seconds."""

@@ -60,7 +60,7 @@ def copy_bandwidth_gb_s() -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def torch_dict_gigpo(arrays, gamma=0.95, norm="mean_std"):
+def torch_dict_gigpo(arrays, gamma=0.95):
     """GiGPO step advantages the PyTorch-reference way (Python dict over observation strings)."""
     import torch
 
@@ -88,10 +88,7 @@ def torch_dict_gigpo(arrays, gamma=0.95, norm="mean_std"):
             if len(idx) < 2:
                 continue
             r = returns[idx]
-            a = r - r.mean()
-            if norm == "mean_std":
-                a = a / (r.std() + 1e-6)
-            adv[idx] = a
+            adv[idx] = (r - r.mean()) / (r.std() + 1e-6)
     return 1e3 * (time.perf_counter() - t0), adv
 
 
