@@ -134,10 +134,11 @@ def _bench_game(env, options, num_tasks, turns, policy) -> dict[str, Any]:
 GAMES = ("textcraft", "synthetic_36ms", "alfworld", "webshop")
 
 
-def _oracle_plans(env, keys) -> dict[tuple[int, int], list[str]]:
-    """The oracle's whole episode per (task, seed), played before timing (WebShop is deterministic)."""
+def _oracle_plans(env, count: int) -> dict[tuple[int, int], list[str]]:
+    """The oracle's whole episode for ``_drive``'s first ``count`` (task, seed) keys (the games are deterministic)."""
     plans = {}
-    for task, seed in keys:
+    for i in range(count):
+        task, seed = i % env.num_tasks, 1000 + i
         env.reset(task, seed)
         plan, done = [], False
         while not done and (action := env.oracle_action()) is not None:
@@ -158,13 +159,8 @@ def main(argv):
         },
     }
 
-    # TextCraft: the oracle's plan of each (task, seed), computed before timing
     tc = environments.make("textcraft")
-    plans: dict[tuple[int, int], list[str]] = {}
-    for i in range(num_envs * 64):
-        task, seed = i % tc.num_tasks, 1000 + i
-        tc.reset(task, seed)
-        plans[(task, seed)] = tc.oracle_plan()
+    plans = _oracle_plans(tc, num_envs * 64)
 
     def textcraft_policy(key, obs, n, rng):
         plan = plans.get(key)
@@ -205,8 +201,7 @@ def main(argv):
     except Exception as e:  # noqa: BLE001  (any failure to build WebShop skips it, with the reason)
         results["webshop"] = {"skipped": f"make('webshop') failed: {type(e).__name__}: {e}"}
     else:
-        ws_keys = [(i % ws_tasks, 1000 + i) for i in range(num_envs * 64)]
-        ws_plans = _oracle_plans(environments.make("webshop", **ws_options), ws_keys)
+        ws_plans = _oracle_plans(environments.make("webshop", **ws_options), num_envs * 64)
 
         def webshop_policy(key, obs, n, rng):
             plan = ws_plans.get(key)
