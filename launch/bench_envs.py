@@ -28,6 +28,7 @@ from typing import Any
 from absl import app, flags
 
 import environments
+from environments.alfworld import FIXTURES_DIR
 from environments.pool import EnvPool, ResetResult
 from environments.testing import FaultyEnv
 from launch._common import ROOT, write_json
@@ -134,8 +135,9 @@ def _bench_game(env, options, num_tasks, turns, policy) -> dict[str, Any]:
 GAMES = ("textcraft", "synthetic_36ms", "alfworld", "webshop")
 
 
-def _oracle_plans(env, count: int) -> dict[tuple[int, int], list[str]]:
-    """The oracle's whole episode for ``_drive``'s first ``count`` (task, seed) keys (the games are deterministic)."""
+def _oracle_policy(env, count: int, fallback: str):
+    """A policy replaying the oracle's whole episode of each of ``_drive``'s first ``count`` (task, seed)
+    keys, played before timing (the games are deterministic); ``fallback`` once it is used up."""
     plans = {}
     for i in range(count):
         task, seed = i % env.num_tasks, 1000 + i
@@ -145,7 +147,12 @@ def _oracle_plans(env, count: int) -> dict[tuple[int, int], list[str]]:
             plan.append(action)
             done = env.step(action)[2]
         plans[(task, seed)] = plan
-    return plans
+
+    def policy(key, obs, n, rng):
+        plan = plans.get(key)
+        return plan[n] if plan and n < len(plan) else fallback
+
+    return policy
 
 
 def main(argv):
@@ -160,21 +167,15 @@ def main(argv):
     }
 
     tc = environments.make("textcraft")
-    plans = _oracle_plans(tc, num_envs * 64)
-
-    def textcraft_policy(key, obs, n, rng):
-        plan = plans.get(key)
-        return plan[n] if plan and n < len(plan) else "inventory"
-
-    results["textcraft"] = _bench_game("textcraft", {"max_steps": 50}, tc.num_tasks, FLAGS.turns, textcraft_policy)
+    policy = _oracle_policy(tc, num_envs * 64, "inventory")
+    results["textcraft"] = _bench_game("textcraft", {"max_steps": 50}, tc.num_tasks, FLAGS.turns, policy)
     results["synthetic_36ms"] = _bench_game(
         FaultyEnv, {"max_steps": 20, "step_cost_ms": 36.0}, 100, FLAGS.slow_turns, lambda key, obs, n, rng: "x"
     )
 
     alf_options = json.loads(FLAGS.alfworld_options)
-    fixtures = os.path.join(os.path.dirname(os.path.abspath(environments.__file__)), "data", "alfworld_fixtures")
-    if "data_path" not in alf_options and not os.environ.get("ALFWORLD_DATA") and os.path.isdir(fixtures):
-        alf_options["data_path"] = fixtures
+    if "data_path" not in alf_options and not os.environ.get("ALFWORLD_DATA") and os.path.isdir(FIXTURES_DIR):
+        alf_options["data_path"] = FIXTURES_DIR
     try:
         probe = environments.make("alfworld", **alf_options)
         num_tasks = probe.num_tasks
@@ -201,13 +202,8 @@ def main(argv):
     except Exception as e:  # noqa: BLE001  (any failure to build WebShop skips it, with the reason)
         results["webshop"] = {"skipped": f"make('webshop') failed: {type(e).__name__}: {e}"}
     else:
-        ws_plans = _oracle_plans(environments.make("webshop", **ws_options), num_envs * 64)
-
-        def webshop_policy(key, obs, n, rng):
-            plan = ws_plans.get(key)
-            return plan[n] if plan and n < len(plan) else "click[back to search]"
-
-        results["webshop"] = _bench_game("webshop", ws_options, ws_tasks, FLAGS.webshop_turns, webshop_policy)
+        policy = _oracle_policy(environments.make("webshop", **ws_options), num_envs * 64, "click[back to search]")
+        results["webshop"] = _bench_game("webshop", ws_options, ws_tasks, FLAGS.webshop_turns, policy)
         results["webshop"]["options"] = ws_options
         results["webshop"]["policy"] = "the oracle's episode of each (task, seed), computed before timing"
 
