@@ -34,7 +34,7 @@ import random
 import shutil
 from typing import Any
 
-from launch._common import ROOT
+from environments.alfworld import FIXTURES_DIR
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -53,8 +53,6 @@ _DEVICE = {
 _LAMP = "DeskLamp"
 _LAMP_HOLDERS = ("Desk", "SideTable", "Dresser")
 _AGENT_STEP_SIZE = 0.25  # metres per grid unit (alfworld.gen.constants.AGENT_STEP_SIZE)
-
-DEFAULT_OUT_DIR = os.path.join(ROOT, "environments", "data", "alfworld_fixtures")
 
 
 def _alfworld_paths() -> dict[str, str]:
@@ -430,7 +428,7 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("out_dir", DEFAULT_OUT_DIR, "folder to write the games into")
+    flags.DEFINE_string("out_dir", FIXTURES_DIR, "folder to write the games into")
     flags.DEFINE_integer("games_per_type", 2, "games per task type (six task types)")
     flags.DEFINE_integer("seed", 0, "generation seed")
     flags.DEFINE_bool("overwrite", True, "remove out_dir first")
