@@ -206,7 +206,6 @@ def main(argv=None):
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
             print(f"{r['model']:<16}{r['forward_tokens_per_s']:>12.0f}{r['model_tflops_per_s']:>10.1f}{mfu:>8}")
     write_json(args.out, result, indent=2)
-    return result
 
 
 if __name__ == "__main__":
