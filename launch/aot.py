@@ -28,7 +28,6 @@ command exits with status 1. Writes a table to stdout and JSON to
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -48,11 +47,11 @@ from bipace_jax import config as config_lib
 from bipace_jax import learner, ppo, sampling, sharding
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
+from launch._common import ROOT, write_json
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "textcraft_tiny.py"), "Run config.")
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "Run config.")
 _TOPOLOGY = flags.DEFINE_string("topology", "cpu:8", "TPU topology (e.g. v5e:4x4, v5p:2x2x4) or cpu:N.")
-_OUT = flags.DEFINE_string("out", os.path.join(_ROOT, "benchmarks", "aot"), "Folder of the JSON report.")
+_OUT = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "aot"), "Folder of the JSON report.")
 _BUDGET = flags.DEFINE_float("budget", 0.9, "Largest fraction of a chip's HBM a program may use.")
 _PROGRAMS = flags.DEFINE_list("programs", "", "Compile only these programs (default: all).")
 
@@ -120,13 +119,11 @@ def hbm_bytes(device) -> int:
 
 
 def _abstract(tree, shardings):
-
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
 def _bytes_per_chip(tree) -> int:
     """Bytes of one device's shard of every array of ``tree`` (ShapeDtypeStructs with shardings)."""
-
     return int(
         sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
     )
@@ -159,7 +156,7 @@ def _stats(compiled, compile_s: float, other_resident: int) -> dict:
     )
 
 
-def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
+def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     """Compiles ``programs`` of config ``c`` for ``devices`` (``local``: one host's, `host_devices`);
     returns the report (see the module doc)."""
 
@@ -242,7 +239,7 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
         with jax.set_mesh(mesh_):
             compiled = fn.lower(*args, **kwargs).compile()
         report["programs"][name] = _stats(compiled, time.perf_counter() - t0, sum(resident[k] for k in other))
-        log(f"  compiled {name} in {report['programs'][name]['compile_s']} s")
+        print(f"  compiled {name} in {report['programs'][name]['compile_s']} s", flush=True)
         return compiled
 
     objective = ppo.PPOObjective(
@@ -275,8 +272,7 @@ def compile_all(c, devices, local, programs=PROGRAMS, log=print) -> dict:
     run("ppo_apply", mesh, apply, master, opt_state, master, other=("reference", "sampler_params"))
 
     lp = ppo._logprobs_program(graphdef, objective.cfg.temperature, cfg.vocab_size, c.ppo.logprob_chunk)
-    lrows = c.ppo.micro_batch_rows
-    lrows = -(-lrows // dp_local) * dp_local
+    lrows = -(-c.ppo.micro_batch_rows // dp_local) * dp_local
     run(
         "logprobs",
         local_mesh,
@@ -365,7 +361,7 @@ def main(argv):
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
         config_lib.validate(c, num_devices=len(devices), abstract=True)
-        report = compile_all(c, devices, host_devices(name, devices), programs, log=lambda s: print(s, flush=True))
+        report = compile_all(c, devices, host_devices(name, devices), programs)
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
     report["topology"] = name
@@ -393,23 +389,14 @@ def main(argv):
         f"{'program':10s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (memory in GiB per chip)"
     )
     for k, p in report["programs"].items():
-        coll = (
-            " ".join(f"{n}={v}" for n, v in (p["collectives"] or {}).items() if v)
-            if p["collectives"] is not None
-            else "?"
-        )
+        coll = "?" if p["collectives"] is None else " ".join(f"{n}={v}" for n, v in p["collectives"].items() if v)
         print(
             f"{k:10s} {gib(p['peak_bytes_per_chip'])} {gib(p['argument_bytes'])} {gib(p['temp_bytes'])} "
             f"{gib(p['output_bytes'])} {gib(p['other_resident_bytes'])} {gib(p['total_bytes_per_chip'])}  "
             f"{p['fraction_of_hbm']:5.0%}  {p['flops'] / 1e12:7.2f}  {p['compile_s']:6.1f}s  {coll}"
         )
     print(f"fits: {report['fits']}")
-    out = _OUT.value
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{setting}__{name.replace(':', '-')}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {path}")
+    write_json(os.path.join(_OUT.value, f"{setting}__{name.replace(':', '-')}.json"), report, indent=1)
     if not report["fits"]:
         sys.exit(1)
 

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from bipace_jax.models import Qwen2Actor, Qwen2Config, count_params, load_hf_checkpoint
+from launch._common import seconds, write_json
 
 # Dense bf16 peak TFLOP/s per chip, by substring of `device_kind` (vendor data sheets).
 PEAK_BF16_TFLOPS = {
@@ -80,12 +79,6 @@ def _jitted_forward(actor):
     return lambda ids, mask: jax.block_until_ready(forward(state, ids, mask))
 
 
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def bench_cpu(batch: int, length: int, repeats: int) -> dict:
     """Our jitted actor vs HF torch on the same small model, batch and length."""
     import torch
@@ -105,13 +98,13 @@ def bench_cpu(batch: int, length: int, repeats: int) -> dict:
             return model(input_ids=t_ids, attention_mask=t_mask, position_ids=t_pos).logits
 
     ours = functools.partial(_jitted_forward(actor), jnp.asarray(ids), jnp.asarray(mask))
-    compile_s = _seconds(ours)
+    compile_s = seconds(ours)
     logits, _ = ours()
     max_err = float(np.abs(np.asarray(logits) - hf().numpy())[mask.astype(bool)].max())
     times_ours, times_hf = [], []
     for _ in range(repeats):  # the two sides interleaved, so load from other processes hits both alike
-        times_ours.append(_seconds(ours))
-        times_hf.append(_seconds(hf))
+        times_ours.append(seconds(ours))
+        times_hf.append(seconds(hf))
     ours_s, hf_s = statistics.median(times_ours), statistics.median(times_hf)
     return {
         "config": CPU_CONFIG,
@@ -152,8 +145,8 @@ def bench_accelerator(batch: int, length: int, repeats: int, peak_tflops: float 
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         ids, mask = _batch(batch, length, cfg.vocab_size)
         run = functools.partial(_jitted_forward(actor), jnp.asarray(ids), jnp.asarray(mask))
-        compile_s = _seconds(run)
-        sec = statistics.median(_seconds(run) for _ in range(repeats))
+        compile_s = seconds(run)
+        sec = statistics.median(seconds(run) for _ in range(repeats))
         flops = forward_flops(cfg, batch, length)
         rows.append(
             {
@@ -213,11 +206,7 @@ def main(argv=None):
         for r in rows:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
             print(f"{r['model']:<16}{r['forward_tokens_per_s']:>12.0f}{r['model_tflops_per_s']:>10.1f}{mfu:>8}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
-    return result
+    write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from typing import Any
 from absl import app, flags
 
 import environments
+from environments.alfworld import FIXTURES_DIR
 from environments.pool import EnvPool, ResetResult
 from environments.testing import FaultyEnv
+from launch._common import ROOT, write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_envs", 8, "games stepped together")
@@ -62,9 +64,6 @@ class _InProcess:
 
     def step(self, idx, actions):
         return [self.envs[i].step(a) for i, a in zip(idx, actions)]
-
-    def close(self):
-        pass
 
 
 def _drive(runner, num_envs: int, num_tasks: int, turns: int, policy) -> dict[str, float]:
@@ -136,17 +135,24 @@ def _bench_game(env, options, num_tasks, turns, policy) -> dict[str, Any]:
 GAMES = ("textcraft", "synthetic_36ms", "alfworld", "webshop")
 
 
-def _oracle_plans(env, keys) -> dict[tuple[int, int], list[str]]:
-    """The oracle's whole episode per (task, seed), played before timing (WebShop is deterministic)."""
+def _oracle_policy(env, count: int, fallback: str):
+    """A policy replaying the oracle's whole episode of each of ``_drive``'s first ``count`` (task, seed)
+    keys, played before timing (the games are deterministic); ``fallback`` once it is used up."""
     plans = {}
-    for task, seed in keys:
+    for i in range(count):
+        task, seed = i % env.num_tasks, 1000 + i
         env.reset(task, seed)
         plan, done = [], False
         while not done and (action := env.oracle_action()) is not None:
             plan.append(action)
             done = env.step(action)[2]
         plans[(task, seed)] = plan
-    return plans
+
+    def policy(key, obs, n, rng):
+        plan = plans.get(key)
+        return plan[n] if plan and n < len(plan) else fallback
+
+    return policy
 
 
 def main(argv):
@@ -160,27 +166,16 @@ def main(argv):
         },
     }
 
-    # TextCraft: the oracle's plan of each (task, seed), computed before timing
     tc = environments.make("textcraft")
-    plans: dict[tuple[int, int], list[str]] = {}
-    for i in range(num_envs * 64):
-        task, seed = i % tc.num_tasks, 1000 + i
-        tc.reset(task, seed)
-        plans[(task, seed)] = tc.oracle_plan()
-
-    def textcraft_policy(key, obs, n, rng):
-        plan = plans.get(key)
-        return plan[n] if plan and n < len(plan) else "inventory"
-
-    results["textcraft"] = _bench_game("textcraft", {"max_steps": 50}, tc.num_tasks, FLAGS.turns, textcraft_policy)
+    policy = _oracle_policy(tc, num_envs * 64, "inventory")
+    results["textcraft"] = _bench_game("textcraft", {"max_steps": 50}, tc.num_tasks, FLAGS.turns, policy)
     results["synthetic_36ms"] = _bench_game(
         FaultyEnv, {"max_steps": 20, "step_cost_ms": 36.0}, 100, FLAGS.slow_turns, lambda key, obs, n, rng: "x"
     )
 
     alf_options = json.loads(FLAGS.alfworld_options)
-    fixtures = os.path.join(os.path.dirname(os.path.abspath(environments.__file__)), "data", "alfworld_fixtures")
-    if "data_path" not in alf_options and not os.environ.get("ALFWORLD_DATA") and os.path.isdir(fixtures):
-        alf_options["data_path"] = fixtures
+    if "data_path" not in alf_options and not os.environ.get("ALFWORLD_DATA") and os.path.isdir(FIXTURES_DIR):
+        alf_options["data_path"] = FIXTURES_DIR
     try:
         probe = environments.make("alfworld", **alf_options)
         num_tasks = probe.num_tasks
@@ -195,9 +190,8 @@ def main(argv):
 
         results["alfworld"] = _bench_game("alfworld", alf_options, num_tasks, FLAGS.slow_turns, alfworld_policy)
         # A path inside the project is recorded relative to its root: the JSON names no machine's folders.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         results["alfworld"]["options"] = {
-            k: os.path.relpath(v, root) if k == "data_path" and os.path.abspath(v).startswith(root + os.sep) else v
+            k: os.path.relpath(v, ROOT) if k == "data_path" and os.path.abspath(v).startswith(ROOT + os.sep) else v
             for k, v in alf_options.items()
         }
         results["alfworld"]["policy"] = "uniform over admissible actions except help, seeded"
@@ -208,14 +202,8 @@ def main(argv):
     except Exception as e:  # noqa: BLE001  (any failure to build WebShop skips it, with the reason)
         results["webshop"] = {"skipped": f"make('webshop') failed: {type(e).__name__}: {e}"}
     else:
-        ws_keys = [(i % ws_tasks, 1000 + i) for i in range(num_envs * 64)]
-        ws_plans = _oracle_plans(environments.make("webshop", **ws_options), ws_keys)
-
-        def webshop_policy(key, obs, n, rng):
-            plan = ws_plans.get(key)
-            return plan[n] if plan and n < len(plan) else "click[back to search]"
-
-        results["webshop"] = _bench_game("webshop", ws_options, ws_tasks, FLAGS.webshop_turns, webshop_policy)
+        policy = _oracle_policy(environments.make("webshop", **ws_options), num_envs * 64, "click[back to search]")
+        results["webshop"] = _bench_game("webshop", ws_options, ws_tasks, FLAGS.webshop_turns, policy)
         results["webshop"]["options"] = ws_options
         results["webshop"]["policy"] = "the oracle's episode of each (task, seed), computed before timing"
 
@@ -249,10 +237,7 @@ def main(argv):
     print(
         f"load average (1, 5, 15 min): start {results['machine']['load_avg_at_start']}, end {results['machine']['load_avg_at_end']}"
     )
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out, "w") as fp:
-        json.dump(results, fp, indent=2)
-    print(f"wrote {FLAGS.out}")
+    write_json(FLAGS.out, results, indent=2)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import numpy as np
 
 from bipace_jax.estimators import EstimatorConfig, StepBatch, core, reference, registry
 from bipace_jax.estimators.synthetic import rollout_like_arrays
+from launch._common import seconds
 
 GROUPS = (4, 16, 64)  # x 8 trajectories x 50 steps = 1,600 / 6,400 / 25,600 rows
 DIMS = (896, 1536, 3584)
@@ -37,7 +38,7 @@ TARGET = 100.0
 
 def _median_ms(fn, repeats):
     fn()
-    return 1e3 * float(np.median([_timed(fn) for _ in range(repeats)]))
+    return 1e3 * float(np.median([seconds(fn) for _ in range(repeats)]))
 
 
 def _jit_cell(batch, cfg, repeats):
@@ -55,17 +56,11 @@ def copy_bandwidth_gb_s() -> float:
     """Host memory bandwidth seen by numpy: bytes read + written per second by a 256 MB copy."""
     src = np.ones(64 * 2**20, np.float32)
     dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(3))
+    best = min(seconds(lambda: np.copyto(dst, src)) for _ in range(3))
     return 2 * src.nbytes / best / 1e9
 
 
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def torch_dict_gigpo(arrays, gamma=0.95, norm="mean_std"):
+def torch_dict_gigpo(arrays, gamma=0.95):
     """GiGPO step advantages the PyTorch-reference way (Python dict over observation strings)."""
     import torch
 
@@ -93,10 +88,7 @@ def torch_dict_gigpo(arrays, gamma=0.95, norm="mean_std"):
             if len(idx) < 2:
                 continue
             r = returns[idx]
-            a = r - r.mean()
-            if norm == "mean_std":
-                a = a / (r.std() + 1e-6)
-            adv[idx] = a
+            adv[idx] = (r - r.mean()) / (r.std() + 1e-6)
     return 1e3 * (time.perf_counter() - t0), adv
 
 
@@ -120,7 +112,7 @@ def main():
                 ms, compile_s = _jit_cell(batch, cfg, repeats)
                 oracle_ms = None
                 if n <= groups[1] * 400:
-                    oracle_ms = 1e3 * _timed(functools.partial(reference.compute_advantages_reference, batch, cfg))
+                    oracle_ms = 1e3 * seconds(functools.partial(reference.compute_advantages_reference, batch, cfg))
                     oracle_measured[(name, n, d)] = oracle_ms
                 cells.append(
                     dict(

@@ -38,6 +38,8 @@ import time
 
 from absl import app, flags
 
+from launch._common import seconds, write_json
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("batches", "16,64", "comma-separated batch sizes")
 flags.DEFINE_string("models", "tiny,small", "CPU models (keys of BENCH_MODELS); the first gives speedup_vs_hf")
@@ -103,9 +105,7 @@ def _ours_runner(actor, tok, prompts, new_tokens):
         total = time.perf_counter() - t0
         return out, total, sampler.last_timing["prefill_s"], sampler.last_timing["decode_s"]
 
-    t0 = time.perf_counter()
-    run()  # compile + warm-up
-    return run, time.perf_counter() - t0
+    return run, seconds(run)  # compile + warm-up
 
 
 def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids):
@@ -332,10 +332,7 @@ def main(argv):
     out = FLAGS.out
     if jax.default_backend() != "cpu" and out == flags.FLAGS["out"].default:
         out = "benchmarks/sampler_gpu.json"  # keep the CPU-vs-HF headline file
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2, sort_keys=True)
-    print(f"wrote {out}")
+    write_json(out, results, indent=2, sort_keys=True)
 
 
 if __name__ == "__main__":

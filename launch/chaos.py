@@ -35,8 +35,7 @@ from typing import Any
 from absl import app, flags
 
 from launch import train as train_launch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from launch._common import ROOT, write_json
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 4, "RL iterations of each run (>= 3; 4 resumes mid-run).")
 _OUT = flags.DEFINE_string("out", "benchmarks/chaos.json", "Where to write the JSON summary.")
@@ -331,9 +330,7 @@ def main(argv):
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     for r in dropped:
         print(f"  fired {r['id']:<14s} task {r['task_id']} seed {r['seed']} step {r['step']}")
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(_OUT.value, summary, indent=2)
     if survived != injected or summary["iterations_lost"] or summary["iterations_recorded_twice"]:
         sys.exit("chaos: a fault was not survived or an iteration was lost; see the JSON")
     if not runs["process"]["final_params_equal_reference"]:

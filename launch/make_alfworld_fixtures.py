@@ -34,6 +34,8 @@ import random
 import shutil
 from typing import Any
 
+from environments.alfworld import FIXTURES_DIR
+
 TASK_TYPES = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -51,10 +53,6 @@ _DEVICE = {
 _LAMP = "DeskLamp"
 _LAMP_HOLDERS = ("Desk", "SideTable", "Dresser")
 _AGENT_STEP_SIZE = 0.25  # metres per grid unit (alfworld.gen.constants.AGENT_STEP_SIZE)
-
-DEFAULT_OUT_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "environments", "data", "alfworld_fixtures"
-)
 
 
 def _alfworld_paths() -> dict[str, str]:
@@ -114,7 +112,7 @@ class _Scene:
 
         self.C = C
         types, points, grid = _load_layout(floor_plan)
-        static = sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET)
+        self.static = sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET)
         self.types = types
         self.receptacles: dict[str, str] = {}  # id -> type
         self.location: dict[str, str] = {}  # receptacle id -> location symbol
@@ -132,13 +130,13 @@ class _Scene:
 
         for rid, (x, z, rot, hor) in sorted(points.items()):
             rtype = rid.split("|")[0]
-            if rtype in static and rtype in types:
+            if rtype in self.static and rtype in types:
                 self.receptacles[rid] = rtype
                 add_location(rid, x, z, int(rot) // 90, int(hor))
         present = set(self.receptacles.values())
         free = [p for p in grid if p not in used_grid]
         rng.shuffle(free)
-        for rtype in static:
+        for rtype in self.static:
             if rtype in types and rtype not in present:
                 x, z = free.pop()
                 rid = _thor_id(rtype, x + 0.5, 0.9, z + 0.5)
@@ -160,9 +158,7 @@ class _Scene:
         return [r for r, t in sorted(self.receptacles.items()) if otype in vro.get(t, ())]
 
     def placeable_types(self) -> list[str]:
-        C = self.C
-        static = C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET
-        return [t for t in sorted(self.types) if t not in static and t in C.OBJECTS_SET and self.holders(t)]
+        return [t for t in sorted(self.types) if t not in self.static and t in self.C.OBJECTS_SET and self.holders(t)]
 
     def place(self, otype: str, rng: random.Random, avoid_types: set[str]) -> None:
         options = [r for r in self.holders(otype) if self.receptacles[r] not in avoid_types]
@@ -221,8 +217,7 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
     import alfworld.gen.goal_library as glib
 
     C = scene.C
-    static = sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET)
-    otypes = sorted((C.OBJECTS_SET | {_LAMP}) - set(static))
+    otypes = sorted((C.OBJECTS_SET | {_LAMP}) - set(scene.static))
     m = mangle
     objs = sorted(scene.objects)
     receps = sorted(scene.receptacles)
@@ -231,7 +226,7 @@ def _problem(name: str, task_type: str, params: dict[str, Any], scene: _Scene) -
     declared = (
         ["agent1 - agent"]
         + [f"{t}Type - otype" for t in otypes]
-        + [f"{t}Type - rtype" for t in static]
+        + [f"{t}Type - rtype" for t in scene.static]
         + [f"{m(o)} - object" for o in objs]
         + [f"{m(r)} - receptacle" for r in receps]
         + [f"{m(loc)} - location" for loc in locations]
@@ -301,8 +296,8 @@ def generate_game(
     obj, parent = params["object_target"], params["parent_target"]
     for otype in scene.placeable_types():
         n = rng.randint(1, max_copies)
-        if otype == obj:
-            n = rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else max(n, 1)
+        if otype == obj and task_type == "pick_two_obj_and_place":
+            n = rng.randint(2, 3)
         if otype == _LAMP:
             n = 1
         avoid = {parent} if otype == obj and parent else set()
@@ -376,13 +371,7 @@ def write_game(out_dir: str, task_type: str, floor_plan: str, seed: int, max_cop
 
 def room_size(floor_plan: str) -> int:
     """Number of static receptacles of a floor plan (what the game's room lists)."""
-    import alfworld.gen.constants as C
-
-    static = C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET
-    types, points, _ = _load_layout(floor_plan)
-    listed = [rid for rid in points if rid.split("|")[0] in static and rid.split("|")[0] in types]
-    unlisted = [t for t in types if t in static and not any(r.split("|")[0] == t for r in listed)]
-    return len(listed) + len(unlisted)
+    return len(_Scene(floor_plan, random.Random(0)).receptacles)
 
 
 def generate_fixtures(
@@ -439,7 +428,7 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("out_dir", DEFAULT_OUT_DIR, "folder to write the games into")
+    flags.DEFINE_string("out_dir", FIXTURES_DIR, "folder to write the games into")
     flags.DEFINE_integer("games_per_type", 2, "games per task type (six task types)")
     flags.DEFINE_integer("seed", 0, "generation seed")
     flags.DEFINE_bool("overwrite", True, "remove out_dir first")

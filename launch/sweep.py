@@ -30,8 +30,7 @@ from absl import app, flags
 from etils import epath
 
 from bipace_jax import runfolder
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from launch._common import ROOT
 
 _CONFIG = flags.DEFINE_string("config", os.path.join("configs", "textcraft_tiny.py"), "Run config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Study folder: one run folder per cell.", required=True)

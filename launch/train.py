@@ -24,9 +24,9 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "textcraft_tiny.py"
-)
+from launch._common import ROOT
+
+_DEFAULT_CONFIG = os.path.join(ROOT, "configs", "textcraft_tiny.py")
 
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string(
