@@ -445,9 +445,7 @@ def _prefill_program(
         # place instead of copying it out of the stacked [L, ...] array on every step.
         cache = cache.per_layer()
     out, cache = actor.prefill(input_ids, attention_mask, cache)
-    logits = out.logits
-    keys = _row_keys(key, row_ids)
-    token, logp = _draw(static, logits, keys, 0, temperature)
+    token, logp = _draw(static, out.logits, _row_keys(key, row_ids), 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     token = jnp.where(row_mask, token, static.pad_id)
