@@ -69,13 +69,6 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _cast_to(dtype: Any):
-    """A function casting a pytree's floating arrays to ``dtype`` (None: the identity)."""
-    if dtype is None:
-        return lambda t: t
-    return lambda t: jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, t)
-
-
 def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any:
     """This host's copy of a pytree of global arrays, made on device (never through host memory when
     JAX allows it), with its floating arrays cast to ``dtype`` (None: kept).
@@ -96,7 +89,10 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
     Returns:
       A pytree like ``tree`` of fully addressable arrays.
     """
-    cast = _cast_to(dtype)
+
+    def cast(t):
+        return t if dtype is None else jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, t)
+
     needs_cast = dtype is not None and any(_is_float(x) and x.dtype != jnp.dtype(dtype) for x in jax.tree.leaves(tree))
     if jax.process_count() == 1:
         if not needs_cast:

@@ -55,10 +55,7 @@ def _programs(graphdef, loss_fn: LossFn, tx: optax.GradientTransformation):
 def shard_rows(mesh, tree: Any) -> Any:
     """Place a pytree of host-local row arrays ``[B, ...]`` as global arrays split over ("data", "fsdp")."""
     return jax.tree.map(
-        lambda v: jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P(("data", "fsdp"), *([None] * (v.ndim - 1)))), v
-        ),
-        tree,
+        lambda v: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim), v), tree
     )
 
 

@@ -30,13 +30,13 @@ def token_mean(values: jax.Array, mask: jax.Array, denom: jax.Array | float | No
     return total / denom
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """float32 ``[B, M]``: ``log softmax(logits / temperature)[targets]``.
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """float32 ``[B, M]``: ``log softmax(logits)[targets]``.
 
     ``logits`` float ``[B, M, V]`` at the positions that predict ``targets`` (int32 ``[B, M]`` in
-    ``[0, V)``); ``temperature``: the one the policy is defined at.
+    ``[0, V)``), already divided by the policy's temperature.
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
@@ -194,8 +194,6 @@ def ppo_loss_from_logprobs(
     if ref_logprobs is None and cfg.kl_coef > 0:
         raise ValueError(f"ref_logprobs is None but kl_coef={cfg.kl_coef} > 0")
     pg, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], cfg.clip_eps, cfg.dual_clip)
-    if denom is None:
-        denom = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
     pg_loss = token_mean(pg, mask, denom)
     entropy = token_mean(entropy, mask, denom)
     if ref_logprobs is not None:

@@ -169,11 +169,8 @@ class PPOLearner(Learner):
                 f"got epochs={epochs}, mini_batch_rows={mini_batch_rows}"
             )
         super().__init__(actor, mesh, tx, local_mesh=local_mesh, keep_reference=loss_cfg.kl_coef > 0)
-        self.loss_cfg = loss_cfg
-        self.support = support
         self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support, logprob_chunk)
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
-        self.fused_old_logprobs = fused_old_logprobs
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
 
     def logprobs(self, params_local, batch: TokenBatch) -> np.ndarray:
@@ -182,7 +179,8 @@ class PPOLearner(Learner):
         Runs under this host's mesh (``local_mesh``) with each micro-batch's rows split over its
         ("data", "fsdp") axes; the rows are padded to a multiple of data*fsdp (padding rows are dropped).
         """
-        fn = _logprobs_program(self.graphdef, self.loss_cfg.temperature, self.support, self.objective.chunk)
+        o = self.objective
+        fn = _logprobs_program(self.graphdef, o.cfg.temperature, o.support, o.chunk)
         dp = math.prod(sharding.mesh_axis_sizes(self.local_mesh)[a] for a in ("data", "fsdp"))
         B = -(-self.micro_batch_rows // dp) * dp
         out = np.zeros(batch.response_ids.shape, np.float32)

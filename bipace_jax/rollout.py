@@ -127,13 +127,11 @@ class RolloutConfig:
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
     def __post_init__(self):
-        ints = (("group_size", 1), ("max_steps", 1), ("max_prompt_length", 16), ("reset_retries", 0))
-        for name, lo in (*ints, ("projection_chars", 1)):
+        ints = (("group_size", 1), ("max_steps", 1), ("history_length", 0), ("max_prompt_length", 16))
+        for name, lo in (*ints, ("reset_retries", 0), ("projection_chars", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
-        if isinstance(self.history_length, bool) or not isinstance(self.history_length, int) or self.history_length < 0:
-            raise ValueError(f"RolloutConfig.history_length must be an int >= 0, got {self.history_length!r}")
         if self.invalid_action not in INVALID_ACTIONS:
             raise ValueError(
                 f"RolloutConfig.invalid_action must be one of {INVALID_ACTIONS}, got {self.invalid_action!r}"
@@ -345,12 +343,6 @@ def encode_prompt(
         dropped += 1
 
 
-def _chat_text(tokenizer, user_text: str, system_prompt: str | None) -> str:
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    messages.append({"role": "user", "content": user_text})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 def chat_prompt_ids(tokenizer, user_text: str, system_prompt: str | None) -> list[int]:
     """Token ids of one chat-formatted turn, ending with the opened assistant turn.
 
@@ -358,7 +350,10 @@ def chat_prompt_ids(tokenizer, user_text: str, system_prompt: str | None) -> lis
     and the user message, ``add_generation_prompt=True``; exactly what the sampler is fed each turn
     (warm-start data uses it too, so behaviour cloning sees the RL loop's prompts).
     """
-    return list(tokenizer(_chat_text(tokenizer, user_text, system_prompt), add_special_tokens=False)["input_ids"])
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": user_text})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def finish_reason(tokens: np.ndarray, text: str, eos: set[int], stop_strings: Sequence[str]) -> str:
@@ -615,9 +610,8 @@ def collect(
     prompt_ids = np.full((n_rows, width), pad_id, np.int32)
     prompt_mask = np.zeros((n_rows, width), np.int32)
     for k, r in enumerate(rows):
-        p = r.prompt
-        prompt_ids[k, width - len(p) :] = p
-        prompt_mask[k, width - len(p) :] = 1
+        prompt_ids[k, width - len(r.prompt) :] = r.prompt
+        prompt_mask[k, width - len(r.prompt) :] = 1
     response_ids = np.stack([r.tokens for r in rows]).astype(np.int32)
     sample_logprobs = np.stack([r.logprobs for r in rows]).astype(np.float32)
     resp_len = np.array([r.length for r in rows], np.int32)

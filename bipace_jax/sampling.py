@@ -90,10 +90,10 @@ class SamplerConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
-        if isinstance(self.max_new_tokens, bool) or not (
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1
-        ):
-            raise ValueError(f"SamplerConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        for name, lo in (("max_new_tokens", 1), ("top_k", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, int) and v >= lo):
+                raise ValueError(f"SamplerConfig.{name} must be an int >= {lo}, got {v!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"SamplerConfig.temperature must be finite and > 0 (use greedy=True for argmax), "
@@ -101,8 +101,6 @@ class SamplerConfig:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplerConfig.top_p must lie in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"SamplerConfig.top_k must be an int >= 0, got {self.top_k!r}")
         for name in ("batch_buckets", "length_buckets"):
             b = getattr(self, name)
             if not b or any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
@@ -152,16 +150,15 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
     Returns:
       float32[..., V]: ``logits`` where kept, ``-inf`` elsewhere.
 
-    Computed without a sort: each threshold is found by bisection over order-preserving int32 keys
-    of the logits (32 masked counts / sums over V each); the top-k set is exactly ``lax.top_k``'s,
-    the nucleus the sorted rule's up to float summation order.
+    Computed without a sort (XLA's CPU sort calls a comparator per comparison, docs/performance.md):
+    each threshold is found by bisection over order-preserving int32 keys of the logits (32 masked
+    counts / sums over V each); the top-k set is exactly ``lax.top_k``'s, the nucleus the sorted
+    rule's up to float summation order.
     """
     v = logits.shape[-1]
     apply_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
     if top_k <= 0 and not apply_p:
         return logits
-    # No sort over V: XLA's CPU sort calls a comparator per comparison (docs/performance.md). Both
-    # thresholds are bisected over the logits' order-preserving int32 keys (32 masked reductions).
     key = _order_key(logits)
     lo = jnp.min(key, axis=-1, keepdims=True)
     hi = jnp.max(key, axis=-1, keepdims=True)
@@ -179,9 +176,7 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
         key = jnp.where(key >= t_k, key, _order_key(jnp.float32(-jnp.inf)))
         lo = t_k
     if apply_p:
-        # Token i is kept iff the probability mass of the tokens with a strictly larger logit is
-        # < top_p (renormalised over the top-k set): the sorted rule above, ties included. The kept
-        # set is {key >= t} for the smallest key t whose strictly-larger mass is < top_p.
+        # The kept set is {key >= t} for the smallest key t whose strictly-larger mass is < top_p.
         probs = jax.nn.softmax(logits, axis=-1)
 
         def nucleus(_, bounds):
@@ -273,17 +268,9 @@ def sample_tokens(
 
 def _byte_decoder() -> dict[str, int]:
     """The inverse of the byte-level BPE alphabet (GPT-2 / Qwen): printable unicode char -> byte."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in printable]  # shifted to chr(256 + k), in byte order
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
 
 
 def token_byte_texts(tokenizer: Any) -> list[bytes]:
@@ -299,12 +286,9 @@ def token_byte_texts(tokenizer: Any) -> list[bytes]:
     """
     n = len(tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None) if backend is not None else None
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
-    added = {}
-    if hasattr(tokenizer, "added_tokens_decoder"):
-        added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
+    added = dict(getattr(tokenizer, "added_tokens_decoder", {}))
     out: list[bytes] = []
     if byte_level:
         inv = _byte_decoder()
@@ -386,12 +370,8 @@ def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> str:
     The sampler stops at the token that completes a stop text; that token may carry characters after
     it (tokenizers merge characters), which this removes from the decoded text.
     """
-    best = None
-    for stop in stop_strings:
-        i = text.find(stop)
-        if i >= 0 and (best is None or i + len(stop) < best):
-            best = i + len(stop)
-    return text if best is None else text[:best]
+    ends = [text.find(stop) + len(stop) for stop in stop_strings if stop in text]
+    return text[: min(ends)] if ends else text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -465,9 +445,7 @@ def _prefill_program(
         # place instead of copying it out of the stacked [L, ...] array on every step.
         cache = cache.per_layer()
     out, cache = actor.prefill(input_ids, attention_mask, cache)
-    logits = out.logits
-    keys = _row_keys(key, row_ids)
-    token, logp = _draw(static, logits, keys, 0, temperature)
+    token, logp = _draw(static, out.logits, _row_keys(key, row_ids), 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     token = jnp.where(row_mask, token, static.pad_id)
@@ -554,22 +532,15 @@ class Sampler:
         / ``decode``, ``eos_token_id``, ``pad_token_id``); used on the host only, once, for the EOS ids
         and the stop-string table.
       config: ``SamplerConfig``.
-      mesh: optional ``jax.sharding.Mesh``; the batch is sharded over its ``batch_axes`` and the padded
-        batch is rounded up to a multiple of their total size. ``None``: default device placement.
-      batch_axes: mesh axis names the batch is split over; default: those of ``("data", "fsdp")`` the
-        mesh has, else all of its axes.
+      mesh: optional ``jax.sharding.Mesh``; the batch is sharded over those of its axes ``("data",
+        "fsdp")`` (else over all of them) and the padded batch is rounded up to a multiple of their
+        total size. ``None``: default device placement.
 
     Raises:
       ValueError: no EOS id can be found (tokenizer without ``eos_token_id`` and none configured).
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        config: SamplerConfig,
-        mesh: jax.sharding.Mesh | None = None,
-        batch_axes: tuple[str, ...] | None = None,
-    ):
+    def __init__(self, tokenizer, config: SamplerConfig, mesh: jax.sharding.Mesh | None = None):
         if not isinstance(config, SamplerConfig):
             raise TypeError(f"Sampler config must be a SamplerConfig, got {type(config).__name__}")
         self.config = config
@@ -587,12 +558,7 @@ class Sampler:
         self._table = stop_string_table(token_byte_texts(tokenizer), config.stop_strings)
         self._stop_lens = np.array([len(s.encode("utf-8")) for s in config.stop_strings], np.int32)
         if mesh is not None:
-            if batch_axes is None:
-                batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names) or tuple(mesh.axis_names)
-            unknown = [a for a in batch_axes if a not in mesh.axis_names]
-            if unknown:
-                raise ValueError(f"Sampler batch_axes {unknown} are not axes of the mesh {mesh.axis_names}")
-            self.batch_axes = tuple(batch_axes)
+            self.batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names) or tuple(mesh.axis_names)
             self._dp = int(np.prod([mesh.shape[a] for a in self.batch_axes]))
         else:
             self.batch_axes = ()
@@ -688,14 +654,11 @@ class Sampler:
         self.last_timing = dict(
             prefill_s=0.0, decode_s=0.0, prompt_tokens=float(sum(a.size for a in arrays)), new_tokens=0.0
         )
-        parts = []
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            for start in range(0, len(arrays), chunk):
-                parts.append(
-                    self._generate_chunk(
-                        graphdef, state, arrays[start : start + chunk], start, t_bucket, key, temp, vocab
-                    )
-                )
+            parts = [
+                self._generate_chunk(graphdef, state, arrays[s : s + chunk], s, t_bucket, key, temp, vocab)
+                for s in range(0, len(arrays), chunk)
+            ]
         return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
 
     @staticmethod
@@ -735,14 +698,9 @@ class Sampler:
             pad_id=self.pad_id,
             support=min(self.vocab_size, vocab),
         )
-        spec2 = P(self.batch_axes or None, None)
-        spec1 = P(self.batch_axes or None)
         table, stop_lens, eos_ids = self._consts(vocab)
         ids, mask, row_ids_d, row_mask_d = (
-            self._put(ids, spec2),
-            self._put(mask, spec2),
-            self._put(row_ids, spec1),
-            self._put(row_mask, spec1),
+            self._put(x, P(self.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, row_ids, row_mask)
         )
         temp_d = jnp.float32(temp)
         t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import environments
-from bipace_jax import runfolder, tasks
+from bipace_jax import losses, runfolder, tasks
 from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.config import resolve_template, system_prompt_of
 from bipace_jax.learner import Learner, shard_rows
@@ -194,11 +194,9 @@ def token_nll(logits, targets, mask, denom=None):
     logits float32[B,R,V], targets int32[B,R], mask float32[B,R]; ``denom`` defaults to ``mask.sum()``
     (the token mean); a batch's real-token count makes micro-batch sums its exact token mean.
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    denom = jnp.maximum(mask.sum(), 1.0) if denom is None else denom
-    acc = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return (nll * mask).sum() / denom, (acc * mask).sum() / denom
+    nll = -losses.token_logprobs(logits, targets)
+    acc = jnp.argmax(logits, axis=-1) == targets
+    return losses.token_mean(nll, mask, denom), losses.token_mean(acc, mask, denom)
 
 
 @dataclasses.dataclass(frozen=True)
