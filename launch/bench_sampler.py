@@ -51,7 +51,7 @@ flags.DEFINE_string("out", "benchmarks/sampler.json", "JSON output path")
 flags.DEFINE_bool("skip_hf", False, "skip the torch baseline")
 flags.DEFINE_bool("warm_each", True, "run each side once, untimed, right before each of its timed runs")
 flags.DEFINE_float("hbm_gbps", 0.0, "GPU memory bandwidth in GB/s for the roofline (0: from the device kind)")
-flags.DEFINE_string("gpu_presets", "qwen2_5_0_5b,qwen2_5_1_5b", "presets measured on a GPU backend")
+flags.DEFINE_string("gpu_presets", "0.5b,1.5b", "Qwen2Config.preset names measured on a GPU backend")
 flags.DEFINE_integer("gpu_prompt", 512, "prompt length on the GPU presets")
 flags.DEFINE_integer("gpu_new_tokens", 256, "new tokens on the GPU presets")
 
@@ -108,7 +108,7 @@ def _ours_runner(actor, tok, prompts, new_tokens):
     return run, seconds(run)  # compile + warm-up
 
 
-def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids):
+def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids, support):
     """(run, threads, trial): ``run()`` -> (new tokens int[B, M'], total_s, prefill_s), warm, with the
     fastest torch thread count (torch's intra-op threads spin; on a loaded machine one thread can be
     several times faster than all cores, so the baseline gets its best setting)."""
@@ -133,6 +133,8 @@ def _hf_runner(folder, prompts, new_tokens, pad_id, eos_ids):
                 do_sample=False,
                 eos_token_id=list(eos_ids),
                 pad_token_id=pad_id,
+                # Ours draws only ids the tokenizer has (below `support`); the same support for HF's argmax.
+                suppress_tokens=list(range(support, model.config.vocab_size)) or None,
             )
             t2 = time.perf_counter()
         return gen[:, width:].numpy(), t2 - t1, t1 - t0
@@ -178,7 +180,7 @@ def run_cpu_model(name: str, overrides: dict) -> dict:
         hf_run = None
         if not FLAGS.skip_hf:
             hf_run, threads, trial = _hf_runner(
-                folder, prompts, FLAGS.new_tokens, tok.pad_token_id, (tok.eos_token_id,)
+                folder, prompts, FLAGS.new_tokens, tok.pad_token_id, (tok.eos_token_id,), len(tok)
             )
         # Alternating sides, medians over reps, each timed call after an untimed one (module docstring).
         ours_t, hf_t = [], []
@@ -253,7 +255,7 @@ def run_gpu() -> dict:
     tok = _tokenizer(600)
     out = dict(device=kind, hbm_gbps=gbps, prompt=FLAGS.gpu_prompt, new_tokens=FLAGS.gpu_new_tokens, presets={})
     for name in [p for p in FLAGS.gpu_presets.split(",") if p]:
-        cfg = getattr(Qwen2Config, name)()
+        cfg = Qwen2Config.preset(name)
         actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
         out["presets"][name] = {"param_bytes": int(param_bytes), "batches": {}}
