@@ -46,7 +46,15 @@ EXTRAS_REQUIRE = {
     # deletes checkpoint steps with google-cloud-storage.
     "gcp": ["gcsfs>=2024.2.0", "google-cloud-storage>=2.14"],
     # torch is the parity reference only: the library never imports it.
-    "test": ["pytest>=8", "pytest-xdist==3.8.0", "hypothesis>=6.100", "torch==2.13.0", "ruff==0.17.6", *ALFWORLD_REQUIRES, *WEBSHOP_REQUIRES],
+    "test": [
+        "pytest>=8",
+        "pytest-xdist==3.8.0",
+        "hypothesis>=6.100",
+        "torch==2.13.0",
+        "ruff==0.17.6",
+        *ALFWORLD_REQUIRES,
+        *WEBSHOP_REQUIRES,
+    ],
 }
 
 setup(
