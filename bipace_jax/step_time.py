@@ -1,0 +1,350 @@
+"""A roofline step-time model of an RL run: what each compiled program and one iteration cost on a slice.
+
+Every number is analytic (counted per layer, then multiplied by layers, rows, tokens and loop trip
+counts), not XLA's ``cost_analysis``: that counts a ``lax.scan`` / ``while_loop`` body once, so it is
+~``num_hidden_layers`` times low for scanned programs and one token step for the decode loop.
+
+A program's time on one chip is the roofline
+
+    max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth,
+
+with collectives serialised after the compute (no overlap: an upper bound on their cost). FLOPs
+count the matmuls (2 per multiply-add): the q/k/v/o and SwiGLU projections, attention scores and
+values over the context a token sees, and the LM head where the program evaluates it. HBM bytes count
+weight reads (bf16 compute copies, fp32 master weights and AdamW moments where the program touches
+them) and KV-cache reads and writes; activations are not counted (they are small next to the weights
+in decode, and prefill/training are compute-bound). Collectives: the FSDP all-gathers of the bf16
+weights (forward, and again in the backward) and the reduce-scatter of fp32 gradients over ``fsdp``,
+and the tensor-parallel all-reduces of the activations (two per layer per pass), each at the ring
+volume ``(n - 1) / n`` (all-gather, reduce-scatter) or ``2 (n - 1) / n`` (all-reduce) of the array.
+
+One iteration at the config's bounds: every game plays ``turns`` turns and every response is
+``response_tokens`` long (the lockstep rollout waits for the longest row), so the rollout figure is a
+ceiling of the work and the roofline a floor of its time; real runs land between (see README's table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+# Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and capacity, bidirectional ICI (NVLink) bandwidth
+# per chip, from the vendors' data sheets (the source of each row is its `source`).
+GB = 1e9
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip's peaks.
+
+    Attributes:
+      name: short name (``v5e``, ``h100``, ...).
+      peak_flops: dense bf16 matmul FLOP/s.
+      hbm_bandwidth: HBM bytes/s.
+      hbm_bytes: HBM capacity in bytes.
+      ici_bandwidth: bidirectional inter-chip bytes/s per chip (ICI on TPUs, NVLink on GPUs); the model
+        uses half of it (one direction) for a collective; ``None`` when the vendor page gives none.
+      source: the data sheet the numbers come from.
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    hbm_bytes: int
+    ici_bandwidth: float | None
+    source: str
+
+
+CHIPS = {
+    c.name: c
+    for c in (
+        Chip("v4", 275e12, 1200 * GB, 32 * GiB, None, "https://cloud.google.com/tpu/docs/v4"),
+        Chip("v5e", 197e12, 819 * GB, 16 * GiB, 400 * GB, "https://cloud.google.com/tpu/docs/v5e"),
+        Chip("v5p", 459e12, 2765 * GB, 95 * GiB, 1200 * GB, "https://cloud.google.com/tpu/docs/v5p"),
+        Chip("v6e", 918e12, 1638 * GB, 32 * GB, 800 * GB, "https://cloud.google.com/tpu/docs/v6e"),
+        Chip("h100", 989e12, 3350 * GB, 80 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h100/"),
+        Chip("h200", 989e12, 4800 * GB, 141 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h200/"),
+    )
+}
+
+# `device_kind` substrings -> chip (first match wins: "TPU v5 lite" is a v5e, "TPU v5" a v5p).
+_KINDS = (
+    ("v5 lite", "v5e"),
+    ("v5e", "v5e"),
+    ("v5p", "v5p"),
+    ("v5", "v5p"),
+    ("v6 lite", "v6e"),
+    ("v6e", "v6e"),
+    ("v4", "v4"),
+    ("h100", "h100"),
+    ("h200", "h200"),
+)
+
+
+def chip_for(device_kind: str) -> Chip:
+    """The `Chip` of a JAX ``device.device_kind`` (``"TPU v5 lite"``, ``"NVIDIA H100 80GB HBM3"``).
+
+    Raises:
+      ValueError: the kind is in no row of `CHIPS`.
+    """
+    kind = device_kind.lower()
+    for key, name in _KINDS:
+        if key in kind:
+            return CHIPS[name]
+    raise ValueError(f"no chip peaks for device kind {device_kind!r}; known: {sorted(CHIPS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Work of one program call on one chip: ``flops``, ``hbm_bytes`` and ``collective_bytes`` (sent)."""
+
+    flops: float
+    hbm_bytes: float
+    collective_bytes: float = 0.0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(
+            self.flops + other.flops,
+            self.hbm_bytes + other.hbm_bytes,
+            self.collective_bytes + other.collective_bytes,
+        )
+
+    def __mul__(self, k: float) -> Cost:
+        return Cost(self.flops * k, self.hbm_bytes * k, self.collective_bytes * k)
+
+    def seconds(self, chip: Chip) -> dict[str, Any]:
+        """Roofline seconds on ``chip``: compute, memory, collectives, their total and the bound."""
+        compute, memory = self.flops / chip.peak_flops, self.hbm_bytes / chip.hbm_bandwidth
+        link = None if chip.ici_bandwidth is None else chip.ici_bandwidth / 2
+        collective = 0.0 if not self.collective_bytes else (math.nan if link is None else self.collective_bytes / link)
+        return dict(
+            compute_s=compute,
+            memory_s=memory,
+            collective_s=collective,
+            seconds=max(compute, memory) + collective,
+            bound="compute" if compute >= memory else "memory",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The decoder's sizes (a `Qwen2Config`'s fields of the same names)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def of(cls, cfg: Any) -> ModelShape:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            head_dim,
+            cfg.vocab_size,
+            cfg.tie_word_embeddings,
+        )
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights one token multiplies in a decoder layer: q, k, v, o and gate, up, down."""
+        d, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return d * q + 2 * d * kv + q * d + 3 * d * self.intermediate_size
+
+    @property
+    def params(self) -> int:
+        """All parameters: layers (+ biases and norms), embedding, head when untied, final norm."""
+        d, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        layer = self.layer_matmul_params + q + 2 * kv + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embed + d
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """bf16 keys and values of one token over all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
+
+    def forward_flops(self, rows: float, tokens: float, context: float, head_tokens: float) -> float:
+        """Matmul FLOPs of a forward over ``rows`` x ``tokens`` new tokens that each attend to ``context``
+        positions on average, with the LM head at ``head_tokens`` positions per row."""
+        n = rows * tokens
+        layers = 2 * n * self.layer_matmul_params
+        attention = 4 * n * context * self.num_attention_heads * self.head_dim  # scores + weighted values
+        head = 2 * rows * head_tokens * self.hidden_size * self.vocab_size
+        return self.num_hidden_layers * (layers + attention) + head
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def _tensor_all_reduces(m: ModelShape, rows: float, tokens: float, tensor: int, passes: int) -> float:
+    """Bytes a chip sends for the activation all-reduces of a tensor-parallel group (bf16, two per
+    layer per pass: after attention and after the MLP)."""
+    return passes * 2 * m.num_hidden_layers * rows * tokens * m.hidden_size * 2 * 2 * _ring(tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """The sizes of one RL iteration on a slice (all row counts global unless they say per host).
+
+    Attributes:
+      chips, hosts: devices and processes of the slice.
+      fsdp, tensor: the training mesh's FSDP and tensor axis sizes (data = chips / fsdp / tensor).
+      sampler_tensor: the tensor axis of a host's sampler / log-prob mesh (its other devices split rows).
+      prompt_tokens, response_tokens: the prompt bucket and ``sampler.max_new_tokens``.
+      games_per_host: games a host plays per turn (its sampler batch).
+      turns: turns per game (``env.max_steps``).
+      micro_batch_rows: rows of one gradient micro-batch over the whole mesh.
+      logprob_rows_per_host: rows of one log-prob micro-batch on a host.
+      mini_batch_rows: rows of one optimizer step over the whole run.
+      logprob_passes: log-prob forwards per row before the update (old + reference: 2; 1 or 0 when the
+        sampler's log-probs stand in for the old ones or there is no KL term).
+      remat: ``model.remat`` (``full`` recomputes the forward in the backward).
+      iterations: RL iterations of the run.
+      val_games_per_host, val_every: validation games a host plays and every how many iterations.
+      checkpoint_every: iterations between checkpoints.
+    """
+
+    chips: int
+    hosts: int
+    fsdp: int
+    tensor: int
+    sampler_tensor: int
+    prompt_tokens: int
+    response_tokens: int
+    games_per_host: int
+    turns: int
+    micro_batch_rows: int
+    logprob_rows_per_host: int
+    mini_batch_rows: int
+    logprob_passes: int = 2
+    remat: str = "full"
+    iterations: int = 150
+    val_games_per_host: int = 0
+    val_every: int = 0
+    checkpoint_every: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Step rows of one iteration (every game plays every turn)."""
+        return self.games_per_host * self.hosts * self.turns
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.chips // self.hosts
+
+
+# Bytes a host writes per second to its run folder (GCS from a TPU VM): an assumption, not a data sheet.
+STORAGE_BYTES_PER_S = 1 * GB
+
+
+def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
+    """Per chip `Cost` of one call of each program: ``prefill`` (a host's games, one prompt bucket),
+    ``decode_step`` (one token of every game over the mean context), ``logprobs`` (one host micro-batch),
+    ``ppo_grad`` (one global micro-batch: forward, backward, remat), ``ppo_apply`` (one AdamW step)."""
+    w16 = m.params * 2  # bf16 compute copy
+    local = r.chips_per_host
+    dp_local = local // r.sampler_tensor  # a host's sampler splits its rows over its other devices
+    b, t, resp = r.games_per_host, r.prompt_tokens, r.response_tokens
+    width = t + resp
+
+    prefill = Cost(
+        m.forward_flops(b, t, t / 2, 1) / local,
+        w16 / r.sampler_tensor + b * t * m.kv_bytes_per_token / local,
+        _tensor_all_reduces(m, b / dp_local, t, r.sampler_tensor, 1),
+    )
+    context = t + resp / 2
+    decode_step = Cost(
+        m.forward_flops(b, 1, context, 1) / local,
+        w16 / r.sampler_tensor + b * context * m.kv_bytes_per_token / local,
+        _tensor_all_reduces(m, b / dp_local, 1, r.sampler_tensor, 1),
+    )
+    lrows = r.logprob_rows_per_host
+    logprobs = Cost(
+        m.forward_flops(lrows, width, width / 2, resp) / local,
+        w16 / r.sampler_tensor,
+        _tensor_all_reduces(m, lrows / dp_local, width, r.sampler_tensor, 1),
+    )
+    # forward 1 + backward 2 (+ the recomputed forward under full remat)
+    passes = 4 if r.remat == "full" else 3
+    rows_per_group = r.micro_batch_rows / (r.chips // r.tensor)
+    gathers = 2 if r.remat != "none" else 1  # weights gathered for the forward and again for the backward
+    grad = Cost(
+        passes * m.forward_flops(r.micro_batch_rows, width, width / 2, resp) / r.chips,
+        gathers * w16 / r.tensor + 2 * 4 * m.params / r.chips,  # bf16 weight reads, fp32 accumulator r/w
+        gathers * w16 / r.tensor * _ring(r.fsdp)
+        + 4 * m.params / r.tensor * _ring(r.fsdp)
+        + _tensor_all_reduces(m, rows_per_group, width, r.tensor, passes - 1),
+    )
+    # AdamW over fp32 shards: read params, grads, mu, nu; write params, mu, nu (28 bytes a parameter)
+    apply = Cost(12 * m.params / r.chips, 28 * m.params / r.chips)
+    return dict(prefill=prefill, decode_step=decode_step, logprobs=logprobs, ppo_grad=grad, ppo_apply=apply)
+
+
+def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
+    """The step-time model of a run (JSON-ready): per program seconds, per iteration stage seconds and
+    counts, seconds per iteration, hours and chip-hours of the run.
+
+    Stages: ``rollout`` = turns x (prefill + response_tokens decode steps); ``logprobs`` = passes x the
+    host's log-prob micro-batches; ``ppo_grad`` = global micro-batches; ``ppo_apply`` = optimizer steps;
+    ``validation`` = its rollout amortised over ``val_every``; ``checkpoint`` = a host's share of fp32
+    params and AdamW moments at `STORAGE_BYTES_PER_S`, amortised over ``checkpoint_every`` (with async
+    saves it overlaps the next iteration: listed, not added).
+    """
+    costs = program_costs(m, r)
+    sec = {k: c.seconds(chip) for k, c in costs.items()}
+    t = {k: v["seconds"] for k, v in sec.items()}
+    turn = t["prefill"] + r.response_tokens * t["decode_step"]
+    rows_host = r.games_per_host * r.turns
+    counts = dict(
+        turns=r.turns,
+        decode_steps_per_turn=r.response_tokens,
+        logprob_micro_batches=r.logprob_passes * math.ceil(rows_host / r.logprob_rows_per_host),
+        grad_micro_batches=math.ceil(r.rows / r.micro_batch_rows),
+        optimizer_steps=math.ceil(r.rows / r.mini_batch_rows),
+    )
+    stages = dict(
+        rollout=r.turns * turn,
+        logprobs=counts["logprob_micro_batches"] * t["logprobs"],
+        ppo_grad=counts["grad_micro_batches"] * t["ppo_grad"],
+        ppo_apply=counts["optimizer_steps"] * t["ppo_apply"],
+    )
+    if r.val_every and r.val_games_per_host:
+        val_turn = costs["prefill"] * (r.val_games_per_host / r.games_per_host)
+        val_step = costs["decode_step"] * (r.val_games_per_host / r.games_per_host)
+        val = r.turns * (val_turn.seconds(chip)["seconds"] + r.response_tokens * val_step.seconds(chip)["seconds"])
+        stages["validation"] = val / r.val_every
+    iteration = sum(stages.values())
+    checkpoint = 16 * m.params / r.hosts / STORAGE_BYTES_PER_S / max(r.checkpoint_every, 1)
+    hours = r.iterations * iteration / 3600
+    return dict(
+        method="analytic: per-layer matmul FLOPs and weight/KV-cache bytes x layers x rows x trip counts",
+        chip=dataclasses.asdict(chip),
+        programs={
+            k: dict(
+                flops_per_chip=c.flops,
+                hbm_bytes_per_chip=c.hbm_bytes,
+                collective_bytes_per_chip=c.collective_bytes,
+                **sec[k],
+            )
+            for k, c in costs.items()
+        },
+        counts=counts,
+        stages_s=stages,
+        checkpoint_s_per_iteration=checkpoint,
+        iteration_s=iteration,
+        run_hours=hours,
+        chip_hours=hours * r.chips,
+        iterations=r.iterations,
+    )

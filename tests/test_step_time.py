@@ -1,0 +1,111 @@
+"""The step-time model: its FLOP count against XLA's own count of an unrolled forward, its roofline
+against hand-computed 7B figures, and an iteration that is the sum of its stages."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bipace_jax import step_time
+from bipace_jax.models import Qwen2Actor, Qwen2Config
+
+
+def _seven_b_on_v5e_8x8(**kw) -> step_time.RunShape:
+    # ALFWorld 7B on v5e:8x8: 16 hosts x 4 chips, mesh (1, 16, 4), 8 games per host, 2048 + 512 tokens
+    args = dict(
+        chips=64,
+        hosts=16,
+        fsdp=16,
+        tensor=4,
+        sampler_tensor=4,
+        prompt_tokens=2048,
+        response_tokens=512,
+        games_per_host=8,
+        turns=50,
+        micro_batch_rows=64,
+        logprob_rows_per_host=4,
+        mini_batch_rows=256,
+    )
+    return step_time.RunShape(**{**args, **kw})
+
+
+def test_forward_flops_match_xla_count_of_an_unrolled_forward():
+    # cost_analysis counts every op of a program without loops: the matmuls should be nearly all of it
+    cfg = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(actor)
+    rows, t = 4, 64
+
+    def forward(state, ids, mask):
+        return nnx.merge(graphdef, state)(ids, mask).logits
+
+    ids = jnp.zeros((rows, t), jnp.int32)
+    cost = jax.jit(forward).lower(state, ids, jnp.ones_like(ids)).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    m = step_time.ModelShape.of(cfg)
+    # the XLA reference attention scores every (query, key) pair: context t, not the causal t / 2
+    model = m.forward_flops(rows, t, t, t)
+    assert 0.97 < cost["flops"] / model < 1.05, (cost["flops"], model)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
+    assert m.params == n_params
+
+
+def test_seven_b_decode_is_bandwidth_bound_at_the_hand_roofline():
+    # By hand: bf16 weights 2 x 7.616e9 B over 4 tensor chips = 3.81 GB per chip; KV of 8 games x
+    # 2304 tokens x 2 x 28 layers x 4 heads x 128 x 2 B / 4 chips = 0.264 GB; at 819 GB/s: 4.97 ms
+    m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
+    assert m.params == 7_615_616_512
+    r = _seven_b_on_v5e_8x8()
+    costs = step_time.program_costs(m, r)
+    decode = costs["decode_step"].seconds(step_time.CHIPS["v5e"])
+    weights = 2 * m.params / 4
+    kv = 8 * (2048 + 256) * 2 * 28 * 4 * 128 * 2 / 4
+    assert decode["bound"] == "memory"
+    assert decode["memory_s"] == pytest.approx((weights + kv) / 819e9, rel=1e-9)
+    assert 4.9e-3 < decode["seconds"] < 5.1e-3
+    # prefill of 8 x 2048 tokens is compute-bound: ~2 x 6.5e9 matmul weights x 16k tokens / 4 chips
+    prefill = costs["prefill"].seconds(step_time.CHIPS["v5e"])
+    assert prefill["bound"] == "compute" and 0.25 < prefill["compute_s"] < 0.32
+
+
+def test_an_iteration_is_its_stages_and_the_run_is_iterations_of_it():
+    m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
+    r = _seven_b_on_v5e_8x8(val_games_per_host=16, val_every=5, iterations=150)
+    e = step_time.estimate(m, r, step_time.CHIPS["v5e"])
+    p = {k: v["seconds"] for k, v in e["programs"].items()}
+    assert e["counts"] == dict(
+        turns=50, decode_steps_per_turn=512, logprob_micro_batches=200, grad_micro_batches=100, optimizer_steps=25
+    )
+    assert e["stages_s"]["rollout"] == pytest.approx(50 * (p["prefill"] + 512 * p["decode_step"]))
+    assert e["stages_s"]["ppo_grad"] == pytest.approx(100 * p["ppo_grad"])
+    assert e["iteration_s"] == pytest.approx(sum(e["stages_s"].values()))
+    assert e["run_hours"] == pytest.approx(150 * e["iteration_s"] / 3600)
+    assert e["chip_hours"] == pytest.approx(64 * e["run_hours"])
+    # the gradient micro-batch: 4 forward-equivalents of 64 rows x 2560 tokens over 64 chips
+    grad = m.forward_flops(64, 2560, 1280, 512) * 4 / 64
+    assert e["programs"]["ppo_grad"]["flops_per_chip"] == pytest.approx(grad)
+    # rollout ~144 s, log-probs ~42 s, gradient ~88 s: the issue's hand estimate of ~250 s at the limit
+    assert 130 < e["stages_s"]["rollout"] < 160 and 200 < e["iteration_s"] - e["stages_s"]["validation"] < 300
+
+
+def test_chips_are_found_by_device_kind_and_unknown_kinds_raise():
+    assert step_time.chip_for("TPU v5 lite").name == "v5e"
+    assert step_time.chip_for("TPU v5").name == "v5p"
+    assert step_time.chip_for("TPU v6 lite").name == "v6e"
+    assert step_time.chip_for("NVIDIA H100 80GB HBM3").name == "h100"
+    with pytest.raises(ValueError, match="no chip peaks"):
+        step_time.chip_for("cpu")
+    # v4 publishes no ICI figure: its collectives are unknown, never silently free
+    v4 = step_time.Cost(1.0, 1.0, 1.0).seconds(step_time.CHIPS["v4"])
+    assert math.isnan(v4["collective_s"])
