@@ -16,6 +16,11 @@ fields that tell the arms apart (e.g. ``estimator.name=bipace_q``). Per arm, ove
   the clusters (each run records both, whichever partition it trains with), pairs, PACE and
   leave-one-out row shares, epsilon; BiPACE's share of the iteration time.
 
+Only complete runs enter the means: a run whose sweep cell failed (``sweep_cell.json``) or that logged
+fewer iterations than its ``num_iterations`` is left out and named in the report; a validation whose
+value is missing or not finite (NaN, written as null: every game of the panel faulted) is skipped, and
+a number that some seeds lack says "(n of m seeds)". The command exits 1 only when no run is complete.
+
 Writes ``report.md``, ``report.json`` and plots (learning curves with a band over seeds, singleton
 rates, PACE mix) to ``--out`` (default: the first folder given). Folders may be local or ``gs://``.
 """
@@ -100,16 +105,42 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
 
 
+def _finite(v: Any) -> float | None:
+    """``v`` as a float, or None when it is missing or not finite (``metrics`` writes NaN as null)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
 def validation_curve(rows: list[dict], key: str = "val/success_rate") -> list[tuple[int, float]]:
-    """(iterations trained, value) of every validation: the before-RL one at 0, then after iteration i at i + 1."""
+    """(iterations trained, value) of every validation: the before-RL one at 0, then after iteration i at
+    i + 1; a validation whose value is missing or not finite (every game faulted) is left out."""
     curve = []
     before = key.replace("val/", "val_before/", 1)
     for r in rows:
-        if before in r:
-            curve.append((0, float(r[before])))
-        if key in r:
-            curve.append((int(r["iteration"]) + 1, float(r[key])))
+        if before in r and _finite(r[before]) is not None:
+            curve.append((0, _finite(r[before])))
+        if key in r and _finite(r[key]) is not None:
+            curve.append((int(r["iteration"]) + 1, _finite(r[key])))
     return curve
+
+
+def run_status(run: str, rows: list[dict]) -> str | None:
+    """None for a complete run; else why it is left out of the means: its sweep cell failed
+    (``sweep_cell.json`` with a non-zero exit code) or it logged fewer iterations than its config's
+    ``num_iterations``."""
+    folder = runfolder.path(run)
+    cell = runfolder.read_text(folder / "sweep_cell.json")
+    if cell is not None and json.loads(cell).get("returncode") != 0:
+        return f"failed (exit code {json.loads(cell).get('returncode')})"
+    text = runfolder.read_text(folder / "config.json")
+    want = json.loads(text).get("num_iterations") if text is not None else None
+    done = len({int(r["iteration"]) for r in rows if "iteration" in r})
+    if isinstance(want, int) and done < want:
+        return f"incomplete ({done} of {want} iterations)"
+    return None
 
 
 def run_summary(run: str, threshold: float) -> dict[str, Any]:
@@ -119,22 +150,26 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
     rows = read_metrics(run)
     curve = validation_curve(rows)
     out: dict[str, Any] = {"run": os.path.basename(os.path.normpath(run)), "iterations": len(rows), "curve": curve}
+    out["status"] = run_status(run, rows)
+    out["missing_validations"] = sum(
+        1 for r in rows for k in ("val/success_rate", "val_before/success_rate") if k in r and _finite(r[k]) is None
+    )
     out["final"] = curve[-1][1] if curve else None
     out["best"] = max(v for _, v in curve) if curve else None
     out["iterations_to_threshold"] = next((i for i, v in curve if v >= threshold), None)
-    last_val = next((r for r in reversed(rows) if "val/success_rate" in r), {})
+    last_val = next((r for r in reversed(rows) if _finite(r.get("val/success_rate")) is not None), {})
     out["final_by_key"] = {
-        k: float(v)
+        k: _finite(v)
         for k, v in last_val.items()
         if k.startswith("val/") and k != "val/success_rate" and "/tasks" not in k
     }
     out["final_by_key"] = {k: v for k, v in out["final_by_key"].items() if "success_rate" in k or k.endswith("/score")}
     out["diagnostics"] = {}
     for key, _ in DIAGNOSTICS:
-        vals = [float(r[key]) for r in rows if key in r]
+        vals = [v for v in (_finite(r.get(key)) for r in rows) if v is not None]
         out["diagnostics"][key] = sum(vals) / len(vals) if vals else None
     out["curves"] = {
-        key: [(int(r["iteration"]) + 1, float(r[key])) for r in rows if key in r]
+        key: [(int(r["iteration"]) + 1, _finite(r[key])) for r in rows if _finite(r.get(key)) is not None]
         for key in (
             "estimator/hash_singleton_group_rate",
             "estimator/cluster_singleton_group_rate",
@@ -145,11 +180,16 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
 
 
 def aggregate(arms: dict[str, list[str]], threshold: float) -> dict[str, Any]:
-    """Per arm: mean/std over seeds of every summary number (see the module docstring)."""
+    """Per arm: mean/std over its complete seeds of every summary number (see the module docstring);
+    failed or incomplete runs (`run_status`) are left out and listed under ``excluded``, and ``counted``
+    gives, per number, how many seeds had a finite value of it."""
     report: dict[str, Any] = {"threshold": threshold, "arms": {}}
     for name, runs in arms.items():
-        per_run = [run_summary(r, threshold) for r in runs]
-        arm: dict[str, Any] = {"runs": [os.path.basename(r) for r in runs], "seeds": len(runs)}
+        summaries = [run_summary(r, threshold) for r in runs]
+        per_run = [s for s in summaries if s["status"] is None]
+        arm: dict[str, Any] = {"runs": [s["run"] for s in per_run], "seeds": len(per_run)}
+        arm["excluded"] = {s["run"]: s["status"] for s in summaries if s["status"] is not None}
+        arm["counted"] = {k: sum(s[k] is not None for s in per_run) for k in ("final", "best")}
         for k in ("final", "best"):
             arm[k] = mean_std([s[k] for s in per_run])
         reached = [s["iterations_to_threshold"] for s in per_run if s["iterations_to_threshold"] is not None]
@@ -181,9 +221,16 @@ def to_markdown(report: dict[str, Any]) -> str:
     ]
     for name, a in arms.items():
         its = _pm(a["iterations_to_threshold"], pct=False)
-        lines.append(
-            f"| {name} | {a['seeds']} | {_pm(a['final'])} | {_pm(a['best'])} | {its} ({a['reached_threshold']}) |"
-        )
+
+        def seeds_of(k, a=a):  # "(n of m seeds)" when some seeds had no finite value of it
+            n = a["counted"][k]
+            return "" if n == a["seeds"] else f" ({n} of {a['seeds']} seeds)"
+
+        final, best = _pm(a["final"]) + seeds_of("final"), _pm(a["best"]) + seeds_of("best")
+        lines.append(f"| {name} | {a['seeds']} | {final} | {best} | {its} ({a['reached_threshold']}) |")
+    left_out = [f"{run} ({why})" for a in arms.values() for run, why in a["excluded"].items()]
+    if left_out:
+        lines += ["", "Left out of the means: " + ", ".join(left_out) + "."]
     keys = sorted({k for a in arms.values() for k in a["final_by_key"]})
     if keys:
         lines += ["", "Final validation by category (%):", "", "| arm | " + " | ".join(keys) + " |"]
@@ -254,6 +301,9 @@ def main(argv):
     except ValueError as e:
         sys.exit(f"error: {e}")
     report = aggregate(arms_of(runs), _THRESHOLD.value)
+    if not any(a["seeds"] for a in report["arms"].values()):
+        excluded = {r: why for a in report["arms"].values() for r, why in a["excluded"].items()}
+        sys.exit(f"error: no complete run to report: {excluded}")
     out = _OUT.value or paths[0]
     try:
         folder = runfolder.prepare(out, "--out")

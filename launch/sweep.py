@@ -16,6 +16,7 @@ and each cell's status; ``python -m launch.report <workdir>`` aggregates the run
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -90,8 +91,13 @@ def parse_grid(specs: list[str], seeds: list[str]) -> list[list[tuple[str, str]]
 
 
 def cell_name(cell: list[tuple[str, str]]) -> str:
-    """A folder name spelling the cell's overrides (characters outside [\\w.,=+-] become '_')."""
-    return re.sub(r"[^\w.,=+-]", "_", ",".join(f"{f}={v}" for f, v in cell))
+    """A folder name spelling the cell's overrides. Characters outside [\\w.,=+-] become '_', and then
+    the name ends in ``~`` + 8 hex digits of the raw overrides' SHA-1, so distinct values never share a
+    folder (``Be brief!`` and ``Be brief?``; ``a/b`` and ``a_b``); a name with nothing replaced is kept
+    as it is (older sweep folders resume)."""
+    raw = ",".join(f"{f}={v}" for f, v in cell)
+    name = re.sub(r"[^\w.,=+-]", "_", raw)
+    return name if name == raw else f"{name}~{hashlib.sha1(raw.encode()).hexdigest()[:8]}"
 
 
 _OVERRIDES: list[str] = []  # the command line's --config.<field>=<value>, for every cell

@@ -24,7 +24,7 @@ def test_grid_values_split_outside_brackets_and_cells_are_the_product_with_seeds
     assert cells[3] == [("estimator.name", "bipace_q"), ("ppo.epochs", "2"), ("seed", "0")]  # seed-major
     assert cells[-1] == [("estimator.name", "bipace_q"), ("ppo.epochs", "2"), ("seed", "1")]
     assert sweep.cell_name(cells[4]) == "estimator.name=grpo,ppo.epochs=1,seed=1"
-    assert sweep.cell_name([("sampler.batch_buckets", "(4, 8)")]) == "sampler.batch_buckets=_4,_8_"
+    assert sweep.cell_name([("sampler.batch_buckets", "(4, 8)")]).startswith("sampler.batch_buckets=_4,_8_~")
 
 
 @pytest.mark.parametrize(

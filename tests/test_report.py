@@ -1,0 +1,70 @@
+"""launch.report over runs that a study really produces: NaN validations, failed and unfinished seeds."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(path, seed, vals, *, returncode=None, num_iterations=None):
+    os.makedirs(path)
+    config = {"seed": seed, "estimator": {"name": "grpo"}}
+    if num_iterations is not None:
+        config["num_iterations"] = num_iterations
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        for i, v in enumerate(vals):
+            rec = {"iteration": i, "estimator/pace_row_rate": 0.5, "val/success_rate": v}
+            if i == 0:
+                rec["val_before/success_rate"] = 0.5
+            f.write(json.dumps(rec) + "\n")  # None is written as null, as metrics writes NaN
+    if returncode is not None:
+        with open(os.path.join(path, "sweep_cell.json"), "w") as f:
+            json.dump({"returncode": returncode}, f)
+
+
+def test_a_nan_validation_is_left_out_and_counted_not_a_crash(tmp_path):
+    # seed 1's last panel faulted in every game: metrics wrote null; its final is its last finite one
+    _run(tmp_path / "s0", 0, [0.6, 0.8])
+    _run(tmp_path / "s1", 1, [0.9, None])
+    r = report.aggregate(report.arms_of(report.find_runs([str(tmp_path)])), threshold=0.95)
+    arm = r["arms"]["all runs"]
+    by_run = {s["run"]: s for s in arm["per_run"]}
+    assert by_run["s1"]["final"] == pytest.approx(0.9) and by_run["s1"]["missing_validations"] == 1
+    assert arm["final"][0] == pytest.approx(0.85) and arm["counted"]["final"] == 2
+
+
+def test_failed_and_unfinished_seeds_are_left_out_of_the_means_and_named(tmp_path):
+    # the issue's case: 3 seeds, one cell failed after 2 of 6 iterations: 90.0 +- 0.0 over the 2 complete
+    _run(tmp_path / "s0", 0, [0.9] * 6, returncode=0, num_iterations=6)
+    _run(tmp_path / "s1", 1, [0.9] * 6, returncode=0, num_iterations=6)
+    _run(tmp_path / "s2", 2, [0.3, 0.3], returncode=1, num_iterations=6)
+    _run(tmp_path / "s3", 3, [0.1, 0.1, 0.1], num_iterations=6)  # killed outside a sweep: no sweep_cell.json
+    r = report.aggregate(report.arms_of(report.find_runs([str(tmp_path)])), threshold=0.95)
+    arm = r["arms"]["all runs"]
+    assert arm["seeds"] == 2 and arm["final"] == (pytest.approx(0.9), 0.0)
+    assert arm["excluded"] == {"s2": "failed (exit code 1)", "s3": "incomplete (3 of 6 iterations)"}
+    md = report.to_markdown(r)
+    assert "| all runs | 2 | 90.0 +- 0.0 |" in md
+    assert "Left out of the means: s2 (failed (exit code 1)), s3 (incomplete (3 of 6 iterations))." in md
+
+
+def test_the_command_reports_with_one_complete_run_and_refuses_with_none(tmp_path):
+    _run(tmp_path / "ok" / "s0", 0, [0.7, None], returncode=0, num_iterations=2)
+    _run(tmp_path / "ok" / "s1", 1, [0.2], returncode=1, num_iterations=2)
+    cmd = [sys.executable, "-m", "launch.report", str(tmp_path / "ok"), f"--out={tmp_path / 'out'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Left out of the means: s1 (failed (exit code 1))" in proc.stdout
+    assert json.load(open(tmp_path / "out" / "report.json"))["arms"]["all runs"]["seeds"] == 1
+    _run(tmp_path / "bad" / "s0", 0, [0.2], returncode=1, num_iterations=2)
+    cmd = [sys.executable, "-m", "launch.report", str(tmp_path / "bad"), f"--out={tmp_path / 'out2'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "no complete run" in proc.stderr
