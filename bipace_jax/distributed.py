@@ -223,7 +223,7 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
     """
     if jax.process_count() == 1 or str(workdir).startswith("gs://"):
         return
-    token = int(allgather(np.int64(np.random.default_rng().integers(1, 2**62)))[0])  # process 0's
+    token = int(allgather(np.int32(np.random.default_rng().integers(1, 2**31 - 1)))[0])  # process 0's
     probe = os.path.join(os.fspath(workdir), f".shared_workdir_{token}")
     if jax.process_index() == 0:
         with open(probe, "w") as f:
