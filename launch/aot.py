@@ -86,7 +86,9 @@ def topology_devices(name: str) -> list:
         return devices[:n]
 
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        # v4 lists two devices (TensorCores) per chip unless megacore; meshes need one per chip
+        kw = dict(chip_config_name="megacore") if name.startswith("v4:") else {}
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
     except Exception as e:  # libtpu missing or an unknown slice name
         raise ValueError(
             f"--topology={name}: not a TPU topology this machine can describe ({type(e).__name__}: {e}); "

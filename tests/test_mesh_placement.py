@@ -30,7 +30,9 @@ TOPOLOGIES = {
     "v5p:2x2x4": (16, 4),
     "v5e:4x4": (16, 4),
     "v6e:4x4": (16, 4),
+    "v4:2x2x4": (16, 4),  # megacore: one device per chip
 }
+NAIVE_CROSSES = {"v5e:8x8", "v5e:16x16", "v5p:2x4x4", "v5e:4x4", "v6e:4x4"}  # issue 23's list
 PAPER = ("alfworld_qwen2_5_1_5b", "alfworld_qwen2_5_7b", "webshop_qwen2_5_7b")
 
 # One subprocess for every topology: libtpu describes slices without a TPU (a few seconds, no compile);
@@ -43,7 +45,8 @@ TOPOLOGY_SCRIPT = textwrap.dedent(r"""
 
     out = {}
     for name in json.loads(sys.argv[1]):
-        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        kw = dict(chip_config_name="megacore") if name.startswith("v4:") else {}  # one device per chip
+        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
         for setting in json.loads(sys.argv[2]):
             c = importlib.import_module(f"configs.{setting}").get_config()
             shape = config_lib.mesh_shape(c, len(devices))
@@ -103,11 +106,12 @@ def test_paper_meshes_keep_tensor_groups_in_a_host_and_give_hosts_contiguous_bat
 @needs_libtpu
 def test_naive_make_mesh_crosses_hosts_where_issue_23_found_it(topology_meshes):
     # 4-chip tensor groups: jax.make_mesh's order puts them on 2 hosts except on v5p:2x2x4
-    for topology, (chips, _) in TOPOLOGIES.items():
+    for topology in [*NAIVE_CROSSES, "v5p:2x2x4"]:
+        chips, _ = TOPOLOGIES[topology]
         r = topology_meshes[f"{topology} alfworld_qwen2_5_7b"]
         procs = np.array(r["naive"]).reshape(chips // 4, 4)
         crosses = bool((procs != procs[:, :1]).any())
-        assert crosses == (topology != "v5p:2x2x4"), topology
+        assert crosses == (topology in NAIVE_CROSSES), topology
         assert ("span several processes" in r["naive_error"]) == crosses, (topology, r["naive_error"])
 
 
