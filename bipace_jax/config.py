@@ -277,24 +277,17 @@ def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) ->
     hold whole tensor-parallel shards. ``local_devices`` is the chips (devices) of one host.
 
     Raises:
-      ConfigError: ``num_processes > 1`` and ``tensor`` is larger than ``local_devices`` or does not
-        divide it (``config.mesh.tensor``, naming the chips per host and the sizes that fit).
+      ConfigError: ``num_processes > 1`` and ``tensor`` does not divide ``local_devices`` (so also
+        when it is larger): ``config.mesh.tensor``, naming the chips per host and the sizes that fit.
     """
     if num_processes <= 1:
         return
-    divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
-    if tensor > local_devices:
+    if local_devices % tensor:  # also every tensor > local_devices
+        divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
         _fail(
             "mesh.tensor",
-            f"be at most the {local_devices} chips of one host ({num_processes} hosts; tensor groups never "
-            f"cross hosts): one of {divisors}",
-            tensor,
-        )
-    if local_devices % tensor:
-        _fail(
-            "mesh.tensor",
-            f"divide the {local_devices} chips of each host ({num_processes} hosts; tensor groups never "
-            f"cross hosts): one of {divisors}",
+            f"divide the {local_devices} devices of each host, its chips ({num_processes} hosts; a tensor "
+            f"group never crosses hosts, so at most {local_devices}): one of {divisors}",
             tensor,
         )
 

@@ -119,17 +119,17 @@ def test_naive_make_mesh_crosses_hosts_where_issue_23_found_it(topology_meshes):
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_a_tensor_group_larger_than_a_host_is_a_config_error(topology_meshes, topology):
     msg = topology_meshes[f"{topology} tensor8"]
-    assert msg.startswith("config.mesh.tensor must be at most the 4 chips of one host"), msg
-    assert "got 8" in msg
+    assert msg.startswith("config.mesh.tensor must divide the 4 devices of each host"), msg
+    assert "so at most 4): one of [1, 2, 4], got 8" in msg
 
 
 def test_check_tensor_in_host_names_the_field_and_the_chips_per_host():
     config_lib.check_tensor_in_host(8, 1, 4)  # one host: the whole mesh is its own
     config_lib.check_tensor_in_host(4, 16, 4)
-    with pytest.raises(config_lib.ConfigError, match=r"config.mesh.tensor must be at most the 4 chips .* got 8"):
+    with pytest.raises(config_lib.ConfigError, match=r"tensor must divide the 4 devices .*at most 4\): .* got 8"):
         config_lib.check_tensor_in_host(8, 16, 4)
     with pytest.raises(
-        config_lib.ConfigError, match=r"divide the 8 chips of each host .* one of \[1, 2, 4, 8\], got 3"
+        config_lib.ConfigError, match=r"divide the 8 devices of each host.* one of \[1, 2, 4, 8\], got 3"
     ):
         config_lib.check_tensor_in_host(3, 2, 8)
 
@@ -149,7 +149,7 @@ def test_process_layout_splits_rows_over_each_hosts_batch_shards():
     # 1.5B on v5e:4x4: 4 batch shards per host, so 6 rows per host do not split
     with pytest.raises(config_lib.ConfigError, match=r"ppo.micro_batch_rows must be a multiple of the 4 batch shards"):
         config_lib.process_layout(_layout_config(micro_batch_rows=6, tensor=1), 4, 16, 4)
-    with pytest.raises(config_lib.ConfigError, match="config.mesh.tensor must be at most the 4 chips"):
+    with pytest.raises(config_lib.ConfigError, match="config.mesh.tensor must divide the 4 devices of each host"):
         config_lib.process_layout(_layout_config(tensor=8), 16, 64, 4)
     with pytest.raises(ValueError, match="64 devices are not 8 hosts x 4 devices"):
         config_lib.process_layout(_layout_config(), 8, 64, 4)
