@@ -9,6 +9,9 @@ mesh axes. Models declare each parameter's logical axes as `nnx.Param(value, log
 metadata, which `param_shardings` reads back; `constrain` pins an activation's sharding when a mesh is
 set (`jax.set_mesh`) and does nothing otherwise. A mesh axis that does not divide a dimension is
 dropped for it (replicated), never an error or an uneven split. No pmap: `jax.jit` with `NamedSharding`.
+
+On several hosts `make_mesh` keeps every tensor group inside one host and gives each host one
+contiguous block of the batch shards; `check_placement` asserts both from ``mesh.devices``.
 """
 
 from __future__ import annotations
