@@ -272,40 +272,73 @@ def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int
 
 def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) -> None:
     """With several processes the mesh's tensor axis (its resolved size ``tensor``) must lie inside one
-    host: its all-reduces then stay on the host's fast links, and each host's sampler and reference
-    copies hold whole tensor-parallel shards.
+    host: its all-reduces then stay on the host's fast links, each host holds whole tensor groups (so
+    its batch shards are its own, `sharding.check_placement`), and its sampler and reference copies
+    hold whole tensor-parallel shards. ``local_devices`` is the chips (devices) of one host.
 
     Raises:
-      ConfigError: ``num_processes > 1`` and ``tensor`` does not divide ``local_devices``.
+      ConfigError: ``num_processes > 1`` and ``tensor`` does not divide ``local_devices`` (so also
+        when it is larger): ``config.mesh.tensor``, naming the chips per host and the sizes that fit.
     """
-    if num_processes > 1 and local_devices % tensor:
+    if num_processes <= 1:
+        return
+    if local_devices % tensor:  # also every tensor > local_devices
         divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
         _fail(
             "mesh.tensor",
-            f"divide the {local_devices} devices of each host ({num_processes} processes): one of {divisors}",
+            f"divide the {local_devices} devices of each host, its chips ({num_processes} hosts; a tensor "
+            f"group never crosses hosts, so at most {local_devices}): one of {divisors}",
             tensor,
         )
 
 
 def process_layout(c: ml_collections.ConfigDict, num_processes: int, devices: int, local_devices: int):
-    """The mesh's resolved (data, fsdp, tensor) for ``devices`` over ``num_processes`` hosts, after the
-    checks that need the process count: task groups and micro-batch rows split evenly over hosts and
-    the batch axes, the tensor axis inside a host (`check_tensor_in_host`).
+    """The mesh's resolved (data, fsdp, tensor) for ``devices`` over ``num_processes`` hosts of
+    ``local_devices`` each, after the checks that need the process count: every host the same number
+    of devices, task groups and micro-batch rows split evenly over hosts and their batch shards, the
+    tensor axis inside a host (`check_tensor_in_host`). `sharding.make_mesh` then lays out the same
+    sizes by host.
 
     Raises:
       ConfigError: naming the field whose value does not split.
     """
+    if devices != num_processes * local_devices:
+        raise ValueError(f"process_layout: {devices} devices are not {num_processes} hosts x {local_devices} devices")
     if c.rollout.num_groups % num_processes:
         _fail("rollout.num_groups", f"be a multiple of the process count {num_processes}", c.rollout.num_groups)
     data, fsdp, tensor = mesh_shape(c, devices)
     check_tensor_in_host(tensor, num_processes, local_devices)
+    # each host holds data*fsdp/processes consecutive batch shards (make_mesh); its rows split over them
     if (c.ppo.micro_batch_rows * num_processes) % (data * fsdp):
         _fail(
             "ppo.micro_batch_rows",
-            f"be such that it times the {num_processes} processes is a multiple of mesh data*fsdp={data * fsdp}",
+            f"be a multiple of the {data * fsdp // num_processes} batch shards of each host "
+            f"(mesh data*fsdp={data * fsdp} over {num_processes} processes)",
             c.ppo.micro_batch_rows,
         )
     return data, fsdp, tensor
+
+
+def check_workdir(c: ml_collections.ConfigDict, workdir: str, num_processes: int) -> None:
+    """A run of several processes needs a ``--workdir`` every host sees (orbax writes one checkpoint
+    from all hosts; process 0 writes the metrics): ``gs://...``, or a path the config declares shared
+    (``checkpoint.shared_workdir=True``, e.g. an NFS mount; `distributed.check_shared_workdir` proves it).
+
+    Raises:
+      ConfigError: ``checkpoint.shared_workdir`` is not a bool; or ``num_processes > 1``, ``workdir``
+        is not ``gs://`` and ``checkpoint.shared_workdir`` is False.
+    """
+    shared = c.checkpoint.get("shared_workdir", False)
+    if not isinstance(shared, bool):
+        _fail("checkpoint.shared_workdir", "be True or False", shared)
+    if num_processes <= 1 or str(workdir).startswith("gs://"):
+        return
+    if not shared:
+        raise ConfigError(
+            f"--workdir={workdir!r}: a run of {num_processes} processes needs a folder every host sees "
+            "(each host writes its shards of the checkpoints): use gs://..., or set "
+            "config.checkpoint.shared_workdir=True when it is a shared file system"
+        )
 
 
 def enable_compile_cache(c: ml_collections.ConfigDict) -> None:

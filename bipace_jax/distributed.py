@@ -7,13 +7,14 @@ reshard / cast them on device), so single-host code calls them unconditionally.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding
@@ -70,16 +71,16 @@ def _is_float(x: Any) -> bool:
 
 
 def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any:
-    """This host's copy of a pytree of global arrays, made on device (never through host memory when
-    JAX allows it), with its floating arrays cast to ``dtype`` (None: kept).
+    """This host's copy of a pytree of global arrays, made on device (never through host memory), with
+    its floating arrays cast to ``dtype`` (None: kept).
 
     One process: ``tree`` itself when nothing is cast (the global mesh is the host's; the result
     shares the buffers), else the cast arrays with each input's sharding. Several processes: one
     jitted program gathers every array over the global mesh's data/fsdp axes on device (the tensor
     axis kept, so each host holds whole tensor-parallel copies) and this host's shards are reassembled
     on ``local_shardings`` (``NamedSharding`` leaves over this host's devices; None: replicated on its
-    first device). Arrays whose layout does not allow that (a local tensor axis of another size than
-    the global one, or a host without every tensor-parallel index) go through host memory instead.
+    first device) by device-to-device moves only (none when the local mesh is `local_mesh`'s, which
+    keeps the global tensor order). A fully replicated array is copied from this host's own replica.
 
     Args:
       tree: pytree of ``jax.Array`` (global, over the learner's mesh).
@@ -88,6 +89,13 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
 
     Returns:
       A pytree like ``tree`` of fully addressable arrays.
+
+    Raises:
+      sharding.PlacementError: an array whose layout gives no on-device route to this host's copy
+        (a local mesh axis of another size than the global one, or a host without every
+        tensor-parallel index: tensor groups that cross hosts); the reason names the array's shape.
+        There is no silent ``process_allgather`` fallback (it replicated every leaf on every chip and
+        went through host memory).
     """
 
     def cast(t):
@@ -103,35 +111,43 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
         local_shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), tree)
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(local_shardings)
-    host_wide = [_host_wide(x, s) for x, s in zip(leaves, targets)]
-    on_device = [i for i, h in enumerate(host_wide) if h is not None]
+    routes = [_host_wide(x, s) for x, s in zip(leaves, targets)]
+    replicated = [isinstance(r, str) and x.is_fully_replicated for x, r in zip(leaves, routes)]
+    for x, r, rep in zip(leaves, routes, replicated):
+        if isinstance(r, str) and not rep:
+            raise sharding.PlacementError(f"local_copy: array of shape {tuple(x.shape)}: {r}")
+    on_device = [i for i, r in enumerate(routes) if not isinstance(r, str)]
     gathered = []
     if on_device:
-        gathered = jax.jit(cast, out_shardings=[host_wide[i] for i in on_device])([leaves[i] for i in on_device])
+        gathered = jax.jit(cast, out_shardings=[routes[i] for i in on_device])([leaves[i] for i in on_device])
     out = [None] * len(leaves)
     for i, y in zip(on_device, gathered):
         out[i] = _reassemble(y, targets[i])
+        if isinstance(out[i], str):
+            raise sharding.PlacementError(f"local_copy: array of shape {tuple(y.shape)}: {out[i]}")
     for i, x in enumerate(leaves):
-        if out[i] is None:
-            # no on-device route to this host's layout: across processes only a host gather brings the shards
-            full = x.addressable_data(0) if x.is_fully_replicated else multihost_utils.process_allgather(x, tiled=True)
-            out[i] = jax.device_put(cast(np.asarray(full)), targets[i])
+        if replicated[i]:
+            # this host's own replica, cast and spread over its devices on device
+            out[i] = jax.device_put(cast(x.addressable_data(0)), targets[i])
     return treedef.unflatten(out)
 
 
 def _host_wide(x: jax.Array, local: Any) -> Any:
     """The global sharding under which each host holds all of ``x`` the way ``local`` splits it
-    (``local``'s spec on ``x``'s mesh), or None when the two meshes' axis sizes differ."""
+    (``local``'s spec on ``x``'s mesh), or the reason (a str) when the two meshes' axis sizes differ."""
     mesh = getattr(x.sharding, "mesh", None)
     spec = local.spec if isinstance(local, NamedSharding) else P()
     if mesh is None:
-        return None
+        return f"its sharding {x.sharding} has no mesh"
     local_sizes = sharding.mesh_axis_sizes(local.mesh) if isinstance(local, NamedSharding) else {}
     global_sizes = sharding.mesh_axis_sizes(mesh)
     for entry in spec:
         for ax in () if entry is None else ((entry,) if isinstance(entry, str) else entry):
             if local_sizes.get(ax) != global_sizes.get(ax):
-                return None
+                return (
+                    f"this host's mesh splits it over {ax!r} of size {local_sizes.get(ax)}, the global mesh's "
+                    f"{ax!r} has size {global_sizes.get(ax)} (build the local mesh with distributed.local_mesh)"
+                )
     return NamedSharding(mesh, spec)
 
 
@@ -139,9 +155,9 @@ def _index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
     return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
 
 
-def _reassemble(y: jax.Array, local: Any) -> jax.Array | None:
-    """``y``'s shards on this host as one array on ``local`` (device-to-device moves only); None when
-    this host's shards do not cover every index ``local`` needs."""
+def _reassemble(y: jax.Array, local: Any) -> jax.Array | str:
+    """``y``'s shards on this host as one array on ``local`` (device-to-device moves only); the reason
+    (a str) when this host's shards do not cover every index ``local`` needs."""
     have = {}
     for shard in y.addressable_shards:
         have.setdefault(_index_key(shard.index, y.shape), {})[shard.device] = shard.data
@@ -149,7 +165,11 @@ def _reassemble(y: jax.Array, local: Any) -> jax.Array | None:
     for dev, index in local.addressable_devices_indices_map(y.shape).items():
         on = have.get(_index_key(index, y.shape))
         if not on:
-            return None
+            return (
+                f"process {jax.process_index()} holds no shard {_index_key(index, y.shape)} (start, stop per dim) "
+                "of it: its tensor groups cross hosts (sharding.check_placement; build the mesh with "
+                "sharding.make_mesh)"
+            )
         arrays.append(on[dev] if dev in on else jax.device_put(next(iter(on.values())), dev))
     return jax.make_array_from_single_device_arrays(y.shape, local, arrays)
 
@@ -175,9 +195,60 @@ def to_global(tree: Any, shardings: Any) -> Any:
 
 def local_mesh(mesh, tensor: int):
     """The mesh a host samples on: the global mesh with one process; else this host's devices with
-    (data, fsdp=1, tensor) where tensor is the config's when it divides the local device count."""
+    (data, fsdp=1, tensor). When the global mesh holds whole tensor groups of size ``tensor`` on this
+    host (`sharding.make_mesh`), they are its rows in the global order, so `local_copy` reassembles
+    the host's shards with no device-to-device move; otherwise ``tensor`` when it divides the local
+    device count, else 1."""
     if jax.process_count() == 1:
         return mesh
+    t = sharding.mesh_axis_sizes(mesh)["tensor"]
+    groups = np.asarray(mesh.devices).reshape(-1, t)
+    me = jax.process_index()
+    mine = [g for g in groups if all(d.process_index == me for d in g)]
+    if tensor == t and len(mine) * t == jax.local_device_count():
+        return Mesh(np.array(mine).reshape(len(mine), 1, t), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     n = jax.local_device_count()
     t = tensor if tensor > 0 and n % tensor == 0 else 1
     return sharding.make_mesh(-1, 1, t, devices=jax.local_devices())
+
+
+def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
+    """Proves that every process sees the same local ``workdir`` (a declared shared file system):
+    process 0 writes a token file, the others must read it within ``timeout_s`` seconds. Nothing to
+    prove with one process or a ``gs://`` folder. Call it on every process after the folder exists.
+
+    Raises:
+      bipace_jax.config.ConfigError: a process does not see process 0's file in time
+        (``config.checkpoint.shared_workdir`` declares a folder shared that is not).
+    """
+    if jax.process_count() == 1 or str(workdir).startswith("gs://"):
+        return
+    token = int(allgather(np.int32(np.random.default_rng().integers(1, 2**31 - 1)))[0])  # process 0's
+    probe = os.path.join(os.fspath(workdir), f".shared_workdir_{token}")
+    if jax.process_index() == 0:
+        with open(probe, "w") as f:
+            f.write(str(token))
+    allgather(np.int32(0))  # written before anyone looks
+    deadline = time.monotonic() + timeout_s
+    seen = False
+    while not seen:
+        try:
+            with open(probe) as f:
+                seen = f.read() == str(token)
+        except OSError:
+            pass
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    seen_by = allgather(np.int32(seen))
+    if jax.process_index() == 0:
+        os.remove(probe)
+    blind = [int(p) for p in np.flatnonzero(seen_by == 0)]
+    if blind:
+        from bipace_jax.config import ConfigError  # lazy: config imports the learner, which imports this module
+
+        raise ConfigError(
+            f"--workdir={workdir!r} is not shared: processes {blind} do not see the file process 0 wrote there "
+            f"within {timeout_s} s; config.checkpoint.shared_workdir=True needs a folder every host sees "
+            "(or use gs://...)"
+        )

@@ -52,11 +52,46 @@ def _programs(graphdef, loss_fn: LossFn, tx: optax.GradientTransformation):
     return accumulate, jax.jit(apply, donate_argnums=(0, 1)), zeros, jax.jit(optax.tree.norm)
 
 
+@functools.lru_cache(maxsize=8)
+def _process_batch_shards(mesh, process: int) -> int:
+    """How many of ``mesh``'s batch shards ``process`` holds (after `sharding.check_placement`)."""
+    block = sharding.check_placement(mesh)["process_batch_shards"].get(str(process))
+    return block[1] - block[0] if block else 0
+
+
 def shard_rows(mesh, tree: Any) -> Any:
-    """Place a pytree of host-local row arrays ``[B, ...]`` as global arrays split over ("data", "fsdp")."""
-    return jax.tree.map(
-        lambda v: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim), v), tree
-    )
+    """Place a pytree of host-local row arrays ``[B_local, ...]`` as global arrays ``[B_global, ...]``
+    split over ("data", "fsdp"), each process's rows on its own batch shards.
+
+    The global row count is derived from the mesh: this process holds ``k`` of the ``data * fsdp``
+    batch shards (a contiguous block, `sharding.make_mesh`), each takes ``B_local / k`` rows, so
+    ``B_global = B_local * data * fsdp / k`` (``B_local * processes`` for a `make_mesh` mesh). Every
+    process must pass the same ``B_local``. The global shape is given to
+    ``jax.make_array_from_process_local_data``, so replicas of one batch shard (its tensor group)
+    get the same rows, never two hosts' different ones.
+
+    Raises:
+      sharding.PlacementError: ``mesh`` fails `sharding.check_placement` (tensor groups or batch
+        shards split across processes).
+      ValueError: a leaf has no rows dimension, or its ``B_local`` is not a multiple of ``k``.
+    """
+    sizes = sharding.mesh_axis_sizes(mesh)
+    shards = sizes["data"] * sizes["fsdp"]
+    local = shards if jax.process_count() == 1 else _process_batch_shards(mesh, jax.process_index())
+    if not local:
+        raise ValueError(f"shard_rows: process {jax.process_index()} holds no device of the mesh {sizes}")
+
+    def one(path, v):
+        if v.ndim == 0 or v.shape[0] % local:
+            raise ValueError(
+                f"shard_rows: {jax.tree_util.keystr(path) or 'the array'} has {v.shape[0] if v.ndim else 'no'} "
+                f"local rows (shape {tuple(v.shape)}); this process holds {local} of the mesh's {shards} batch "
+                f"shards (data*fsdp), so its rows must be a multiple of {local}"
+            )
+        global_shape = (v.shape[0] * shards // local, *v.shape[1:])
+        return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim), v, global_shape)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def mesh_context(mesh):

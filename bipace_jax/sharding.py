@@ -9,6 +9,9 @@ mesh axes. Models declare each parameter's logical axes as `nnx.Param(value, log
 metadata, which `param_shardings` reads back; `constrain` pins an activation's sharding when a mesh is
 set (`jax.set_mesh`) and does nothing otherwise. A mesh axis that does not divide a dimension is
 dropped for it (replicated), never an error or an uneven split. No pmap: `jax.jit` with `NamedSharding`.
+
+On several hosts `make_mesh` keeps every tensor group inside one host and gives each host one
+contiguous block of the batch shards; `check_placement` asserts both from ``mesh.devices``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,6 +31,10 @@ __all__ = [
     "LOGICAL_TO_MESH",
     "LOGICAL_AXES_KEY",
     "make_mesh",
+    "process_devices",
+    "PlacementError",
+    "placement",
+    "check_placement",
     "mesh_axis_sizes",
     "logical_to_spec",
     "logical_sharding",
@@ -66,13 +74,29 @@ LOGICAL_AXES_KEY = "logical_axes"
 # --------------------------------------------------------------------------------------------------
 # Meshes.
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[Any] | None = None) -> Mesh:
-    """A `Mesh` with axes ("data", "fsdp", "tensor") of the given sizes (Auto axis types).
+    """A `Mesh` with axes ("data", "fsdp", "tensor") of the given sizes (Auto axis types), laid out by host.
 
     One size may be -1: it takes all remaining devices. The product must equal the device count.
 
+    One process (every device has the same ``process_index``): ``jax.make_mesh``'s ICI-friendly order.
+    Several processes (``jax.distributed``, or a TPU topology's devices): each process's devices form
+    whole tensor groups and one contiguous block of the flattened batch axes (``data`` x ``fsdp``,
+    row-major, process order): ``mesh_utils.create_hybrid_device_mesh`` with a per-host mesh
+    ``(1, local_devices / tensor, tensor)`` in ICI order over the across-host mesh ``(1, processes, 1)``,
+    reshaped to ``(data, fsdp, tensor)``. Process p then holds batch shards
+    ``[p * k, (p + 1) * k)`` with ``k = data * fsdp / processes``, so the tensor all-reduces stay on
+    the host's links and each host feeds only its own rows (`check_placement`).
+
+    Args:
+      data, fsdp, tensor: axis sizes (ints >= 1, or one -1).
+      devices: the devices (default ``jax.devices()``); any order, any platform; devices carry
+        ``process_index`` (missing: 0).
+
     Raises:
-      ValueError: a size is 0 or < -1, more than one is -1, or the product does not equal the
-        number of devices.
+      ValueError: a size is 0 or < -1, more than one is -1, the product does not equal the number of
+        devices, or the processes hold different numbers of devices.
+      bipace_jax.config.ConfigError: several processes and ``tensor`` does not divide the devices of
+        one host (``config.mesh.tensor``; see ``config.check_tensor_in_host``).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
@@ -95,7 +119,102 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
             f"mesh shape data*fsdp*tensor={shape} has {math.prod(shape)} devices, "
             f"expected the device count {len(devices)}"
         )
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    hosts = process_devices(devices)
+    if len(hosts) == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    counts = {p: len(d) for p, d in hosts.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"mesh: every process must hold the same number of devices, got {counts} (process: devices)")
+    local = len(devices) // len(hosts)
+    from bipace_jax.config import check_tensor_in_host  # lazy: config imports the models, which import this module
+
+    check_tensor_in_host(shape[2], len(hosts), local)
+    per_host, across = (1, local // shape[2], shape[2]), (1, len(hosts), 1)
+    # split physical axes: a host's 2x2 chips give a 4-long batch block when tensor is 1
+    grid = mesh_utils.create_hybrid_device_mesh(
+        per_host, across, devices, process_is_granule=True, allow_split_physical_axes=True
+    )
+    return Mesh(grid.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def process_devices(devices: Sequence[Any]) -> dict[int, list[Any]]:
+    """{process_index: its devices in the given order}, processes in increasing order (missing index: 0)."""
+    out: dict[int, list[Any]] = {}
+    for d in devices:
+        out.setdefault(int(getattr(d, "process_index", 0)), []).append(d)
+    return dict(sorted(out.items()))
+
+
+class PlacementError(ValueError):
+    """A mesh whose tensor groups or batch shards are split across processes (hosts)."""
+
+
+def placement(mesh: Mesh) -> dict[str, Any]:
+    """How ``mesh``'s devices (axes data, fsdp, tensor) sit on processes, read from ``mesh.devices``.
+
+    A *batch shard* is one (data, fsdp) position: the rows ``batch_sharding`` gives its tensor group.
+    Shards are numbered row-major over (data, fsdp), as ``P(("data", "fsdp"))`` splits the rows.
+
+    Returns:
+      A JSON-able dict: ``tensor_groups_in_one_process`` (every tensor group's devices share one
+      ``process_index``), ``batch_shards_disjoint`` (no batch shard is held by two processes),
+      ``batch_blocks_contiguous`` (each process holds one run of consecutive shards, as
+      ``jax.make_array_from_process_local_data`` needs), ``process_batch_shards`` ({process: [first,
+      last + 1)} of its shards, or the sorted list of them when not contiguous), ``device_process``
+      ({device id: process_index}), ``processes`` (count) and ``crossing_tensor_groups`` (the first
+      few (data, fsdp) positions whose tensor group spans processes).
+    """
+    grid = np.asarray(mesh.devices)
+    sizes = mesh_axis_sizes(mesh)
+    groups = grid.reshape(sizes["data"] * sizes["fsdp"], sizes["tensor"])
+    procs = np.vectorize(lambda d: int(getattr(d, "process_index", 0)), otypes=[int])(groups)
+    crossing = [int(b) for b in np.flatnonzero((procs != procs[:, :1]).any(1))]
+    holders: dict[int, list[int]] = {}  # process -> batch shards it holds (any device of the group)
+    for b, row in enumerate(procs):
+        for p in sorted(set(row.tolist())):
+            holders.setdefault(p, []).append(b)
+    held = [b for shards in holders.values() for b in shards]
+    contiguous = all(s == list(range(s[0], s[-1] + 1)) for s in holders.values())
+    blocks = {
+        str(p): ([s[0], s[-1] + 1] if s == list(range(s[0], s[-1] + 1)) else s) for p, s in sorted(holders.items())
+    }
+    return dict(
+        processes=len(holders),
+        tensor_groups_in_one_process=not crossing,
+        batch_shards_disjoint=len(held) == len(set(held)),
+        batch_blocks_contiguous=contiguous,
+        process_batch_shards=blocks,
+        crossing_tensor_groups=[list(divmod(b, sizes["fsdp"])) for b in crossing[:4]],  # (data, fsdp) positions
+        device_process={str(d.id): int(getattr(d, "process_index", 0)) for d in grid.flat},
+    )
+
+
+def check_placement(mesh: Mesh) -> dict[str, Any]:
+    """`placement` of ``mesh``, asserted: every tensor group in one process, different processes'
+    batch shards disjoint and each process's block contiguous. Returns the `placement` dict.
+
+    Without this, on several hosts the tensor all-reduces cross hosts, and two hosts feed different
+    rows into replicas of one batch shard (silently wrong gradients).
+
+    Raises:
+      PlacementError: a check fails (the message names the positions and the processes); build the
+        mesh with `make_mesh`.
+    """
+    info = placement(mesh)
+    problems = []
+    if not info["tensor_groups_in_one_process"]:
+        problems.append(f"tensor groups at (data, fsdp) {info['crossing_tensor_groups']} span several processes")
+    if not info["batch_shards_disjoint"]:
+        problems.append("several processes hold the same batch shard")
+    if not info["batch_blocks_contiguous"]:
+        problems.append(f"a process's batch shards are not consecutive: {info['process_batch_shards']}")
+    if problems:
+        raise PlacementError(
+            f"mesh {dict(mesh_axis_sizes(mesh))} over {info['processes']} processes: " + "; ".join(problems) + ". "
+            "Each host must hold whole tensor groups and one contiguous block of the batch axes "
+            "(build the mesh with bipace_jax.sharding.make_mesh)"
+        )
+    return info
 
 
 def mesh_axis_sizes(mesh: Mesh | Mapping[str, int] | Any) -> dict[str, int]:

@@ -89,8 +89,11 @@ class Trainer:
         self.is_primary = jax.process_index() == 0
         self.num_hosts = jax.process_count()
         data, fsdp, tensor = config_lib.process_layout(c, self.num_hosts, jax.device_count(), jax.local_device_count())
+        config_lib.check_workdir(c, workdir, self.num_hosts)
         runfolder.prepare(workdir)  # fails in seconds, before the model loads
+        distributed.check_shared_workdir(workdir)
         self.mesh = sharding.make_mesh(data, fsdp, tensor)
+        sharding.check_placement(self.mesh)  # each host: whole tensor groups, its own batch block
         self.local_mesh = distributed.local_mesh(self.mesh, tensor)
 
         # Tasks first (missing game data fails before the model loads): training and held-out goals, and

@@ -175,6 +175,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.every = 1  # save every k iterations (and at the end)
     c.checkpoint.keep = 2  # checkpoints kept in <workdir>/checkpoints
     c.checkpoint.export_hf = True  # write <workdir>/hf_final (HF folder) at the end
+    # several hosts need one folder they all see: gs://, or True to declare a local path shared (NFS)
+    c.checkpoint.shared_workdir = False
 
     c.log = ml_collections.ConfigDict()
     c.log.progress = True  # tqdm bars

@@ -86,7 +86,9 @@ def topology_devices(name: str) -> list:
         return devices[:n]
 
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        # v4 lists two devices (TensorCores) per chip unless megacore; meshes need one per chip
+        kw = dict(chip_config_name="megacore") if name.startswith("v4:") else {}
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
     except Exception as e:  # libtpu missing or an unknown slice name
         raise ValueError(
             f"--topology={name}: not a TPU topology this machine can describe ({type(e).__name__}: {e}); "
@@ -164,6 +166,7 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     hosts = sorted({d.process_index for d in devices})
     data, fsdp, tensor = config_lib.process_layout(c, len(hosts), len(devices), len(local))
     mesh = sharding.make_mesh(data, fsdp, tensor, devices=devices)
+    placement = sharding.check_placement(mesh)  # as the trainer: tensor groups in a host, disjoint batch blocks
     # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
     t_local = tensor if len(local) % tensor == 0 else 1
     local_mesh = mesh if len(hosts) == 1 else sharding.make_mesh(-1, 1, t_local, devices=local)
@@ -207,6 +210,7 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         param_dtype=str(param_dtype),
         compute_dtype=str(dtype),
         mesh=dict(data=data, fsdp=fsdp, tensor=tensor),
+        placement=placement,
         sampler_mesh=dict(local_mesh.shape),
         model=dict(
             preset=m.preset, params=n_params, layers=cfg.num_hidden_layers, remat=m.remat, scan_layers=m.scan_layers

@@ -169,12 +169,15 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
     first = distributed.local_copy(L.params)
     out["first_device"] = all(x.devices() == {jax.local_devices()[0]} for x in jax.tree.leaves(first))
     out["first_values"] = all(np.array_equal(np.asarray(x), w) for x, w in zip(jax.tree.leaves(first), want))
-    # a local tensor axis of another size than the global one: through host memory, same values
+    # a local tensor axis of another size than the global one: refused with the reason, no host gather
     wide = shd.param_shardings(L.params, shd.make_mesh(1, 1, 4, devices=jax.local_devices()))
     hops.clear()
-    other = distributed.local_copy(L.params, wide)
-    out["hops_other_tensor"] = len(hops) > 0
-    out["other_values"] = all(np.array_equal(np.asarray(x), w) for x, w in zip(jax.tree.leaves(other), want))
+    try:
+        distributed.local_copy(L.params, wide)
+        out["other_tensor_error"] = ""
+    except shd.PlacementError as e:
+        out["other_tensor_error"] = str(e)
+    out["hops_other_tensor"] = len(hops)
     print("RESULT" + json.dumps(out))
 """)
 
@@ -213,5 +216,6 @@ def test_two_processes_make_their_local_copies_on_device():
         assert r["addressable"] and r["on_local"] and r["dtypes"] == ["bfloat16"], r
         assert r["values"] and r["ref_values"] and r["hops_on_device"] == 0, r
         assert r["first_device"] and r["first_values"], r
-        # a layout the host's shards cannot give (local tensor 4, global 2) goes through host memory
-        assert r["hops_other_tensor"] and r["other_values"], r
+        # a layout the host's shards cannot give (local tensor 4, global 2) raises instead of gathering
+        assert "splits it over 'tensor' of size 4, the global mesh's 'tensor' has size 2" in r["other_tensor_error"], r
+        assert r["hops_other_tensor"] == 0, r

@@ -142,6 +142,15 @@ def test_make_mesh_checks_sizes_against_the_device_count():
         shd.make_mesh(tensor=0)
 
 
+def test_make_mesh_on_one_process_keeps_jax_make_mesh_order_and_passes_the_placement_check():
+    devices = jax.devices()
+    mesh = shd.make_mesh(data=-1, devices=devices)
+    want = jax.make_mesh((len(devices), 1, 1), shd.MESH_AXES, devices=devices)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in want.devices.flat]
+    info = shd.check_placement(mesh)
+    assert info["processes"] == 1 and info["process_batch_shards"] == {"0": [0, len(devices)]}
+
+
 def test_parameter_counts_of_the_qwen2_5_presets():
     # Exact counts of the published checkpoints (tied heads counted once).
     assert count_params(Qwen2Config.preset("0.5b")) == 494_032_768

@@ -262,6 +262,7 @@ def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
             "--config.num_iterations=1",
             "--config.checkpoint.export_hf=False",
             "--config.log.plots=False",
+            "--config.checkpoint.shared_workdir=True",  # both processes on this machine see tmp_path
             f"--coordinator_address=localhost:{port}",
             "--num_processes=2",
             f"--process_id={pid}",
