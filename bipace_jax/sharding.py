@@ -92,11 +92,15 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
       devices: the devices (default ``jax.devices()``); any order, any platform; devices carry
         ``process_index`` (missing: 0).
 
+    Several slices (multi-slice TPU: devices carry ``slice_index``): processes come in slice order,
+    so each slice holds ``data / slices`` consecutive data rows; fsdp and tensor never leave a slice.
+
     Raises:
       ValueError: a size is 0 or < -1, more than one is -1, the product does not equal the number of
         devices, or the processes hold different numbers of devices.
       bipace_jax.config.ConfigError: several processes and ``tensor`` does not divide the devices of
-        one host (``config.mesh.tensor``; see ``config.check_tensor_in_host``).
+        one host (``config.mesh.tensor``; see ``config.check_tensor_in_host``), or ``data`` is not a
+        multiple of the slice count (``config.mesh.data``).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
@@ -129,12 +133,26 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
     from bipace_jax.config import check_tensor_in_host  # lazy: config imports the models, which import this module
 
     check_tensor_in_host(shape[2], len(hosts), local)
+    slices = len({_slice_of(d) for d in devices})
+    if shape[0] % slices:
+        # data parallel is the only axis that crosses slices (DCN); fsdp and tensor stay on ICI
+        from bipace_jax.config import ConfigError  # lazy: as check_tensor_in_host above
+
+        raise ConfigError(
+            f"config.mesh.data: expected a multiple of the {slices} slices the devices span (data parallel "
+            f"runs across slices over the data-center network; fsdp and tensor stay inside a slice), got {shape[0]}"
+        )
     per_host, across = (1, local // shape[2], shape[2]), (1, len(hosts), 1)
     # split physical axes: a host's 2x2 chips give a 4-long batch block when tensor is 1
     grid = mesh_utils.create_hybrid_device_mesh(
         per_host, across, devices, process_is_granule=True, allow_split_physical_axes=True
     )
     return Mesh(grid.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _slice_of(device: Any) -> int:
+    """A device's slice (multi-slice TPU: ``slice_index``; any other device: 0)."""
+    return int(getattr(device, "slice_index", 0) or 0)
 
 
 def process_devices(devices: Sequence[Any]) -> dict[int, list[Any]]:
@@ -162,7 +180,9 @@ def placement(mesh: Mesh) -> dict[str, Any]:
       ``jax.make_array_from_process_local_data`` needs), ``process_batch_shards`` ({process: [first,
       last + 1)} of its shards, or the sorted list of them when not contiguous), ``device_process``
       ({device id: process_index}), ``processes`` (count) and ``crossing_tensor_groups`` (the first
-      few (data, fsdp) positions whose tensor group spans processes).
+      few (data, fsdp) positions whose tensor group spans processes), ``slices`` (multi-slice TPU:
+      how many ``slice_index`` values) and ``data_rows_in_one_slice`` (each data index's fsdp x tensor
+      block lies in one slice, so only the data axis crosses the data-center network).
     """
     grid = np.asarray(mesh.devices)
     sizes = mesh_axis_sizes(mesh)
@@ -178,8 +198,11 @@ def placement(mesh: Mesh) -> dict[str, Any]:
     blocks = {
         str(p): ([s[0], s[-1] + 1] if s == list(range(s[0], s[-1] + 1)) else s) for p, s in sorted(holders.items())
     }
+    slice_of = np.vectorize(_slice_of, otypes=[int])(grid)  # [data, fsdp, tensor]
     return dict(
         processes=len(holders),
+        slices=len(np.unique(slice_of)),
+        data_rows_in_one_slice=bool((slice_of == slice_of[:, :1, :1]).all()),
         tensor_groups_in_one_process=not crossing,
         batch_shards_disjoint=len(held) == len(set(held)),
         batch_blocks_contiguous=contiguous,
@@ -208,6 +231,8 @@ def check_placement(mesh: Mesh) -> dict[str, Any]:
         problems.append("several processes hold the same batch shard")
     if not info["batch_blocks_contiguous"]:
         problems.append(f"a process's batch shards are not consecutive: {info['process_batch_shards']}")
+    if not info["data_rows_in_one_slice"]:
+        problems.append(f"an fsdp x tensor block spans several of the {info['slices']} slices (only data may)")
     if problems:
         raise PlacementError(
             f"mesh {dict(mesh_axis_sizes(mesh))} over {info['processes']} processes: " + "; ".join(problems) + ". "

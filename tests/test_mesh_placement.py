@@ -68,6 +68,19 @@ TOPOLOGY_SCRIPT = textwrap.dedent(r"""
             out[f"{name} tensor8"] = "no error"
         except config_lib.ConfigError as e:
             out[f"{name} tensor8"] = str(e)
+    # two v5e:4x4 slices (8 hosts): data parallel across the slices, fsdp x tensor inside each
+    devices = list(topologies.get_topology_desc(platform="tpu", topology_name="v5e:4x4", num_slices=2).devices)
+    mesh = shd.make_mesh(2, -1, 4, devices=devices)
+    info = shd.check_placement(mesh)
+    out["2 slices"] = dict(
+        shape=list(mesh.devices.shape), slices=np.vectorize(lambda d: d.slice_index)(mesh.devices).tolist(),
+        placement={k: info[k] for k in ("slices", "data_rows_in_one_slice", "process_batch_shards")},
+    )
+    try:
+        shd.make_mesh(1, -1, 4, devices=devices)
+        out["2 slices data 1"] = "no error"
+    except config_lib.ConfigError as e:
+        out["2 slices data 1"] = str(e)
     print("RESULT" + json.dumps(out))
 """)
 
@@ -101,6 +114,19 @@ def test_paper_meshes_keep_tensor_groups_in_a_host_and_give_hosts_contiguous_bat
     # host p holds shards [p*k, (p+1)*k): contiguous, disjoint, in process order
     np.testing.assert_array_equal(procs[:, 0], np.repeat(np.arange(hosts), k))
     assert r["check"] == {str(p): [p * k, (p + 1) * k] for p in range(hosts)}
+
+
+@needs_libtpu
+def test_two_slices_split_only_the_data_axis_and_data_must_cover_the_slices(topology_meshes):
+    r = topology_meshes["2 slices"]
+    assert r["shape"] == [2, 4, 4]
+    slices = np.array(r["slices"])
+    assert (slices[0] == 0).all() and (slices[1] == 1).all()  # data row d lies in slice d
+    assert r["placement"]["slices"] == 2 and r["placement"]["data_rows_in_one_slice"] is True
+    # 8 hosts of 4 chips, one tensor group each: batch shard p on host p
+    assert r["placement"]["process_batch_shards"] == {str(p): [p, p + 1] for p in range(8)}
+    msg = topology_meshes["2 slices data 1"]
+    assert msg.startswith("config.mesh.data: expected a multiple of the 2 slices"), msg
 
 
 @needs_libtpu
@@ -294,6 +320,19 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
         out["private_error"] = ""
     except config_lib.ConfigError as e:
         out["private_error"] = str(e)
+    # two v5e:4x4 slices (8 hosts): data parallel across the slices, fsdp x tensor inside each
+    devices = list(topologies.get_topology_desc(platform="tpu", topology_name="v5e:4x4", num_slices=2).devices)
+    mesh = shd.make_mesh(2, -1, 4, devices=devices)
+    info = shd.check_placement(mesh)
+    out["2 slices"] = dict(
+        shape=list(mesh.devices.shape), slices=np.vectorize(lambda d: d.slice_index)(mesh.devices).tolist(),
+        placement={k: info[k] for k in ("slices", "data_rows_in_one_slice", "process_batch_shards")},
+    )
+    try:
+        shd.make_mesh(1, -1, 4, devices=devices)
+        out["2 slices data 1"] = "no error"
+    except config_lib.ConfigError as e:
+        out["2 slices data 1"] = str(e)
     print("RESULT" + json.dumps(out))
 """)
 
