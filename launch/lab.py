@@ -17,6 +17,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -32,7 +33,18 @@ _CONFIG = config_flags.DEFINE_config_dict(
     "config", lab_config.default_config(), "Lab config (bipace_jax/lab/config.py)."
 )
 
-SHOWN = ("corr", "sign", "nmse", "state_err", "action_err", "no_signal", "singleton_group_rate")
+SHOWN = (
+    "corr",
+    "sign",
+    "nmse",
+    "step_corr",
+    "step_nmse",
+    "step_state_err",
+    "step_action_err",
+    "no_signal",
+    "singleton_group_rate",
+)
+PAIRED = ("corr", "step_corr", "step_nmse")
 
 
 def _fmt(iv) -> str:
@@ -64,10 +76,11 @@ def _summary(scores: dict) -> dict:
     return {name: {k: lab_interval(v) for k, v in s.items()} for name, s in scores.items()}
 
 
-def _paired(scores: dict, a: str, b: str, key: str = "corr"):
+def _paired(scores: dict, a: str, b: str):
+    """Per-seed differences a - b (same batch) of the `PAIRED` scores, as intervals."""
     if a not in scores or b not in scores:
         return None
-    return lab_interval(scores[a][key] - scores[b][key])
+    return {k: lab_interval(scores[a][k] - scores[b][k]) for k in PAIRED}
 
 
 def _anchor(report_path: str, m_rows: list, s_rows: list) -> dict:
@@ -129,8 +142,8 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
         for ax, key, title in zip(
             axes,
-            ("corr", "nmse", "singleton_group_rate"),
-            ("corr(A-hat, A*)", "normalised MSE", "singleton step-group rate"),
+            ("corr", "step_nmse", "singleton_group_rate"),
+            ("corr(A-hat, A*)", "step term: normalised MSE vs A*", "singleton step-group rate"),
         ):
             for n in names:
                 xs = [r[xkey] for r in rows]
@@ -150,7 +163,7 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     for n in names:
-        for j, key in enumerate(("corr", "state_err")):
+        for j, key in enumerate(("corr", "step_state_err")):
             for mm in sorted({r["m"] for r in rep["merge_sweep"]}):
                 rows = [r for r in rep["merge_sweep"] if r["m"] == mm]
                 if n in ("grpo",) and mm != rows[0]["m"]:
@@ -166,7 +179,7 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
                     label=f"{n} m={mm}",
                 )
     ax[0].set_title("corr(A-hat, A*) vs false-merge rate")
-    ax[1].set_title("state-side error vs false-merge rate")
+    ax[1].set_title("step term: state-side error vs false-merge rate")
     for a in ax:
         a.set_xlabel("false_merge")
     ax[0].legend(fontsize=6, ncol=2)
@@ -224,13 +237,13 @@ def _markdown(rep: dict, names: list) -> str:
 
     table(f"m sweep ({rep['fixed']['m_sweep']})", rep["m_sweep"], "m", SHOWN)
     table(f"sigma sweep ({rep['fixed']['sigma_sweep']})", rep["sigma_sweep"], "sigma", SHOWN)
-    lines.append("### False merges (trap states embedded as their live twin): corr and state-side error")
+    lines.append("### False merges (trap states embedded as their live twin): corr, step-term state-side error")
     lines.append("")
     lines.append(
         "| m | false_merge | "
         + " | ".join(f"{n} corr" for n in names)
         + " | "
-        + " | ".join(f"{n} state_err" for n in names)
+        + " | ".join(f"{n} step_state_err" for n in names)
         + " |"
     )
     lines.append("|---|---|" + "---|" * (2 * len(names)))
@@ -239,23 +252,25 @@ def _markdown(rep: dict, names: list) -> str:
             f"| {r['m']} | {r['false_merge']} | "
             + " | ".join(_fmt(r["summary"][n]["corr"]) for n in names)
             + " | "
-            + " | ".join(_fmt(r["summary"][n]["state_err"]) for n in names)
+            + " | ".join(_fmt(r["summary"][n]["step_state_err"]) for n in names)
             + " |"
         )
     lines.append("")
-    lines.append("### Paired differences of corr(A-hat, A*) against GiGPO (same batch, per seed)")
-    lines.append("")
-    lines.append("| part | m | sigma | false_merge | bipace_q - gigpo | bipace_diff - gigpo | bigpo - gigpo |")
-    lines.append("|---|---|---|---|---|---|---|")
-    for part in ("m_sweep", "sigma_sweep", "merge_sweep"):
-        for r in rep[part]:
-            d = r["paired_vs_gigpo"]
-            lines.append(
-                f"| {part} | {r['m']} | {r['sigma']} | {r['false_merge']} | "
-                + " | ".join(_fmt(d[n]) if d.get(n) else "-" for n in ("bipace_q", "bipace_diff", "bigpo"))
-                + " |"
-            )
-    lines.append("")
+    others = [n for n in ("bipace_q", "bipace_diff", "bigpo") if n in names]
+    for key in PAIRED:
+        lines.append(f"### Paired differences against GiGPO (same batch, per seed): {key}")
+        lines.append("")
+        lines.append("| part | m | sigma | false_merge | " + " | ".join(f"{n} - gigpo" for n in others) + " |")
+        lines.append("|---|---|---|---|" + "---|" * len(others))
+        for part in ("m_sweep", "sigma_sweep", "merge_sweep"):
+            for r in rep[part]:
+                d = r["paired_vs_gigpo"]
+                lines.append(
+                    f"| {part} | {r['m']} | {r['sigma']} | {r['false_merge']} | "
+                    + " | ".join(_fmt(d[n][key]) if d.get(n) else "-" for n in others)
+                    + " |"
+                )
+        lines.append("")
     lines.append(f"### Learning: exact success J(pi_k), {rep['learn']}")
     lines.append("")
     lines.append("| cell | " + " | ".join(f"{n} J_0 -> J_K" for n in names) + " |")
@@ -306,7 +321,7 @@ def run_grid(c, argv) -> dict:
     names = list(cfgs)
     sig0, m0 = c.grid.paraphrases_at_sigma, c.grid.sigma_at_paraphrases
     rep = dict(
-        command="python -m launch.lab " + " ".join(shlex.quote(a) for a in argv[1:]),
+        command="python -m launch.lab " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         commit=_git_commit(),
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
         config=json.loads(c.to_json()),
@@ -391,7 +406,14 @@ def run_grid(c, argv) -> dict:
             # Paired over seeds: every arm starts from the same rng seed.
             curves[n]["final_vs_gigpo"] = lab_interval(finals[n] - finals["gigpo"]) if "gigpo" in finals else None
         rep["learning"].append(
-            dict(m=m, sigma=sigma, false_merge=fm, curves=curves, seconds=round(time.perf_counter() - t, 1))
+            dict(
+                m=m,
+                sigma=sigma,
+                false_merge=fm,
+                policy=policy,
+                curves=curves,
+                seconds=round(time.perf_counter() - t, 1),
+            )
         )
         print(
             f"learning m={m} sigma={sigma} false_merge={fm} {policy} policy: "
@@ -400,6 +422,7 @@ def run_grid(c, argv) -> dict:
             flush=True,
         )
     rep["anchor"] = _anchor(c.grid.anchor_report, rep["m_sweep"], rep["sigma_sweep"])
+    write_json(os.path.join(out, "report.json"), rep, indent=1)  # kept should a plot fail
     rep["plots"] = _plots(out, rep, names, scatter)
     rep["wall_s"] = time.perf_counter() - t0
     rep["load_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -441,7 +464,7 @@ def run_cell(c, argv) -> dict:
     for n in cfgs:
         print(f"{n:12s} " + " ".join(f"{_fmt(summary[n][k]):>17s}" for k in SHOWN) + f" {_fmt(final[n]['final']):>17s}")
     rep = dict(
-        command="python -m launch.lab " + " ".join(shlex.quote(a) for a in argv[1:]),
+        command="python -m launch.lab " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         config=json.loads(c.to_json()),
         scores=summary,
         learning=final,

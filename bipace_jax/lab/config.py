@@ -68,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
             false_merges="0,0.25,0.5,1",
             merge_paraphrases="1,8,64",
             # Learning-curve cells "m:sigma:false_merge:policy" joined by ";" (policy: latent | observation).
-            learning="1:0:0:latent;16:0.1:0:latent;8:0.1:0:observation;8:0.1:1:observation",
+            learning="1:0:0:latent;16:0.1:0:latent;16:0.5:0:latent;4:0.1:0:observation;4:0.1:1:observation",
             anchor_report="docs/results/estimators_textcraft_tiny/report.json",
         )
     )

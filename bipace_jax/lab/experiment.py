@@ -50,9 +50,10 @@ def singleton_rates(labels: np.ndarray, seed: np.ndarray, num_seeds: int) -> tup
 def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta: float = 1e-3):
     """Scores every estimator in `cfgs` (name -> config) on one batch.
 
-    Returns: {name: {score key or "singleton_row_rate"/"singleton_group_rate": float64[seeds]}} and
-    {name: pooled batch diagnostics}. The episode level for `no_signal` comes from a grpo config with
-    the same gamma, norm and protocol options as each estimator's.
+    Returns: {name: {key: float64[seeds]}} and {name: pooled batch diagnostics}; keys: `SCORE_KEYS`
+    of the whole advantage (what trains), the same with prefix "step_" (but no_signal) of the step
+    term alone, (A - A_ep) / omega, and "singleton_row_rate", "singleton_group_rate". The episode
+    level A_ep comes from a grpo config with the same gamma, norm and protocol options.
     """
     ro = batch.rollouts
     out, diags, episode = {}, {}, {}
@@ -62,6 +63,11 @@ def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta
             episode[ep_cfg] = estimate(batch, ep_cfg)[0]
         adv, diag, labels = estimate(batch, cfg)
         s = score_rows(adv, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta, episode_adv=episode[ep_cfg])
+        # The step term alone (A - A_ep) is each estimator's own estimate of Q - V.
+        step = (adv - episode[ep_cfg]) / cfg.omega if cfg.omega > 0 else np.zeros_like(adv)
+        for k, v in score_rows(step, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta).items():
+            if k != "no_signal":
+                s["step_" + k] = v
         s["singleton_row_rate"], s["singleton_group_rate"] = singleton_rates(labels, ro.seed, ro.seeds)
         out[name], diags[name] = s, diag
     return out, diags
