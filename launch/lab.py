@@ -162,12 +162,12 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
         save(fig, f"{part}.png")
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    for n in names:
+    merge_ms = sorted({r["m"] for r in rep["merge_sweep"]})
+    styles = ("-", "--", ":", "-.")
+    for ci, n in enumerate(names):
         for j, key in enumerate(("corr", "step_state_err")):
-            for mm in sorted({r["m"] for r in rep["merge_sweep"]}):
+            for mi, mm in enumerate(merge_ms):
                 rows = [r for r in rep["merge_sweep"] if r["m"] == mm]
-                if n in ("grpo",) and mm != rows[0]["m"]:
-                    continue
                 ax[j].errorbar(
                     [r["false_merge"] for r in rows],
                     [r["summary"][n][key][0] for r in rows],
@@ -175,14 +175,16 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
                     marker="o",
                     ms=3,
                     capsize=2,
-                    ls="-" if mm == min(r["m"] for r in rep["merge_sweep"]) else "--",
-                    label=f"{n} m={mm}",
+                    color=f"C{ci}",
+                    ls=styles[mi % len(styles)],
+                    label=n if mi == 0 else None,
                 )
-    ax[0].set_title("corr(A-hat, A*) vs false-merge rate")
-    ax[1].set_title("step term: state-side error vs false-merge rate")
+    m_styles = ", ".join(f"m={mm} {styles[i % len(styles)]}" for i, mm in enumerate(merge_ms))
+    ax[0].set_title(f"corr(A-hat, A*) vs false-merge rate ({m_styles})", fontsize=9)
+    ax[1].set_title("step term: state-side error vs false-merge rate", fontsize=9)
     for a in ax:
         a.set_xlabel("false_merge")
-    ax[0].legend(fontsize=6, ncol=2)
+    ax[0].legend(fontsize=7)
     save(fig, "false_merges.png")
 
     cells = rep["learning"]
@@ -210,6 +212,10 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
     fig.suptitle(f"one seed's rows, {scatter['cell']}", fontsize=9)
     save(fig, "scatter.png")
     return files
+
+
+def _num(x) -> str:
+    return "none in range" if x is None else f"{x:.2f}"
 
 
 def _markdown(rep: dict, names: list) -> str:
@@ -273,15 +279,25 @@ def _markdown(rep: dict, names: list) -> str:
         lines.append("")
     lines.append(f"### Learning: exact success J(pi_k), {rep['learn']}")
     lines.append("")
-    lines.append("| cell | " + " | ".join(f"{n} J_0 -> J_K" for n in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
+    lines.append("Start -> final J (interval over seeds), then the paired final difference against GiGPO.")
+    lines.append("")
+    lines.append(
+        "| cell | "
+        + " | ".join(f"{n} J_0 -> J_K" for n in names)
+        + " | "
+        + " | ".join(f"{n} - gigpo" for n in names if n != "gigpo")
+        + " |"
+    )
+    lines.append("|---|" + "---|" * (2 * len(names) - 1))
     for cell in rep["learning"]:
         label = f"m={cell['m']} sigma={cell['sigma']} false_merge={cell['false_merge']} {cell['policy']}"
+        cv = cell["curves"]
         lines.append(
             f"| {label} | "
+            + " | ".join(f"{cv[n]['mean'][0]:.3f} -> {cv[n]['mean'][-1]:.3f} +- {cv[n]['hw'][-1]:.3f}" for n in names)
+            + " | "
             + " | ".join(
-                f"{cell['curves'][n]['mean'][0]:.3f} -> {cell['curves'][n]['mean'][-1]:.3f} +- {cell['curves'][n]['hw'][-1]:.3f}"
-                for n in names
+                _fmt(cv[n]["final_vs_gigpo"]) if cv[n].get("final_vs_gigpo") else "-" for n in names if n != "gigpo"
             )
             + " |"
         )
@@ -292,9 +308,9 @@ def _markdown(rep: dict, names: list) -> str:
     lines.append(
         f"`{a['report']}`: hash singleton-group rate {a.get('textcraft_hash_singleton_group_rate', float('nan')):.3f}, "
         f"cluster singleton-group rate {a.get('textcraft_cluster_singleton_group_rate', float('nan')):.3f} "
-        f"(epsilon {a.get('textcraft_epsilon')}). Lab: m = {a.get('m_matching_hash_rate')} gives GiGPO's hash rate "
-        f"(m sweep), sigma = {a.get('sigma_matching_cluster_rate')} gives BiGPO's cluster rate (sigma sweep, "
-        f"epsilon {rep['epsilon']})."
+        f"(epsilon {a.get('textcraft_epsilon')}). Lab: m = {_num(a.get('m_matching_hash_rate'))} gives GiGPO's hash "
+        f"rate (m sweep, linear interpolation), sigma = {_num(a.get('sigma_matching_cluster_rate'))} gives BiGPO's "
+        f"cluster rate (sigma sweep, epsilon {rep['epsilon']})."
     )
     lines.append("")
     lines.append("Plots: " + ", ".join(f"`{p}`" for p in rep["plots"]))
@@ -310,7 +326,7 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def run_grid(c, argv) -> dict:
+def run_grid(c) -> dict:
     """The documented grid (module docstring); returns the report dict and writes it under config.out."""
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -359,6 +375,7 @@ def run_grid(c, argv) -> dict:
                 if n in cfgs:
                     est[n] = lab.estimate(batch, cfgs[n])[0][keep].tolist()
             scatter = dict(cell=f"m={m}, sigma={sigma}", a_star=batch.a_star[keep].tolist(), est=est)
+            rep["scatter"] = scatter  # the plot's points, so the plots can be redrawn from report.json
         print(
             f"m={m:<4d} sigma={sigma:<5g} false_merge={fm:<5g} "
             + " ".join(f"{n}:{row['summary'][n]['corr'][0]:.3f}" for n in names)
@@ -434,7 +451,7 @@ def run_grid(c, argv) -> dict:
     return rep
 
 
-def run_cell(c, argv) -> dict:
+def run_cell(c) -> dict:
     """One cell: every estimator's scores on `config.view` and its learning curve; prints a table."""
     t0 = time.perf_counter()
     game = lab_config.game(c)
@@ -478,7 +495,8 @@ def run_cell(c, argv) -> dict:
 def main(argv):
     c = _CONFIG.value
     lab_config.validate(c)
-    run_grid(c, argv) if c.mode == "grid" else run_cell(c, argv)
+    del argv  # absl already parsed the flags
+    run_grid(c) if c.mode == "grid" else run_cell(c)
 
 
 if __name__ == "__main__":
