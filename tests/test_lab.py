@@ -238,6 +238,8 @@ def test_config_defaults_validate_and_bad_fields_are_named():
         ("view.false_merge", 1.5, "config.view.false_merge"),
         ("batch.seeds", 1, "config.batch.seeds"),
         ("game.slip", 1.0, "config.game.slip"),
+        ("game.actions", 2, "config.game.actions: actions must be an int >= 3"),
+        ("game.recipe_seed", -1, "config.game.recipe_seed"),
         ("estimator.names", "gigpo,nope", "config.estimator.names"),
         ("estimator.epsilon", 1.0, "config.estimator.epsilon"),
         ("grid.learning", "1:0:0", "config.grid.learning"),

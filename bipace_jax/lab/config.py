@@ -161,6 +161,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
     ):
         if not ok:
             _fail(field, want, v)
+    for name in ("tasks", "stages", "actions", "recipe_seed"):
+        if not _is_int(c.game[name]):
+            _fail(f"game.{name}", "be an int", c.game[name])
+    for name in ("slip", "trap_prob", "success_reward", "invalid_penalty"):
+        if not _is_num(c.game[name]):
+            _fail(f"game.{name}", "be a finite float", c.game[name])
     if c.learn.policy not in POLICIES:
         _fail("learn.policy", f"be one of {list(POLICIES)}", c.learn.policy)
     game(c)
@@ -192,9 +198,12 @@ def game(c: ml_collections.ConfigDict) -> Game:
             invalid_penalty=g.invalid_penalty,
             seed=g.recipe_seed,
         )
-    except (ValueError, TypeError) as e:
-        name = str(e).split(":")[1].split()[0] if ":" in str(e) else "?"
-        raise ConfigError(f"config.game.{name}: {e}") from None
+    except ValueError as e:
+        # "crafting_game: <arg> must be ..." names the argument; `seed` is the field `recipe_seed`.
+        msg = str(e).split(": ", 1)[-1]
+        name = msg.split()[0]
+        name = "recipe_seed" if name == "seed" else name
+        raise ConfigError(f"config.game.{name}: {msg}") from None
 
 
 def view(c: ml_collections.ConfigDict, **changes) -> LabView:

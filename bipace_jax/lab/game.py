@@ -99,17 +99,18 @@ def crafting_game(
     Raises:
       ValueError: naming the argument, when a value is out of range.
     """
-    for name, v, ok in (
-        ("tasks", tasks, tasks >= 1),
-        ("stages", stages, stages >= 1),
-        ("actions", actions, actions >= 3),
-        ("slip", slip, 0.0 <= slip < 1.0),
-        ("trap_prob", trap_prob, 0.0 <= trap_prob <= 1.0),
-        ("success_reward", success_reward, success_reward > 0),
-        ("invalid_penalty", invalid_penalty, invalid_penalty >= 0),
+    for name, v, ok, want in (
+        ("tasks", tasks, tasks >= 1, "an int >= 1"),
+        ("stages", stages, stages >= 1, "an int >= 1"),
+        ("actions", actions, actions >= 3, "an int >= 3"),
+        ("slip", slip, 0.0 <= slip < 1.0, "a float in [0, 1)"),
+        ("trap_prob", trap_prob, 0.0 <= trap_prob <= 1.0, "a float in [0, 1]"),
+        ("success_reward", success_reward, success_reward > 0, "a float > 0"),
+        ("invalid_penalty", invalid_penalty, invalid_penalty >= 0, "a float >= 0"),
+        ("seed", seed, seed >= 0, "an int >= 0"),
     ):
         if not ok:
-            raise ValueError(f"crafting_game: {name} out of range, got {v!r}")
+            raise ValueError(f"crafting_game: {name} must be {want}, got {v!r}")
     rng = np.random.default_rng(seed)
     t_, k_, a_ = tasks, stages, actions
     tk = t_ * k_
