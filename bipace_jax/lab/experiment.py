@@ -1,0 +1,166 @@
+"""The lab's experiments: every registered estimator scored on a lab batch, and policy-gradient learning.
+
+`estimate` runs the real jitted estimator (`bipace_jax.estimators.core.jitted_advantages`, the
+function behind `compute_advantages`) on a `LabBatch`; `score_estimators` scores every estimator on
+one batch per seed (`scores.score_rows`) with per-seed step-group diagnostics; `learn` improves a
+tabular softmax policy by policy gradient with one estimator's advantages and values each iterate
+exactly (`game.success_probability`), all seeds at once (the seeds are disjoint task groups of one
+batch, so each iteration is one compiled estimator call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bipace_jax.estimators import EstimatorConfig, registry
+from bipace_jax.estimators.core import jitted_advantages
+from bipace_jax.lab.game import Game, success_probability
+from bipace_jax.lab.observe import LabBatch, LabView, build_batch, sample_rollouts
+from bipace_jax.lab.scores import score_rows
+
+
+def estimate(batch: LabBatch, cfg: EstimatorConfig):
+    """(advantages float64[N], batch diagnostics dict[str, float], step-group labels int32[N]) of the
+    batch's real rows under `cfg` (labels -1 for grpo)."""
+    fn, scalars = jitted_advantages(cfg)
+    adv, diag, labels = fn(batch.steps, *scalars)
+    n = batch.rollouts.num_rows
+    return (
+        np.asarray(adv, np.float64)[:n],
+        {k: float(v) for k, v in diag.items()},
+        np.asarray(labels)[:n],
+    )
+
+
+def singleton_rates(labels: np.ndarray, seed: np.ndarray, num_seeds: int) -> tuple[np.ndarray, np.ndarray]:
+    """(singleton_row_rate, singleton_group_rate) float64[num_seeds] of a step-group partition
+    (`labels` int[N]; -1 = no step group, counted as a singleton row and group)."""
+    lab = np.where(labels < 0, -1 - np.arange(labels.size), labels)
+    _, inv, size = np.unique(lab, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    single = size[inv] == 1
+    rows = np.bincount(seed, minlength=num_seeds)
+    row_rate = np.bincount(seed, weights=single, minlength=num_seeds) / np.maximum(rows, 1)
+    w = 1.0 / size[inv]  # each group counted once: its rows carry 1/size each
+    groups = np.bincount(seed, weights=w, minlength=num_seeds)
+    singles = np.bincount(seed, weights=w * single, minlength=num_seeds)
+    return row_rate, singles / np.maximum(groups, 1e-12)
+
+
+def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta: float = 1e-3):
+    """Scores every estimator in `cfgs` (name -> config) on one batch.
+
+    Returns: {name: {key: float64[seeds]}} and {name: pooled batch diagnostics}; keys: `SCORE_KEYS`
+    of the whole advantage (what trains), the same with prefix "step_" (but no_signal) of the step
+    term alone, (A - A_ep) / omega, and "singleton_row_rate", "singleton_group_rate". The episode
+    level A_ep comes from a grpo config with the same gamma, norm and protocol options.
+    """
+    ro = batch.rollouts
+    out, diags, episode = {}, {}, {}
+    for name, cfg in cfgs.items():
+        ep_cfg = cfg.replace(name="grpo")
+        if ep_cfg not in episode:
+            episode[ep_cfg] = estimate(batch, ep_cfg)[0]
+        adv, diag, labels = estimate(batch, cfg)
+        s = score_rows(adv, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta, episode_adv=episode[ep_cfg])
+        # The step term alone (A - A_ep) is each estimator's own estimate of Q - V.
+        step = (adv - episode[ep_cfg]) / cfg.omega if cfg.omega > 0 else np.zeros_like(adv)
+        for k, v in score_rows(step, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta).items():
+            if k != "no_signal":
+                s["step_" + k] = v
+        s["singleton_row_rate"], s["singleton_group_rate"] = singleton_rates(labels, ro.seed, ro.seeds)
+        out[name], diags[name] = s, diag
+    return out, diags
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis (float64)."""
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def learn(
+    game: Game,
+    view: LabView,
+    cfg: EstimatorConfig,
+    *,
+    seeds: int,
+    groups: int,
+    group_size: int,
+    horizon: int,
+    iterations: int,
+    lr: float,
+    policy: str = "latent",
+    rng_seed: int = 0,
+    render_text: bool = False,
+    delta: float = 1e-3,
+) -> dict[str, np.ndarray]:
+    """Policy gradient with `cfg`'s advantages from the uniform policy, all seeds at once.
+
+    Each iteration plays `groups * group_size` games per seed with pi_k, computes the advantages of
+    every row, and steps the logits: theta[s, :] += lr / (groups * G) * sum_rows A_i (onehot(a_i) -
+    pi_k(. | s_i)) (the row's surface form too when policy="observation").
+
+    Args:
+      policy: "latent" (logits [S, A]) or "observation" (logits [S, m, A], one row per surface form).
+      rng_seed: the numpy seed of rollouts, noise and fingerprints (the same for every estimator,
+        so all arms start from the same draws).
+    Returns: dict with "success" float64[iterations + 1, seeds] (exact J(pi_k), k = 0..iterations),
+      "corr" and "singleton_row_rate" float64[iterations, seeds] of each iteration's batch.
+    Raises: ValueError on an unknown policy, lr <= 0 or iterations < 1.
+    """
+    if policy not in ("latent", "observation"):
+        raise ValueError(f"learn: policy must be 'latent' or 'observation', got {policy!r}")
+    if not (lr > 0 and iterations >= 1):
+        raise ValueError(f"learn: need lr > 0 and iterations >= 1, got lr={lr}, iterations={iterations}")
+    rng = np.random.default_rng(rng_seed)
+    s_, a_ = game.num_states, game.num_actions
+    shape = (seeds, s_, a_) if policy == "latent" else (seeds, s_, view.paraphrases, a_)
+    theta = np.zeros(shape)
+    success = np.zeros((iterations + 1, seeds))
+    corr = np.zeros((iterations, seeds))
+    single = np.zeros((iterations, seeds))
+
+    def latent(pi):
+        return pi if policy == "latent" else pi.mean(axis=2)
+
+    success[0] = success_probability(game, latent(softmax(theta)), horizon)
+    for k in range(iterations):
+        pi = softmax(theta)
+        ro = sample_rollouts(
+            game,
+            pi,
+            rng,
+            groups=groups,
+            group_size=group_size,
+            horizon=horizon,
+            paraphrases=view.paraphrases,
+            history=view.history,
+        )
+        batch = build_batch(game, ro, pi, view, rng, gamma=cfg.gamma, render_text=render_text)
+        adv, _, labels = estimate(batch, cfg)
+        corr[k] = score_rows(adv, batch.a_star, batch.cell, ro.seed, seeds, delta=delta)["corr"]
+        single[k] = singleton_rates(labels, ro.seed, seeds)[0]
+        idx = (ro.seed, ro.state) if policy == "latent" else (ro.seed, ro.state, ro.form)
+        g = -pi[idx] * adv[:, None]
+        g[np.arange(ro.num_rows), ro.action] += adv
+        grad = np.zeros(shape)
+        np.add.at(grad, idx, g)
+        theta = theta + lr / (groups * group_size) * grad
+        success[k + 1] = success_probability(game, latent(softmax(theta)), horizon)
+    return dict(success=success, corr=corr, singleton_row_rate=single)
+
+
+def estimator_configs(base: EstimatorConfig, names=None) -> dict[str, EstimatorConfig]:
+    """One config per registered estimator (or `names`), each `base` with its name replaced."""
+    return {n: base.replace(name=n) for n in (names or registry.names())}
+
+
+def bonus_policy(game: Game, bonus: float, seeds: int) -> np.ndarray:
+    """float64[seeds, S, A]: softmax of logits 0 with `bonus` on each live stage's recipe action
+    (bonus 0 is the uniform policy, the learning start)."""
+    logits = np.zeros((game.num_states, game.num_actions))
+    for task in range(game.tasks):
+        for k in range(game.stages):
+            logits[task * game.stages + k, game.correct[task, k]] = bonus
+    return np.broadcast_to(softmax(logits), (seeds, game.num_states, game.num_actions)).copy()

@@ -1,0 +1,503 @@
+"""The credit-assignment lab: every registered estimator against exact advantages (`docs/lab.md`).
+
+    python -m launch.lab                                   # the documented grid -> docs/results/lab/
+    python -m launch.lab --config.mode=cell --config.view.paraphrases=8 --config.view.sigma=0.2
+    python -m launch.lab --config.out=/tmp/lab --config.batch.seeds=50 --config.grid.paraphrases=1,8
+
+Every field of `bipace_jax/lab/config.py` can be overridden with `--config.<field>=<value>`. The
+grid mode writes `report.json`, `report.md` (tables, the paired BiPACE-vs-GiGPO differences, the
+TextCraft anchor, the command, wall time and machine load) and PNG plots; the cell mode prints one
+table of scores and final success rates and writes JSON (default `benchmarks/lab.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import app
+from ml_collections import config_flags
+
+import bipace_jax.lab as lab
+from bipace_jax.lab import config as lab_config
+from bipace_jax.lab.scores import interval as lab_interval
+from launch._common import ROOT, write_json
+
+_CONFIG = config_flags.DEFINE_config_dict(
+    "config", lab_config.default_config(), "Lab config (bipace_jax/lab/config.py)."
+)
+
+SHOWN = (
+    "corr",
+    "sign",
+    "nmse",
+    "step_corr",
+    "step_nmse",
+    "step_state_err",
+    "step_action_err",
+    "no_signal",
+    "singleton_group_rate",
+)
+PAIRED = ("corr", "step_corr", "step_nmse")
+
+
+def _fmt(iv) -> str:
+    m, hw, _ = iv
+    return f"{m:.3f} +- {hw:.3f}"
+
+
+def _cell_scores(c, lab, m, sigma, fm, index, game, cfgs):
+    """Per-seed scores of every estimator on one batch of the scored policy (rng per cell)."""
+    view = lab_config.view(c, paraphrases=m, sigma=sigma, false_merge=fm)
+    rng = np.random.default_rng([c.seed, index])
+    pi = lab.bonus_policy(game, c.score_bonus, c.batch.seeds)
+    ro = lab.sample_rollouts(
+        game,
+        pi,
+        rng,
+        groups=c.batch.groups,
+        group_size=c.batch.group_size,
+        horizon=c.game.horizon,
+        paraphrases=m,
+        history=view.history,
+    )
+    batch = lab.build_batch(game, ro, pi, view, rng, gamma=c.estimator.gamma, render_text=c.render_text)
+    scores, diags = lab.score_estimators(batch, cfgs, delta=c.delta)
+    return batch, scores, diags
+
+
+def _summary(scores: dict) -> dict:
+    return {name: {k: lab_interval(v) for k, v in s.items()} for name, s in scores.items()}
+
+
+def _paired(scores: dict, a: str, b: str):
+    """Per-seed differences a - b (same batch) of the `PAIRED` scores, as intervals."""
+    if a not in scores or b not in scores:
+        return None
+    return {k: lab_interval(scores[a][k] - scores[b][k]) for k in PAIRED}
+
+
+def _anchor(report_path: str, m_rows: list, s_rows: list) -> dict:
+    """Which m reproduces TextCraft's hash singleton-group rate, which sigma its cluster rate."""
+    path = report_path if os.path.isabs(report_path) else os.path.join(ROOT, report_path)
+    if not os.path.exists(path):
+        return {"report": report_path, "error": "not found"}
+    with open(path) as f:
+        arms = json.load(f)["arms"]
+    hashed = [a["diagnostics"]["estimator/hash_singleton_group_rate"][0] for a in arms.values()]
+    clustered = [
+        a["diagnostics"]["estimator/cluster_singleton_group_rate"][0]
+        for name, a in arms.items()
+        if any(k in name for k in ("bigpo", "bipace"))
+    ]
+    eps = [a["diagnostics"]["estimator/epsilon"][0] for name, a in arms.items() if "bigpo" in name or "bipace" in name]
+    h, cl = float(np.mean(hashed)), float(np.mean(clustered))
+
+    def crossing(xs, ys, target):
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if (y0 - target) * (y1 - target) <= 0 and y1 != y0:
+                return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0))
+        return None
+
+    ms = [r["m"] for r in m_rows]
+    gig = [r["summary"]["gigpo"]["singleton_group_rate"][0] for r in m_rows if "gigpo" in r["summary"]]
+    sig = [r["sigma"] for r in s_rows]
+    big = [r["summary"]["bigpo"]["singleton_group_rate"][0] for r in s_rows if "bigpo" in r["summary"]]
+    return {
+        "report": report_path,
+        "textcraft_hash_singleton_group_rate": h,
+        "textcraft_cluster_singleton_group_rate": cl,
+        "textcraft_epsilon": float(np.mean(eps)) if eps else None,
+        "m_matching_hash_rate": crossing(ms, gig, h) if len(gig) == len(ms) else None,
+        "sigma_matching_cluster_rate": crossing(sig, big, cl) if len(big) == len(sig) else None,
+    }
+
+
+def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+
+    def save(fig, name):
+        p = os.path.join(out, name)
+        fig.tight_layout()
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        files.append(name)
+
+    for part, xkey, xlabel, logx in (
+        ("m_sweep", "m", "paraphrases m", True),
+        ("sigma_sweep", "sigma", "fingerprint noise sigma", False),
+    ):
+        rows = rep[part]
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+        for ax, key, title in zip(
+            axes,
+            ("corr", "step_nmse", "singleton_group_rate"),
+            ("corr(A-hat, A*)", "step term: normalised MSE vs A*", "singleton step-group rate"),
+        ):
+            for n in names:
+                xs = [r[xkey] for r in rows]
+                ys = np.array([r["summary"][n][key][0] for r in rows])
+                hw = np.array([r["summary"][n][key][1] for r in rows])
+                ax.errorbar(xs, ys, yerr=hw, marker="o", ms=3, capsize=2, label=n)
+            if logx:
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel(xlabel)
+            ax.set_title(title)
+            if key == "singleton_group_rate" and rep["anchor"].get("textcraft_hash_singleton_group_rate") is not None:
+                ax.axhline(rep["anchor"]["textcraft_hash_singleton_group_rate"], ls="--", c="gray", lw=1)
+                ax.axhline(rep["anchor"]["textcraft_cluster_singleton_group_rate"], ls=":", c="gray", lw=1)
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"{part}: {rep['fixed'][part]}", fontsize=9)
+        save(fig, f"{part}.png")
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    merge_ms = sorted({r["m"] for r in rep["merge_sweep"]})
+    styles = ("-", "--", ":", "-.")
+    for ci, n in enumerate(names):
+        for j, key in enumerate(("corr", "step_state_err")):
+            for mi, mm in enumerate(merge_ms):
+                rows = [r for r in rep["merge_sweep"] if r["m"] == mm]
+                ax[j].errorbar(
+                    [r["false_merge"] for r in rows],
+                    [r["summary"][n][key][0] for r in rows],
+                    yerr=[r["summary"][n][key][1] for r in rows],
+                    marker="o",
+                    ms=3,
+                    capsize=2,
+                    color=f"C{ci}",
+                    ls=styles[mi % len(styles)],
+                    label=n if mi == 0 else None,
+                )
+    m_styles = ", ".join(f"m={mm} {styles[i % len(styles)]}" for i, mm in enumerate(merge_ms))
+    ax[0].set_title(f"corr(A-hat, A*) vs false-merge rate ({m_styles})", fontsize=9)
+    ax[1].set_title("step term: state-side error vs false-merge rate", fontsize=9)
+    for a in ax:
+        a.set_xlabel("false_merge")
+    ax[0].legend(fontsize=7)
+    save(fig, "false_merges.png")
+
+    cells = rep["learning"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.3 * len(cells), 3.6), squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        for n in names:
+            mu, hw = np.array(cell["curves"][n]["mean"]), np.array(cell["curves"][n]["hw"])
+            x = np.arange(mu.size)
+            ax.plot(x, mu, label=n)
+            ax.fill_between(x, mu - hw, mu + hw, alpha=0.2)
+        ax.set_title(
+            f"m={cell['m']}, sigma={cell['sigma']}, false_merge={cell['false_merge']}, {cell['policy']}", fontsize=9
+        )
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("exact success J(pi_k)")
+    axes[0][0].legend(fontsize=7)
+    save(fig, "learning_curves.png")
+
+    fig, axes = plt.subplots(1, len(scatter["est"]), figsize=(3.4 * len(scatter["est"]), 3.3), squeeze=False)
+    for ax, (n, est) in zip(axes[0], scatter["est"].items()):
+        ax.scatter(scatter["a_star"], est, s=2, alpha=0.3)
+        ax.set_title(n, fontsize=9)
+        ax.set_xlabel("exact A*")
+    axes[0][0].set_ylabel("estimated advantage")
+    fig.suptitle(f"one seed's rows, {scatter['cell']}", fontsize=9)
+    save(fig, "scatter.png")
+    return files
+
+
+def _num(x) -> str:
+    return "none in range" if x is None else f"{x:.2f}"
+
+
+def _markdown(rep: dict, names: list) -> str:
+    lines = [
+        "# Credit-assignment lab: the documented grid",
+        "",
+        f"Command: `{rep['command']}` (commit {rep['commit']}).",
+        f"Wall time {rep['wall_s']:.0f} s on {rep['machine']}; load average {rep['load_start']} at the start, "
+        f"{rep['load_end']} at the end.",
+        f"Seeds per cell: {rep['seeds']} (intervals: mean +- 1.96 std / sqrt(seeds)); per seed "
+        f"{rep['batch']['groups']} task groups x {rep['batch']['group_size']} games x horizon {rep['horizon']}.",
+        f"Scored policy: recipe-action logit bonus {rep['score_bonus']} (exact success {rep['score_success']:.3f}).",
+        "",
+    ]
+
+    def table(title, rows, xkey, keys=("corr",)):
+        for key in keys:
+            lines.append(f"### {title}: {key}")
+            lines.append("")
+            lines.append(f"| {xkey} | " + " | ".join(names) + " |")
+            lines.append("|---|" + "---|" * len(names))
+            for r in rows:
+                lines.append(f"| {r[xkey]} | " + " | ".join(_fmt(r["summary"][n][key]) for n in names) + " |")
+            lines.append("")
+
+    table(f"m sweep ({rep['fixed']['m_sweep']})", rep["m_sweep"], "m", SHOWN)
+    table(f"sigma sweep ({rep['fixed']['sigma_sweep']})", rep["sigma_sweep"], "sigma", SHOWN)
+    lines.append("### False merges (trap states embedded as their live twin): corr, step-term state-side error")
+    lines.append("")
+    lines.append(
+        "| m | false_merge | "
+        + " | ".join(f"{n} corr" for n in names)
+        + " | "
+        + " | ".join(f"{n} step_state_err" for n in names)
+        + " |"
+    )
+    lines.append("|---|---|" + "---|" * (2 * len(names)))
+    for r in rep["merge_sweep"]:
+        lines.append(
+            f"| {r['m']} | {r['false_merge']} | "
+            + " | ".join(_fmt(r["summary"][n]["corr"]) for n in names)
+            + " | "
+            + " | ".join(_fmt(r["summary"][n]["step_state_err"]) for n in names)
+            + " |"
+        )
+    lines.append("")
+    others = [n for n in ("bipace_q", "bipace_diff", "bigpo") if n in names]
+    for key in PAIRED:
+        lines.append(f"### Paired differences against GiGPO (same batch, per seed): {key}")
+        lines.append("")
+        lines.append("| part | m | sigma | false_merge | " + " | ".join(f"{n} - gigpo" for n in others) + " |")
+        lines.append("|---|---|---|---|" + "---|" * len(others))
+        for part in ("m_sweep", "sigma_sweep", "merge_sweep"):
+            for r in rep[part]:
+                d = r["paired_vs_gigpo"]
+                lines.append(
+                    f"| {part} | {r['m']} | {r['sigma']} | {r['false_merge']} | "
+                    + " | ".join(_fmt(d[n][key]) if d.get(n) else "-" for n in others)
+                    + " |"
+                )
+        lines.append("")
+    lines.append(f"### Learning: exact success J(pi_k), {rep['learn']}")
+    lines.append("")
+    lines.append("Start -> final J (interval over seeds), then the paired final difference against GiGPO.")
+    lines.append("")
+    lines.append(
+        "| cell | "
+        + " | ".join(f"{n} J_0 -> J_K" for n in names)
+        + " | "
+        + " | ".join(f"{n} - gigpo" for n in names if n != "gigpo")
+        + " |"
+    )
+    lines.append("|---|" + "---|" * (2 * len(names) - 1))
+    for cell in rep["learning"]:
+        label = f"m={cell['m']} sigma={cell['sigma']} false_merge={cell['false_merge']} {cell['policy']}"
+        cv = cell["curves"]
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{cv[n]['mean'][0]:.3f} -> {cv[n]['mean'][-1]:.3f} +- {cv[n]['hw'][-1]:.3f}" for n in names)
+            + " | "
+            + " | ".join(
+                _fmt(cv[n]["final_vs_gigpo"]) if cv[n].get("final_vs_gigpo") else "-" for n in names if n != "gigpo"
+            )
+            + " |"
+        )
+    lines.append("")
+    a = rep["anchor"]
+    lines.append("### Real-game anchor")
+    lines.append("")
+    lines.append(
+        f"`{a['report']}`: hash singleton-group rate {a.get('textcraft_hash_singleton_group_rate', float('nan')):.3f}, "
+        f"cluster singleton-group rate {a.get('textcraft_cluster_singleton_group_rate', float('nan')):.3f} "
+        f"(epsilon {a.get('textcraft_epsilon')}). Lab: m = {_num(a.get('m_matching_hash_rate'))} gives GiGPO's hash "
+        f"rate (m sweep, linear interpolation), sigma = {_num(a.get('sigma_matching_cluster_rate'))} gives BiGPO's "
+        f"cluster rate (sigma sweep, epsilon {rep['epsilon']})."
+    )
+    lines.append("")
+    lines.append("Plots: " + ", ".join(f"`{p}`" for p in rep["plots"]))
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):  # a tree without git still runs
+        return "unknown"
+
+
+def run_grid(c) -> dict:
+    """The documented grid (module docstring); returns the report dict and writes it under config.out."""
+    t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    out = c.out or os.path.join(ROOT, "docs", "results", "lab")
+    os.makedirs(out, exist_ok=True)
+    game = lab_config.game(c)
+    cfgs = lab_config.estimator_configs(c)
+    names = list(cfgs)
+    sig0, m0 = c.grid.paraphrases_at_sigma, c.grid.sigma_at_paraphrases
+    rep = dict(
+        command="python -m launch.lab " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        commit=_git_commit(),
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
+        config=json.loads(c.to_json()),
+        seeds=c.batch.seeds,
+        batch=c.batch.to_dict(),
+        horizon=c.game.horizon,
+        epsilon=c.estimator.epsilon,
+        score_bonus=c.score_bonus,
+        score_success=float(lab.success_probability(game, lab.bonus_policy(game, c.score_bonus, 1), c.game.horizon)[0]),
+        fixed=dict(m_sweep=f"sigma={sig0}", sigma_sweep=f"m={m0}", merge_sweep=f"sigma={sig0}"),
+        learn=f"{c.learn.iterations} iterations, lr {c.learn.lr}, {c.batch.seeds} seeds, from the uniform policy",
+    )
+    index = 0
+    scatter = None
+
+    def cell(m, sigma, fm):
+        nonlocal index, scatter
+        index += 1
+        t = time.perf_counter()
+        batch, scores, diags = _cell_scores(c, lab, m, sigma, fm, index, game, cfgs)
+        row = dict(
+            m=m,
+            sigma=sigma,
+            false_merge=fm,
+            summary=_summary(scores),
+            paired_vs_gigpo={n: _paired(scores, n, "gigpo") for n in names if n != "gigpo"},
+            diagnostics=diags,
+            rows=int(batch.rollouts.num_rows),
+            seconds=round(time.perf_counter() - t, 2),
+        )
+        if scatter is None and m >= 8 and sigma > 0:
+            keep = batch.rollouts.seed == 0
+            est = {}
+            for n in ("gigpo", "bigpo", "bipace_q", "bipace_diff"):
+                if n in cfgs:
+                    est[n] = lab.estimate(batch, cfgs[n])[0][keep].tolist()
+            scatter = dict(cell=f"m={m}, sigma={sigma}", a_star=batch.a_star[keep].tolist(), est=est)
+            rep["scatter"] = scatter  # the plot's points, so the plots can be redrawn from report.json
+        print(
+            f"m={m:<4d} sigma={sigma:<5g} false_merge={fm:<5g} "
+            + " ".join(f"{n}:{row['summary'][n]['corr'][0]:.3f}" for n in names)
+            + f"  ({row['seconds']} s)",
+            flush=True,
+        )
+        return row
+
+    rep["m_sweep"] = [cell(m, sig0, 0.0) for m in lab_config.parse_list(c, "grid.paraphrases", int)]
+    rep["sigma_sweep"] = [cell(m0, s, 0.0) for s in lab_config.parse_list(c, "grid.sigmas", float)]
+    rep["merge_sweep"] = [
+        cell(m, sig0, fm)
+        for m in lab_config.parse_list(c, "grid.merge_paraphrases", int)
+        for fm in lab_config.parse_list(c, "grid.false_merges", float)
+    ]
+    rep["learning"] = []
+    for m, sigma, fm, policy in lab_config.learning_cells(c):
+        view = lab_config.view(c, paraphrases=m, sigma=sigma, false_merge=fm)
+        t = time.perf_counter()
+        curves, finals = {}, {}
+        for n, cfg in cfgs.items():
+            r = lab.learn(
+                game,
+                view,
+                cfg,
+                seeds=c.batch.seeds,
+                groups=c.batch.groups,
+                group_size=c.batch.group_size,
+                horizon=c.game.horizon,
+                iterations=c.learn.iterations,
+                lr=c.learn.lr,
+                policy=policy,
+                rng_seed=c.seed,
+                render_text=False,
+            )
+            ivs = [lab_interval(r["success"][k]) for k in range(r["success"].shape[0])]
+            curves[n] = dict(
+                mean=[iv[0] for iv in ivs],
+                hw=[iv[1] for iv in ivs],
+                corr=lab_interval(r["corr"].mean(axis=0)),
+                singleton_row_rate=lab_interval(r["singleton_row_rate"].mean(axis=0)),
+            )
+            finals[n] = r["success"][-1]
+        for n in curves:
+            # Paired over seeds: every arm starts from the same rng seed.
+            curves[n]["final_vs_gigpo"] = lab_interval(finals[n] - finals["gigpo"]) if "gigpo" in finals else None
+        rep["learning"].append(
+            dict(
+                m=m,
+                sigma=sigma,
+                false_merge=fm,
+                policy=policy,
+                curves=curves,
+                seconds=round(time.perf_counter() - t, 1),
+            )
+        )
+        print(
+            f"learning m={m} sigma={sigma} false_merge={fm} {policy} policy: "
+            + " ".join(f"{n}:{curves[n]['mean'][-1]:.3f}" for n in names)
+            + f"  ({rep['learning'][-1]['seconds']} s)",
+            flush=True,
+        )
+    rep["anchor"] = _anchor(c.grid.anchor_report, rep["m_sweep"], rep["sigma_sweep"])
+    write_json(os.path.join(out, "report.json"), rep, indent=1)  # kept should a plot fail
+    rep["plots"] = _plots(out, rep, names, scatter)
+    rep["wall_s"] = time.perf_counter() - t0
+    rep["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    rep["load_start"] = load_start
+    write_json(os.path.join(out, "report.json"), rep, indent=1)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(_markdown(rep, names))
+    print(f"wrote {os.path.join(out, 'report.md')} ({rep['wall_s']:.0f} s)")
+    return rep
+
+
+def run_cell(c) -> dict:
+    """One cell: every estimator's scores on `config.view` and its learning curve; prints a table."""
+    t0 = time.perf_counter()
+    game = lab_config.game(c)
+    cfgs = lab_config.estimator_configs(c)
+    v = c.view
+    _, scores, _ = _cell_scores(c, lab, v.paraphrases, v.sigma, v.false_merge, 0, game, cfgs)
+    summary = _summary(scores)
+    view = lab_config.view(c)
+    final = {}
+    for n, cfg in cfgs.items():
+        r = lab.learn(
+            game,
+            view,
+            cfg,
+            seeds=c.batch.seeds,
+            groups=c.batch.groups,
+            group_size=c.batch.group_size,
+            horizon=c.game.horizon,
+            iterations=c.learn.iterations,
+            lr=c.learn.lr,
+            policy=c.learn.policy,
+            rng_seed=c.seed,
+            render_text=c.render_text,
+        )
+        final[n] = dict(start=lab_interval(r["success"][0]), final=lab_interval(r["success"][-1]))
+    print(f"{'estimator':12s} " + " ".join(f"{k:>17s}" for k in SHOWN) + f" {'final J':>17s}")
+    for n in cfgs:
+        print(f"{n:12s} " + " ".join(f"{_fmt(summary[n][k]):>17s}" for k in SHOWN) + f" {_fmt(final[n]['final']):>17s}")
+    rep = dict(
+        command="python -m launch.lab " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        config=json.loads(c.to_json()),
+        scores=summary,
+        learning=final,
+        wall_s=time.perf_counter() - t0,
+        load=[round(x, 2) for x in os.getloadavg()],
+    )
+    write_json(c.out or os.path.join(ROOT, "benchmarks", "lab.json"), rep, indent=1)
+    return rep
+
+
+def main(argv):
+    c = _CONFIG.value
+    lab_config.validate(c)
+    del argv  # absl already parsed the flags
+    run_grid(c) if c.mode == "grid" else run_cell(c)
+
+
+if __name__ == "__main__":
+    app.run(main)
