@@ -15,7 +15,9 @@ text: ``"name: v1, v2"`` per group, groups joined by ``", and "``). Here:
   ``tests/fixtures/lucene_analyzer_tokens.json`` holds the terms real Lucene (pyserini 0.17.0,
   Anserini 0.14.3) gives for 1,370 strings (stemming departures, symbols, emoji, possessives, numbers
   with units, hyphens, URLs, e-mail addresses, scripts, every field of the sample's products and the
-  1,000-product attribute file's instructions); this analyzer gives the same terms on every one.
+  1,000-product attribute file's instructions); this analyzer gives the same terms on every one,
+  and ``SearchIndex`` ranks like Anserini's searcher on all 425 queries of
+  ``tests/fixtures/lucene_rankings.json`` (with the paper's Porter and no symbol tokens, 12 differed).
 * Scoring (Lucene 8 BM25, k1 0.9, b 0.4): per query term ``idf * tf / (tf + k1 (1 - b + b dl /
   avgdl))``, ``idf = ln(1 + (N - df + 0.5) / (df + 0.5))``, no (k1 + 1) factor; ``dl`` is the
   document length as Lucene stores it (one byte, ``lucene_length``), ``avgdl`` the exact mean; a
