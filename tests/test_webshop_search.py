@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from environments import webshop_data as data
 from environments import webshop_search as search
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "lucene_analyzer_tokens.json")
@@ -70,8 +71,6 @@ def test_rankings_equal_lucenes_on_the_sample(analyzer):
     # 425 queries (the attribute file's instructions, the sample's titles) over the sample's 10
     # documents, searched by Anserini's SimpleSearcher (tests/fixtures/record_lucene_rankings.py).
     # With PyStemmer's paper Porter and no symbol tokens, 12 of them ranked differently.
-    from environments import webshop_data as data
-
     with open(os.path.join(os.path.dirname(FIXTURE), "lucene_rankings.json"), encoding="utf-8") as f:
         recorded = json.load(f)
     products = data.load_catalogue(data.SAMPLE_DIR).products
