@@ -35,6 +35,7 @@ sums in a different order.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 
@@ -126,6 +127,14 @@ _COMPILED: list | None = None
 _CLASS: dict[str, str] = {}
 
 
+# The same rules on ASCII text (no Extend, pictographic, ideographic or keycap characters there):
+# runs of [A-Za-z0-9_] joined by one MidLetter/MidNumLet/Single_Quote between letters or one
+# MidNum/MidNumLet/Single_Quote between digits.
+_ASCII_TOKEN = re.compile(
+    r"[A-Za-z0-9_]+(?:(?:(?<=[A-Za-z])[.:'](?=[A-Za-z])|(?<=[0-9])[.,;'](?=[0-9]))[A-Za-z0-9_]+)*"
+)
+
+
 def _char_class(ch: str) -> str:
     """The tokenizer class of one character (the first matching property of `_PROPERTIES`, else
     pictographic or other), memoised."""
@@ -172,6 +181,18 @@ def standard_tokens(text: str) -> list[str]:
     """
     if _IMPORT_ERROR is not None:
         raise ImportError(f"{INSTALL_HINT} ({_IMPORT_ERROR})")
+    if text.isascii():  # the fast path (most product text): one regex, same tokens
+        return [
+            t[k : k + MAX_TOKEN_LENGTH]
+            for t in _ASCII_TOKEN.findall(text)
+            if t.strip("_")
+            for k in range(0, len(t), MAX_TOKEN_LENGTH)
+        ]
+    return _scan_tokens(text)
+
+
+def _scan_tokens(text: str) -> list[str]:
+    """`standard_tokens` by the per-character state machine (any text)."""
     out: list[str] = []
     n, i = len(text), 0
     while i < n:
@@ -242,6 +263,8 @@ def _keycap_end(text: str, j: int) -> int | None:
 
 def _lower(token: str) -> str:
     """Lower case per character, as Java's Character.toLowerCase (no final-sigma rule; "İ" -> "i")."""
+    if token.isascii():
+        return token.lower()
     return "".join(ch.lower()[:1] for ch in token)  # only "İ" lower-cases to two characters in Python
 
 

@@ -6,6 +6,7 @@ in a scratch virtualenv with Java; these tests need neither.
 
 import json
 import os
+import random
 
 import numpy as np
 import pytest
@@ -58,8 +59,17 @@ def test_hand_checked_cases(analyzer, text, terms):
     assert analyzer(text) == terms
 
 
+def test_ascii_fast_path_gives_the_state_machines_tokens():
+    rng = random.Random(0)
+    alphabet = "ab1_.:,;'- xY9\"#*"
+    for _ in range(20000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
+        assert search.standard_tokens(text) == search._scan_tokens(text), text
+
+
 def test_long_tokens_are_cut_like_lucenes_max_token_length():
     assert [len(t) for t in search.standard_tokens("x" * 600)] == [255, 255, 90]
+    assert [len(t) for t in search.standard_tokens("é" * 600)] == [255, 255, 90]  # the non-ASCII path
 
 
 def test_stems_are_memoised_per_word(analyzer):
