@@ -30,7 +30,7 @@ ALFWORLD_REQUIRES = [
 ]
 
 # Our WebShop engine: the search index (Lucene's BM25), Porter stemming, thefuzz's token-set ratio.
-WEBSHOP_REQUIRES = ["bm25s==0.3.16", "PyStemmer==3.1.0", "rapidfuzz==3.14.6"]
+WEBSHOP_REQUIRES = ["bm25s==0.3.16", "nltk==3.10.4", "regex==2026.11.19", "rapidfuzz==3.14.6"]
 
 EXTRAS_REQUIRE = {
     # ALFWorld's real text engine (compiles fast-downward with cmake, about 75 s).

@@ -361,6 +361,7 @@ _CLASS_OF_SECTION = {
 # Dataclass fields filled from another section than the one being built.
 _FIELD_OF = {
     "config.rollout.action_key": "config.estimator.key",
+    "config.rollout.similarity_thresh": "config.estimator.similarity_thresh",
     "config.rollout.game": "config.env.name",
     "config.rollout.max_steps": "config.env.max_steps",
     "config.estimator.controller.epsilon": "config.estimator.epsilon",
@@ -522,6 +523,7 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
         length_finish=r.length_finish,
         reset_retries=r.reset_retries,
         action_key=c.estimator.key,
+        similarity_thresh=c.estimator.similarity_thresh,
         show_inventory=r.show_inventory,
         system_prompt=system_prompt_of(r.system_prompt),
         template=resolve_template(r.template),
@@ -560,6 +562,7 @@ def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None)
         episode_stats=e.episode_stats,
         step_norm=e.step_norm,
         pace_fallback=e.pace_fallback,
+        similarity_thresh=e.similarity_thresh,
     )
 
 

@@ -18,7 +18,8 @@ contract (ascending group, trajectory, step; ``docs/estimators.md``): the token 
 * ``penalty``: ``invalid_penalty * (response invalid)``, kept apart so the estimator can charge it to
   its own row (``EstimatorConfig.penalty="own_row"``); the default ``"in_reward"`` uses
   ``reward - penalty``, the step's net reward.
-* ``obs_hash``: ``assign_ids`` of the anchor text of the observation the prompt showed.
+* ``obs_hash``: ``assign_ids`` of the anchor text of the observation the prompt showed, or with
+  ``similarity_thresh > 0`` its ``similarity_groups`` cluster (verl-agent's similarity grouping).
 * ``fingerprint``: the sampler's prompt fingerprint (hidden state at the last prompt token).
 * ``action_key``: ``assign_ids`` of the PACE key: ``action_tag(response)`` or the first 8 response
   token ids (``first_tokens``); an unparsable response gets -1.
@@ -38,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from bipace_jax.estimators import StepBatch, assign_ids
+from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
 from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
 from environments.pool import ENV_ERRORS
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
@@ -99,6 +100,8 @@ class RolloutConfig:
         envs still failing after that are dropped (0: drop at once). Either way the game counts in
         ``stats["env_errors"]``.
       action_key: PACE key: ``"action_tag"`` or ``"first_tokens"``.
+      similarity_thresh: ``obs_hash`` rule: 0.0 exact anchor text, in (0, 1) ``similarity_groups``
+        (``EstimatorConfig.similarity_thresh``).
       show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
       system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
       template: None, or a mapping of ``PromptTemplate`` fields overriding the game's default.
@@ -121,6 +124,7 @@ class RolloutConfig:
     length_finish: str = "parse"
     reset_retries: int = 1
     action_key: str = "action_tag"
+    similarity_thresh: float = 0.0
     show_inventory: bool = False
     system_prompt: str | None = None
     template: Any = None
@@ -146,6 +150,9 @@ class RolloutConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and ok(v, 0)):
                 raise ValueError(f"RolloutConfig.{name} must be a finite number {lo}, got {v!r}")
+        t = self.similarity_thresh
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise ValueError(f"RolloutConfig.similarity_thresh must be 0 or a float in (0, 1), got {t!r}")
         if not isinstance(self.sampler, SamplerConfig):
             raise ValueError(f"RolloutConfig.sampler must be a SamplerConfig, got {type(self.sampler).__name__}")
 
@@ -631,7 +638,9 @@ def collect(
         step=padded([r.step for r in rows], np.int32),
         reward=padded([r.reward for r in rows], np.float32),
         penalty=padded([r.penalty for r in rows], np.float32),
-        obs_hash=padded(assign_ids([r.anchor for r in rows]), np.int32),
+        obs_hash=padded(
+            similarity_groups([r.anchor for r in rows], [r.group for r in rows], rcfg.similarity_thresh), np.int32
+        ),
         fingerprint=padded(np.stack([r.fingerprint for r in rows]), np.float32),
         action_key=padded(assign_ids([r.pace for r in rows]), np.int32, fill=-1),
         mask=padded(np.ones(n_rows, bool), bool, fill=False),

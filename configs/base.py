@@ -113,6 +113,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.estimator.episode_stats = "trajectory"  # trajectory (one score per episode) | rows (per row, verl-agent)
     c.estimator.step_norm = "none"  # none | std (bipace_* step term / cluster std, under norm=mean_std)
     c.estimator.pace_fallback = "same_key_cluster"  # same_key_cluster | singleton_pool (per-row LOO, paper)
+    c.estimator.similarity_thresh = 0.0  # gigpo step groups: 0 exact text; (0, 1) verl-agent difflib ratio >= it
     # One-shot calibration (the paper's sweep; clustering estimators only): on the first iteration, epsilon becomes the smallest
     # grid value whose singleton step-group rate on that batch's fingerprints is <= the target
     # (paper, TextCraft-7B: clusters 22.4% singletons vs 50.3% for exact hashing). Off: epsilon as set.

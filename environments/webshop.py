@@ -20,8 +20,10 @@ Options of ``WebShopEnv`` (``make("webshop", ...)``):
   verl-agent's choice, and so the paper's) or ``"human"`` (crowd-written instructions).
 * ``split``: ``"test"`` plays goals ``[0, num_test_goals)``, ``"train"`` the rest (verl-agent's
   split; ``num_test_goals`` is 500 there, smaller for the sample's 55 goals).
-* ``goal_seed`` (0): the seed of the ranged products' prices, the price caps and the goal order
-  (verl-agent seeds them per worker; here one order serves every game, so task ids are stable).
+* ``goal_seed`` (233): the seed of the ranged products' prices, the price caps and the goal order.
+  The default 233 is the seed WebShop's ``SimServer`` always shuffles its goals with, so the default
+  test split (goals ``[0, num_test_goals)``) is the original's; other seeds are ours (verl-agent
+  seeds them per worker; here one order serves every game, so task ids are stable).
 * ``reward``: ``"score"`` (the task score in [0, 1]) or ``"success"`` (1 only for a score of
   exactly 1, verl-agent's; the trainer's ``rollout.success_reward`` makes it 10).
 * ``max_steps`` (15, verl-agent's WebShop cap).
@@ -35,7 +37,9 @@ Buy Now); ``click[<option value>]`` chooses it (the page text does not show the 
 ``click[< prev]`` goes back one level, ``click[back to search]`` to the start page; ``click[buy
 now]`` ends the episode with the task score (``environments/webshop_reward.py``). Anything else
 (unknown action, a click on something the page does not list, ``click[search]``) changes nothing.
-Action arguments are lower-cased; the action name is matched as written ("Click[...]" does nothing).
+Commands are parsed as WebShop's ``WebAgentTextEnv`` parses them: ``name[argument]`` from the first
+character, nothing stripped (" click[buy now]" or a leading tab does nothing), the argument
+lower-cased, the name matched as written ("Click[...]" does nothing).
 
 What the agent sees (verl-agent's formatting, used by both engines):
 
@@ -67,6 +71,8 @@ from environments.webshop_reward import Score, task_score
 from environments.webshop_search import TOP_K, SearchIndex, document_text
 
 SEP = " [SEP] "
+#: WebShop's own goal shuffle seed (``SimServer``: ``random.seed(233)``), the default ``goal_seed``.
+GOAL_SEED = 233
 INSTRUCTION_MARK = "Instruction:"
 SEARCH_TEMPLATE = "search[<your query>]"
 TEST_GOALS = 500  # goals [0, 500) are the test split; the rest train (verl-agent)
@@ -298,7 +304,8 @@ class WebShopEnv(TextEnv):
       reward: ``"score"`` or ``"success"``.
       max_steps: step cap (default 15).
       num_test_goals: size of the test split (default 500, verl-agent's).
-      goal_seed: seed of the prices, price caps and goal order (default 0).
+      goal_seed: seed of the prices, price caps and goal order (default 233, WebShop's: the
+        original test split; other values give splits of our own).
 
     Raises:
       FileNotFoundError: no data folder, or a data file missing (the message says where WebShop's
@@ -316,7 +323,7 @@ class WebShopEnv(TextEnv):
         reward: str = "score",
         max_steps: int = 15,
         num_test_goals: int = TEST_GOALS,
-        goal_seed: int = 0,
+        goal_seed: int = GOAL_SEED,
     ):
         super().__init__(max_steps)
         if goals not in data.GOAL_KINDS:
@@ -446,7 +453,7 @@ class WebShopEnv(TextEnv):
             raise TypeError(f"action must be a str, got {type(action).__name__}")
         admissible = is_available(action, self._page.available())
         score, done = 0.0, False
-        m = _ENGINE_ACTION_RE.match(action.strip())
+        m = _ENGINE_ACTION_RE.match(action)  # as WebAgentTextEnv: no strip, " click[buy now]" does nothing
         if m is not None:
             name, arg = m.group(1), m.group(2).lower()
             if name == "search":

@@ -9,7 +9,10 @@ inputs (`block_until_ready`; device times on a GPU/TPU), compile time apart. The
 (`reference.py`) is timed once per cell, and at N = 25,600 extrapolated linearly in N from N = 6,400
 (`oracle_extrapolated`, see `oracle_extrapolation` in the JSON). The PyTorch-reference GiGPO grouping
 is verl-agent's way: a Python dict per task group keyed by the observation string, returns by a
-Python loop per trajectory, torch mean/std per step group.
+Python loop per trajectory, torch mean/std per step group. The similarity arm times
+`similarity_groups` (verl-agent's `similarity_thresh` grouping, host side, at its default 0.95) on
+ALFWorld-like anchor texts of the same batches (`observation_texts`), next to the jitted BiGPO
+clustering: rows/s and the step groups and singleton rows each partition gives.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bipace_jax.estimators import EstimatorConfig, StepBatch, core, reference, registry
+from bipace_jax.estimators import EstimatorConfig, StepBatch, core, reference, registry, similarity_groups
 from bipace_jax.estimators.synthetic import rollout_like_arrays
 from launch._common import seconds
 
 GROUPS = (4, 16, 64)  # x 8 trajectories x 50 steps = 1,600 / 6,400 / 25,600 rows
 DIMS = (896, 1536, 3584)
 TARGET = 100.0
+SIMILARITY_THRESH = 0.95  # verl-agent's default similarity_thresh
+_LOCATIONS = ("countertop", "cabinet", "drawer", "fridge", "shelf", "sinkbasin", "stoveburner", "garbagecan")
+_OBJECTS = ("apple", "bread", "knife", "mug", "egg", "lettuce", "tomato", "spoon", "fork", "plate", "cup", "pan")
 
 
 def _median_ms(fn, repeats):
@@ -90,6 +96,61 @@ def torch_dict_gigpo(arrays, gamma=0.95):
             r = returns[idx]
             adv[idx] = (r - r.mean()) / (r.std() + 1e-6)
     return 1e3 * (time.perf_counter() - t0), adv
+
+
+def observation_texts(arrays) -> list[str]:
+    """ALFWorld-like anchor texts (~120 chars) for `rollout_like_arrays` rows: one location and object
+    list per (task group, latent state), the 3 text variants of a state differ only in the inventory
+    (near-duplicates), and a novel row (obs_hash >= 1,000,000) gets its own random text."""
+    out = []
+    for g, h in zip(arrays["group_id"].tolist(), arrays["obs_hash"].tolist()):
+        r = np.random.default_rng(h if h >= 1_000_000 else (g, h // 3))
+        loc = f"{_LOCATIONS[r.integers(len(_LOCATIONS))]} {r.integers(1, 5)}"
+        picks = r.choice(len(_OBJECTS), int(r.integers(2, 6)), replace=False)
+        objects = ", ".join(f"a {_OBJECTS[k]} {r.integers(1, 4)}" for k in picks)
+        inventory = ("nothing", "a soapbar 1", "a key 2")[h % 3]
+        out.append(f"You arrive at {loc}. On the {loc}, you see {objects}. You are carrying: {inventory}.")
+    return out
+
+
+def _partition_stats(group_id, ids):
+    """(step groups, singleton row rate) of the partition by (group_id, ids)."""
+    _, counts = np.unique(np.stack([group_id, ids]), axis=1, return_counts=True)
+    return int(counts.size), float(np.sum(counts == 1) / len(ids)) if len(ids) else 0.0
+
+
+def similarity_arm(groups, cells, dims):
+    """Rows/s of `similarity_groups` vs exact hashing vs the jitted BiGPO clustering, per N."""
+    rows = []
+    for g in groups:
+        arrays = rollout_like_arrays(g, dim=8, seed=g)
+        texts = observation_texts(arrays)
+        n = len(texts)
+        t0 = time.perf_counter()
+        sim = similarity_groups(texts, arrays["group_id"], SIMILARITY_THRESH)
+        sim_ms = 1e3 * (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        exact = similarity_groups(texts, arrays["group_id"], 0.0)
+        exact_ms = 1e3 * (time.perf_counter() - t0)
+        bigpo = {c["D"]: c for c in cells if c["estimator"] == "bigpo" and c["N"] == n}
+        exact_groups, exact_singletons = _partition_stats(arrays["group_id"], exact)
+        sim_groups, sim_singletons = _partition_stats(arrays["group_id"], sim)
+        rows.append(
+            dict(
+                N=n,
+                similarity_thresh=SIMILARITY_THRESH,
+                similarity_ms=sim_ms,
+                similarity_rows_per_s=n / sim_ms * 1e3,
+                exact_hash_ms=exact_ms,
+                exact_hash_rows_per_s=n / exact_ms * 1e3,
+                bigpo_jit_rows_per_s={str(d): bigpo[d]["jit_rows_per_s"] for d in dims if d in bigpo},
+                exact_step_groups=exact_groups,
+                exact_singleton_row_rate=exact_singletons,
+                similarity_step_groups=sim_groups,
+                similarity_singleton_row_rate=sim_singletons,
+            )
+        )
+    return rows
 
 
 def main():
@@ -153,6 +214,8 @@ def main():
             )
         )
 
+    sim_rows = similarity_arm(groups, cells, dims)
+
     print("\n| estimator | N | D | jit ms | jit rows/s | compile s | oracle ms | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for c in cells:
@@ -165,6 +228,17 @@ def main():
     for r in torch_rows:
         print(
             f"| {r['N']} | {r['torch_dict_ms']:.1f} | {r['jit_gigpo_ms']:.2f} | {r['speedup_jit_gigpo_vs_torch_dict']:.1f} |"
+        )
+    print(
+        f"\n| N | similarity_groups({SIMILARITY_THRESH}) rows/s | exact hash rows/s | jit bigpo rows/s (D) | "
+        "step groups exact / similarity | singleton rows exact / similarity |\n|---|---|---|---|---|---|"
+    )
+    for r in sim_rows:
+        bigpo = ", ".join(f"{v:.3g} ({d})" for d, v in r["bigpo_jit_rows_per_s"].items())
+        print(
+            f"| {r['N']} | {r['similarity_rows_per_s']:.3g} | {r['exact_hash_rows_per_s']:.3g} | {bigpo} | "
+            f"{r['exact_step_groups']} / {r['similarity_step_groups']} | "
+            f"{r['exact_singleton_row_rate']:.3f} / {r['similarity_singleton_row_rate']:.3f} |"
         )
     head = next(c for c in cells if (c["estimator"], c["N"], c["D"]) == headline)
     print(
@@ -184,6 +258,7 @@ def main():
         ),
         cells=cells,
         torch_dict_gigpo=torch_rows,
+        similarity_grouping=sim_rows,
         oracle_extrapolation=(
             "cells with oracle_extrapolated=true (the oracle was not run there, it "
             f"would take minutes): oracle_ms(N, D) = measured(N={n_mid}, same D) * N / {n_mid} "

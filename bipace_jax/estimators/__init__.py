@@ -6,7 +6,8 @@
     adv, diag = compute_advantages(batch, EstimatorConfig(name="bipace_q"))
 
 `registry` holds the estimators by name (`registry.names()`, `registry.register(spec)`);
-`reference.compute_advantages_reference` is the plain NumPy oracle of the same contract.
+`reference.compute_advantages_reference` is the plain NumPy oracle of the same contract;
+`similarity_groups` is verl-agent's text-similarity `obs_hash` (`EstimatorConfig.similarity_thresh`).
 """
 
 from bipace_jax.estimators import registry
@@ -16,6 +17,7 @@ from bipace_jax.estimators.core import compute_advantages, step_group_labels
 from bipace_jax.estimators.diagnostics import DIAGNOSTIC_KEYS
 from bipace_jax.estimators.epsilon import EpsilonController, calibrate_epsilon
 from bipace_jax.estimators.registry import EstimatorSpec
+from bipace_jax.estimators.similarity import similarity_groups
 
 __all__ = [
     "DIAGNOSTIC_KEYS",
@@ -27,5 +29,6 @@ __all__ = [
     "calibrate_epsilon",
     "compute_advantages",
     "registry",
+    "similarity_groups",
     "step_group_labels",
 ]

@@ -25,7 +25,9 @@ class EstimatorConfig:
         "bipace_q", "bipace_diff").
       gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1]
         (`docs/estimators.md`, "Returns").
-      omega: weight of the step level, `A = A_ep + omega * A_step`; a finite float >= 0.
+      omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float (verl-agent's
+        `step_advantage_w` is not restricted either; a negative omega rewards the opposite of the
+        step ranking, which is only useful for ablations).
       norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
         level and the gigpo/bigpo step level; the BiPACE step level only with step_norm="std".
       epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
@@ -46,11 +48,17 @@ class EstimatorConfig:
           by the cluster's unbiased std of R + 1e-6); other estimators ignore it.
         pace_fallback: "same_key_cluster" (leave-one-out when the whole cluster shares one key) or
           "singleton_pool" (leave-one-out when the row's PACE pool is empty); read by bipace_* only.
+      similarity_thresh: how the rollout turns anchor observation texts into `StepBatch.obs_hash`:
+        0.0 (default) exact text, or a float in (0, 1), verl-agent's `similarity_thresh`
+        (`similarity_groups`: greedy clusters of `difflib` ratio >= it per task group). Carried for
+        the caller like `key` (the rollout reads it from `RolloutConfig.similarity_thresh`); it
+        changes the groups of the `obs_hash` estimators (gigpo), not the clusters of the others.
 
     Raises:
       ValueError: on an unknown name, norm, centroid, key, penalty, episode_stats, step_norm or
         pace_fallback, gamma outside [0, 1], epsilon outside [0, 1), a non-finite omega, a capacity
-        below 1, or penalty="own_row" with episode_stats="trajectory".
+        below 1, similarity_thresh outside [0, 1) or > 0 for an estimator that does not group by
+        observation, or penalty="own_row" with episode_stats="trajectory".
     """
 
     name: str = "bipace_q"
@@ -65,19 +73,36 @@ class EstimatorConfig:
     episode_stats: str = "trajectory"
     step_norm: str = "none"
     pace_fallback: str = "same_key_cluster"
+    similarity_thresh: float = 0.0
 
     def __post_init__(self):
         if self.name not in registry.names():
             raise ValueError(f"EstimatorConfig.name: expected one of {registry.names()}, got {self.name!r}")
-        for field, value in (("gamma", self.gamma), ("omega", self.omega), ("epsilon", self.epsilon)):
+        for field, value in (
+            ("gamma", self.gamma),
+            ("omega", self.omega),
+            ("epsilon", self.epsilon),
+            ("similarity_thresh", self.similarity_thresh),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"EstimatorConfig.{field}: expected a float, got {value!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"EstimatorConfig.gamma: expected a value in [0, 1], got {self.gamma!r}")
-        if not (math.isfinite(self.omega) and self.omega >= 0):
-            raise ValueError(f"EstimatorConfig.omega: expected a finite float >= 0, got {self.omega!r}")
+        if not math.isfinite(self.omega):
+            raise ValueError(f"EstimatorConfig.omega: expected a finite float, got {self.omega!r}")
         if not 0.0 <= self.epsilon < 1.0:
             raise ValueError(f"EstimatorConfig.epsilon: expected a value in [0, 1), got {self.epsilon!r}")
+        if not 0.0 <= self.similarity_thresh < 1.0:
+            raise ValueError(
+                "EstimatorConfig.similarity_thresh: expected 0 (exact observation groups) or a value in (0, 1), "
+                f"got {self.similarity_thresh!r}"
+            )
+        if self.similarity_thresh > 0 and self.spec.grouping != registry.OBS_HASH:
+            # Only observation-group step levels read obs_hash; elsewhere the option would do nothing.
+            raise ValueError(
+                f"EstimatorConfig.similarity_thresh: {self.similarity_thresh!r} needs an estimator that groups by "
+                f"observation (grouping 'obs_hash', e.g. 'gigpo'), got name={self.name!r}; use 0.0"
+            )
         for field, allowed in (
             ("norm", NORMS),
             ("centroid", CENTROIDS),
