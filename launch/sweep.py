@@ -108,13 +108,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> None:
-    """Build and validate one cell's config (``bipace_jax.config.validate``) before anything runs.
+    """Build and validate one cell's config (``bipace_jax.build.build_spec``) before anything runs.
 
     Raises:
       ValueError: naming the cell and the bad field.
     """
     from ml_collections import config_flags
 
+    from bipace_jax import build
     from bipace_jax import config as config_lib
 
     fv = flags.FlagValues()
@@ -122,7 +123,7 @@ def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> No
     try:
         config_flags.DEFINE_config_file("config", config, flag_values=fv, sys_argv=argv)
         fv(argv)
-        config_lib.validate(fv.config)
+        build.build_spec(fv.config)
     except (config_lib.ConfigError, flags.Error, ValueError, KeyError, AttributeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() is its repr
         raise ValueError(f"cell {cell_name(cell)}: {msg}") from None

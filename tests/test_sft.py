@@ -253,14 +253,14 @@ def test_rl_and_warm_start_prompts_are_the_same_ids_for_the_same_game_state():
     # system turn, 9 extra tokens, once changed 10 of 54 panel outcomes)
     import configs.sft_textcraft_tiny
     import configs.textcraft_tiny
-    from bipace_jax import config as config_lib
-    from bipace_jax import sft
+    from bipace_jax import build, sft
+    from bipace_jax.config import resolve_path
     from bipace_jax.models import load_tokenizer
     from bipace_jax.rollout import encode_prompt
 
     rl_cfg, ws_cfg = configs.textcraft_tiny.get_config(), configs.sft_textcraft_tiny.get_config()
-    tok = load_tokenizer(config_lib.resolve_path(rl_cfg.model.checkpoint))
-    rl = config_lib.rollout_config(rl_cfg, group_size=1, sampler=SamplerConfig())
+    tok = load_tokenizer(resolve_path(rl_cfg.model.checkpoint))
+    rl = build.rollout_config(rl_cfg, group_size=1, sampler=SamplerConfig())
     ws = sft.rollout_config(ws_cfg)
     assert rl.system_prompt is None and ws.system_prompt is None
     env = environments.make("textcraft", max_steps=15)
