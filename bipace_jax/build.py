@@ -75,6 +75,7 @@ __all__ = [
     "actor_architecture",
     "build_actor",
     "build_spec",
+    "checked",
     "estimator_config",
     "init_actor",
     "loss_config",
@@ -87,9 +88,10 @@ __all__ = [
 ]
 
 
-def _library(section: str, cls: type, **fields):
-    """``cls(**fields)``; its ``ValueError`` re-raised as a ``ConfigError`` under ``config.<section>``
-    (the dataclass mirrors the section: ``SamplerConfig.top_p`` is ``config.sampler.top_p``)."""
+def checked(section: str, cls: type, **fields):
+    """``cls(**fields)`` for a library dataclass that mirrors config section ``section``; its
+    ``ValueError`` re-raised as a ``ConfigError`` under the config's name (``SamplerConfig.top_p`` is
+    ``config.sampler.top_p``)."""
     try:
         return cls(**fields)
     except (ValueError, TypeError) as e:
@@ -273,7 +275,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
     controller = None
     if check_choice("estimator.controller.enabled", get(c, "estimator.controller.enabled"), (True, False)):
         fields = c.estimator.controller.to_dict()
-        controller = _library("estimator.controller", EpsilonController, epsilon=estimator.epsilon, **fields)
+        controller = checked("estimator.controller", EpsilonController, epsilon=estimator.epsilon, **fields)
     loss = loss_config(c)
     learner = LearnerConfig.from_config(c)
     if learner.old_logprobs is OldLogprobs.SAMPLER and (sampler.top_p != 1.0 or sampler.top_k):
@@ -325,7 +327,7 @@ def sampler_config(
 ) -> SamplerConfig:
     """``SamplerConfig`` of ``c.sampler`` (``temperature`` overrides it, e.g. ``val.temperature``)."""
     s = c.sampler
-    return _library(
+    return checked(
         "sampler",
         SamplerConfig,
         max_new_tokens=s.max_new_tokens,
@@ -346,7 +348,7 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
     ``group_size`` is ``rollout.group_size`` for training, ``val.group_size`` for validation."""
     r = c.rollout
     kw = {"fallback_action": r.fallback_action} if r.fallback_action else {}
-    return _library(
+    return checked(
         "rollout",
         RolloutConfig,
         game=c.env.name,
@@ -375,7 +377,7 @@ def loss_config(c: ml_collections.ConfigDict) -> losses.PPOLossConfig:
     """``PPOLossConfig`` of ``c.ppo``; the trained policy is the one that played, softmax(logits / rollout
     temperature), as in verl (check ``c.sampler`` first)."""
     p = c.ppo
-    return _library(
+    return checked(
         "ppo",
         losses.PPOLossConfig,
         clip_eps=p.clip_eps,
@@ -390,7 +392,7 @@ def loss_config(c: ml_collections.ConfigDict) -> losses.PPOLossConfig:
 def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None) -> EstimatorConfig:
     """``EstimatorConfig`` of ``c.estimator``; ``epsilon`` overrides it (calibrated or controlled)."""
     e = c.estimator
-    return _library(
+    return checked(
         "estimator",
         EstimatorConfig,
         name=e.name,

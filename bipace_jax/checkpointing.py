@@ -44,7 +44,7 @@ class CheckpointMeta:
       seed: the run's seed.
     """
 
-    iteration: int
+    iteration: int = 0
     task_cursor: int = 0
     updates: int = 0
     epsilon: float | None = None

@@ -230,25 +230,33 @@ class Panel(enum.StrEnum):
 # ``from_config`` reads it, ``__post_init__`` checks every field under its config name.
 
 
-def _section_values(cls, c: Any) -> dict[str, Any]:
-    """The fields of ``cls`` read from config section ``cls.SECTION`` of ``c``."""
-    return {f.name: get(c, f"{cls.SECTION}.{f.name}") for f in dataclasses.fields(cls)}
+def _section_values(cls, c: Any, fields: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The fields of ``cls`` (or only ``fields``) read from config section ``cls.SECTION`` of ``c``."""
+    names = fields if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
+    return {name: get(c, f"{cls.SECTION}.{name}") for name in names}
 
 
-class _Section:
+class Section:
+    """Base of a frozen config-section record: ``SECTION`` names the config section it mirrors."""
+
     SECTION: ClassVar[str] = ""
 
     @classmethod
-    def from_config(cls, c: Any):
-        """The section ``cls.SECTION`` of run config ``c``; raises ``ConfigError`` naming a bad field."""
-        return cls(**_section_values(cls, c))
+    def from_config(cls, c: Any, fields: tuple[str, ...] | None = None):
+        """The section ``cls.SECTION`` of config ``c``; with ``fields``, only those are read (a config
+        that has no use for the others, e.g. the warm start's, leaves them at their defaults).
+
+        Raises:
+          ConfigError: naming a missing or bad field.
+        """
+        return cls(**_section_values(cls, c, fields))
 
     def _name(self, field: str) -> str:
         return f"{self.SECTION}.{field}"
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvConfig(_Section):
+class EnvConfig(Section):
     """``config.env``: the game, its step cap, pool workers and timeout, and its options (a dict)."""
 
     SECTION: ClassVar[str] = "env"
@@ -268,7 +276,7 @@ class EnvConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class TasksConfig(_Section):
+class TasksConfig(Section):
     """``config.tasks``: task selectors of the training and held-out goals (``tasks.select_tasks``)."""
 
     SECTION: ClassVar[str] = "tasks"
@@ -283,7 +291,7 @@ class TasksConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class ValConfig(_Section):
+class ValConfig(Section):
     """``config.val``: the validation schedule and panels (``tasks.validation_panel``); ``options`` and
     ``holdout_options`` as dicts (game options on top of ``env.options``; {} = the training game)."""
 
@@ -321,7 +329,7 @@ class ValConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class CalibrationConfig(_Section):
+class CalibrationConfig(Section):
     """``config.estimator.calibration``: the one-shot epsilon sweep on the first batch (``calibrate_epsilon``)."""
 
     SECTION: ClassVar[str] = "estimator.calibration"
@@ -390,7 +398,7 @@ class LearnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """``config.optim``: AdamW after global-norm clipping, constant learning rate after linear warmup."""
 
     SECTION: ClassVar[str] = "optim"
@@ -413,7 +421,7 @@ class OptimConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """``config.checkpoint``: save every ``every`` iterations (and at the end), keep ``keep``, export HF."""
 
     SECTION: ClassVar[str] = "checkpoint"
@@ -428,7 +436,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class LogConfig(_Section):
+class LogConfig(Section):
     """``config.log``: tqdm progress bars; PNG plots at the end."""
 
     SECTION: ClassVar[str] = "log"
@@ -441,7 +449,7 @@ class LogConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+class MeshConfig(Section):
     """``config.mesh``: the (data, fsdp, tensor) axis sizes, each >= 1 or -1 (at most one: the devices
     left over)."""
 

@@ -162,11 +162,13 @@ def _close_log(log: Any, run_dir: str) -> None:
 
 
 def _summary_line(run_dir: str) -> str:
+    from bipace_jax import metric_keys as keys
     from bipace_jax.metrics import read_metrics
 
     rows = read_metrics(run_dir)
-    first = next((r["val_before/success_rate"] for r in rows if "val_before/success_rate" in r), None)
-    last = next((r["val/success_rate"] for r in reversed(rows) if "val/success_rate" in r), None)
+    before = keys.before(keys.VAL_SUCCESS)
+    first = next((r[before] for r in rows if before in r), None)
+    last = next((r[keys.VAL_SUCCESS] for r in reversed(rows) if keys.VAL_SUCCESS in r), None)
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     return f"{len(rows)} iterations, validation {fmt(first)} -> {fmt(last)}"
 
