@@ -30,20 +30,20 @@ from typing import Any
 
 from absl import app, flags
 
-from bipace_jax import metric_keys as keys
+from bipace_jax import metric_keys as mk
 from bipace_jax import runfolder
 
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
 _OUT = flags.DEFINE_string("out", "", "Output folder (default: the first folder given).")
 
 DIAGNOSTICS = (  # (metric, label in the table)
-    (keys.HASH_SINGLETON_GROUPS, "singleton groups, hashing"),
-    (keys.CLUSTER_SINGLETON_GROUPS, "singleton groups, clusters"),
-    (keys.PAIRS, "pairs"),
-    (keys.PACE_ROWS, "PACE rows"),
-    (keys.LOO_ROWS, "LOO rows"),
-    (keys.EPSILON, "epsilon"),
-    (keys.BIPACE_SHARE, "BiPACE time share"),
+    (mk.HASH_SINGLETON_GROUPS, "singleton groups, hashing"),
+    (mk.CLUSTER_SINGLETON_GROUPS, "singleton groups, clusters"),
+    (mk.PAIRS, "pairs"),
+    (mk.PACE_ROWS, "PACE rows"),
+    (mk.LOO_ROWS, "LOO rows"),
+    (mk.EPSILON, "epsilon"),
+    (mk.BIPACE_SHARE, "BiPACE time share"),
 )
 
 
@@ -101,15 +101,15 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
 
 
-def validation_curve(rows: list[dict], key: str = keys.VAL_SUCCESS) -> list[tuple[int, float]]:
+def validation_curve(rows: list[dict], key: str = mk.VAL_SUCCESS) -> list[tuple[int, float]]:
     """(iterations trained, value) of every validation: the before-RL one at 0, then after iteration i at i + 1."""
     curve = []
-    before = keys.before(key)
+    before = mk.before(key)
     for r in rows:
         if before in r:
             curve.append((0, float(r[before])))
         if key in r:
-            curve.append((int(r[keys.ITERATION]) + 1, float(r[key])))
+            curve.append((int(r[mk.ITERATION]) + 1, float(r[key])))
     return curve
 
 
@@ -123,11 +123,11 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
     out["final"] = curve[-1][1] if curve else None
     out["best"] = max(v for _, v in curve) if curve else None
     out["iterations_to_threshold"] = next((i for i, v in curve if v >= threshold), None)
-    last_val = next((r for r in reversed(rows) if keys.VAL_SUCCESS in r), {})
+    last_val = next((r for r in reversed(rows) if mk.VAL_SUCCESS in r), {})
     out["final_by_key"] = {
         k: float(v)
         for k, v in last_val.items()
-        if k.startswith(keys.VAL + "/") and k != keys.VAL_SUCCESS and "/tasks" not in k
+        if k.startswith(mk.VAL + "/") and k != mk.VAL_SUCCESS and "/tasks" not in k
     }
     out["final_by_key"] = {k: v for k, v in out["final_by_key"].items() if "success_rate" in k or k.endswith("/score")}
     out["diagnostics"] = {}
@@ -135,8 +135,8 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
         vals = [float(r[key]) for r in rows if key in r]
         out["diagnostics"][key] = sum(vals) / len(vals) if vals else None
     out["curves"] = {
-        key: [(int(r[keys.ITERATION]) + 1, float(r[key])) for r in rows if key in r]
-        for key in (keys.HASH_SINGLETON_GROUPS, keys.CLUSTER_SINGLETON_GROUPS, keys.PACE_ROWS)
+        key: [(int(r[mk.ITERATION]) + 1, float(r[key])) for r in rows if key in r]
+        for key in (mk.HASH_SINGLETON_GROUPS, mk.CLUSTER_SINGLETON_GROUPS, mk.PACE_ROWS)
     }
     return out
 
@@ -191,7 +191,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines.append("| arm | " + " | ".join(label for _, label in DIAGNOSTICS) + " |")
     lines.append("|---|" + "---|" * len(DIAGNOSTICS))
     for name, a in arms.items():
-        cells = [_pm(a["diagnostics"][k], pct=k not in (keys.PAIRS, keys.EPSILON)) for k, _ in DIAGNOSTICS]
+        cells = [_pm(a["diagnostics"][k], pct=k not in (mk.PAIRS, mk.EPSILON)) for k, _ in DIAGNOSTICS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -210,9 +210,9 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
         (
             "singleton_rates.png",
             "singleton step groups, clusters",
-            lambda s: s["curves"][keys.CLUSTER_SINGLETON_GROUPS],
+            lambda s: s["curves"][mk.CLUSTER_SINGLETON_GROUPS],
         ),
-        ("pace_rows.png", "PACE row share", lambda s: s["curves"][keys.PACE_ROWS]),
+        ("pace_rows.png", "PACE row share", lambda s: s["curves"][mk.PACE_ROWS]),
     )
     for fname, title, get in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
