@@ -315,3 +315,25 @@ def test_panel_metrics_leave_faulted_tasks_out_of_the_means():
         "val/holdout", np.full(2, np.nan), np.full(2, np.nan), np.array([1.0, 1.0]), np.array([0.5, np.nan])
     )
     assert rec["val/holdout/score"] == 0.5 and np.isnan(rec["val/holdout/success_rate"])
+
+
+def test_the_trainer_reads_no_raw_config_field():
+    # Trainer(spec) reads the decoded RunSpec; the source config only travels whole (process_layout,
+    # the game tokenizer's corpus, config.json), never field by field
+    import ast
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "trainer.py")
+    tree = ast.parse(open(path).read())
+    raw = [
+        f"line {n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "config"
+        and not ast.unparse(n.value).endswith("actor.config")  # the model's own Qwen2Config
+        and n.attr != "to_json_best_effort"
+    ]
+    assert not raw, raw
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert "c" not in names  # the old loop's `c = self.config`
+    assert "spec" in names  # the parser does see the trainer's code
