@@ -136,14 +136,6 @@ def parse_game_options(field: str, text: Any) -> dict[str, Any]:
     return value
 
 
-GAME_OPTION_FIELDS = ("env.options", "val.options", "val.holdout_options")
-
-
-def game_options(c: Any, field: str) -> dict[str, Any]:
-    """``parse_game_options`` of config field ``field`` (one of ``GAME_OPTION_FIELDS``)."""
-    return parse_game_options(field, get(c, field))
-
-
 def resolve_path(path: str) -> str:
     """A config path as given when it exists (absolute, or relative to the working directory), else
     relative to the project root (so ``bipace_jax/data/...`` in a config works from any directory);
