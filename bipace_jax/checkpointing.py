@@ -3,13 +3,14 @@
 Layout: ``<workdir>/checkpoints/<step>/``, ``step`` the number of *completed* iterations (resuming
 from step s starts iteration s), holding ``state`` (``{"params", "opt_state"}`` with
 ``ocp.args.StandardSave``: every process calls ``save``/``restore``, orbax writes each shard once) and
-``meta`` (JSON ``{"iteration", "task_cursor", "epsilon", "controller", "rng": [uint32 key data], ...}``).
+``meta`` (JSON: the fields of ``CheckpointMeta`` plus ``"step"`` and ``"rng"``: the uint32 key data).
 Atomicity is orbax's: a step is written to a temporary folder and renamed when complete, so a process
 killed mid-save (SIGKILL included) leaves the previous step as the latest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -27,6 +28,39 @@ log = logging.getLogger(__name__)
 
 #: The file orbax writes into a step folder once the step is complete.
 COMMIT_MARKER = "commit_success.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    """The run state saved beside the parameters, RL and warm start alike.
+
+    Attributes:
+      iteration: RL: completed iterations; warm start: the DAgger round just finished.
+      task_cursor: RL: global index of the next iteration's first task group.
+      updates: optimizer updates applied so far (the warm start's step count; RL leaves 0).
+      epsilon: RL: the clustering epsilon in use (calibrated or controlled); None when not recorded.
+      controller: RL: ``EpsilonController.state_dict()``, or None without a controller.
+      estimator: RL: the estimator's registered name ("" = not recorded).
+      seed: the run's seed.
+    """
+
+    iteration: int = 0
+    task_cursor: int = 0
+    updates: int = 0
+    epsilon: float | None = None
+    controller: dict[str, Any] | None = None
+    estimator: str = ""
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, meta: dict[str, Any]) -> CheckpointMeta:
+        """The fields of a restored ``meta`` dict (``step``, ``rng`` and unknown keys are left out;
+        missing ones take their defaults, so checkpoints of older runs restore)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in meta.items() if k in names})
 
 
 class Checkpointer:
@@ -96,9 +130,11 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"checkpoint set aside {path.name}")
         self._manager.reload()
 
-    def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, meta: dict) -> None:
-        """Commit checkpoint ``step`` (blocking; atomic). ``rng`` is a typed or raw uint32 key."""
+    def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, meta: CheckpointMeta | dict) -> None:
+        """Commit checkpoint ``step`` (blocking; atomic). ``rng`` is a typed or raw uint32 key; ``meta``
+        a ``CheckpointMeta`` (or a JSON-able dict)."""
         state = {"params": params, "opt_state": opt_state}
+        meta = meta.to_dict() if isinstance(meta, CheckpointMeta) else meta
         meta = dict(meta, step=int(step), rng=[int(x) for x in np.asarray(_key_data(rng)).ravel()])
         self._manager.save(
             int(step),

@@ -1,47 +1,139 @@
-"""A run config (``configs/base.py`` layout) -> the library's dataclasses, and its checks.
+"""The checks of a run config (``configs/base.py`` layout): ``ConfigError``, the field checks, and the
+frozen records of the config sections that have no library dataclass of their own.
 
-Each config section maps onto the dataclass it configures, in one builder here:
-``sampler`` -> ``SamplerConfig``, ``rollout`` -> ``RolloutConfig``, ``ppo`` -> ``PPOLossConfig`` (and
-the learner's batching), ``estimator`` -> ``EstimatorConfig``, ``optim`` -> an optax transformation.
-A field a dataclass checks is checked there only: ``validate`` builds the dataclasses and reports
-their errors under the config's own field name. ``validate`` adds the checks that span sections or
-have no dataclass (paths, task selectors, mesh). Every check runs on the host before anything compiles.
+This module is the bottom of the library's imports: it imports nothing from ``bipace_jax``. The
+mapping from a config onto the library's dataclasses (``SamplerConfig``, ``RolloutConfig``,
+``EstimatorConfig``, ``PPOLossConfig``, the actor, the learner) is ``bipace_jax.build``.
 
-A bad field raises ``ConfigError`` (a ``ValueError``) whose message is one line naming the field,
-the expected value and the value found, e.g.
-``config.estimator.epsilon: expected a value in [0, 1), got 1.5``.
+Every check names its field directly: a bad field raises ``ConfigError`` (a ``ValueError``) whose
+message is one line naming the field, the expected value and the value found, e.g.
+``config.val.every must be an int >= 0, got -1``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import importlib
 import json
 import math
 import os
 import re
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import optax
-from flax import nnx
-
-import environments
-from bipace_jax import losses
-from bipace_jax.estimators import EpsilonController, EstimatorConfig
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
-from bipace_jax.models.qwen2 import MATMUL_PRECISIONS, REMAT_POLICIES
-from bipace_jax.ppo import PPOLearner
-from bipace_jax.rollout import RolloutConfig
-from bipace_jax.sampling import SamplerConfig
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
-
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
+_TEMPLATE_REF = re.compile(r"^[\w.]+:\w+$")
+
+
+class ConfigError(ValueError):
+    """A config field holds a value the trainer cannot use."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Field checks: each takes the field's dotted name (without "config.") and its value.
+
+
+def fail(field: str, expected: str, got: Any) -> None:
+    """Raise ``ConfigError("config.<field> must <expected>, got <got!r>")``."""
+    raise ConfigError(f"config.{field} must {expected}, got {got!r}")
+
+
+def get(c: Any, field: str) -> Any:
+    """The value of dotted ``field`` of config ``c``; raises ``ConfigError`` when it is missing."""
+    node = c
+    for part in field.split("."):
+        if part not in node:
+            raise ConfigError(f"config.{field} is missing")
+        node = node[part]
+    return node
+
+
+def check_int(field: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """``v`` when it is an int (not a bool) in [lo, hi] (open ends when None); else ``ConfigError``."""
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" >= {lo}" if hi is None and lo is not None else (f" in [{lo}, {hi}]" if lo is not None else "")
+        fail(field, f"be an int{rng}", v)
+    return v
+
+
+def check_float(
+    field: str, v: Any, lo: float | None = None, hi: float | None = None, lo_open=False, hi_open=False
+) -> float:
+    """``float(v)`` when ``v`` is a number (not a bool, not NaN) in the interval; else ``ConfigError``."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
+        fail(field, f"be a number in {lb}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{rb}", v)
+    return float(v)
+
+
+def check_choice(field: str, v: Any, choices) -> Any:
+    """``v`` when it is one of ``choices``; else ``ConfigError`` listing them."""
+    if v not in tuple(choices):
+        fail(field, f"be one of {[str(x) if isinstance(x, enum.Enum) else x for x in choices]}", v)
+    return v
+
+
+def check_bool(field: str, v: Any) -> bool:
+    """``v`` when it is a bool; else ``ConfigError``."""
+    if not isinstance(v, bool):
+        fail(field, "be True or False", v)
+    return v
+
+
+def check_str(field: str, v: Any, what: str = "a string") -> str:
+    """``v`` when it is a str; else ``ConfigError`` saying ``be <what>``."""
+    if not isinstance(v, str):
+        fail(field, f"be {what}", v)
+    return v
+
+
+def decode(field: str, enum_type: type[enum.StrEnum], v: Any) -> enum.StrEnum:
+    """The member of ``enum_type`` named by string ``v``; else ``ConfigError`` listing the members."""
+    try:
+        return enum_type(v)
+    except ValueError:
+        fail(field, f"be one of {[m.value for m in enum_type]}", v)
+
+
+def validate_selector(field: str, value: str, allow_empty: bool) -> None:
+    """Check a task selector string (syntax in ``configs/base.py``); raises ConfigError."""
+    if not isinstance(value, str):
+        fail(field, "be a task selector string", value)
+    if value == "":
+        if not allow_empty:
+            fail(field, "be a non-empty task selector ('all', 'a:b', 'i,j', 'key=v1,v2')", value)
+        return
+    for part in value.split("&"):
+        if not _SELECTOR_PART.match(part.strip()):
+            fail(field, "be a task selector: 'all', 'a:b', 'i,j,k' or 'key=v1,v2', joined by '&'", value)
+
+
+def parse_game_options(field: str, text: Any) -> dict[str, Any]:
+    """The game keyword options of a config string: "" -> {}, else a JSON object.
+
+    Raises:
+      ConfigError: naming ``field``, when the text is not a string holding a JSON object.
+    """
+    if not isinstance(text, str):
+        fail(field, "be a string ('' or a JSON object of game options)", text)
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config.{field} must be '' or a JSON object of game options, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        fail(field, "be '' or a JSON object of game options", text)
+    return value
 
 
 def resolve_path(path: str) -> str:
@@ -54,220 +146,346 @@ def resolve_path(path: str) -> str:
     return candidate if os.path.exists(candidate) else path
 
 
-class ConfigError(ValueError):
-    """A config field holds a value the trainer cannot use."""
+def resolve_template(spec: str, field: str = "rollout.template") -> Any:
+    """A prompt template from a config string: "" (the game's default, None), a JSON object of
+    ``PromptTemplate`` field overrides (a dict), or ``"module:ATTR"`` naming such a mapping.
 
-
-def _fail(field: str, expected: str, got) -> None:
-    raise ConfigError(f"config.{field} must {expected}, got {got!r}")
-
-
-def _int(c, field, lo=None, hi=None):
-    v = _get(c, field)
-    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f" >= {lo}" if hi is None and lo is not None else (f" in [{lo}, {hi}]" if lo is not None else "")
-        _fail(field, f"be an int{rng}", v)
-
-
-def _float(c, field, lo=None, hi=None, lo_open=False, hi_open=False):
-    v = _get(c, field)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-    if ok and lo is not None:
-        ok = v > lo if lo_open else v >= lo
-    if ok and hi is not None:
-        ok = v < hi if hi_open else v <= hi
-    if not ok:
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        _fail(field, f"be a number in {lb}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{rb}", v)
-
-
-def _choice(c, field, choices):
-    v = _get(c, field)
-    if v not in choices:
-        _fail(field, f"be one of {list(choices)}", v)
-
-
-def _get(c, field):
-    node = c
-    for part in field.split("."):
-        if part not in node:
-            raise ConfigError(f"config.{field} is missing")
-        node = node[part]
-    return node
-
-
-def validate_selector(field: str, value: str, allow_empty: bool) -> None:
-    """Check a task selector string (syntax in ``configs/base.py``); raises ConfigError."""
-    if not isinstance(value, str):
-        _fail(field, "be a task selector string", value)
-    if value == "":
-        if not allow_empty:
-            _fail(field, "be a non-empty task selector ('all', 'a:b', 'i,j', 'key=v1,v2')", value)
-        return
-    for part in value.split("&"):
-        if not _SELECTOR_PART.match(part.strip()):
-            _fail(field, "be a task selector: 'all', 'a:b', 'i,j,k' or 'key=v1,v2', joined by '&'", value)
-
-
-def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, abstract: bool = False) -> None:
-    """Check every field of a run config; raises ``ConfigError`` naming the first bad field.
-
-    Args:
-      c: the config (``configs/base.py`` layout).
-      num_devices: when given, the mesh must fit this many devices exactly.
-      abstract: the config is only compiled from shapes (``launch.aot``): no checkpoint is needed.
+    Raises:
+      ConfigError: naming ``field``: not one of those forms, a reference that does not import, or a
+        malformed JSON object.
     """
-    _int(c, "seed", 0)
-    _int(c, "num_iterations", 0)
-    if not isinstance(_get(c, "compile_cache_dir"), str):
-        _fail(
-            "compile_cache_dir", "be a folder path string ('' = no persistent compilation cache)", c.compile_cache_dir
-        )
-    # model
-    ckpt = _get(c, "model.checkpoint")
-    if not isinstance(ckpt, str):
-        _fail("model.checkpoint", "be a path string ('' = random init)", ckpt)
+    check_str(field, spec)
+    if not spec:
+        return None
+    if spec.lstrip().startswith("{"):
+        try:
+            return json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config.{field} must be valid JSON, got {spec!r} ({e})") from None
+    if not _TEMPLATE_REF.match(spec):
+        fail(field, "be '', a JSON object of PromptTemplate fields, or 'module:ATTR'", spec)
+    module, _, attr = spec.partition(":")
     try:
-        Qwen2Config.preset(_get(c, "model.preset"))
-    except (ValueError, AttributeError) as e:
-        raise ConfigError(f"config.model.preset must name a Qwen2Config preset ({e})") from None
-    if ckpt and not abstract:
-        if not os.path.isfile(os.path.join(resolve_path(ckpt), "config.json")):
-            _fail(
-                "model.checkpoint",
-                "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
-                "--config.model.checkpoint= for a random tiny init)",
-                ckpt,
-            )
-    elif _get(c, "model.preset") != "tiny" and not abstract:
-        _fail(
-            "model.checkpoint",
-            f"point at a Hugging Face {c.model.preset} folder (a {c.model.preset} random init trains nothing useful)",
-            ckpt,
-        )
-    tok = _get(c, "model.tokenizer")
-    if not isinstance(tok, str):
-        _fail("model.tokenizer", "be a path string ('' = the checkpoint's)", tok)
-    if tok and not os.path.isdir(resolve_path(tok)):
-        _fail("model.tokenizer", "be an existing tokenizer folder", tok)
-    for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-        _int(c, f"model.{f}", 1)
-    _int(c, "model.vocab_size", 300)
-    if c.model.num_heads % c.model.num_kv_heads:
-        _fail("model.num_heads", f"be a multiple of model.num_kv_heads={c.model.num_kv_heads}", c.model.num_heads)
-    if c.model.hidden_size % c.model.num_heads:
-        _fail("model.hidden_size", f"be a multiple of model.num_heads={c.model.num_heads}", c.model.hidden_size)
-    _int(c, "model.fingerprint_layer")
-    _choice(c, "model.dtype", tuple(_DTYPES))
-    _choice(c, "model.param_dtype", tuple(_DTYPES))
-    _choice(c, "model.matmul_precision", MATMUL_PRECISIONS)
-    _choice(c, "model.remat", REMAT_POLICIES)
-    _choice(c, "model.scan_layers", (True, False))
-    # env and tasks
-    _choice(c, "env.name", environments.registered())
-    _int(c, "env.max_steps", 1)
-    _int(c, "env.num_workers", 0)
-    for field in GAME_OPTION_FIELDS:
-        game_options(c, field)
-    _float(c, "env.timeout_s", 0, lo_open=True)
-    validate_selector("tasks.train", c.tasks.train, allow_empty=False)
-    validate_selector("tasks.holdout", c.tasks.holdout, allow_empty=True)
-    _int(c, "tasks.holdout_every", 0)
-    # rollout / sampler
-    _int(c, "rollout.num_groups", 1)
-    for f in ("system_prompt", "template", "fallback_action"):
-        if not isinstance(_get(c, f"rollout.{f}"), str):
-            _fail(f"rollout.{f}", "be a string", _get(c, f"rollout.{f}"))
-    tpl = c.rollout.template
-    if tpl and not (tpl.lstrip().startswith("{") or re.match(r"^[\w.]+:\w+$", tpl)):
-        _fail("rollout.template", "be '', a JSON object of PromptTemplate fields, or 'module:ATTR'", tpl)
-    scfg = _checked("sampler", lambda: sampler_config(c))
-    _checked("rollout", lambda: rollout_config(c, group_size=c.rollout.group_size, sampler=scfg))
-    if c.sampler.length_buckets[-1] < c.rollout.max_prompt_length:
-        _fail(
-            "sampler.length_buckets",
-            f"reach rollout.max_prompt_length={c.rollout.max_prompt_length}",
-            tuple(c.sampler.length_buckets),
-        )
-    # estimator
-    _checked("estimator", lambda: estimator_config(c))
-    if c.estimator.calibration.enabled:
-        _float(c, "estimator.calibration.target_singleton_rate", 0, 1)
-        grid = tuple(c.estimator.calibration.grid)
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"config.{field} must name 'module:ATTR', got {spec!r} ({e})") from None
+
+
+def system_prompt_of(value: str) -> str | None:
+    """A config's system prompt -> ``RolloutConfig.system_prompt``: ``"default"`` -> None (the chat
+    template's own: Qwen2.5 inserts its default, the project's tiny template none), else the text
+    (``""`` = an empty system turn). RL and the warm start both map it here, so their prompts agree."""
+    return None if value == "default" else value
+
+
+def enable_compile_cache(c: Any) -> None:
+    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (nothing when it is "").
+    ``c``: a run config or a ``RunSpec`` (both have the field)."""
+    folder = getattr(c, "compile_cache_dir", "")
+    if folder:
+        jax.config.update("jax_compilation_cache_dir", resolve_path(folder))
+
+
+# ------------------------------------------------------------------------------------------------
+# Closed option sets, decoded once from their config strings.
+
+
+class DType(enum.StrEnum):
+    """``model.dtype`` / ``model.param_dtype``."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def jnp(self):
+        """The ``jnp`` dtype."""
+        return jnp.dtype(self.value)
+
+
+class OldLogprobs(enum.StrEnum):
+    """``ppo.old_logprobs``: where the PPO ratio's old log-probabilities come from."""
+
+    RECOMPUTE = "recompute"  # a forward of the current policy (verl's default)
+    SAMPLER = "sampler"  # the sampler's own (exact when the sampler is untruncated)
+    FUSED = "fused"  # stop_gradient inside the gradient pass (one optimizer step per iteration)
+
+
+class Panel(enum.StrEnum):
+    """``val.panel``: how the validation goals are picked (``tasks.validation_panel``)."""
+
+    SPREAD = "spread"
+    RANDOM = "random"
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections without a library dataclass. ``SECTION`` is the config section each mirrors one to one;
+# ``from_config`` reads it, ``__post_init__`` checks every field under its config name.
+
+
+def _section_values(cls, c: Any, fields: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The fields of ``cls`` (or only ``fields``) read from config section ``cls.SECTION`` of ``c``."""
+    names = fields if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
+    return {name: get(c, f"{cls.SECTION}.{name}") for name in names}
+
+
+class Section:
+    """Base of a frozen config-section record: ``SECTION`` names the config section it mirrors."""
+
+    SECTION: ClassVar[str] = ""
+
+    @classmethod
+    def from_config(cls, c: Any, fields: tuple[str, ...] | None = None):
+        """The section ``cls.SECTION`` of config ``c``; with ``fields``, only those are read (a config
+        that has no use for the others, e.g. the warm start's, leaves them at their defaults).
+
+        Raises:
+          ConfigError: naming a missing or bad field.
+        """
+        return cls(**_section_values(cls, c, fields))
+
+    def _name(self, field: str) -> str:
+        return f"{self.SECTION}.{field}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig(Section):
+    """``config.env``: the game, its step cap, pool workers and timeout, and its options (a dict)."""
+
+    SECTION: ClassVar[str] = "env"
+    name: str = "textcraft"
+    max_steps: int = 50
+    num_workers: int = 0
+    timeout_s: float = 30.0
+    options: Any = ""
+
+    def __post_init__(self):
+        check_str(self._name("name"), self.name, "a registered game name")
+        check_int(self._name("max_steps"), self.max_steps, 1)
+        check_int(self._name("num_workers"), self.num_workers, 0)
+        check_float(self._name("timeout_s"), self.timeout_s, 0, lo_open=True)
+        if not isinstance(self.options, dict):
+            object.__setattr__(self, "options", parse_game_options(self._name("options"), self.options))
+
+
+@dataclasses.dataclass(frozen=True)
+class TasksConfig(Section):
+    """``config.tasks``: task selectors of the training and held-out goals (``tasks.select_tasks``)."""
+
+    SECTION: ClassVar[str] = "tasks"
+    train: str = "all"
+    holdout: str = ""
+    holdout_every: int = 0
+
+    def __post_init__(self):
+        validate_selector(self._name("train"), self.train, allow_empty=False)
+        validate_selector(self._name("holdout"), self.holdout, allow_empty=True)
+        check_int(self._name("holdout_every"), self.holdout_every, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValConfig(Section):
+    """``config.val``: the validation schedule and panels (``tasks.validation_panel``); ``options`` and
+    ``holdout_options`` as dicts (game options on top of ``env.options``; {} = the training game)."""
+
+    SECTION: ClassVar[str] = "val"
+    every: int = 10
+    at_start: bool = True
+    num_tasks: int = 64
+    num_holdout_tasks: int = 64
+    panel: Panel = Panel.SPREAD
+    seeds_per_goal: int = 1
+    group_size: int = 1
+    temperature: float = 0.4
+    options: Any = ""
+    holdout_options: Any = ""
+    seed: int = 1_000_000
+
+    def __post_init__(self):
+        check_int(self._name("every"), self.every, 0)
+        check_bool(self._name("at_start"), self.at_start)
+        check_int(self._name("num_tasks"), self.num_tasks, 0)
+        check_int(self._name("num_holdout_tasks"), self.num_holdout_tasks, 0)
+        check_int(self._name("group_size"), self.group_size, 1)
+        check_int(self._name("seeds_per_goal"), self.seeds_per_goal, 1)
+        check_float(self._name("temperature"), self.temperature, 0, lo_open=True)
+        check_int(self._name("seed"), self.seed, 1_000_000)  # >= tasks.TRAIN_SEED_RANGE: never a training game
+        object.__setattr__(self, "panel", decode(self._name("panel"), Panel, self.panel))
+        for f in ("options", "holdout_options"):
+            if not isinstance(getattr(self, f), dict):
+                object.__setattr__(self, f, parse_game_options(self._name(f), getattr(self, f)))
+
+    @property
+    def validating(self) -> bool:
+        """Whether the run validates at all (on a schedule or before the first iteration)."""
+        return bool(self.every or self.at_start)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationConfig(Section):
+    """``config.estimator.calibration``: the one-shot epsilon sweep on the first batch (``calibrate_epsilon``)."""
+
+    SECTION: ClassVar[str] = "estimator.calibration"
+    enabled: bool = False
+    target_singleton_rate: float = 0.25
+    grid: tuple[float, ...] = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+    def __post_init__(self):
+        check_bool(self._name("enabled"), self.enabled)
+        object.__setattr__(self, "grid", tuple(self.grid))
+        if not self.enabled:
+            return
+        check_float(self._name("target_singleton_rate"), self.target_singleton_rate, 0, 1)
+        g = self.grid
         if (
-            not grid
-            or any(not isinstance(e, (int, float)) or not 0 <= e < 1 for e in grid)
-            or any(b <= a for a, b in zip(grid, grid[1:]))
+            not g
+            or any(isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < 1 for e in g)
+            or any(b <= a for a, b in zip(g, g[1:]))
         ):
-            _fail("estimator.calibration.grid", "be a non-empty, strictly ascending tuple of values in [0, 1)", grid)
-    if c.estimator.controller.enabled:
-        _checked("estimator.controller", lambda: epsilon_controller(c))
-    # ppo / optim
-    _checked("ppo", lambda: loss_config(c))
-    _int(c, "ppo.epochs", 1)
-    _int(c, "ppo.mini_batch_rows", 0)
-    _int(c, "ppo.micro_batch_rows", 1)
-    _int(c, "ppo.logprob_chunk", 0)
-    if c.ppo.mini_batch_rows and c.ppo.mini_batch_rows % c.ppo.micro_batch_rows:
-        _fail(
-            "ppo.mini_batch_rows",
-            f"be a multiple of ppo.micro_batch_rows={c.ppo.micro_batch_rows} (or 0)",
-            c.ppo.mini_batch_rows,
-        )
-    _choice(c, "ppo.old_logprobs", ("recompute", "sampler", "fused"))
-    if c.ppo.old_logprobs == "fused" and (c.ppo.epochs != 1 or c.ppo.mini_batch_rows != 0):
-        _fail(
-            "ppo.old_logprobs",
-            "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)",
-            c.ppo.old_logprobs,
-        )
-    if c.ppo.old_logprobs == "sampler" and (c.sampler.top_p != 1.0 or c.sampler.top_k):
-        # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
-        # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
-        _fail(
-            "ppo.old_logprobs",
-            "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)",
-            c.ppo.old_logprobs,
-        )
-    _float(c, "optim.learning_rate", 0, lo_open=True)
-    _int(c, "optim.warmup_steps", 0)
-    _float(c, "optim.weight_decay", 0)
-    _float(c, "optim.b1", 0, 1, hi_open=True)
-    _float(c, "optim.b2", 0, 1, hi_open=True)
-    _float(c, "optim.eps", 0, lo_open=True)
-    _float(c, "optim.grad_clip", 0, lo_open=True)
-    # validation / bookkeeping
-    _int(c, "val.every", 0)
-    _int(c, "val.num_tasks", 0)
-    _int(c, "val.num_holdout_tasks", 0)
-    _int(c, "val.group_size", 1)
-    _int(c, "val.seeds_per_goal", 1)
-    _float(c, "val.temperature", 0, lo_open=True)
-    _int(c, "val.seed", 1_000_000)
-    _choice(c, "val.panel", ("spread", "random"))
-    _int(c, "checkpoint.every", 1)
-    _int(c, "checkpoint.keep", 1)
-    # mesh
-    for f in ("data", "fsdp", "tensor"):
-        v = _get(c, f"mesh.{f}")
-        if isinstance(v, bool) or not isinstance(v, int) or not (v == -1 or v >= 1):
-            _fail(f"mesh.{f}", "be an int >= 1 or -1 (the devices left over)", v)
-    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
-    shown = dict(data=sizes[0], fsdp=sizes[1], tensor=sizes[2])
-    if sizes.count(-1) > 1:
-        _fail("mesh", "have at most one axis set to -1", shown)
-    if num_devices is not None:
-        fixed = math.prod(s for s in sizes if s != -1)
-        if (-1 in sizes and num_devices % fixed) or (-1 not in sizes and fixed != num_devices):
-            _fail("mesh", f"fit the {num_devices} devices (data*fsdp*tensor)", shown)
+            fail(self._name("grid"), "be a non-empty, strictly ascending tuple of values in [0, 1)", g)
 
 
-def mesh_shape(c: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) sizes with the -1 axis resolved; call ``validate`` first."""
-    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
-    fixed = math.prod(s for s in sizes if s != -1)
-    return tuple(num_devices // fixed if s == -1 else s for s in sizes)
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """The batching of ``config.ppo`` (its loss coefficients are ``losses.PPOLossConfig``).
+
+    Attributes:
+      epochs: passes over the iteration's rows (>= 1).
+      mini_batch_rows: rows per optimizer update, a multiple of ``micro_batch_rows``; 0 = all rows.
+      micro_batch_rows: rows per forward/backward (>= 1; gradient accumulation).
+      logprob_chunk: response positions per LM-head chunk (>= 0; 0 = all at once).
+      old_logprobs: an ``OldLogprobs``; ``FUSED`` needs one optimizer step (epochs 1, mini_batch_rows 0).
+    """
+
+    SECTION: ClassVar[str] = "ppo"
+    epochs: int = 1
+    mini_batch_rows: int = 0
+    micro_batch_rows: int = 8
+    logprob_chunk: int = 0
+    old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTE
+
+    @classmethod
+    def from_config(cls, c: Any) -> LearnerConfig:
+        """``LearnerConfig`` of ``c.ppo``; raises ``ConfigError`` naming a bad field."""
+        return cls(**_section_values(cls, c))
+
+    def __post_init__(self):
+        check_int("ppo.epochs", self.epochs, 1)
+        check_int("ppo.mini_batch_rows", self.mini_batch_rows, 0)
+        check_int("ppo.micro_batch_rows", self.micro_batch_rows, 1)
+        check_int("ppo.logprob_chunk", self.logprob_chunk, 0)
+        if self.mini_batch_rows % self.micro_batch_rows:
+            fail(
+                "ppo.mini_batch_rows",
+                f"be a multiple of ppo.micro_batch_rows={self.micro_batch_rows} (or 0)",
+                self.mini_batch_rows,
+            )
+        mode = decode("ppo.old_logprobs", OldLogprobs, self.old_logprobs)
+        object.__setattr__(self, "old_logprobs", mode)
+        if mode is OldLogprobs.FUSED and (self.epochs != 1 or self.mini_batch_rows != 0):
+            fail(
+                "ppo.old_logprobs",
+                "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)",
+                str(mode),
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(Section):
+    """``config.optim``: AdamW after global-norm clipping, constant learning rate after linear warmup."""
+
+    SECTION: ClassVar[str] = "optim"
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        check_float(self._name("learning_rate"), self.learning_rate, 0, lo_open=True)
+        check_int(self._name("warmup_steps"), self.warmup_steps, 0)
+        check_float(self._name("weight_decay"), self.weight_decay, 0)
+        check_float(self._name("b1"), self.b1, 0, 1, hi_open=True)
+        check_float(self._name("b2"), self.b2, 0, 1, hi_open=True)
+        check_float(self._name("eps"), self.eps, 0, lo_open=True)
+        check_float(self._name("grad_clip"), self.grad_clip, 0, lo_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """``config.checkpoint``: save every ``every`` iterations (and at the end), keep ``keep``, export HF;
+    ``shared_workdir``: a local ``--workdir`` of a multi-host run is a file system every host sees
+    (`check_workdir`)."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    every: int = 1
+    keep: int = 2
+    export_hf: bool = True
+    shared_workdir: bool = False
+
+    def __post_init__(self):
+        check_int(self._name("every"), self.every, 1)
+        check_int(self._name("keep"), self.keep, 1)
+        check_bool(self._name("export_hf"), self.export_hf)
+        check_bool(self._name("shared_workdir"), self.shared_workdir)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig(Section):
+    """``config.log``: tqdm progress bars; PNG plots at the end."""
+
+    SECTION: ClassVar[str] = "log"
+    progress: bool = True
+    plots: bool = True
+
+    def __post_init__(self):
+        check_bool(self._name("progress"), self.progress)
+        check_bool(self._name("plots"), self.plots)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+    """``config.mesh``: the (data, fsdp, tensor) axis sizes, each >= 1 or -1 (at most one: the devices
+    left over)."""
+
+    SECTION: ClassVar[str] = "mesh"
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for f in ("data", "fsdp", "tensor"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or not (v == -1 or v >= 1):
+                fail(self._name(f), "be an int >= 1 or -1 (the devices left over)", v)
+        if self.sizes.count(-1) > 1:
+            fail("mesh", "have at most one axis set to -1", self._shown())
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.data, self.fsdp, self.tensor]
+
+    def _shown(self) -> dict[str, int]:
+        return dict(data=self.data, fsdp=self.fsdp, tensor=self.tensor)
+
+    def check_devices(self, num_devices: int) -> None:
+        """Raises ``ConfigError`` when the mesh does not fit ``num_devices`` exactly."""
+        fixed = math.prod(s for s in self.sizes if s != -1)
+        if (-1 in self.sizes and num_devices % fixed) or (-1 not in self.sizes and fixed != num_devices):
+            fail("mesh", f"fit the {num_devices} devices (data*fsdp*tensor)", self._shown())
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) with the -1 axis resolved for ``num_devices``."""
+        fixed = math.prod(s for s in self.sizes if s != -1)
+        return tuple(num_devices // fixed if s == -1 else s for s in self.sizes)
+
+
+def mesh_shape(c: Any, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes of ``c.mesh`` with the -1 axis resolved; ``c``: a run config or a
+    ``RunSpec``."""
+    m = c.mesh
+    return MeshConfig(m.data, m.fsdp, m.tensor).shape(num_devices)
 
 
 def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) -> None:
@@ -284,7 +502,7 @@ def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) ->
         return
     if local_devices % tensor:  # also every tensor > local_devices
         divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
-        _fail(
+        fail(
             "mesh.tensor",
             f"divide the {local_devices} devices of each host, its chips ({num_processes} hosts; a tensor "
             f"group never crosses hosts, so at most {local_devices}): one of {divisors}",
@@ -292,12 +510,14 @@ def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) ->
         )
 
 
-def process_layout(c: ml_collections.ConfigDict, num_processes: int, devices: int, local_devices: int):
+def process_layout(c: Any, num_processes: int, devices: int, local_devices: int):
     """The mesh's resolved (data, fsdp, tensor) for ``devices`` over ``num_processes`` hosts of
     ``local_devices`` each, after the checks that need the process count: every host the same number
     of devices, task groups and micro-batch rows split evenly over hosts and their batch shards, the
     tensor axis inside a host (`check_tensor_in_host`). `sharding.make_mesh` then lays out the same
     sizes by host.
+
+    ``c``: a run config (``configs/base.py`` layout; ``RunSpec.config``).
 
     Raises:
       ConfigError: naming the field whose value does not split.
@@ -305,12 +525,12 @@ def process_layout(c: ml_collections.ConfigDict, num_processes: int, devices: in
     if devices != num_processes * local_devices:
         raise ValueError(f"process_layout: {devices} devices are not {num_processes} hosts x {local_devices} devices")
     if c.rollout.num_groups % num_processes:
-        _fail("rollout.num_groups", f"be a multiple of the process count {num_processes}", c.rollout.num_groups)
+        fail("rollout.num_groups", f"be a multiple of the process count {num_processes}", c.rollout.num_groups)
     data, fsdp, tensor = mesh_shape(c, devices)
     check_tensor_in_host(tensor, num_processes, local_devices)
     # each host holds data*fsdp/processes consecutive batch shards (make_mesh); its rows split over them
     if (c.ppo.micro_batch_rows * num_processes) % (data * fsdp):
-        _fail(
+        fail(
             "ppo.micro_batch_rows",
             f"be a multiple of the {data * fsdp // num_processes} batch shards of each host "
             f"(mesh data*fsdp={data * fsdp} over {num_processes} processes)",
@@ -319,18 +539,16 @@ def process_layout(c: ml_collections.ConfigDict, num_processes: int, devices: in
     return data, fsdp, tensor
 
 
-def check_workdir(c: ml_collections.ConfigDict, workdir: str, num_processes: int) -> None:
+def check_workdir(c: Any, workdir: str, num_processes: int) -> None:
     """A run of several processes needs a ``--workdir`` every host sees (orbax writes one checkpoint
     from all hosts; process 0 writes the metrics): ``gs://...``, or a path the config declares shared
     (``checkpoint.shared_workdir=True``, e.g. an NFS mount; `distributed.check_shared_workdir` proves it).
 
     Raises:
-      ConfigError: ``checkpoint.shared_workdir`` is not a bool; or ``num_processes > 1``, ``workdir``
-        is not ``gs://`` and ``checkpoint.shared_workdir`` is False.
+      ConfigError: ``num_processes > 1``, ``workdir`` is not ``gs://`` and
+        ``checkpoint.shared_workdir`` is False.
     """
-    shared = c.checkpoint.get("shared_workdir", False)
-    if not isinstance(shared, bool):
-        _fail("checkpoint.shared_workdir", "be True or False", shared)
+    shared = c.checkpoint.get("shared_workdir", False)  # CheckpointConfig checks its type
     if num_processes <= 1 or str(workdir).startswith("gs://"):
         return
     if not shared:
@@ -339,285 +557,3 @@ def check_workdir(c: ml_collections.ConfigDict, workdir: str, num_processes: int
             "(each host writes its shards of the checkpoints): use gs://..., or set "
             "config.checkpoint.shared_workdir=True when it is a shared file system"
         )
-
-
-def enable_compile_cache(c: ml_collections.ConfigDict) -> None:
-    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (nothing when it is "")."""
-    if c.get("compile_cache_dir"):
-        jax.config.update("jax_compilation_cache_dir", resolve_path(c.compile_cache_dir))
-
-
-# ------------------------------------------------------------------------------------------------
-# Sections -> dataclasses (the only place a config field is mapped onto a library field).
-_CLASS_OF_SECTION = {
-    "sampler": "SamplerConfig",
-    "rollout": "RolloutConfig",
-    "estimator": "EstimatorConfig",
-    "estimator.controller": "EpsilonController",
-    "ppo": "PPOLossConfig",
-}
-
-
-# Dataclass fields filled from another section than the one being built.
-_FIELD_OF = {
-    "config.rollout.action_key": "config.estimator.key",
-    "config.rollout.similarity_thresh": "config.estimator.similarity_thresh",
-    "config.rollout.game": "config.env.name",
-    "config.rollout.max_steps": "config.env.max_steps",
-    "config.estimator.controller.epsilon": "config.estimator.epsilon",
-    "config.ppo.temperature": "config.sampler.temperature",
-}
-
-
-def _checked(section: str, build):
-    """``build()``, its ``ValueError`` re-raised as a ``ConfigError`` under the config's field name."""
-    try:
-        return build()
-    except (ValueError, TypeError) as e:
-        msg = str(e).replace(f"{_CLASS_OF_SECTION[section]}.", f"config.{section}.")
-        for field, name in _FIELD_OF.items():
-            msg = re.sub(rf"{re.escape(field)}\b", name, msg)
-        raise ConfigError(msg if msg.startswith("config.") else f"config.{section}: {msg}") from None
-
-
-def epsilon_controller(c: ml_collections.ConfigDict) -> EpsilonController | None:
-    """The online epsilon controller of ``c.estimator.controller`` (None when disabled: the paper's fixed epsilon)."""
-    cc = c.estimator.controller
-    return EpsilonController(epsilon=c.estimator.epsilon, **cc.to_dict()) if cc.enabled else None
-
-
-def stop_token_ids(eos_token_ids: Sequence[int], tokenizer: Any, checkpoint: str = "") -> tuple[int, ...]:
-    """The ids a response stops on: the union, in first-seen order, of the model config's
-    ``eos_token_ids`` (config.json), the checkpoint folder's ``generation_config.json`` ``eos_token_id``
-    (when ``checkpoint`` is a folder holding one) and the tokenizer's EOS token.
-
-    Qwen2.5-Instruct's config.json names ``<|endoftext|>`` (151643) while the chat turn ends with
-    ``<|im_end|>`` (151645), which generation_config.json and the tokenizer add.
-    """
-    ids = [int(i) for i in eos_token_ids]
-    if checkpoint and os.path.isfile(os.path.join(checkpoint, "generation_config.json")):
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(checkpoint).eos_token_id
-        ids += [int(i) for i in (gen if isinstance(gen, (list, tuple)) else [gen]) if i is not None]
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(dict.fromkeys(ids))
-
-
-def system_prompt_of(value: str) -> str | None:
-    """A config's system prompt -> ``RolloutConfig.system_prompt``: ``"default"`` -> None (the chat
-    template's own: Qwen2.5 inserts its default, the project's tiny template none), else the text
-    (``""`` = an empty system turn). RL and the warm start both map it here, so their prompts agree."""
-    return None if value == "default" else value
-
-
-def build_actor(c: ml_collections.ConfigDict, tokenizer: Any, mesh: Any = None) -> Qwen2Actor:
-    """The actor of ``c.model``: loaded from ``checkpoint``, or a random ``preset`` init.
-
-    A random tiny init takes its sizes from ``model.*`` and its vocabulary and EOS from the tokenizer;
-    parameters are drawn from ``nnx.Rngs(c.seed)``. ``mesh``: a checkpoint's tensors load straight
-    into their ``NamedSharding`` on it (each device reads only its shard; see ``load_hf_checkpoint``);
-    None: onto the default device.
-    """
-    m, dtype = c.model, _DTYPES[c.model.dtype]
-    if m.checkpoint:
-        # param_dtype too: bf16 parameters would make AdamW's small updates round away
-        actor = load_hf_checkpoint(
-            resolve_path(m.checkpoint),
-            mesh=mesh,
-            dtype=dtype,
-            param_dtype=_DTYPES[m.param_dtype],
-            fingerprint_layer=m.fingerprint_layer,
-        )
-        actor.matmul_precision, actor.remat, actor.scan_layers = m.matmul_precision, m.remat, m.scan_layers
-        return actor
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if m.preset == "tiny" else None
-    return init_actor(c, actor_architecture(c, len(tokenizer), eos))
-
-
-def actor_architecture(c: ml_collections.ConfigDict, vocab_size: int, eos_token_id: int | None = None) -> Qwen2Config:
-    """The ``Qwen2Config`` of a random init of ``c.model``: the named ``preset``, or for "tiny" the sizes
-    ``model.*`` with ``vocab_size`` and ``eos_token_id`` (None: ``Qwen2Config.tiny``'s)."""
-    m = c.model
-    if m.preset != "tiny":
-        return Qwen2Config.preset(m.preset)
-    sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
-    heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
-    eos = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
-    return Qwen2Config.tiny(vocab_size=vocab_size, max_position_embeddings=8192, **eos, **sizes, **heads)
-
-
-def init_actor(c: ml_collections.ConfigDict, cfg: Qwen2Config) -> Qwen2Actor:
-    """A ``Qwen2Actor`` of architecture ``cfg`` with ``c.model``'s fingerprint layer, dtypes, matmul
-    precision, remat policy and layer scan; parameters drawn from ``nnx.Rngs(c.seed)`` (under
-    ``nnx.eval_shape``: shapes only)."""
-    m = c.model
-    return Qwen2Actor(
-        cfg,
-        fingerprint_layer=m.fingerprint_layer,
-        dtype=_DTYPES[m.dtype],
-        param_dtype=_DTYPES[m.param_dtype],
-        rngs=nnx.Rngs(c.seed),
-        matmul_precision=m.matmul_precision,
-        remat=m.remat,
-        scan_layers=m.scan_layers,
-    )
-
-
-def ppo_learner(c: ml_collections.ConfigDict, actor: Qwen2Actor, mesh, local_mesh, *, support: int) -> PPOLearner:
-    """The ``PPOLearner`` of ``c.ppo`` (batching, old log-probs), ``c.optim`` and the sampler's length buckets;
-    ``support``: the tokenizer's size (ids the sampler can draw)."""
-    p = c.ppo
-    return PPOLearner(
-        actor,
-        mesh,
-        loss_config(c),
-        make_optimizer(c.optim),
-        local_mesh=local_mesh,
-        epochs=p.epochs,
-        micro_batch_rows=p.micro_batch_rows,
-        mini_batch_rows=p.mini_batch_rows,
-        fused_old_logprobs=p.old_logprobs == "fused",
-        prompt_buckets=c.sampler.length_buckets,
-        support=min(support, actor.config.vocab_size),
-        logprob_chunk=p.logprob_chunk,
-    )
-
-
-def sampler_config(
-    c: ml_collections.ConfigDict, *, temperature: float | None = None, eos_token_ids: tuple[int, ...] | None = None
-) -> SamplerConfig:
-    """``SamplerConfig`` of ``c.sampler`` (``temperature`` overrides it, e.g. ``val.temperature``)."""
-    s = c.sampler
-    return SamplerConfig(
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature if temperature is None else temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        greedy=False,
-        stop_strings=tuple(s.stop_strings),
-        batch_buckets=tuple(s.batch_buckets),
-        length_buckets=tuple(s.length_buckets),
-        eos_token_ids=eos_token_ids,
-    )
-
-
-def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: SamplerConfig) -> RolloutConfig:
-    """``RolloutConfig`` of ``c.rollout`` with the game and step cap of ``c.env`` and the PACE key of
-    ``c.estimator``; ``group_size`` is ``rollout.group_size`` for training, ``val.group_size`` for validation."""
-    r = c.rollout
-    kw = {"fallback_action": r.fallback_action} if r.fallback_action else {}
-    return RolloutConfig(
-        game=c.env.name,
-        group_size=group_size,
-        max_steps=c.env.max_steps,
-        history_length=r.history_length,
-        max_prompt_length=r.max_prompt_length,
-        invalid_penalty=r.invalid_penalty,
-        success_reward=r.success_reward,
-        require_think=r.require_think,
-        reject_cjk=r.reject_cjk,
-        invalid_action=r.invalid_action,
-        projection_chars=r.projection_chars,
-        length_finish=r.length_finish,
-        reset_retries=r.reset_retries,
-        action_key=c.estimator.key,
-        similarity_thresh=c.estimator.similarity_thresh,
-        show_inventory=r.show_inventory,
-        system_prompt=system_prompt_of(r.system_prompt),
-        template=resolve_template(r.template),
-        sampler=sampler,
-        **kw,
-    )
-
-
-def loss_config(c: ml_collections.ConfigDict) -> losses.PPOLossConfig:
-    """``PPOLossConfig`` of ``c.ppo``; the trained policy is the one that played, softmax(logits / rollout
-    temperature), as in verl."""
-    p = c.ppo
-    return losses.PPOLossConfig(
-        clip_eps=p.clip_eps,
-        dual_clip=p.dual_clip or None,
-        kl_coef=p.kl_coef,
-        entropy_coef=p.entropy_coef,
-        kl_bound=p.kl_bound,
-        temperature=c.sampler.temperature,
-    )
-
-
-def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None) -> EstimatorConfig:
-    """``EstimatorConfig`` of ``c.estimator``; ``epsilon`` overrides it (calibrated or controlled)."""
-    e = c.estimator
-    return EstimatorConfig(
-        name=e.name,
-        gamma=e.gamma,
-        omega=e.omega,
-        norm=e.norm,
-        epsilon=e.epsilon if epsilon is None else epsilon,
-        centroid=e.centroid,
-        key=e.key,
-        capacity=e.capacity or None,
-        penalty=e.penalty,
-        episode_stats=e.episode_stats,
-        step_norm=e.step_norm,
-        pace_fallback=e.pace_fallback,
-        similarity_thresh=e.similarity_thresh,
-    )
-
-
-def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay) after global-norm clipping; constant LR after linear warmup."""
-    lr = (
-        optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
-        if optim.warmup_steps
-        else optim.learning_rate
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
-    )
-
-
-GAME_OPTION_FIELDS = ("env.options", "val.options", "val.holdout_options")
-
-
-def game_options(c: ml_collections.ConfigDict, field: str) -> dict[str, Any]:
-    """The game keyword options of a config field (``GAME_OPTION_FIELDS``): "" -> {}, else a JSON object.
-
-    Raises:
-      ConfigError: naming the field, when the text is not a JSON object.
-    """
-    text = _get(c, field)
-    if not isinstance(text, str):
-        _fail(field, "be a string ('' or a JSON object of game options)", text)
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"config.{field} must be '' or a JSON object of game options, got {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        _fail(field, "be '' or a JSON object of game options", text)
-    return value
-
-
-def resolve_template(spec: str) -> Any:
-    """A prompt template from a config string: "" (the game's default), a JSON object of
-    ``PromptTemplate`` field overrides, or ``"module:ATTR"`` naming such a mapping.
-
-    Raises:
-      ConfigError: a reference that does not import or a malformed JSON object.
-    """
-    if not spec:
-        return None
-    if spec.lstrip().startswith("{"):
-        try:
-            return json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config.rollout.template must be valid JSON, got {spec!r} ({e})") from None
-    module, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"config.rollout.template must name 'module:ATTR', got {spec!r} ({e})") from None

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding
+from bipace_jax.config import ConfigError
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
@@ -245,8 +246,6 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
         os.remove(probe)
     blind = [int(p) for p in np.flatnonzero(seen_by == 0)]
     if blind:
-        from bipace_jax.config import ConfigError  # lazy: config imports the learner, which imports this module
-
         raise ConfigError(
             f"--workdir={workdir!r} is not shared: processes {blind} do not see the file process 0 wrote there "
             f"within {timeout_s} s; config.checkpoint.shared_workdir=True needs a folder every host sees "

@@ -8,6 +8,7 @@ line per completed iteration, in order. Every file goes through ``bipace_jax.run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from bipace_jax import metric_keys as keys
 from bipace_jax import runfolder
 
 METRICS_FILE = "metrics.jsonl"
@@ -130,17 +132,57 @@ class _Events:
             shutil.rmtree(self._local, ignore_errors=True)
 
 
+class StageTimer:
+    """Wall seconds of named stages: ``with timer.stage("rollout"): ...``; a stage entered again adds up.
+
+    ``seconds``: stage name -> seconds, in first-entered order; ``total()``: their sum.
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+def panel_metrics(
+    name: str, won: np.ndarray, length: np.ndarray, errors: np.ndarray, score: np.ndarray
+) -> dict[str, float]:
+    """A validation panel's record from its per-task float arrays ``[num_tasks]`` (NaN: every game of
+    the task faulted, left out of the means): ``<name>/success_rate``, ``/episode_length`` (means over
+    tasks, NaN when all are NaN), ``/tasks``, ``/env_errors`` (faulted games, summed) and ``/score``
+    (only when some task has one, e.g. WebShop's)."""
+
+    def mean(a):
+        return float(np.nanmean(a)) if not np.isnan(a).all() else float("nan")
+
+    out = {f"{name}/score": mean(score)} if not np.isnan(score).all() else {}
+    out[f"{name}/success_rate"] = mean(won)
+    out[f"{name}/episode_length"] = mean(length)
+    out[f"{name}/tasks"] = len(won)
+    out[f"{name}/env_errors"] = int(errors.sum())
+    return out
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(updates completed, value): the record of iteration i is measured after i + 1 updates;
     ``val_before/*`` (the validation before any update) sits at 0."""
     xs, ys = [], []
-    before = "val_before/" + key.split("/", 1)[1] if key.startswith("val/") else None
+    before = keys.before(key) if key.startswith(keys.VAL + "/") else None
     for r in rows:
         if before and r.get(before) is not None:
             xs.append(0)
             ys.append(r[before])
         if r.get(key) is not None:
-            xs.append(r["iteration"] + 1)
+            xs.append(r[keys.ITERATION] + 1)
             ys.append(r[key])
     return xs, ys
 
@@ -203,9 +245,9 @@ def make_plots(
     line_plot(
         "success.png",
         (
-            ("train/success_rate", named("train", train_temperature)),
-            ("val/success_rate", named("validation", val_temperature)),
-            ("val/holdout/success_rate", "validation, held-out goals"),
+            (keys.TRAIN_SUCCESS, named("train", train_temperature)),
+            (keys.VAL_SUCCESS, named("validation", val_temperature)),
+            (keys.VAL_HOLDOUT_SUCCESS, "validation, held-out goals"),
         ),
         "PPO iterations completed",
         "success rate",
@@ -215,8 +257,8 @@ def make_plots(
     line_plot(
         "singleton_rate.png",
         (
-            ("estimator/hash_singleton_group_rate", "exact hashing (GiGPO's)" + mark("obs_hash")),
-            ("estimator/cluster_singleton_group_rate", "fingerprint clusters (BiGPO's, BiPACE's)" + mark("cluster")),
+            (keys.HASH_SINGLETON_GROUPS, "exact hashing (GiGPO's)" + mark("obs_hash")),
+            (keys.CLUSTER_SINGLETON_GROUPS, "fingerprint clusters (BiGPO's, BiPACE's)" + mark("cluster")),
         ),
         "iteration",
         "singleton step-group rate",
@@ -224,9 +266,9 @@ def make_plots(
     )
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs, pace = _series(rows, "estimator/pace_row_rate")
-    _, loo = _series(rows, "estimator/loo_row_rate")
-    _, single = _series(rows, "estimator/singleton_row_rate")
+    xs, pace = _series(rows, keys.PACE_ROWS)
+    _, loo = _series(rows, keys.LOO_ROWS)
+    _, single = _series(rows, keys.SINGLETON_ROWS)
     if xs and len(pace) == len(loo) == len(single):
         ax.stackplot(xs, pace, loo, single, labels=["PACE (Q - V)", "leave-one-out", "singleton"])
         ax.legend(loc="lower right")

@@ -1,7 +1,8 @@
 """Warm start: behaviour cloning and DAgger on a game's oracle, through the RL loop's own pieces.
 
-``run(config, workdir, out)`` builds the tokenizer (``tiny.warm_start_tokenizer``, unless
-``config.tokenizer_path`` names one); records one ``Example`` per oracle step on the training goals
+``run(config, workdir, out)`` decodes the config (``build_warm_start``: the sections shared with RL
+carry RL's names), builds the tokenizer (``tiny.warm_start_tokenizer``, unless ``config.model.tokenizer``
+names one); records one ``Example`` per oracle step on the training goals
 (the prompt as ``rollout.encode_prompt`` encodes it, the response ``<action>{action}</action>`` +
 ``<|im_end|>``); trains a fresh tiny Qwen2 with ``learner.Learner`` and ``ResponseNLL`` (token-mean
 NLL of the response tokens); runs DAgger rounds (the policy plays through ``rollout.collect`` with the
@@ -16,11 +17,12 @@ import json
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from etils import epath
@@ -29,8 +31,23 @@ from tqdm import tqdm
 
 import environments
 from bipace_jax import losses, runfolder, tasks
-from bipace_jax.checkpointing import Checkpointer
-from bipace_jax.config import resolve_template, system_prompt_of
+from bipace_jax.build import checked
+from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
+from bipace_jax.config import (
+    EnvConfig,
+    OptimConfig,
+    Section,
+    TasksConfig,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_str,
+    fail,
+    get,
+    resolve_template,
+    system_prompt_of,
+)
 from bipace_jax.learner import Learner, shard_rows
 from bipace_jax.metrics import MetricsLogger
 from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
@@ -236,283 +253,439 @@ def _load_examples(path: epath.Path) -> list[Example]:
     return [Example(r["p"], r["r"], r["d"], r["s"]) for r in json.loads(path.read_text())]
 
 
+# -------------------------------------------------------------------------------------------------
+# The warm start's spec: its sections carry RL's names (configs/base.py) where they mean the same.
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    """``config.data``: oracle games per goal, the examples' length buckets and response length, and the
+    oracle games per goal of a built tokenizer's corpus."""
+
+    SECTION: ClassVar[str] = "data"
+    expert_seeds: int = 24
+    length_buckets: tuple[int, ...] = (160, 224, 288, 384, 448)
+    response_length: int = 32
+    tokenizer_seeds: int = 2
+
+    def __post_init__(self):
+        check_int(self._name("expert_seeds"), self.expert_seeds, 1)
+        b = tuple(self.length_buckets)
+        if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(b):
+            fail(self._name("length_buckets"), "be a non-empty ascending tuple of ints >= 1", b)
+        object.__setattr__(self, "length_buckets", b)
+        check_int(self._name("response_length"), self.response_length, 1)
+        check_int(self._name("tokenizer_seeds"), self.tokenizer_seeds, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Section):
+    """``config.train``: batch rows (split in ``micro_batch_rows``, 0 = one), updates before and after
+    each DAgger round, metrics every ``log_every`` updates."""
+
+    SECTION: ClassVar[str] = "train"
+    batch_size: int = 32
+    micro_batch_rows: int = 0
+    bc_steps: int = 600
+    steps_per_round: int = 100
+    log_every: int = 25
+
+    def __post_init__(self):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            fail(self._name("batch_size"), "be >= 1", self.batch_size)
+        m = self.micro_batch_rows
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0 or self.batch_size % (m or 1):
+            fail(self._name("micro_batch_rows"), "be >= 0 and divide train.batch_size", m)
+        check_int(self._name("bc_steps"), self.bc_steps, 0)
+        check_int(self._name("steps_per_round"), self.steps_per_round, 0)
+        check_int(self._name("log_every"), self.log_every, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DaggerConfig(Section):
+    """``config.dagger``: rounds, policy games per round, their temperature (0 = greedy) and seeds."""
+
+    SECTION: ClassVar[str] = "dagger"
+    rounds: int = 4
+    episodes: int = 128
+    temperature: float = 0.4
+    seed_base: int = 100_000
+
+    def __post_init__(self):
+        check_int(self._name("rounds"), self.rounds, 0)
+        check_int(self._name("episodes"), self.episodes, 1)
+        check_float(self._name("temperature"), self.temperature, 0)
+        check_int(self._name("seed_base"), self.seed_base, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelConfig(Section):
+    """``config.val`` of the warm start: the RL default's panel (``tasks.validation_panel``, "spread")
+    over every ``rl_every``-th training goal and the held-out goals; ``temperature`` 0 = greedy."""
+
+    SECTION: ClassVar[str] = "val"
+    rl_every: int = 4
+    num_tasks: int = 18
+    num_holdout_tasks: int = 10
+    seeds_per_goal: int = 3
+    temperature: float = 0.4
+    seed: int = 1_000_000
+    every_round: bool = False
+
+    def __post_init__(self):
+        check_int(self._name("rl_every"), self.rl_every, 1)
+        check_int(self._name("num_tasks"), self.num_tasks, 0)
+        check_int(self._name("num_holdout_tasks"), self.num_holdout_tasks, 0)
+        check_int(self._name("seeds_per_goal"), self.seeds_per_goal, 1)
+        check_float(self._name("temperature"), self.temperature, 0)
+        check_int(self._name("seed"), self.seed, 0)
+        check_bool(self._name("every_round"), self.every_round)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSpec:
+    """The warm start, decoded and checked (``build_warm_start``).
+
+    Attributes:
+      seed: model init, data order, DAgger seeds.
+      tokenizer: tokenizer folder ("" = build the project's BPE); ``vocab_size``: its learned entries.
+      actor: the tiny Qwen2 architecture (its vocabulary is set from the tokenizer by ``run``).
+      env, tasks, sampler, optim: as RL's sections (``config.EnvConfig``, ``config.TasksConfig``,
+        ``SamplerConfig`` at temperature 1, ``config.OptimConfig``).
+      rollout: how every game is played (one per task group; the RL default's prompt settings).
+      data, train, dagger, val: the warm start's own sections.
+      config: the checked source config (a ``FrozenConfigDict``; written to ``report.json``).
+    """
+
+    seed: int
+    tokenizer: str
+    vocab_size: int
+    actor: Any
+    env: EnvConfig
+    tasks: TasksConfig
+    rollout: RolloutConfig
+    sampler: SamplerConfig
+    optim: OptimConfig
+    data: DataConfig
+    train: TrainConfig
+    dagger: DaggerConfig
+    val: PanelConfig
+    config: Any = dataclasses.field(repr=False, compare=False)
+
+    def sampler_at(self, temperature: float) -> SamplerConfig:
+        """``sampler`` at ``temperature`` (0 = greedy)."""
+        return dataclasses.replace(self.sampler, temperature=temperature or 1.0, greedy=temperature == 0)
+
+    @property
+    def total_updates(self) -> int:
+        return self.train.bc_steps + self.dagger.rounds * self.train.steps_per_round
+
+
+# config.model field -> its Qwen2Config field (as RL's tiny preset, build.actor_architecture)
+_TINY_SIZES = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+}
+
+
+def build_warm_start(c) -> WarmStartSpec:
+    """Check every field of a warm-start config (``configs/sft_textcraft_tiny.py``) and decode it.
+
+    Raises:
+      ConfigError: (a ``ValueError``) naming the first bad field, before anything loads or compiles.
+    """
+    seed = check_int("seed", get(c, "seed"), 0)
+    tokenizer = check_str("model.tokenizer", get(c, "model.tokenizer"), "a path string ('' = build one)")
+    vocab_size = check_int("model.vocab_size", get(c, "model.vocab_size"), 300)
+    sizes = {hf: check_int(f"model.{f}", get(c, f"model.{f}"), 1) for f, hf in _TINY_SIZES.items()}
+    env = EnvConfig.from_config(c, ("name", "max_steps", "num_workers"))
+    check_choice("env.name", env.name, environments.registered())
+    tasks_cfg = TasksConfig.from_config(c, ("train", "holdout_every"))
+    s = c.sampler
+    sampler = checked(
+        "sampler",
+        SamplerConfig,
+        max_new_tokens=get(c, "sampler.max_new_tokens"),
+        batch_buckets=tuple(s.batch_buckets),
+        length_buckets=tuple(s.length_buckets),
+    )
+    r = c.rollout
+    rollout = checked(
+        "rollout",
+        RolloutConfig,
+        game=env.name,
+        group_size=1,
+        max_steps=env.max_steps,
+        history_length=get(c, "rollout.history_length"),
+        max_prompt_length=sampler.length_buckets[-1],
+        fallback_action=r.fallback_action,
+        show_inventory=r.show_inventory,
+        system_prompt=system_prompt_of(check_str("rollout.system_prompt", r.system_prompt)),
+        template=resolve_template(r.template),
+        sampler=sampler,
+    )
+    return WarmStartSpec(
+        seed=seed,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        actor=sizes,
+        env=env,
+        tasks=tasks_cfg,
+        rollout=rollout,
+        sampler=sampler,
+        optim=OptimConfig.from_config(c),
+        data=DataConfig.from_config(c),
+        train=TrainConfig.from_config(c),
+        dagger=DaggerConfig.from_config(c),
+        val=PanelConfig.from_config(c),
+        config=ml_collections.FrozenConfigDict(c),
+    )
+
+
 def validate_config(c) -> None:
-    """One-line errors for bad fields, before anything compiles."""
-    checks = [
-        ("train.batch_size", c.train.batch_size >= 1, ">= 1"),
-        (
-            "train.micro_batch_rows",
-            c.train.micro_batch_rows >= 0 and c.train.batch_size % (c.train.micro_batch_rows or 1) == 0,
-            ">= 0 and divide train.batch_size",
-        ),
-        ("train.learning_rate", c.train.learning_rate > 0, "> 0"),
-        ("train.bc_steps", c.train.bc_steps >= 0, ">= 0"),
-        ("train.steps_per_round", c.train.steps_per_round >= 0, ">= 0"),
-        ("dagger.rounds", c.dagger.rounds >= 0, ">= 0"),
-        ("dagger.episodes", c.dagger.episodes >= 1, ">= 1"),
-        ("dagger.temperature", c.dagger.temperature >= 0, ">= 0 (0 = greedy)"),
-        ("data.expert_seeds", c.data.expert_seeds >= 1, ">= 1"),
-        ("data.length_buckets", list(c.data.length_buckets) == sorted(c.data.length_buckets), "sorted"),
-        ("gen.batch_buckets", list(c.gen.batch_buckets) == sorted(c.gen.batch_buckets), "sorted"),
-        ("env.history_length", c.env.history_length >= 0, ">= 0"),
-        ("val.temperature", c.val.temperature >= 0, ">= 0"),
-        ("val.seeds_per_goal", c.val.seeds_per_goal >= 1, ">= 1"),
-        ("val.rl_every", c.val.rl_every >= 1, ">= 1"),
-    ]
-    for name, ok, expected in checks:
-        if not ok:
-            section, field = name.split(".")
-            raise ValueError(f"config.{name} must be {expected}, got {c[section][field]!r}")
+    """``build_warm_start`` for its checks only; raises ``ConfigError`` (a ``ValueError``)."""
+    build_warm_start(c)
 
 
-def make_optimizer(c) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; linear warmup to ``train.learning_rate``, cosine to 10% at the last update."""
-    t = c.train
-    total = t.bc_steps + c.dagger.rounds * t.steps_per_round
+def make_optimizer(spec) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; linear warmup to ``optim.learning_rate``, cosine to 10% at the
+    last update. ``spec``: a ``WarmStartSpec`` (or a warm-start config, built into one)."""
+    spec = spec if isinstance(spec, WarmStartSpec) else build_warm_start(spec)
+    o, total = spec.optim, spec.total_updates
     lr = optax.warmup_cosine_decay_schedule(
-        0.0, t.learning_rate, t.warmup_steps, max(total, t.warmup_steps + 1), end_value=0.1 * t.learning_rate
+        0.0, o.learning_rate, o.warmup_steps, max(total, o.warmup_steps + 1), end_value=0.1 * o.learning_rate
     )
-    return optax.chain(optax.clip_by_global_norm(t.grad_clip), optax.adamw(lr, weight_decay=t.weight_decay))
-
-
-def _sampler(tokenizer, c, *, temperature: float) -> Sampler:
-    g = c.gen
-    return Sampler(
-        tokenizer,
-        SamplerConfig(
-            max_new_tokens=g.max_new_tokens,
-            temperature=temperature or 1.0,
-            greedy=temperature == 0,
-            batch_buckets=tuple(g.batch_buckets),
-            length_buckets=tuple(g.length_buckets),
-        ),
-    )
+    adamw = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
 
 
 def rollout_config(c) -> RolloutConfig:
     """How the warm start plays (one game per panel task, the RL loop's prompt settings)."""
-    return RolloutConfig(
-        game=c.env.game,
-        group_size=1,
-        max_steps=c.env.max_steps,
-        history_length=c.env.history_length,
-        max_prompt_length=c.gen.length_buckets[-1],
-        fallback_action=c.env.fallback_action,
-        show_inventory=c.env.show_inventory,
-        system_prompt=system_prompt_of(c.env.system_prompt),
-        template=resolve_template(c.env.template),
+    return build_warm_start(c).rollout
+
+
+# -------------------------------------------------------------------------------------------------
+# The run: tokenizer -> tasks and expert data -> learner (restored) -> BC + DAgger rounds -> report.
+
+
+def _tokenizer(spec: WarmStartSpec, run_dir: epath.Path):
+    """The tokenizer of ``spec.tokenizer``, else the one built into ``<run_dir>/tokenizer`` (built once)."""
+    tok_dir = runfolder.path(spec.tokenizer, "config.model.tokenizer") if spec.tokenizer else run_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        with runfolder.staged(tok_dir) as local:
+            warm_start_tokenizer(
+                spec.env.name, spec.rollout.template, vocab_size=spec.vocab_size, seeds=spec.data.tokenizer_seeds
+            ).save_pretrained(local)
+    with runfolder.local_copy(tok_dir) as local:
+        return load_tokenizer(local)
+
+
+def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """(training goals, held-out goals, the validation panel's (task_id, seed) pairs: seen then held-out)."""
+    train_ids, held_ids = tasks.split_holdout(
+        tasks.select_tasks(spec.tasks.train, env.num_tasks, env.task_info), [], spec.tasks.holdout_every
     )
+    v = spec.val
+    seen, held = tasks.validation_panel(
+        train_ids[:: v.rl_every], held_ids, v.num_tasks, v.num_holdout_tasks, v.seed, "spread", v.seeds_per_goal
+    )
+    return train_ids, held_ids, seen + held
+
+
+class _WarmStart:
+    """The state of one warm-start run: data, learner, samplers, pool, metrics, update count."""
+
+    def __init__(self, spec: WarmStartSpec, run_dir: epath.Path, tokenizer, examples, progress: bool):
+        self.spec, self.run_dir, self.tokenizer, self.progress = spec, run_dir, tokenizer, progress
+        self.limit = spec.data.length_buckets[-1]
+        self.examples = [e for e in examples if self.fits(e)]
+        cfg = tiny_actor_config(len(tokenizer), eos_token_id=tokenizer.eos_token_id, **spec.actor)
+        actor = Qwen2Actor(cfg, rngs=nnx.Rngs(spec.seed))
+        self.learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), make_optimizer(spec))
+        self.checkpointer = Checkpointer(os.fspath(run_dir))
+        self.start_round, self.step = 0, 0
+        restored = self.checkpointer.restore_latest(self.learner.params, self.learner.opt_state)
+        if restored is not None:
+            latest, (self.learner.params, self.learner.opt_state, _, meta) = restored
+            self.learner.sync_local()
+            self.start_round, self.step = latest + 1, CheckpointMeta.from_dict(meta).updates
+        for r in range(self.start_round):  # DAgger data of the finished rounds
+            path = run_dir / f"dagger_{r}.json"
+            if path.exists():
+                self.examples += _load_examples(path)
+        start = self.step + 1 if restored is not None else 0
+        self.metrics = MetricsLogger(os.fspath(run_dir), start_iteration=start)
+        temps = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
+        self.samplers = {k: Sampler(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
+        self.pool = None
+
+    def fits(self, e: Example) -> bool:
+        return len(e.prompt_ids) + len(e.response_ids) <= self.limit
+
+    def play(self, kind: str, pairs, key, label: bool = False) -> RolloutResult:
+        """``rollout.collect`` of one game per (task_id, seed) with sampler ``kind`` (oracle labels on request)."""
+        learner, pool = self.learner, self.pool
+        tids, seeds = [t for t, _ in pairs], [s for _, s in pairs]
+        labeler = pool.oracle_actions if label else None
+        sampler, rcfg = self.samplers[kind], self.spec.rollout
+        return collect(
+            learner.actor,
+            sampler,
+            pool,
+            self.tokenizer,
+            tids,
+            seeds,
+            rcfg,
+            key,
+            progress=self.progress,
+            labeler=labeler,
+        )
+
+    def train(self, n_steps: int, rnd: int, rng: np.random.Generator, t_start: float) -> None:
+        """``n_steps`` updates on epochs of the examples (batches from ``rng``), metrics every ``log_every``."""
+        t, d = self.spec.train, self.spec.data
+        bar = tqdm(total=n_steps, desc=f"round {rnd} train", disable=not self.progress)
+        done, window = 0, []
+        while done < n_steps:
+            for length, exs in batches(self.examples, t.batch_size, d.length_buckets, rng):
+                batch = make_batch(exs, length, self.tokenizer.pad_token_id, d.response_length)
+                window.append(train_step(self.learner, batch, t.micro_batch_rows, f"SFT update {self.step}"))
+                self.step, done = self.step + 1, done + 1
+                bar.update(1)
+                if self.step % t.log_every == 0 or done == n_steps:
+                    rec = {f"train/{k}": float(np.mean([w[k] for w in window])) for k in window[0]}
+                    bar.set_postfix(loss=f"{rec['train/loss']:.3f}", acc=f"{rec['train/token_accuracy']:.3f}")
+                    rec.update({"train/examples": len(self.examples), "time_s": time.time() - t_start})
+                    self.metrics.write(self.step, {"round": rnd, **rec})
+                    window = []
+                if done >= n_steps:
+                    break
+        bar.close()
+        self.learner.sync_local()
+
+    def dagger(self, rnd: int, rng: np.random.Generator, key, train_ids: list[int]) -> dict[str, Any]:
+        """One DAgger round: the policy plays fresh seeds of training goals, the oracle labels every state."""
+        d, t1 = self.spec.dagger, time.time()
+        goals = [train_ids[i] for i in rng.integers(0, len(train_ids), d.episodes)]
+        pairs = [(t, d.seed_base + rnd * 10_000 + k) for k, t in enumerate(goals)]
+        res = self.play("dagger", pairs, key, label=True)
+        # States far off the expert's path can outgrow the longest bucket: left out, counted.
+        new = dagger_examples(res, self.tokenizer)
+        fit = [e for e in new if self.fits(e)]
+        _save_examples(self.run_dir / f"dagger_{rnd}.json", fit)
+        self.examples.extend(fit)
+        s = summarize(res.episodes)
+        return {
+            "dagger/success": s["success"],
+            "dagger/invalid_rate": s["invalid_rate"],
+            "dagger/new_examples": len(fit),
+            "dagger/too_long": len(new) - len(fit),
+            "dagger_s": time.time() - t1,
+        }
+
+    def rounds(self, train_ids, panel, held_set, t_start: float) -> list[dict[str, Any]]:
+        """BC (round 0) and the DAgger rounds from ``start_round``, checkpointed after each; their records."""
+        spec, history = self.spec, []
+        base_key = jax.random.key(spec.seed)
+        for rnd in range(self.start_round, spec.dagger.rounds + 1):
+            # Every round draws from (seed, round) only, so a resumed run repeats an uninterrupted one.
+            rng, key = np.random.default_rng([spec.seed, rnd]), jax.random.fold_in(base_key, rnd)
+            t0 = time.time()
+            self.train(spec.train.bc_steps if rnd == 0 else spec.train.steps_per_round, rnd, rng, t_start)
+            rec = {"round": rnd, "train_s": time.time() - t0}
+            if rnd < spec.dagger.rounds:
+                rec.update(self.dagger(rnd, rng, jax.random.fold_in(key, 0), train_ids))
+            if spec.val.every_round and rnd < spec.dagger.rounds:
+                s = summarize(self.play("val", panel, jax.random.fold_in(key, 1)).episodes, held_set)
+                rec.update({f"val/{k}": v for k, v in s.items()})
+            self.metrics.write(self.step, rec)
+            history.append(rec)
+            if self.progress:
+                print(json.dumps(rec), flush=True)
+            meta = CheckpointMeta(iteration=rnd, updates=self.step, seed=spec.seed)
+            self.checkpointer.save(rnd, self.learner.params, self.learner.opt_state, key, meta)
+        return history
 
 
 def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> dict[str, Any]:
     """Runs the whole warm start; returns the report dict (also written to ``workdir/report.json``).
 
+    ``c``: a warm-start config (``configs/sft_textcraft_tiny.py``) or its ``WarmStartSpec``.
     ``workdir`` and ``out`` may be local folders or ``gs://`` URLs (``bipace_jax.runfolder``).
 
     Raises:
-      ValueError: a bad config field (``validate_config``).
+      ConfigError: (a ``ValueError``) a bad config field (``build_warm_start``).
       RunFolderError: ``workdir`` or ``out`` cannot be created or written (checked before anything loads).
     """
-    validate_config(c)
+    spec = c if isinstance(c, WarmStartSpec) else build_warm_start(c)
     t_start = time.time()
     run_dir = runfolder.prepare(workdir, "--workdir")
     out_dir = runfolder.prepare(out, "--out") if out else None
-    workdir = os.fspath(run_dir)
-    template = resolve_template(c.env.template)
-
-    # 1. tokenizer
-    tok_dir = runfolder.path(c.tokenizer_path, "config.tokenizer_path") if c.tokenizer_path else run_dir / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        with runfolder.staged(tok_dir) as local:
-            warm_start_tokenizer(
-                c.env.game, template, vocab_size=c.tokenizer_vocab_size, seeds=c.tokenizer_seeds
-            ).save_pretrained(local)
-    with runfolder.local_copy(tok_dir) as local:
-        tokenizer = load_tokenizer(local)
+    tokenizer = _tokenizer(spec, run_dir)
     t_tok = time.time() - t_start
 
-    # 2. tasks, the panel and expert data
-    env = environments.make(c.env.game, max_steps=c.env.max_steps)
-    train_ids, held_ids = tasks.split_holdout(
-        tasks.select_tasks(c.env.tasks, env.num_tasks, env.task_info), [], c.env.holdout_every
-    )
-    seen, held = tasks.validation_panel(
-        train_ids[:: c.val.rl_every],
-        held_ids,
-        c.val.num_seen,
-        c.val.num_heldout,
-        c.val.seed_base,
-        "spread",
-        c.val.seeds_per_goal,
-    )
-    panel, held_set = seen + held, set(held_ids)
-    rcfg = rollout_config(c)
-    data_path = run_dir / "examples.json"
-    ostats = {}
+    env = environments.make(spec.env.name, max_steps=spec.env.max_steps)
+    train_ids, held_ids, panel = _task_sets(spec, env)
+    held_set, data_path, ostats = set(held_ids), run_dir / "examples.json", {}
     if data_path.exists():
         examples = _load_examples(data_path)
     else:
-        pairs = [(t, s) for s in range(c.data.expert_seeds) for t in train_ids]
-        examples, ostats = expert_examples(env, rcfg, tokenizer, pairs)
+        pairs = [(t, s) for s in range(spec.data.expert_seeds) for t in train_ids]
+        examples, ostats = expert_examples(env, spec.rollout, tokenizer, pairs)
         _save_examples(data_path, examples)
-    limit = c.data.length_buckets[-1]
 
-    def fits(e):
-        return len(e.prompt_ids) + len(e.response_ids) <= limit
-
-    examples = [e for e in examples if fits(e)]
-
-    # 3. model, optimizer, checkpoints
-    m = c.model
-    cfg = tiny_actor_config(
-        len(tokenizer),
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        intermediate_size=m.intermediate_size,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(c.seed))
-    learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), make_optimizer(c))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))
-    ckpt = Checkpointer(workdir)
-    start_round, step = 0, 0
-    restored = ckpt.restore_latest(learner.params, learner.opt_state)
-    if restored is not None:
-        latest, (learner.params, learner.opt_state, _, meta) = restored
-        learner.sync_local()
-        start_round, step = latest + 1, int(meta["updates"])
-    for r in range(start_round):  # DAgger data of the finished rounds
-        path = run_dir / f"dagger_{r}.json"
-        if path.exists():
-            examples += _load_examples(path)
-    metrics = MetricsLogger(workdir, start_iteration=step + 1 if restored is not None else 0)
-    samplers = {
-        "dagger": _sampler(tokenizer, c, temperature=c.dagger.temperature),
-        "val": _sampler(tokenizer, c, temperature=c.val.temperature),
-        "greedy": _sampler(tokenizer, c, temperature=0.0),
-    }
-    pool = EnvPool(
-        c.env.game,
-        max(len(panel), c.dagger.episodes),
-        env_options={"max_steps": c.env.max_steps},
-        num_workers=c.env.num_workers or None,
-    )
-
-    def play(kind: str, pairs, key, label=False) -> RolloutResult:
-        return collect(
-            learner.actor,
-            samplers[kind],
-            pool,
-            tokenizer,
-            [t for t, _ in pairs],
-            [s for _, s in pairs],
-            rcfg,
-            key,
-            progress=progress,
-            labeler=pool.oracle_actions if label else None,
-        )
-
-    def train(n_steps: int, rnd: int, rng: np.random.Generator):
-        nonlocal step
-        bar = tqdm(total=n_steps, desc=f"round {rnd} train", disable=not progress)
-        done, window = 0, []
-        while done < n_steps:
-            for length, exs in batches(examples, c.train.batch_size, c.data.length_buckets, rng):
-                batch = make_batch(exs, length, tokenizer.pad_token_id, c.data.response_length)
-                window.append(train_step(learner, batch, c.train.micro_batch_rows, f"SFT update {step}"))
-                step, done = step + 1, done + 1
-                bar.update(1)
-                if step % c.train.log_every == 0 or done == n_steps:
-                    rec = {f"train/{k}": float(np.mean([w[k] for w in window])) for k in window[0]}
-                    bar.set_postfix(loss=f"{rec['train/loss']:.3f}", acc=f"{rec['train/token_accuracy']:.3f}")
-                    rec.update({"train/examples": len(examples), "time_s": time.time() - t_start})
-                    metrics.write(step, {"round": rnd, **rec})
-                    window = []
-                if done >= n_steps:
-                    break
-        bar.close()
-        learner.sync_local()
-
-    history = []
-    base_key = jax.random.key(c.seed)
+    ws = _WarmStart(spec, run_dir, tokenizer, examples, progress)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ws.learner.params))
+    n_envs, options = max(len(panel), spec.dagger.episodes), {"max_steps": spec.env.max_steps}
+    ws.pool = EnvPool(spec.env.name, n_envs, env_options=options, num_workers=spec.env.num_workers or None)
     try:
-        for rnd in range(start_round, c.dagger.rounds + 1):
-            # Every round draws from (seed, round) only, so a resumed run repeats an uninterrupted one.
-            rng, key = np.random.default_rng([c.seed, rnd]), jax.random.fold_in(base_key, rnd)
-            t0 = time.time()
-            train(c.train.bc_steps if rnd == 0 else c.train.steps_per_round, rnd, rng)
-            rec = {"round": rnd, "train_s": time.time() - t0}
-            if rnd < c.dagger.rounds:
-                t1 = time.time()
-                goals = [train_ids[i] for i in rng.integers(0, len(train_ids), c.dagger.episodes)]
-                pairs = [(t, c.dagger.seed_base + rnd * 10_000 + k) for k, t in enumerate(goals)]
-                res = play("dagger", pairs, jax.random.fold_in(key, 0), label=True)
-                # States far off the expert's path can outgrow the longest bucket: left out, counted.
-                new = dagger_examples(res, tokenizer)
-                fit = [e for e in new if fits(e)]
-                _save_examples(run_dir / f"dagger_{rnd}.json", fit)
-                examples.extend(fit)
-                s = summarize(res.episodes)
-                rec.update(
-                    {
-                        "dagger/success": s["success"],
-                        "dagger/invalid_rate": s["invalid_rate"],
-                        "dagger/new_examples": len(fit),
-                        "dagger/too_long": len(new) - len(fit),
-                        "dagger_s": time.time() - t1,
-                    }
-                )
-            if c.val.every_round and rnd < c.dagger.rounds:
-                s = summarize(play("val", panel, jax.random.fold_in(key, 1)).episodes, held_set)
-                rec.update({f"val/{k}": v for k, v in s.items()})
-            metrics.write(step, rec)
-            history.append(rec)
-            if progress:
-                print(json.dumps(rec), flush=True)
-            ckpt.save(rnd, learner.params, learner.opt_state, key, {"round": rnd, "updates": step})
-
-        key = jax.random.fold_in(base_key, c.dagger.rounds + 1)
-        eps = play("val", panel, key).episodes
-        geps = play("greedy", panel, key).episodes
+        history = ws.rounds(train_ids, panel, held_set, t_start)
+        key = jax.random.fold_in(jax.random.key(spec.seed), spec.dagger.rounds + 1)
+        eps, geps = ws.play("val", panel, key).episodes, ws.play("greedy", panel, key).episodes
     finally:
-        pool.close()
-        ckpt.close()
+        ws.pool.close()
+        ws.checkpointer.close()
     final, greedy = summarize(eps, held_set), summarize(geps, held_set)
-    metrics.write(
-        step + 1, {**{f"final/{k}": v for k, v in final.items()}, **{f"final_greedy/{k}": v for k, v in greedy.items()}}
-    )
-    metrics.close()
+    finals = {**{f"final/{k}": v for k, v in final.items()}, **{f"final_greedy/{k}": v for k, v in greedy.items()}}
+    ws.metrics.write(ws.step + 1, finals)
+    ws.metrics.close()
     report = {
         "final_val": final,
-        "panel_temperature": c.val.temperature,
+        "panel_temperature": spec.val.temperature,
         "wall_time_s": time.time() - t_start,
         "final_greedy": greedy,
         "greedy_first_games": summarize(geps[:16], held_set),
         "tokenizer_s": t_tok,
         "num_params": n_params,
         "vocab_size": len(tokenizer),
-        "updates": step,
-        "expert_examples": sum(e.source == "expert" for e in examples),
-        "dagger_examples": sum(e.source == "dagger" for e in examples),
+        "updates": ws.step,
+        "expert_examples": sum(e.source == "expert" for e in ws.examples),
+        "dagger_examples": sum(e.source == "dagger" for e in ws.examples),
         "oracle": ostats,
         "rounds": history,
-        "seed": c.seed,
+        "seed": spec.seed,
         "train_goals": len(train_ids),
         "heldout_goals": held_ids,
         "panel": panel,
         "panel_episodes": [dataclasses.asdict(e) for e in eps],
-        "config": c.to_dict(),
+        "config": spec.config.to_dict(),
     }
     runfolder.write_text(run_dir / "report.json", json.dumps(report, indent=1, default=str))
     if out_dir is not None:
-        with runfolder.staged(out_dir) as local:
-            save_hf_checkpoint(learner.actor, local, tokenizer=tokenizer)
-            # transformers' AutoTokenizer, seeing config.json's model_type "qwen2", would swap in Qwen's
-            # pre-tokenizer: the tokenizer as trained also goes to <out>/tokenizer (no config.json beside it).
-            tokenizer.save_pretrained(os.path.join(local, "tokenizer"))
-            small = {k: v for k, v in report.items() if k not in ("panel", "panel_episodes")}
-            with open(os.path.join(local, "sft_report.json"), "w") as f:
-                json.dump(small, f, indent=1, default=str)
+        _export(ws, tokenizer, report, out_dir)
     return report
+
+
+def _export(ws: _WarmStart, tokenizer, report: dict[str, Any], out_dir: epath.Path) -> None:
+    """The Hugging Face folder ``out_dir``: weights, config, tokenizer (also in ``tokenizer/``), the report."""
+    with runfolder.staged(out_dir) as local:
+        save_hf_checkpoint(ws.learner.actor, local, tokenizer=tokenizer)
+        # transformers' AutoTokenizer, seeing config.json's model_type "qwen2", would swap in Qwen's
+        # pre-tokenizer: the tokenizer as trained also goes to <out>/tokenizer (no config.json beside it).
+        tokenizer.save_pretrained(os.path.join(local, "tokenizer"))
+        small = {k: v for k, v in report.items() if k not in ("panel", "panel_episodes")}
+        with open(os.path.join(local, "sft_report.json"), "w") as f:
+            json.dump(small, f, indent=1, default=str)

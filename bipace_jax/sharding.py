@@ -26,6 +26,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bipace_jax.config import ConfigError, check_tensor_in_host
+
 __all__ = [
     "MESH_AXES",
     "LOGICAL_TO_MESH",
@@ -130,14 +132,10 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
     if len(set(counts.values())) > 1:
         raise ValueError(f"mesh: every process must hold the same number of devices, got {counts} (process: devices)")
     local = len(devices) // len(hosts)
-    from bipace_jax.config import check_tensor_in_host  # lazy: config imports the models, which import this module
-
     check_tensor_in_host(shape[2], len(hosts), local)
     slices = len({_slice_of(d) for d in devices})
     if shape[0] % slices:
         # data parallel is the only axis that crosses slices (DCN); fsdp and tensor stay on ICI
-        from bipace_jax.config import ConfigError  # lazy: as check_tensor_in_host above
-
         raise ConfigError(
             f"config.mesh.data: expected a multiple of the {slices} slices the devices span (data parallel "
             f"runs across slices over the data-center network; fsdp and tensor stay inside a slice), got {shape[0]}"

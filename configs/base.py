@@ -7,8 +7,8 @@ Every field is overridable on the command line through absl/ml_collections, e.g.
 
 Conventions: "" means "unset" for strings, 0 means "unset/default" where a field says so (no
 None-valued fields, so every field keeps a type that the command line can override). Defaults are the
-verl-agent / GiGPO / BiPACE paper ones (``configs/_paper.py`` sets them for the paper settings). ``bipace_jax.config.validate`` checks
-every field before anything compiles.
+verl-agent / GiGPO / BiPACE paper ones (``configs/_paper.py`` sets them for the paper settings). ``bipace_jax.build.build_spec``
+checks every field and decodes the config into a ``RunSpec`` before anything compiles.
 """
 
 import ml_collections

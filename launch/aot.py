@@ -43,8 +43,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
+from bipace_jax import build, learner, ppo, sampling, sharding
 from bipace_jax import config as config_lib
-from bipace_jax import learner, ppo, sampling, sharding
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
 from launch._common import ROOT, write_json
@@ -170,20 +170,20 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
     t_local = tensor if len(local) % tensor == 0 else 1
     local_mesh = mesh if len(hosts) == 1 else sharding.make_mesh(-1, 1, t_local, devices=local)
-    cfg = config_lib.actor_architecture(c, m.vocab_size)
+    cfg = build.actor_architecture(c.model, m.vocab_size)
     dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
-    actor = nnx.eval_shape(lambda: config_lib.init_actor(c, cfg))
+    actor = nnx.eval_shape(lambda: build.init_actor(c.model, cfg, seed=c.seed))
     graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     master = _abstract(params, sharding.param_shardings(params, mesh))
     # The sampler's and the reference's host-local copies (the global parameters themselves on one host).
     local_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)  # copies in compute dtype
     local_params = _abstract(local_params, sharding.param_shardings(local_params, local_mesh))
-    tx = config_lib.make_optimizer(c.optim)
+    tx = build.make_optimizer(c.optim)
     opt_shardings = learner.opt_state_shardings(tx, master, sharding.param_shardings(params, mesh), mesh)
     opt_state = _abstract(jax.eval_shape(tx.init, master), opt_shardings)
 
-    s = config_lib.sampler_config(c, eos_token_ids=cfg.eos_token_ids)
+    s = build.sampler_config(c, eos_token_ids=cfg.eos_token_ids)
     prompt = next(b for b in s.length_buckets if b >= c.rollout.max_prompt_length)
     response = s.max_new_tokens
     rows = c.ppo.micro_batch_rows * len(hosts)
@@ -247,7 +247,7 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         return compiled
 
     objective = ppo.PPOObjective(
-        config_lib.loss_config(c), c.ppo.old_logprobs == "fused", cfg.vocab_size, c.ppo.logprob_chunk
+        build.loss_config(c), c.ppo.old_logprobs == "fused", cfg.vocab_size, c.ppo.logprob_chunk
     )
     accumulate, apply, _, _ = learner._programs(graphdef, objective, tx)
     width = prompt + response
@@ -320,7 +320,7 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         dec_args = (gdef_s, state, cache, token, logp, done, stop_state, row_ids, row_mask, key, temp, *consts)
         run("decode", local_mesh, sampling._decode_program, *dec_args, static=static, other=host_other)
 
-    ecfg = config_lib.estimator_config(c)
+    ecfg = build.estimator_config(c)
     fn, scalars = jitted_advantages(ecfg)
     n = games * c.env.max_steps
     one = jax.sharding.SingleDeviceSharding(local[0])
@@ -364,7 +364,7 @@ def main(argv):
 
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
-        config_lib.validate(c, num_devices=len(devices), abstract=True)
+        build.validate(c, num_devices=len(devices), abstract=True)
         report = compile_all(c, devices, host_devices(name, devices), programs)
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None

@@ -35,19 +35,20 @@ from typing import Any
 
 from absl import app, flags
 
+from bipace_jax import metric_keys as mk
 from bipace_jax import runfolder
 
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
 _OUT = flags.DEFINE_string("out", "", "Output folder (default: the first folder given).")
 
 DIAGNOSTICS = (  # (metric, label in the table)
-    ("estimator/hash_singleton_group_rate", "singleton groups, hashing"),
-    ("estimator/cluster_singleton_group_rate", "singleton groups, clusters"),
-    ("estimator/pairs", "pairs"),
-    ("estimator/pace_row_rate", "PACE rows"),
-    ("estimator/loo_row_rate", "LOO rows"),
-    ("estimator/epsilon", "epsilon"),
-    ("time/bipace_share", "BiPACE time share"),
+    (mk.HASH_SINGLETON_GROUPS, "singleton groups, hashing"),
+    (mk.CLUSTER_SINGLETON_GROUPS, "singleton groups, clusters"),
+    (mk.PAIRS, "pairs"),
+    (mk.PACE_ROWS, "PACE rows"),
+    (mk.LOO_ROWS, "LOO rows"),
+    (mk.EPSILON, "epsilon"),
+    (mk.BIPACE_SHARE, "BiPACE time share"),
 )
 
 
@@ -114,16 +115,16 @@ def _finite(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def validation_curve(rows: list[dict], key: str = "val/success_rate") -> list[tuple[int, float]]:
+def validation_curve(rows: list[dict], key: str = mk.VAL_SUCCESS) -> list[tuple[int, float]]:
     """(iterations trained, value) of every validation: the before-RL one at 0, then after iteration i at
     i + 1; a validation whose value is missing or not finite (every game faulted) is left out."""
     curve = []
-    before = key.replace("val/", "val_before/", 1)
+    before = mk.before(key)
     for r in rows:
         if before in r and _finite(r[before]) is not None:
             curve.append((0, _finite(r[before])))
         if key in r and _finite(r[key]) is not None:
-            curve.append((int(r["iteration"]) + 1, _finite(r[key])))
+            curve.append((int(r[mk.ITERATION]) + 1, _finite(r[key])))
     return curve
 
 
@@ -137,7 +138,7 @@ def run_status(run: str, rows: list[dict]) -> str | None:
         return f"failed (exit code {json.loads(cell).get('returncode')})"
     text = runfolder.read_text(folder / "config.json")
     want = json.loads(text).get("num_iterations") if text is not None else None
-    done = len({int(r["iteration"]) for r in rows if "iteration" in r})
+    done = len({int(r[mk.ITERATION]) for r in rows if mk.ITERATION in r})
     if isinstance(want, int) and done < want:
         return f"incomplete ({done} of {want} iterations)"
     return None
@@ -152,16 +153,16 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
     out: dict[str, Any] = {"run": os.path.basename(os.path.normpath(run)), "iterations": len(rows), "curve": curve}
     out["status"] = run_status(run, rows)
     out["missing_validations"] = sum(
-        1 for r in rows for k in ("val/success_rate", "val_before/success_rate") if k in r and _finite(r[k]) is None
+        1 for r in rows for k in (mk.VAL_SUCCESS, mk.before(mk.VAL_SUCCESS)) if k in r and _finite(r[k]) is None
     )
     out["final"] = curve[-1][1] if curve else None
     out["best"] = max(v for _, v in curve) if curve else None
     out["iterations_to_threshold"] = next((i for i, v in curve if v >= threshold), None)
-    last_val = next((r for r in reversed(rows) if _finite(r.get("val/success_rate")) is not None), {})
+    last_val = next((r for r in reversed(rows) if _finite(r.get(mk.VAL_SUCCESS)) is not None), {})
     out["final_by_key"] = {
         k: _finite(v)
         for k, v in last_val.items()
-        if k.startswith("val/") and k != "val/success_rate" and "/tasks" not in k
+        if k.startswith(mk.VAL + "/") and k != mk.VAL_SUCCESS and "/tasks" not in k
     }
     out["final_by_key"] = {k: v for k, v in out["final_by_key"].items() if "success_rate" in k or k.endswith("/score")}
     out["diagnostics"] = {}
@@ -169,12 +170,8 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
         vals = [v for v in (_finite(r.get(key)) for r in rows) if v is not None]
         out["diagnostics"][key] = sum(vals) / len(vals) if vals else None
     out["curves"] = {
-        key: [(int(r["iteration"]) + 1, _finite(r[key])) for r in rows if _finite(r.get(key)) is not None]
-        for key in (
-            "estimator/hash_singleton_group_rate",
-            "estimator/cluster_singleton_group_rate",
-            "estimator/pace_row_rate",
-        )
+        key: [(int(r[mk.ITERATION]) + 1, _finite(r[key])) for r in rows if _finite(r.get(key)) is not None]
+        for key in (mk.HASH_SINGLETON_GROUPS, mk.CLUSTER_SINGLETON_GROUPS, mk.PACE_ROWS)
     }
     return out
 
@@ -241,9 +238,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines.append("| arm | " + " | ".join(label for _, label in DIAGNOSTICS) + " |")
     lines.append("|---|" + "---|" * len(DIAGNOSTICS))
     for name, a in arms.items():
-        cells = [
-            _pm(a["diagnostics"][k], pct=k != "estimator/pairs" and k != "estimator/epsilon") for k, _ in DIAGNOSTICS
-        ]
+        cells = [_pm(a["diagnostics"][k], pct=k not in (mk.PAIRS, mk.EPSILON)) for k, _ in DIAGNOSTICS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -262,9 +257,9 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
         (
             "singleton_rates.png",
             "singleton step groups, clusters",
-            lambda s: s["curves"]["estimator/cluster_singleton_group_rate"],
+            lambda s: s["curves"][mk.CLUSTER_SINGLETON_GROUPS],
         ),
-        ("pace_rows.png", "PACE row share", lambda s: s["curves"]["estimator/pace_row_rate"]),
+        ("pace_rows.png", "PACE row share", lambda s: s["curves"][mk.PACE_ROWS]),
     )
     for fname, title, get in panels:
         fig, ax = plt.subplots(figsize=(6, 4))

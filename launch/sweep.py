@@ -114,13 +114,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> None:
-    """Build and validate one cell's config (``bipace_jax.config.validate``) before anything runs.
+    """Build and validate one cell's config (``bipace_jax.build.build_spec``) before anything runs.
 
     Raises:
       ValueError: naming the cell and the bad field.
     """
     from ml_collections import config_flags
 
+    from bipace_jax import build
     from bipace_jax import config as config_lib
 
     fv = flags.FlagValues()
@@ -128,7 +129,7 @@ def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> No
     try:
         config_flags.DEFINE_config_file("config", config, flag_values=fv, sys_argv=argv)
         fv(argv)
-        config_lib.validate(fv.config)
+        build.build_spec(fv.config)
     except (config_lib.ConfigError, flags.Error, ValueError, KeyError, AttributeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() is its repr
         raise ValueError(f"cell {cell_name(cell)}: {msg}") from None
@@ -167,11 +168,13 @@ def _close_log(log: Any, run_dir: str) -> None:
 
 
 def _summary_line(run_dir: str) -> str:
+    from bipace_jax import metric_keys as keys
     from bipace_jax.metrics import read_metrics
 
     rows = read_metrics(run_dir)
-    first = next((r["val_before/success_rate"] for r in rows if "val_before/success_rate" in r), None)
-    last = next((r["val/success_rate"] for r in reversed(rows) if "val/success_rate" in r), None)
+    before = keys.before(keys.VAL_SUCCESS)
+    first = next((r[before] for r in rows if before in r), None)
+    last = next((r[keys.VAL_SUCCESS] for r in reversed(rows) if keys.VAL_SUCCESS in r), None)
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     return f"{len(rows)} iterations, validation {fmt(first)} -> {fmt(last)}"
 

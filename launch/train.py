@@ -100,12 +100,13 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     the model loads), an existing run with ``resume=False`` or a non-finite update.
     """
     t_start = time.perf_counter()
+    from bipace_jax import build
     from bipace_jax import config as config_lib
 
     if not flags.FLAGS["verbosity"].present:  # orbax/absl INFO lines drown the progress bars
         logging.set_verbosity(logging.WARNING)
     try:  # every field is checked before JAX starts or anything compiles
-        config_lib.validate(config)
+        spec = build.build_spec(config)
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
     from bipace_jax import distributed, runfolder
@@ -114,10 +115,10 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
     import jax
 
-    config_lib.enable_compile_cache(config)  # before the first compile
+    config_lib.enable_compile_cache(spec)  # before the first compile
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
     try:
-        tr = trainer_lib.Trainer(config, workdir, resume=resume, env_factory=env_factory)
+        tr = trainer_lib.Trainer(spec, workdir, resume=resume, env_factory=env_factory)
     except (config_lib.ConfigError, runfolder.RunFolderError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     try:

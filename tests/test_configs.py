@@ -12,7 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import configs
-from bipace_jax.config import estimator_config
+from bipace_jax.build import estimator_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,6 +193,16 @@ def test_command_line_overrides_reach_nested_fields():
             "config.model.checkpoint must be a Hugging Face folder holding config.json",
         ),
         ("mesh.data", 0, "config.mesh.data must be an int >= 1 or -1"),
+        ("val.panel", "grid", "config.val.panel must be one of ['spread', 'random'], got 'grid'"),
+        ("ppo.old_logprobs", "cached", "config.ppo.old_logprobs must be one of ['recompute', 'sampler', 'fused']"),
+        ("model.dtype", "float16", "config.model.dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
+        ("checkpoint.keep", 0, "config.checkpoint.keep must be an int >= 1, got 0"),
+        ("val.seed", 5, "config.val.seed must be an int >= 1000000, got 5"),
+        ("env.timeout_s", 0.0, "config.env.timeout_s must be a number in (0, inf], got 0.0"),
+        ("optim.b2", 1.0, "config.optim.b2 must be a number in [0, 1), got 1.0"),
+        ("tasks.holdout_every", -1, "config.tasks.holdout_every must be an int >= 0, got -1"),
+        ("sampler.top_p", 0.0, "config.sampler.top_p must lie in (0, 1], got 0.0"),
+        ("env.max_steps", 0, "config.env.max_steps must be an int >= 1, got 0"),
         (
             "sampler.length_buckets",
             (512, 256),
@@ -202,7 +212,7 @@ def test_command_line_overrides_reach_nested_fields():
 )
 def test_bad_field_fails_with_one_line_naming_it(field, value, message):
     c = _load("textcraft_tiny")
-    if field == "ppo.old_logprobs":
+    if field == "ppo.old_logprobs" and value == "sampler":
         c.sampler.top_p = 0.9  # a tempered sampler is fine (PPO trains the tempered policy); a truncated one is not
     if field == "ppo.epochs":
         c.ppo.old_logprobs, c.ppo.mini_batch_rows = "fused", 0
@@ -295,7 +305,7 @@ def test_stop_ids_are_the_union_of_config_generation_config_and_tokenizer(tmp_pa
 
     from transformers import GenerationConfig
 
-    from bipace_jax.config import stop_token_ids
+    from bipace_jax.build import stop_token_ids
 
     GenerationConfig(eos_token_id=[2, 0]).save_pretrained(tmp_path)
     tok = SimpleNamespace(eos_token_id=2)
@@ -340,15 +350,15 @@ def test_a_loaded_checkpoint_keeps_the_configured_parameter_dtype(param_dtype):
     import jax.numpy as jnp
     from flax import nnx
 
-    from bipace_jax import config as config_lib
-    from bipace_jax import sharding
+    from bipace_jax import build, sharding
     from bipace_jax.models import load_tokenizer
 
     c = _load("textcraft_tiny")
     c.model.checkpoint = "bipace_jax/data/textcraft_tiny"  # the shipped warm start
     c.model.dtype, c.model.param_dtype = "bfloat16", param_dtype
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    actor = config_lib.build_actor(c, load_tokenizer(config_lib.resolve_path(c.model.checkpoint)), mesh)
+    spec = build.build_spec(c)
+    actor = build.build_actor(spec.model, load_tokenizer(spec.model.checkpoint), mesh, seed=spec.seed)
     params = nnx.state(actor, nnx.Param)
     dtypes = {x.dtype for x in jax.tree.leaves(params)}
     assert dtypes == {jnp.dtype(param_dtype)} and actor.dtype == jnp.bfloat16
@@ -397,3 +407,44 @@ def test_webshop_paper_config_trains_the_tiny_actor_one_iteration_on_the_sample(
     finally:
         tr.close()
     assert tr.iteration == 1 and rec["loss/updates"] >= 1 and rec["train/rows"] > 0
+
+
+def test_build_spec_decodes_each_section_into_its_dataclass_once():
+    import dataclasses
+
+    from bipace_jax.config import DType, OldLogprobs, Panel
+
+    c = _load("textcraft_tiny")
+    c.val.options = '{"split": "valid"}'
+    spec = configs.build_spec(c)
+    assert spec.learner.old_logprobs is OldLogprobs.SAMPLER and spec.learner.micro_batch_rows == 32
+    assert (spec.sampler.temperature, spec.val_sampler.temperature, spec.loss.temperature) == (0.6, 0.4, 0.6)
+    assert spec.rollout.sampler == spec.sampler and spec.val_rollout.sampler == spec.val_sampler
+    assert (spec.rollout.game, spec.rollout.max_steps, spec.rollout.group_size, spec.val_rollout.group_size) == (
+        "textcraft",
+        c.env.max_steps,
+        8,
+        1,
+    )
+    assert spec.model.dtype is DType.FLOAT32 and spec.model.dtype.jnp == "float32" and spec.val.panel is Panel.SPREAD
+    assert (spec.env.options, spec.val.options, spec.val.holdout_options) == ({}, {"split": "valid"}, {})
+    assert (spec.num_groups, spec.seed, spec.optim.learning_rate, spec.mesh.shape(4)) == (8, 0, 2e-4, (4, 1, 1))
+    assert spec.needs_calibration and spec.controller is None  # calibrated once, no online controller
+    assert spec.estimator_at(0.003).epsilon == 0.003 and spec.estimator.epsilon == 0.05
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 1
+    with pytest.raises(AttributeError):  # the source config is frozen with the spec
+        spec.config.seed = 1
+    c.seed = 5  # and a later change of the config does not reach the spec
+    assert spec.config.seed == 0
+
+
+def test_the_config_module_imports_nothing_from_the_library():
+    # config.py sits at the bottom of the imports: the build module maps configs onto the library
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "bipace_jax", "config.py")).read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m.split(".")[0] in ("bipace_jax", "environments", "configs", "launch")]
+    assert {"jax", "jax.numpy"} <= set(imported)  # the parser sees its imports at all

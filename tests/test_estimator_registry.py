@@ -130,7 +130,7 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
     """Adding an estimator is its module plus one registry line: the trainer accepts the name from the
     config, uses its advantages (checked against the NumPy oracle of the same spec) and updates."""
     import configs.textcraft_tiny
-    from bipace_jax.config import estimator_config
+    from bipace_jax.build import estimator_config
     from bipace_jax.tiny import build_game_tokenizer
     from bipace_jax.trainer import Trainer
 

@@ -253,14 +253,14 @@ def test_rl_and_warm_start_prompts_are_the_same_ids_for_the_same_game_state():
     # system turn, 9 extra tokens, once changed 10 of 54 panel outcomes)
     import configs.sft_textcraft_tiny
     import configs.textcraft_tiny
-    from bipace_jax import config as config_lib
-    from bipace_jax import sft
+    from bipace_jax import build, sft
+    from bipace_jax.config import resolve_path
     from bipace_jax.models import load_tokenizer
     from bipace_jax.rollout import encode_prompt
 
     rl_cfg, ws_cfg = configs.textcraft_tiny.get_config(), configs.sft_textcraft_tiny.get_config()
-    tok = load_tokenizer(config_lib.resolve_path(rl_cfg.model.checkpoint))
-    rl = config_lib.rollout_config(rl_cfg, group_size=1, sampler=SamplerConfig())
+    tok = load_tokenizer(resolve_path(rl_cfg.model.checkpoint))
+    rl = build.rollout_config(rl_cfg, group_size=1, sampler=SamplerConfig())
     ws = sft.rollout_config(ws_cfg)
     assert rl.system_prompt is None and ws.system_prompt is None
     env = environments.make("textcraft", max_steps=15)
@@ -273,3 +273,35 @@ def test_rl_and_warm_start_prompts_are_the_same_ids_for_the_same_game_state():
         action = env.oracle_action()
         history.append((obs.text, action))
         obs = env.step(action)[0]
+
+
+def test_warm_start_config_speaks_the_rl_dialect():
+    # the sections shared with RL carry RL's field names (configs/base.py), with the same meaning
+    import configs.base
+    import configs.sft_textcraft_tiny
+    from bipace_jax.sft import build_warm_start
+
+    rl, ws = configs.base.get_config(), configs.sft_textcraft_tiny.get_config()
+    for section in ("model", "env", "tasks", "rollout", "sampler", "optim"):
+        assert set(ws[section]) <= set(rl[section]), (section, set(ws[section]) - set(rl[section]))
+    assert set(ws.val) - set(rl.val) == {"rl_every", "every_round"}
+    spec = build_warm_start(ws)
+    assert (spec.env.name, spec.tasks.train, spec.val.num_tasks) == ("textcraft", ws.tasks.train, ws.val.num_tasks)
+    assert spec.rollout.max_prompt_length == ws.sampler.length_buckets[-1] == spec.sampler.length_buckets[-1]
+    assert spec.total_updates == 600 + 4 * 100
+    greedy, dagger = spec.sampler_at(0.0), spec.sampler_at(0.4)
+    assert (greedy.greedy, greedy.temperature, dagger.greedy, dagger.temperature) == (True, 1.0, False, 0.4)
+    assert spec.actor == {
+        "hidden_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 384,
+    }
+    ws.sampler.length_buckets = (448, 160)
+    with pytest.raises(ValueError, match=r"^config\.sampler\.length_buckets must be a non-empty strictly ascending"):
+        build_warm_start(ws)
+    ws = configs.sft_textcraft_tiny.get_config()
+    ws.env.name = "minecraft"
+    with pytest.raises(ValueError, match=r"^config\.env\.name must be one of"):
+        build_warm_start(ws)

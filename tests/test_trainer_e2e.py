@@ -187,7 +187,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
 
     trained = nnx.state(load_hf_checkpoint(str(w / "hf_final")), nnx.Param)
     import configs.textcraft_tiny
-    from bipace_jax.config import build_actor
+    from bipace_jax.build import build_actor
     from bipace_jax.models import load_tokenizer
 
     cfg = configs.textcraft_tiny.get_config()
@@ -195,7 +195,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     for flag in TINY[:5]:
         k, v = flag[len("--config.model.") :].split("=")
         cfg.model[k] = int(v)
-    init = nnx.state(build_actor(cfg, load_tokenizer(shared["tokenizer"])), nnx.Param)
+    init = nnx.state(build_actor(cfg.model, load_tokenizer(shared["tokenizer"]), seed=cfg.seed), nnx.Param)
     diffs = jax.tree.leaves(
         jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), trained, init)
     )

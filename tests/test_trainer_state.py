@@ -8,9 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from bipace_jax.checkpointing import Checkpointer
+from bipace_jax import metric_keys as keys
+from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import ConfigError, resolve_template
-from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
+from bipace_jax.metrics import MetricsLogger, StageTimer, make_plots, panel_metrics, read_metrics
 from bipace_jax.tasks import TRAIN_SEED_RANGE, select_tasks, split_holdout, train_task, validation_panel
 
 
@@ -221,6 +222,7 @@ def test_validation_panels_come_from_the_games_of_val_options(tmp_path):
     # verl-agent validates ALFWorld on valid_seen / valid_unseen, not on training games: val.options and
     # val.holdout_options build those panels' games (here FaultyEnv's 7-task "valid" split) on their own pools
     import configs.textcraft_tiny
+    from bipace_jax import build
     from bipace_jax import config as config_lib
     from bipace_jax.tiny import build_game_tokenizer
     from bipace_jax.trainer import Trainer
@@ -257,4 +259,81 @@ def test_validation_panels_come_from_the_games_of_val_options(tmp_path):
         Trainer(c, str(tmp_path / "run2"), tokenizer=tok, env_factory=FaultyEnv)
     c.val.options = "[1]"
     with pytest.raises(config_lib.ConfigError, match=r"config.val.options must be '' or a JSON object"):
-        config_lib.validate(c)
+        build.build_spec(c)
+
+
+def test_checkpoint_meta_round_trips_and_reads_older_dicts(tmp_path):
+    params, opt = _tree()
+    meta = CheckpointMeta(iteration=3, task_cursor=24, epsilon=0.004, controller={"epsilon": 0.004}, seed=2)
+    ck = Checkpointer(str(tmp_path))
+    ck.save(3, params, opt, jax.random.PRNGKey(3), meta)
+    *_, raw = ck.restore(3, params, opt)
+    assert raw["step"] == 3 and len(raw["rng"]) == 2  # the checkpointer's own keys beside the meta's
+    assert CheckpointMeta.from_dict(raw) == meta
+    # a warm-start checkpoint of an older layout ({"round", "updates"}) restores with defaults
+    old = CheckpointMeta.from_dict({"iteration": 1, "updates": 700, "round": 1, "step": 1})
+    assert (old.iteration, old.updates, old.task_cursor, old.epsilon, old.controller) == (1, 700, 0, None, None)
+
+
+def test_metric_keys_name_the_before_training_copy_once():
+    assert keys.before("val/success_rate") == "val_before/success_rate"
+    assert keys.before("val/holdout/success_rate/depth_2") == "val_before/holdout/success_rate/depth_2"
+    assert keys.before(keys.VALIDATION_SECONDS) == "val_before/validation_s"
+    assert keys.after("val_before/holdout/tasks") == "val/holdout/tasks"
+    assert keys.stage_seconds("rollout") == "time/rollout_s"
+    with pytest.raises(ValueError, match="val_before/"):
+        keys.after("val/success_rate")
+    with pytest.raises(ValueError, match="<section>/<name>"):
+        keys.before("iteration")
+
+
+def test_stage_timer_adds_up_each_stage(monkeypatch):
+    clock = iter([0.0, 1.5, 2.0, 2.25, 10.0, 11.0])  # (enter, exit) pairs
+    monkeypatch.setattr("bipace_jax.metrics.time.perf_counter", lambda: next(clock))
+    t = StageTimer()
+    with t.stage("rollout"):
+        pass
+    with t.stage("update"):
+        pass
+    with t.stage("rollout"):
+        pass
+    assert t.seconds == {"rollout": 2.5, "update": 0.25} and t.total() == 2.75
+
+
+def test_panel_metrics_leave_faulted_tasks_out_of_the_means():
+    won = np.array([1.0, 0.0, np.nan, 1.0])
+    length = np.array([3.0, 5.0, np.nan, 4.0])
+    errors = np.array([0.0, 0.0, 2.0, 1.0])
+    rec = panel_metrics("val", won, length, errors, np.full(4, np.nan))
+    assert rec == {
+        "val/success_rate": 2 / 3,
+        "val/episode_length": 4.0,
+        "val/tasks": 4,
+        "val/env_errors": 3,
+    }
+    rec = panel_metrics(
+        "val/holdout", np.full(2, np.nan), np.full(2, np.nan), np.array([1.0, 1.0]), np.array([0.5, np.nan])
+    )
+    assert rec["val/holdout/score"] == 0.5 and np.isnan(rec["val/holdout/success_rate"])
+
+
+def test_the_trainer_reads_no_raw_config_field():
+    # Trainer(spec) reads the decoded RunSpec; the source config only travels whole (process_layout,
+    # the game tokenizer's corpus, config.json), never field by field
+    import ast
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "trainer.py")
+    tree = ast.parse(open(path).read())
+    raw = [
+        f"line {n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "config"
+        and not ast.unparse(n.value).endswith("actor.config")  # the model's own Qwen2Config
+        and n.attr != "to_json_best_effort"
+    ]
+    assert not raw, raw
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert "c" not in names  # the old loop's `c = self.config`
+    assert "spec" in names  # the parser does see the trainer's code
