@@ -182,8 +182,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, *, ab
     tpl = c.rollout.template
     if tpl and not (tpl.lstrip().startswith("{") or re.match(r"^[\w.]+:\w+$", tpl)):
         _fail("rollout.template", "be '', a JSON object of PromptTemplate fields, or 'module:ATTR'", tpl)
-    scfg = _checked("sampler", lambda: sampler_config(c))
-    _checked("rollout", lambda: rollout_config(c, group_size=c.rollout.group_size, sampler=scfg))
+    _checked("sampler", lambda: sampler_config(c))
+    _checked("rollout", lambda: rollout_config(c, group_size=c.rollout.group_size))
     if c.sampler.length_buckets[-1] < c.rollout.max_prompt_length:
         _fail(
             "sampler.length_buckets",
@@ -469,11 +469,11 @@ def sampler_config(
     )
 
 
-def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: SamplerConfig) -> RolloutConfig:
+def rollout_config(c: ml_collections.ConfigDict, *, group_size: int) -> RolloutConfig:
     """``RolloutConfig`` of ``c.rollout`` with the game and step cap of ``c.env`` and the PACE key of
-    ``c.estimator``; ``group_size`` is ``rollout.group_size`` for training, ``val.group_size`` for validation."""
+    ``c.estimator``; ``group_size`` is ``rollout.group_size`` for training, ``val.group_size`` for validation.
+    ``rollout.fallback_action=""`` leaves the game's ``GameSpec.fallback_action``."""
     r = c.rollout
-    kw = {"fallback_action": r.fallback_action} if r.fallback_action else {}
     return RolloutConfig(
         game=c.env.name,
         group_size=group_size,
@@ -492,8 +492,7 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
         show_inventory=r.show_inventory,
         system_prompt=system_prompt_of(r.system_prompt),
         template=resolve_template(r.template),
-        sampler=sampler,
-        **kw,
+        fallback_action=r.fallback_action or None,
     )
 
 

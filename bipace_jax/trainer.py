@@ -162,8 +162,8 @@ class Trainer:
         vcfg = config_lib.sampler_config(c, eos_token_ids=eos, temperature=c.val.temperature)
         self.sampler = Sampler(self.tokenizer, scfg, mesh=self.local_mesh)
         self.val_sampler = Sampler(self.tokenizer, vcfg, mesh=self.local_mesh)
-        self.rollout_cfg = config_lib.rollout_config(c, group_size=c.rollout.group_size, sampler=scfg)
-        self.val_rollout_cfg = config_lib.rollout_config(c, group_size=c.val.group_size, sampler=vcfg)
+        self.rollout_cfg = config_lib.rollout_config(c, group_size=c.rollout.group_size)
+        self.val_rollout_cfg = config_lib.rollout_config(c, group_size=c.val.group_size)
 
         self.metrics = MetricsLogger(workdir, start_iteration=self.iteration, enabled=self.is_primary)
         if self.is_primary:
@@ -185,9 +185,8 @@ class Trainer:
     def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None):
         """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by default)."""
         progress = self.config.log.progress and self.is_primary
-        tids, seeds = [t for t, _ in games], [s for _, s in games]
         pool = self.pool if pool is None else pool
-        return collect(self.actor, sampler, pool, self.tokenizer, tids, seeds, rcfg, key, progress=progress)
+        return collect(self.actor, sampler, pool, self.tokenizer, games, rcfg, key, progress=progress)
 
     def _probe(self, game, options: dict[str, Any], field: str):
         """One game built in this process with ``options`` (task count, task infos); bad options -> ConfigError."""
@@ -336,8 +335,8 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         """Play the fixed validation panel(s) at ``val.temperature``; success overall and per category.
 
-        Categories: every scalar ``task_info`` key of the game among ``depth``, ``task_type``
-        (e.g. ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``.
+        Categories: the game's ``GameSpec.categories`` (``task_info`` keys, e.g. TextCraft's ``depth``:
+        ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``.
         """
         out: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -369,7 +368,7 @@ class Trainer:
             out[f"{name}/episode_length"] = float(np.nanmean(length)) if not np.isnan(length).all() else float("nan")
             out[f"{name}/tasks"] = len(panel)
             out[f"{name}/env_errors"] = int(errors.sum())
-            for key_name in ("depth", "task_type"):
+            for key_name in self.rollout_cfg.spec.categories:
                 cats: dict[str, list] = {}
                 for (tid, _), w in zip(panel, won):
                     v = self._task_infos[name](tid).get(key_name)

@@ -4,7 +4,8 @@ A prompt (the user message of one turn) shows the task, the last ``history_lengt
 (observation, action) pairs, the current step number and observation, the admissible actions
 where the game lists them, and asks for reasoning inside ``<think>...</think>`` and the command
 inside ``<action>...</action>``. Templates are data (``PromptTemplate``: ``str.format`` strings),
-overridable field by field from a config mapping.
+overridable field by field from a config mapping; each game's default is its ``GameSpec.template``
+(``environments.registry``), defined in the game's module.
 
 Action parsing follows the spec's ``action_tag`` PACE key (``docs/estimators.md``, "PACE keys"):
 lower-case the whole response, take the text inside the first ``<action>...</action>``, strip
@@ -25,7 +26,7 @@ from environments.base import Observation
 
 __all__ = [
     "PromptTemplate",
-    "TEMPLATES",
+    "THINK_ACT",
     "build_prompt",
     "invalid_command",
     "parse_action",
@@ -126,88 +127,32 @@ class PromptTemplate:
         return dataclasses.replace(self, **overrides)
 
 
-_THINK_ACT = (
+#: The closing instruction of every built-in game's prompt (the response format ``parse_action`` reads).
+THINK_ACT = (
     "Now it is your turn to act. First reason step by step about the current situation; the "
     "reasoning MUST be enclosed in <think> </think> tags. Then give exactly one action for this "
     "step, enclosed in <action> </action> tags."
 )
 
-_TEXTCRAFT_RULES = (
-    "Commands: 'get N item' fetches N of a base item; 'craft N item using N a, N b' follows one "
-    "crafting command above exactly (for a tag such as planks, name one concrete kind, e.g. oak "
-    "planks); 'inventory' lists what you hold."
-)
-
-TEMPLATES: dict[str, PromptTemplate] = {
-    "textcraft": PromptTemplate(
-        first=(
-            "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n"
-            "{task}\n" + _TEXTCRAFT_RULES + "\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{inventory}\n\n" + _THINK_ACT
-        ),
-        later=(
-            "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n"
-            "{task}\n" + _TEXTCRAFT_RULES + "\n"
-            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-            "action(s):\n{history}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{inventory}\n\n" + _THINK_ACT
-        ),
-        task_echo="(the crafting commands above)",
-    ),
-    "alfworld": PromptTemplate(
-        first=(
-            "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
-            "environment. Your task is to: {task}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-        later=(
-            "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
-            "environment. Your task is to: {task}\n"
-            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-            "action(s):\n{history}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-    ),
-    "webshop": PromptTemplate(
-        first=(
-            "You are an expert shopping agent in WebShop, a simulated online store. "
-            "Your task is to: {task}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-        later=(
-            "You are an expert shopping agent in WebShop, a simulated online store. "
-            "Your task is to: {task}\n"
-            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-            "action(s):\n{history}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-        admissible_block="\nYour admissible actions now are:\n[\n{actions}\n].",
-        action_separator=",\n",
-    ),
-}
-
 
 def get_template(game: str, template: PromptTemplate | Mapping[str, Any] | None = None) -> PromptTemplate:
-    """The template to use: ``template`` itself, the game's default overridden by a mapping, or the default.
+    """The template to use: ``template`` itself, the game's default (its ``GameSpec.template``)
+    overridden by a mapping, or the default.
 
-    Raises ValueError naming ``game`` when it has no default and ``template`` is not a full
+    Raises ValueError naming ``game`` when it is not registered and ``template`` is not a full
     ``PromptTemplate``, or naming a bad override field.
     """
     if isinstance(template, PromptTemplate):
         return template
-    if game not in TEMPLATES:
-        raise ValueError(f"game must be one of {sorted(TEMPLATES)} (or pass a PromptTemplate), got {game!r}")
+    # imported here: the registry sits above this module (a GameSpec holds a PromptTemplate)
+    from environments.registry import game_spec
+
+    default = game_spec(game).template
     if template is None:
-        return TEMPLATES[game]
+        return default
     if not isinstance(template, Mapping):
         raise ValueError(f"template must be a PromptTemplate, a mapping or None, got {type(template).__name__}")
-    return TEMPLATES[game].replace(**dict(template))
+    return default.replace(**dict(template))
 
 
 def build_prompt(
@@ -222,7 +167,7 @@ def build_prompt(
     """The user message for one turn (verl-agent style; see the module docstring).
 
     Args:
-      game: "textcraft", "alfworld" or "webshop" (selects the default template).
+      game: a registered game (``environments.registered()``); selects its ``GameSpec.template``.
       obs: the current observation.
       history: (observation_text, action) of earlier steps, oldest first; entry k holds the
         observation seen before action k+1 and that action. It may be truncated at the front.
