@@ -77,8 +77,8 @@ import warnings
 from typing import Any
 
 from environments.base import Observation, TextEnv
-from environments.prompts import THINK_ACT, PromptTemplate
 from environments.registry import GameSpec, register_game
+from environments.templates import THINK_ACT, PromptTemplate
 
 TASK_TYPES = {
     1: "pick_and_place_simple",

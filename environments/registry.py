@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable
 
 from environments.base import TextEnv
-from environments.prompts import PromptTemplate
+from environments.templates import PromptTemplate
 
 __all__ = ["GameSpec", "game_spec", "make", "register_game", "register_lazy", "registered", "unregister"]
 

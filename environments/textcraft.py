@@ -48,8 +48,8 @@ import re
 from typing import Any
 
 from environments.base import Observation, TextEnv
-from environments.prompts import THINK_ACT, PromptTemplate
 from environments.registry import GameSpec, register_game
+from environments.templates import THINK_ACT, PromptTemplate
 
 __all__ = [
     "Ingredient",

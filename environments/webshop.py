@@ -63,8 +63,8 @@ from typing import Any
 
 from environments import webshop_data as data
 from environments.base import Observation, TextEnv
-from environments.prompts import THINK_ACT, PromptTemplate
 from environments.registry import GameSpec, register_game
+from environments.templates import THINK_ACT, PromptTemplate
 from environments.webshop_reward import Score, task_score
 from environments.webshop_search import TOP_K, SearchIndex, document_text
 
