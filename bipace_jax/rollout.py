@@ -254,7 +254,7 @@ class RolloutResult:
       response_mask: int32[N, M], 1 on the response's tokens (EOS and stop-text tokens included).
       sample_logprobs: float32[N, M] sampler log-probs (``SampleOutput.logprobs``), 0 past the length.
       steps: ``StepBatch`` whose first N rows are the token rows (row i = token row i), padded with
-        masked rows to ``len(task_ids) * group_size * max_steps`` rows and fixed capacities
+        masked rows to ``len(games) * group_size * max_steps`` rows and fixed capacities
         (``group_capacity`` = task groups, ``row_capacity`` = G * max_steps rounded up to 16), so
         its shape, and the estimator's compiled program, is the same every call.
       episodes: one ``Episode`` per trajectory, in traj order.

@@ -210,8 +210,9 @@ class EnvPool:
     """``num_envs`` environments in worker processes (see the module docstring for faults).
 
     Args:
-      env: a registered environment name (``environments.make``) or a picklable factory
-        (a module-level callable, e.g. a ``TextEnv`` subclass) called as ``env(**env_options)``.
+      env: a registered game name (its ``GameSpec.factory`` is sent to the workers, which import the
+        game's module) or a picklable factory (a module-level callable, e.g. a ``TextEnv`` subclass)
+        called as ``env(**env_options)``.
       num_envs: number of environments (>= 1).
       env_options: keyword options for every environment (e.g. ``{"max_steps": 50}``).
       num_workers: worker processes (1..num_envs); default ``min(num_envs, os.cpu_count())``.
