@@ -13,7 +13,7 @@ from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
 from bipace_jax.rollout import FIRST_TOKENS, PromptTooLongError, RolloutConfig, collect, encode_prompt
 from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
 from environments.base import Observation
-from environments.pool import EnvPool
+from environments.pool import EnvPool, Fault
 from environments.prompts import action_tag, build_prompt
 
 GAMES = [(16, 3), (12, 4)]  # (task_id, seed) of depth-3 goals the oracle solves in 5-6 steps
@@ -370,7 +370,7 @@ def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_pat
             jax.random.key(0),
         )
     eps = res.episodes
-    assert [e.env_error for e in eps] == [None, "crash", None, None] and eps[1].length == 0
+    assert [e.env_error for e in eps] == [None, Fault.CRASH, None, None] and eps[1].length == 0
     assert [e.won for e in eps] == [True, False, True, True] and [e.seed for e in eps] == [3, 3, 4, 4]
     n = res.stats["rows"]
     assert sorted(set(np.asarray(res.steps.traj_id)[:n].tolist())) == [0, 2, 3]
