@@ -264,7 +264,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
     resolve_template(c.rollout.template)  # checked here, before the samplers
     sampler = sampler_config(c)
     estimator = estimator_config(c)
-    rollout = rollout_config(c, group_size=c.rollout.group_size, sampler=sampler)
+    rollout = rollout_config(c, group_size=c.rollout.group_size)
     if sampler.length_buckets[-1] < rollout.max_prompt_length:
         fail(
             "sampler.length_buckets",
@@ -297,7 +297,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         sampler=sampler,
         val_sampler=val_sampler,
         rollout=rollout,
-        val_rollout=dataclasses.replace(rollout, group_size=val.group_size, sampler=val_sampler),
+        val_rollout=dataclasses.replace(rollout, group_size=val.group_size),
         num_groups=num_groups,
         estimator=estimator,
         calibration=calibration,
@@ -342,12 +342,11 @@ def sampler_config(
     )
 
 
-def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: SamplerConfig) -> RolloutConfig:
+def rollout_config(c: ml_collections.ConfigDict, *, group_size: int) -> RolloutConfig:
     """``RolloutConfig`` of ``c.rollout`` with the game and step cap of ``c.env`` and the PACE key of
     ``c.estimator`` (check those sections first: their errors then name their own fields);
     ``group_size`` is ``rollout.group_size`` for training, ``val.group_size`` for validation."""
     r = c.rollout
-    kw = {"fallback_action": r.fallback_action} if r.fallback_action else {}
     return checked(
         "rollout",
         RolloutConfig,
@@ -369,8 +368,7 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int, sampler: Sa
         show_inventory=r.show_inventory,
         system_prompt=system_prompt_of(r.system_prompt),
         template=resolve_template(r.template),
-        sampler=sampler,
-        **kw,
+        fallback_action=r.fallback_action or None,  # "" = the game's own (GameSpec.fallback_action)
     )
 
 

@@ -1,17 +1,17 @@
 """Multi-turn rollout: every live game of every task group advances one turn per sampler call.
 
-``collect`` plays ``len(task_ids) * group_size`` games in lockstep. Each turn, for every game still
+``collect`` plays ``len(games) * group_size`` games in lockstep (one task group per ``(task_id, seed)``). Each turn, for every game still
 running: the game's prompt (``environments.prompts.build_prompt``, wrapped in the tokenizer's chat
 template as the user message) is tokenized; one ``Sampler.generate`` call answers all of them; each
 response is parsed into a command (``parse_action``); invalid responses are charged
-``invalid_penalty`` and the game receives ``fallback_action`` instead; the pool steps every game at
-once. Games end when the game says so, when they reach ``max_steps``, or on an environment error.
+``invalid_penalty`` and the game receives the fallback action instead (``RolloutConfig.fallback_action``,
+by default the game's ``GameSpec.fallback_action``); the pool steps every game at once. Games end when the game says so, when they reach ``max_steps``, or on an environment error.
 
 Every (trajectory, step) becomes one row of the output, in the canonical order of the estimator
 contract (ascending group, trajectory, step; ``docs/estimators.md``): the token arrays the trainer needs
 (prompt, response, masks, sampling log-probs) and a ``StepBatch`` with the same rows:
 
-* ``group_id``: task group index k (the k-th entry of ``task_ids``).
+* ``group_id``: task group index k (the k-th ``(task_id, seed)`` of ``games``).
 * ``traj_id``: game index ``k * group_size + g`` (the pool's env index).
 * ``step``: turn index inside the trajectory, 0..T-1.
 * ``reward``: ``success_reward * env_reward`` (the game's part).
@@ -40,9 +40,10 @@ import jax
 import numpy as np
 
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
-from bipace_jax.sampling import Sampler, SamplerConfig, truncate_at_stop
-from environments.pool import ENV_ERRORS
+from bipace_jax.sampling import SampleOutput, Sampler, truncate_at_stop
+from environments.pool import ENV_ERRORS, Fault
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
+from environments.registry import GameSpec, game_spec
 
 __all__ = [
     "Episode",
@@ -76,7 +77,8 @@ class RolloutConfig:
     """How games are played and scored.
 
     Attributes:
-      game: environment name (``environments.make``); selects the prompt template.
+      game: a registered game (``environments.registered()``); its ``GameSpec`` gives the prompt
+        template and the default fallback action.
       group_size: G, rollouts per task group (all from the same task id and seed).
       max_steps: turns per game at most; a game still running after it ends (``truncated``).
       history_length: earlier (observation, action) pairs shown in the prompt (verl-agent: 2).
@@ -84,7 +86,8 @@ class RolloutConfig:
         largest length bucket.
       invalid_penalty: (>= 0) subtracted from a step's reward when its response has no parsable action.
       success_reward: (> 0) multiplies the game's own reward (1.0 on success) (verl-agent: 10).
-      fallback_action: the command sent to the game for an invalid response.
+      fallback_action: the command sent to the game for an invalid response; None (default): the
+        game's ``GameSpec.fallback_action`` (``RolloutConfig.fallback``).
       require_think: a response without ``<think>...</think>`` before the action is invalid.
       reject_cjk: a response holding a CJK ideograph is invalid (verl-agent's rule).
       invalid_action: what the game receives for an invalid response: ``"fallback"`` sends
@@ -95,7 +98,7 @@ class RolloutConfig:
       length_finish: a response cut by the token budget (finish reason ``length``): ``"parse"`` scores
         it like any other (valid when its action parses), ``"invalid"`` makes it an invalid action
         (fallback sent, penalty charged), ``"unpenalised"`` sends the fallback without the penalty.
-      reset_retries: (>= 0) times a task group whose reset faulted (``env_error`` from the pool) is
+      reset_retries: (>= 0) times a task group whose reset faulted (a pool ``Fault``) is
         reset again, all G envs together, on a fresh seed (seed + k * ``RESEED_STRIDE`` on retry k);
         envs still failing after that are dropped (0: drop at once). Either way the game counts in
         ``stats["env_errors"]``.
@@ -105,8 +108,10 @@ class RolloutConfig:
       show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
       system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
       template: None, or a mapping of ``PromptTemplate`` fields overriding the game's default.
-      sampler: the ``SamplerConfig`` the caller builds its ``Sampler`` from (``collect`` uses the
-        ``Sampler`` it is given).
+
+    Raises:
+      ValueError: naming the ``RolloutConfig`` field, on a value outside its range or set, or a game
+        that is not registered.
     """
 
     game: str = "textcraft"
@@ -116,7 +121,7 @@ class RolloutConfig:
     max_prompt_length: int = 2048
     invalid_penalty: float = 0.1
     success_reward: float = 10.0
-    fallback_action: str = "inventory"
+    fallback_action: str | None = None
     require_think: bool = False
     reject_cjk: bool = False
     invalid_action: str = "fallback"
@@ -128,7 +133,6 @@ class RolloutConfig:
     show_inventory: bool = False
     system_prompt: str | None = None
     template: Any = None
-    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
     def __post_init__(self):
         ints = (("group_size", 1), ("max_steps", 1), ("history_length", 0), ("max_prompt_length", 16))
@@ -144,8 +148,16 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.length_finish must be one of {LENGTH_FINISH}, got {self.length_finish!r}")
         if self.action_key not in _ACTION_KEYS:
             raise ValueError(f"RolloutConfig.action_key must be one of {_ACTION_KEYS}, got {self.action_key!r}")
-        if not isinstance(self.fallback_action, str) or not self.fallback_action.strip():
-            raise ValueError(f"RolloutConfig.fallback_action must be a non-empty str, got {self.fallback_action!r}")
+        if self.fallback_action is not None and (
+            not isinstance(self.fallback_action, str) or not self.fallback_action.strip()
+        ):
+            raise ValueError(
+                f"RolloutConfig.fallback_action must be None or a non-empty str, got {self.fallback_action!r}"
+            )
+        try:
+            game_spec(self.game)
+        except ValueError as e:
+            raise ValueError(f"RolloutConfig.game must be a registered game: {e}") from None
         for name, lo, ok in (("invalid_penalty", ">= 0", np.greater_equal), ("success_reward", "> 0", np.greater)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and ok(v, 0)):
@@ -153,8 +165,16 @@ class RolloutConfig:
         t = self.similarity_thresh
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
             raise ValueError(f"RolloutConfig.similarity_thresh must be 0 or a float in (0, 1), got {t!r}")
-        if not isinstance(self.sampler, SamplerConfig):
-            raise ValueError(f"RolloutConfig.sampler must be a SamplerConfig, got {type(self.sampler).__name__}")
+
+    @property
+    def spec(self) -> GameSpec:
+        """The game's registered ``GameSpec``."""
+        return game_spec(self.game)
+
+    @property
+    def fallback(self) -> str:
+        """The command an invalid response is replaced with: ``fallback_action`` or the game's default."""
+        return self.fallback_action if self.fallback_action is not None else self.spec.fallback_action
 
 
 @dataclasses.dataclass
@@ -165,8 +185,8 @@ class Episode:
       task_id, seed: the game played; ``group_id``: its task group; ``traj_id``: its pool env index.
       won: the game reported success. ``length``: steps taken. ``invalid_count``: unparsable responses.
       episode_return: undiscounted sum of the net step rewards (success term minus invalid-action charges).
-      env_error: the pool's fault kind (``environments.pool.ENV_ERRORS``) when the game failed at
-        reset or mid-game, else None; such a game's rows are left out of the batch (its return is
+      env_error: the pool's ``Fault`` (a ``StrEnum``: "timeout", "crash", "exception", "lost") when the
+        game failed at reset or mid-game, else None; such a game's rows are left out of the batch (its return is
         not the game's), it is not counted in ``success_rate``.
       truncated: ended by ``max_steps`` (or the game's own cap) without success or error.
       score: the game's task score (``info["task_score"]``, WebShop) at the last step, else None.
@@ -181,7 +201,7 @@ class Episode:
     length: int = 0
     invalid_count: int = 0
     episode_return: float = 0.0
-    env_error: str | None = None
+    env_error: Fault | None = None
     truncated: bool = False
     task_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     score: float | None = None
@@ -241,7 +261,7 @@ class RolloutResult:
       response_mask: int32[N, M], 1 on the response's tokens (EOS and stop-text tokens included).
       sample_logprobs: float32[N, M] sampler log-probs (``SampleOutput.logprobs``), 0 past the length.
       steps: ``StepBatch`` whose first N rows are the token rows (row i = token row i), padded with
-        masked rows to ``len(task_ids) * group_size * max_steps`` rows and fixed capacities
+        masked rows to ``len(games) * group_size * max_steps`` rows and fixed capacities
         (``group_capacity`` = task groups, ``row_capacity`` = G * max_steps rounded up to 16), so
         its shape, and the estimator's compiled program, is the same every call.
       episodes: one ``Episode`` per trajectory, in traj order.
@@ -371,19 +391,20 @@ def finish_reason(tokens: np.ndarray, text: str, eos: set[int], stop_strings: Se
     return "stop" if any(s in text for s in stop_strings) else "length"
 
 
-def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
+def _check_inputs(sampler, pool, games, rcfg) -> list[tuple[int, int]]:
     if not isinstance(rcfg, RolloutConfig):
         raise TypeError(f"rcfg must be a RolloutConfig, got {type(rcfg).__name__}")
-    task_ids, seeds = list(task_ids), list(seeds)
-    if not task_ids:
-        raise ValueError("task_ids must hold at least one task id, got none")
-    if len(seeds) != len(task_ids):
-        raise ValueError(f"seeds must have one entry per task group: {len(task_ids)} task_ids, {len(seeds)} seeds")
-    n = len(task_ids) * rcfg.group_size
+    games = list(games)
+    if not games:
+        raise ValueError("games must hold at least one (task_id, seed) pair, got none")
+    bad = [g for g in games if not (isinstance(g, (tuple, list)) and len(g) == 2)]
+    if bad:
+        raise ValueError(f"games must be (task_id, seed) pairs, got {bad[0]!r}")
+    games = [(int(t), int(s)) for t, s in games]
+    n = len(games) * rcfg.group_size
     if len(pool) < n:
         raise ValueError(
-            f"pool has {len(pool)} envs, fewer than len(task_ids) * group_size = "
-            f"{len(task_ids)} * {rcfg.group_size} = {n}"
+            f"pool has {len(pool)} envs, fewer than len(games) * group_size = {len(games)} * {rcfg.group_size} = {n}"
         )
     env_name = getattr(pool, "env", None)
     if isinstance(env_name, str) and env_name != rcfg.game:
@@ -394,20 +415,20 @@ def _check_inputs(sampler, pool, task_ids, seeds, rcfg):
             f"RolloutConfig.max_prompt_length={rcfg.max_prompt_length} exceeds the sampler's largest "
             f"length bucket {buckets[-1]}"
         )
-    return task_ids, seeds, n
+    return games
 
 
 def _start_games(pool, rcfg: RolloutConfig, env_task: list[int], env_seed: list[int]):
     """Resets envs ``0 .. len(env_task)-1``; a task group with a faulted env is reset again, all of it,
     on a fresh seed, up to ``rcfg.reset_retries`` times (``env_seed`` is updated in place).
 
-    Returns (observations, task infos, fault kinds, faults seen): one per env, the kind None for a
-    game that runs; the count includes faults that a retry repaired.
+    Returns (observations, task infos, faults, faults seen): one per env, the fault None for a game
+    that runs; the count includes faults that a retry repaired.
     """
     n, g_size = len(env_task), rcfg.group_size
     obs: list[Any] = [None] * n
     infos: list[dict] = [{} for _ in range(n)]
-    errors: list[str | None] = [None] * n
+    errors: list[Fault | None] = [None] * n
     base_seed = list(env_seed)
     todo, faults = list(range(n)), 0
     for attempt in range(rcfg.reset_retries + 1):
@@ -415,11 +436,10 @@ def _start_games(pool, rcfg: RolloutConfig, env_task: list[int], env_seed: list[
             env_seed[i] = base_seed[i] + attempt * RESEED_STRIDE
         results = pool.reset(todo, [env_task[i] for i in todo], [env_seed[i] for i in todo])
         for i, res in zip(todo, results):
-            obs[i], errors[i] = res.obs, res.info.get("env_error")
+            obs[i], errors[i] = res.obs, res.fault
         started = [i for i in todo if errors[i] is None]
-        for i, info in zip(started, pool.task_info(started) if started else []):
-            errors[i] = info.get("env_error")
-            infos[i] = {} if errors[i] else info
+        for i, res in zip(started, pool.task_info(started) if started else []):
+            errors[i], infos[i] = res.fault, res.info
         faults += sum(errors[i] is not None for i in todo)
         failed_groups = sorted({i // g_size for i in todo if errors[i] is not None})
         todo = [i for g in failed_groups for i in range(g * g_size, (g + 1) * g_size)]
@@ -428,185 +448,164 @@ def _start_games(pool, rcfg: RolloutConfig, env_task: list[int], env_seed: list[
     return obs, infos, errors, faults
 
 
-def collect(
-    actor,
-    sampler: Sampler,
-    pool,
-    tokenizer,
-    task_ids: Sequence[int],
-    seeds: Sequence[int],
-    rcfg: RolloutConfig,
-    key: jax.Array,
-    progress: bool = True,
-    labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
-) -> RolloutResult:
-    """Plays G rollouts of every task in lockstep and returns the step rows.
+@dataclasses.dataclass
+class _Games:
+    """The running state of one ``collect`` call's games (env ``i`` plays rollout ``i % G`` of group ``i // G``)."""
 
-    Args:
-      actor: the current policy, passed to ``sampler.generate`` every turn.
-      sampler: a ``Sampler`` (or any object with ``generate(actor, prompts, key) -> SampleOutput`` and
-        ``config``).
-      pool: an ``environments.pool.EnvPool`` with at least ``len(task_ids) * group_size`` envs; envs
-        ``0 .. n-1`` are used, env ``k * G + g`` plays rollout g of task group k.
-      tokenizer: the actor's tokenizer (chat template, encode, decode).
-      task_ids, seeds: one task id and seed per task group.
-      rcfg: ``RolloutConfig``.
-      key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
-      progress: show a tqdm bar over turns (live games, tokens/s).
-      labeler: called each turn with the live env indices before they step; returns one label per env
-        for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
+    obs: list[Any]  # each env's current Observation
+    history: list[list[tuple[str, str]]]  # each env's (observation text, action sent), oldest first
+    episodes: list[Episode]
+    live: list[int]  # envs still playing, ascending
+    rows: list[StepRecord] = dataclasses.field(default_factory=list)
+    stats: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
+    )
+    timing: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"sampling_s": 0.0, "env_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+    )
 
-    Returns:
-      ``RolloutResult`` (see its docstring).
 
-    Raises:
-      ValueError: mismatched ``task_ids``/``seeds``, a pool too small or of another game,
-        ``max_prompt_length`` above the sampler's largest bucket.
-      PromptTooLongError: a prompt does not fit even with no history (names game, env, task, step).
-    """
-    t_start = time.perf_counter()
-    task_ids, seeds, n = _check_inputs(sampler, pool, task_ids, seeds, rcfg)
+def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]]) -> tuple[_Games, int]:
+    """Resets the ``len(games) * G`` envs; returns their state and the count of reset faults."""
     g_size = rcfg.group_size
-    env_idx = list(range(n))
-    env_task = [int(task_ids[i // g_size]) for i in env_idx]
-    env_seed = [int(seeds[i // g_size]) for i in env_idx]
-    timing = {"sampling_s": 0.0, "env_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
-    stop_strings = tuple(getattr(sampler.config, "stop_strings", ()))
-    max_new = int(sampler.config.max_new_tokens)
-    eos = set(getattr(sampler, "eos_token_ids", ()))
-
+    env_task = [games[i // g_size][0] for i in range(len(games) * g_size)]
+    env_seed = [games[i // g_size][1] for i in range(len(games) * g_size)]
     t0 = time.perf_counter()
     obs, infos, errors, reset_faults = _start_games(pool, rcfg, env_task, env_seed)
-    timing["env_s"] += time.perf_counter() - t0
-
-    history: list[list[tuple[str, str]]] = [[] for _ in env_idx]
+    dt = time.perf_counter() - t0
     episodes = [
-        Episode(
-            task_id=env_task[i],
-            seed=env_seed[i],
-            group_id=i // g_size,
-            traj_id=i,
-            task_info=dict(infos[i] or {}),
-            env_error=errors[i],
-        )
-        for i in env_idx
+        Episode(task_id=t, seed=s, group_id=i // g_size, traj_id=i, task_info=dict(infos[i]), env_error=errors[i])
+        for i, (t, s) in enumerate(zip(env_task, env_seed))
     ]
-    live = [i for i in env_idx if errors[i] is None and not obs[i].won]
-    rows: list[StepRecord] = []
-    stats = dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
+    live = [i for i, ep in enumerate(episodes) if ep.env_error is None and not obs[i].won]
+    state = _Games(obs=obs, history=[[] for _ in episodes], episodes=episodes, live=live)
+    state.timing["env_s"] += dt
+    return state, reset_faults
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
-    try:
-        for turn in range(rcfg.max_steps):
-            if not live:
-                break
-            prompts = []
-            for i in live:
-                where = f"env {i} (task {env_task[i]}, seed {env_seed[i]})"
-                ids, dropped = encode_prompt(tokenizer, rcfg, obs[i], history[i], episodes[i].length, where)
-                stats["truncations"] += dropped > 0
-                stats["history_dropped"] += dropped
-                prompts.append(ids)
-            labels = list(labeler(list(live))) if labeler is not None else [None] * len(live)
-            t0 = time.perf_counter()
-            out = sampler.generate(actor, prompts, jax.random.fold_in(key, turn))
-            dt_sample = time.perf_counter() - t0
-            timing["sampling_s"] += dt_sample
-            for k in ("prefill_s", "decode_s"):
-                timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
-            lengths = np.asarray(out.lengths)
-            texts = tokenizer.batch_decode(
-                [out.tokens[r, : lengths[r]].tolist() for r in range(len(live))], skip_special_tokens=True
+def _turn_prompts(state: _Games, tokenizer, rcfg: RolloutConfig) -> list[list[int]]:
+    """The prompt token ids of every live game, history shortened to fit (counted in ``stats``)."""
+    prompts = []
+    for i in state.live:
+        ep = state.episodes[i]
+        where = f"env {i} (task {ep.task_id}, seed {ep.seed})"
+        ids, dropped = encode_prompt(tokenizer, rcfg, state.obs[i], state.history[i], ep.length, where)
+        state.stats["truncations"] += dropped > 0
+        state.stats["history_dropped"] += dropped
+        prompts.append(ids)
+    return prompts
+
+
+def _decode(out: SampleOutput, sampler, tokenizer) -> tuple[list[str], list[str]]:
+    """The response texts (cut after the stop text) and finish reasons of one ``generate`` call's rows."""
+    stop_strings = tuple(getattr(sampler.config, "stop_strings", ()))
+    eos = set(getattr(sampler, "eos_token_ids", ()))
+    lengths = np.asarray(out.lengths)
+    rows = range(len(lengths))
+    texts = tokenizer.batch_decode([out.tokens[r, : lengths[r]].tolist() for r in rows], skip_special_tokens=True)
+    texts = [truncate_at_stop(t, stop_strings) for t in texts]
+    return texts, [finish_reason(out.tokens[r, : lengths[r]], texts[r], eos, stop_strings) for r in rows]
+
+
+def _score(texts: list[str], finish: list[str], rcfg: RolloutConfig) -> tuple[list[str], list[bool], list[bool]]:
+    """Per response: the command sent, whether it is valid, whether it is charged the invalid penalty."""
+    actions, valid, penalised = [], [], []
+    for text, why in zip(texts, finish):
+        act, ok = parse_action(text, require_think=rcfg.require_think, reject_cjk=rcfg.reject_cjk)
+        ok = ok and not (why == "length" and rcfg.length_finish != "parse")
+        valid.append(ok)
+        penalised.append(not ok and not (why == "length" and rcfg.length_finish == "unpenalised"))
+        projected = invalid_command(text, act, rcfg.invalid_action, rcfg.fallback, rcfg.projection_chars)
+        actions.append(act if ok else projected)
+    return actions, valid, penalised
+
+
+def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, key, labeler) -> float:
+    """Plays one turn of every live game: prompts, one sampler call, parsing, one pool step, the rows.
+
+    Returns the sampler call's response tokens per second (for the progress bar).
+    """
+    live = state.live
+    prompts = _turn_prompts(state, tokenizer, rcfg)
+    labels = list(labeler(list(live))) if labeler is not None else [None] * len(live)
+    t0 = time.perf_counter()
+    out = sampler.generate(actor, prompts, key)
+    dt_sample = time.perf_counter() - t0
+    state.timing["sampling_s"] += dt_sample
+    for k in ("prefill_s", "decode_s"):
+        state.timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
+    texts, finish = _decode(out, sampler, tokenizer)
+    actions, valid, penalised = _score(texts, finish, rcfg)
+    t0 = time.perf_counter()
+    results = pool.step(live, actions)
+    state.timing["env_s"] += time.perf_counter() - t0
+    lengths = np.asarray(out.lengths)
+    max_new = int(sampler.config.max_new_tokens)
+    still = []
+    for r, (i, res) in enumerate(zip(live, results)):
+        n_tok = int(lengths[r])
+        toks = out.tokens[r, :n_tok]
+        state.stats["response_tokens"] += n_tok
+        state.stats["budget_hits"] += finish[r] == "length" and n_tok == max_new
+        pace = action_tag(texts[r]) if rcfg.action_key == "action_tag" else tuple(int(t) for t in toks[:FIRST_TOKENS])
+        reward = rcfg.success_reward * float(res.reward)
+        penalty = rcfg.invalid_penalty * penalised[r]
+        ep = state.episodes[i]
+        state.rows.append(
+            StepRecord(
+                traj=i,
+                group=ep.group_id,
+                step=ep.length,
+                reward=reward,
+                penalty=penalty,
+                anchor=state.obs[i].anchor,
+                fingerprint=np.asarray(out.fingerprints[r], np.float32),
+                pace=pace,
+                prompt=prompts[r],
+                tokens=np.asarray(out.tokens[r]),
+                logprobs=np.asarray(out.logprobs[r]),
+                length=n_tok,
+                text=texts[r],
+                action=actions[r],
+                valid=valid[r],
+                finish=finish[r],
+                label=labels[r],
             )
-            texts = [truncate_at_stop(t, stop_strings) for t in texts]
-            finish = [finish_reason(out.tokens[r, : lengths[r]], texts[r], eos, stop_strings) for r in range(len(live))]
-            actions, valid, penalised = [], [], []
-            for text, why in zip(texts, finish):
-                act, ok = parse_action(text, require_think=rcfg.require_think, reject_cjk=rcfg.reject_cjk)
-                ok = ok and not (why == "length" and rcfg.length_finish != "parse")
-                valid.append(ok)
-                penalised.append(not ok and not (why == "length" and rcfg.length_finish == "unpenalised"))
-                projected = invalid_command(text, act, rcfg.invalid_action, rcfg.fallback_action, rcfg.projection_chars)
-                actions.append(act if ok else projected)
-            t0 = time.perf_counter()
-            results = pool.step(live, actions)
-            timing["env_s"] += time.perf_counter() - t0
-            still = []
-            for r, i in enumerate(live):
-                res = results[r]
-                n_tok = int(lengths[r])
-                toks = out.tokens[r, :n_tok]
-                stats["response_tokens"] += n_tok
-                stats["budget_hits"] += finish[r] == "length" and n_tok == max_new
-                if rcfg.action_key == "action_tag":
-                    pace = action_tag(texts[r])
-                else:
-                    pace = tuple(int(t) for t in toks[:FIRST_TOKENS])
-                reward = rcfg.success_reward * float(res.reward)
-                penalty = rcfg.invalid_penalty * penalised[r]
-                ep = episodes[i]
-                rows.append(
-                    StepRecord(
-                        traj=i,
-                        group=i // g_size,
-                        step=ep.length,
-                        reward=reward,
-                        penalty=penalty,
-                        anchor=obs[i].anchor,
-                        fingerprint=np.asarray(out.fingerprints[r], np.float32),
-                        pace=pace,
-                        prompt=prompts[r],
-                        tokens=np.asarray(out.tokens[r]),
-                        logprobs=np.asarray(out.logprobs[r]),
-                        length=n_tok,
-                        text=texts[r],
-                        action=actions[r],
-                        valid=valid[r],
-                        finish=finish[r],
-                        label=labels[r],
-                    )
-                )
-                ep.episode_return += reward - penalty
-                ep.length += 1
-                ep.invalid_count += not valid[r]
-                history[i].append((obs[i].text, actions[r]))
-                obs[i] = res.obs
-                if "task_score" in res.info:
-                    ep.score = float(res.info["task_score"])
-                if res.info.get("env_error"):
-                    ep.env_error = str(res.info["env_error"])
-                ep.won = bool(res.obs.won)
-                done = bool(res.done) or ep.env_error is not None or ep.length >= rcfg.max_steps
-                if done:
-                    ep.truncated = bool(res.info.get("truncated", False)) or (
-                        not ep.won and ep.env_error is None and ep.length >= rcfg.max_steps
-                    )
-                else:
-                    still.append(i)
-            live = still
-            stats["turns"] += 1
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(live=len(live), tok_s=f"{lengths.sum() / max(dt_sample, 1e-9):.0f}")
-    finally:
-        if bar is not None:
-            bar.close()
-
-    # Assemble in canonical order (group, traj, step): rows of one traj were appended in step order.
-    faulted = {ep.traj_id for ep in episodes if ep.env_error is not None}
-    played = len(rows)
-    rows = [r for r in rows if r.traj not in faulted]
-    if not rows:
-        kinds = sorted({ep.env_error for ep in episodes if ep.env_error is not None})
-        raise RuntimeError(
-            f"collect: no {rcfg.game} step to train on: {played} rows played, {len(faulted)} of {len(episodes)} "
-            f"games failed (env errors: {kinds or 'none'}), the rest were over at reset"
         )
-    rows.sort(key=lambda r: (r.group, r.traj, r.step))
+        state.history[i].append((state.obs[i].text, actions[r]))
+        state.obs[i] = res.obs
+        if not _advance(ep, res, reward - penalty, valid[r], rcfg.max_steps):
+            still.append(i)
+    state.live = still
+    state.stats["turns"] += 1
+    return float(lengths.sum()) / max(dt_sample, 1e-9)
+
+
+def _advance(ep: Episode, res, net_reward: float, valid: bool, max_steps: int) -> bool:
+    """Books one step's pool result into the episode; returns whether the game is over."""
+    ep.episode_return += net_reward
+    ep.length += 1
+    ep.invalid_count += not valid
+    if "task_score" in res.info:
+        ep.score = float(res.info["task_score"])
+    if res.fault is not None:
+        ep.env_error = res.fault
+    ep.won = bool(res.obs.won)
+    done = bool(res.done) or ep.env_error is not None or ep.length >= max_steps
+    if done:
+        ep.truncated = bool(res.info.get("truncated", False)) or (
+            not ep.won and ep.env_error is None and ep.length >= max_steps
+        )
+    return done
+
+
+def _pack(rows: list[StepRecord], sampler, tokenizer, num_groups: int, rcfg: RolloutConfig):
+    """The rows (canonical order) as token arrays and a fixed-shape ``StepBatch``.
+
+    Returns (prompt_ids int32[N, P], prompt_mask int32[N, P], response_ids int32[N, M],
+    response_mask int32[N, M], sample_logprobs float32[N, M], steps), P the sampler's length bucket
+    of the longest prompt.
+    """
     n_rows = len(rows)
     p_max = max(len(r.prompt) for r in rows)
     length_bucket = getattr(sampler, "length_bucket", None)
@@ -625,7 +624,7 @@ def collect(
     response_mask = (np.arange(response_ids.shape[1])[None, :] < resp_len[:, None]).astype(np.int32)
     # The StepBatch has a fixed shape per (groups, G, max_steps): rows padded to the most a collect
     # can produce (mask False), static capacities set, so the jitted estimator compiles once a run.
-    row_cap = len(task_ids) * g_size * rcfg.max_steps
+    row_cap = num_groups * rcfg.group_size * rcfg.max_steps
 
     def padded(values, dtype, fill=0):
         out = np.full((row_cap,) + np.shape(values)[1:], fill, dtype)
@@ -644,22 +643,110 @@ def collect(
         fingerprint=padded(np.stack([r.fingerprint for r in rows]), np.float32),
         action_key=padded(assign_ids([r.pace for r in rows]), np.int32, fill=-1),
         mask=padded(np.ones(n_rows, bool), bool, fill=False),
-        group_capacity=len(task_ids),
-        row_capacity=-(-g_size * rcfg.max_steps // 16) * 16,
+        group_capacity=num_groups,
+        row_capacity=-(-rcfg.group_size * rcfg.max_steps // 16) * 16,
     )
-    timing["total_s"] = time.perf_counter() - t_start
-    timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
-    stats.update(
-        rows=n_rows,
-        prompt_tokens_max=p_max,
+    return prompt_ids, prompt_mask, response_ids, response_mask, sample_logprobs, steps
+
+
+def _episode_stats(rows: list[StepRecord], episodes: list[Episode], played: int, reset_faults: int) -> dict[str, float]:
+    """The per-call rates and fault counts of ``RolloutResult.stats`` (rows: the kept rows)."""
+    errors = [ep.env_error for ep in episodes if ep.env_error is not None]
+    return dict(
+        rows=len(rows),
+        prompt_tokens_max=max(len(r.prompt) for r in rows),
         invalid_rate=float(np.mean([not r.valid for r in rows])),
         **{f"finish_{why}_rate": float(np.mean([r.finish == why for r in rows])) for why in ("eos", "stop", "length")},
         success_rate=float(np.mean([ep.won for ep in episodes if ep.env_error is None] or [0.0])),
-        env_errors=len(faulted),
-        **{f"env_errors_{kind}": sum(ep.env_error == kind for ep in episodes) for kind in ENV_ERRORS},
-        env_error_rows=played - n_rows,
+        env_errors=len(errors),
+        **{f"env_errors_{kind}": sum(e == kind for e in errors) for kind in ENV_ERRORS},
+        env_error_rows=played - len(rows),
         reset_faults=reset_faults,
     )
+
+
+def _kept_rows(state: _Games, game: str) -> list[StepRecord]:
+    """The rows of the games without a fault, in canonical order (group, traj, step).
+
+    Raises:
+      RuntimeError: no row is left (every game faulted or was over at reset).
+    """
+    faulted = {ep.traj_id for ep in state.episodes if ep.env_error is not None}
+    rows = [r for r in state.rows if r.traj not in faulted]
+    if not rows:
+        kinds = sorted({str(ep.env_error) for ep in state.episodes if ep.env_error is not None})
+        raise RuntimeError(
+            f"collect: no {game} step to train on: {len(state.rows)} rows played, {len(faulted)} of "
+            f"{len(state.episodes)} games failed (env errors: {kinds or 'none'}), the rest were over at reset"
+        )
+    # rows of one traj were appended in step order: a stable sort keeps it
+    return sorted(rows, key=lambda r: (r.group, r.traj, r.step))
+
+
+def collect(
+    actor,
+    sampler: Sampler,
+    pool,
+    tokenizer,
+    games: Sequence[tuple[int, int]],
+    rcfg: RolloutConfig,
+    key: jax.Array,
+    progress: bool = True,
+    labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
+) -> RolloutResult:
+    """Plays G rollouts of every task in lockstep and returns the step rows.
+
+    Args:
+      actor: the current policy, passed to ``sampler.generate`` every turn.
+      sampler: a ``Sampler`` (or any object with ``generate(actor, prompts, key) -> SampleOutput`` and
+        ``config``).
+      pool: an ``environments.pool.EnvPool`` with at least ``len(games) * group_size`` envs; envs
+        ``0 .. n-1`` are used, env ``k * G + g`` plays rollout g of task group k.
+      tokenizer: the actor's tokenizer (chat template, encode, decode).
+      games: one ``(task_id, seed)`` pair per task group.
+      rcfg: ``RolloutConfig``.
+      key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
+      progress: show a tqdm bar over turns (live games, tokens/s).
+      labeler: called each turn with the live env indices before they step; returns one label per env
+        for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
+
+    Returns:
+      ``RolloutResult`` (see its docstring).
+
+    Raises:
+      ValueError: no or malformed ``games``, a pool too small or of another game, ``max_prompt_length``
+        above the sampler's largest bucket.
+      PromptTooLongError: a prompt does not fit even with no history (names game, env, task, step).
+      RuntimeError: every game faulted or was over at reset (no row to train on).
+    """
+    t_start = time.perf_counter()
+    games = _check_inputs(sampler, pool, games, rcfg)
+    state, reset_faults = _new_games(pool, rcfg, games)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
+    try:
+        for turn in range(rcfg.max_steps):
+            if not state.live:
+                break
+            tok_s = _play_turn(state, actor, sampler, pool, tokenizer, rcfg, jax.random.fold_in(key, turn), labeler)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(live=len(state.live), tok_s=f"{tok_s:.0f}")
+    finally:
+        if bar is not None:
+            bar.close()
+
+    rows = _kept_rows(state, rcfg.game)
+    prompt_ids, prompt_mask, response_ids, response_mask, sample_logprobs, steps = _pack(
+        rows, sampler, tokenizer, len(games), rcfg
+    )
+    timing = state.timing
+    timing["total_s"] = time.perf_counter() - t_start
+    timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
+    stats = dict(state.stats, **_episode_stats(rows, state.episodes, len(state.rows), reset_faults))
     return RolloutResult(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -667,7 +754,7 @@ def collect(
         response_mask=response_mask,
         sample_logprobs=sample_logprobs,
         steps=steps,
-        episodes=episodes,
+        episodes=state.episodes,
         timing=timing,
         stats=stats,
         responses=[r.text for r in rows],

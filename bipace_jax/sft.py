@@ -421,11 +421,10 @@ def build_warm_start(c) -> WarmStartSpec:
         max_steps=env.max_steps,
         history_length=get(c, "rollout.history_length"),
         max_prompt_length=sampler.length_buckets[-1],
-        fallback_action=r.fallback_action,
+        fallback_action=r.fallback_action or None,  # "" = the game's own
         show_inventory=r.show_inventory,
         system_prompt=system_prompt_of(check_str("rollout.system_prompt", r.system_prompt)),
         template=resolve_template(r.template),
-        sampler=sampler,
     )
     return WarmStartSpec(
         seed=seed,
@@ -528,7 +527,6 @@ class _WarmStart:
     def play(self, kind: str, pairs, key, label: bool = False) -> RolloutResult:
         """``rollout.collect`` of one game per (task_id, seed) with sampler ``kind`` (oracle labels on request)."""
         learner, pool = self.learner, self.pool
-        tids, seeds = [t for t, _ in pairs], [s for _, s in pairs]
         labeler = pool.oracle_actions if label else None
         sampler, rcfg = self.samplers[kind], self.spec.rollout
         return collect(
@@ -536,8 +534,7 @@ class _WarmStart:
             sampler,
             pool,
             self.tokenizer,
-            tids,
-            seeds,
+            pairs,
             rcfg,
             key,
             progress=self.progress,

@@ -178,8 +178,7 @@ class Trainer:
         vcfg = dataclasses.replace(s.val_sampler, eos_token_ids=eos)
         self.sampler = Sampler(self.tokenizer, scfg, mesh=self.local_mesh)
         self.val_sampler = Sampler(self.tokenizer, vcfg, mesh=self.local_mesh)
-        self.rollout_cfg = dataclasses.replace(s.rollout, sampler=scfg)
-        self.val_rollout_cfg = dataclasses.replace(s.val_rollout, sampler=vcfg)
+        self.rollout_cfg, self.val_rollout_cfg = s.rollout, s.val_rollout
 
     def _load_tokenizer(self):
         m = self.spec.model
@@ -197,9 +196,8 @@ class Trainer:
     def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None):
         """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by default)."""
         progress = self.spec.log.progress and self.is_primary
-        tids, seeds = [t for t, _ in games], [s for _, s in games]
         pool = self.pool if pool is None else pool
-        return collect(self.actor, sampler, pool, self.tokenizer, tids, seeds, rcfg, key, progress=progress)
+        return collect(self.actor, sampler, pool, self.tokenizer, games, rcfg, key, progress=progress)
 
     def _probe(self, options: dict[str, Any], field: str):
         """One game built in this process with ``options`` (task count, task infos); bad options -> ConfigError."""
@@ -349,8 +347,8 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         """Play the fixed validation panel(s) at ``val.temperature``; success overall and per category.
 
-        Categories: every scalar ``task_info`` key of the game among ``depth``, ``task_type``
-        (e.g. ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``.
+        Categories: the game's ``GameSpec.categories`` (``task_info`` keys, e.g. TextCraft's ``depth``:
+        ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``.
         """
         out: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -377,7 +375,7 @@ class Trainer:
                     score[i] = np.mean(scores) if scores else np.nan
             won, length, errors, score = (distributed.allgather(a).sum(0) for a in (won, length, errors, score))
             out.update(panel_metrics(name, won, length, errors, score))
-            for key_name in ("depth", "task_type"):
+            for key_name in self.rollout_cfg.spec.categories:
                 cats: dict[str, list] = {}
                 for (tid, _), w in zip(panel, won):
                     v = self._task_infos[name](tid).get(key_name)

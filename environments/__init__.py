@@ -1,6 +1,7 @@
 """Host-side text games and the environment pool.
 
-Importing the package registers the games: TextCraft eagerly (pure Python, offline), ALFWorld and
+Each game is one module that registers its ``GameSpec`` (``environments.registry``: factory, prompt
+template, fallback action, validation categories). Importing the package registers the games: TextCraft eagerly (pure Python, offline), ALFWorld and
 WebShop lazily (their modules and heavy dependencies load on the first ``make("alfworld")`` /
 ``make("webshop")``).
 
@@ -12,9 +13,10 @@ score) on WebShop's files, found through the ``data_dir`` option or ``$WEBSHOP_D
 """
 
 from environments import textcraft  # noqa: F401  (registers "textcraft")
-from environments.base import Observation, TextEnv, make, register, register_lazy, registered
+from environments.base import Observation, TextEnv
+from environments.registry import GameSpec, game_spec, make, register_game, register_lazy, registered
 
 register_lazy("alfworld", "environments.alfworld")
 register_lazy("webshop", "environments.webshop")
 
-__all__ = ["Observation", "TextEnv", "make", "register", "register_lazy", "registered"]
+__all__ = ["GameSpec", "Observation", "TextEnv", "game_spec", "make", "register_game", "register_lazy", "registered"]

@@ -76,7 +76,9 @@ import sys
 import warnings
 from typing import Any
 
-from environments.base import Observation, TextEnv, register
+from environments.base import Observation, TextEnv
+from environments.registry import GameSpec, register_game
+from environments.templates import THINK_ACT, PromptTemplate
 
 TASK_TYPES = {
     1: "pick_and_place_simple",
@@ -381,7 +383,35 @@ class AlfWorldEnv(TextEnv):
             self._loaded = None
 
 
-@register("alfworld")
 def make_alfworld(**options) -> AlfWorldEnv:
     """``environments.make("alfworld", **options)``: an ``AlfWorldEnv`` (options as its arguments)."""
     return AlfWorldEnv(**options)
+
+
+_INTRO = (
+    "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
+    "environment. Your task is to: {task}\n"
+)
+_NOW = (
+    "You are at step {current_step} and your current observation is: {observation}"
+    "{admissible}{inventory}\n\n" + THINK_ACT
+)
+
+#: ALFWorld's default prompt (verl-agent style, with the admissible commands but ``help``).
+TEMPLATE = PromptTemplate(
+    first=_INTRO + _NOW,
+    later=(
+        _INTRO + "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
+        "action(s):\n{history}\n" + _NOW
+    ),
+)
+
+SPEC = register_game(
+    GameSpec(
+        name="alfworld",
+        factory=make_alfworld,
+        template=TEMPLATE,
+        fallback_action="inventory",  # a real command that changes nothing
+        categories=("task_type",),
+    )
+)

@@ -1,14 +1,13 @@
 """The text-environment contract shared by every game (TextCraft, ALFWorld, WebShop).
 
-Environments are plain Python: they know nothing of JAX, tokenizers or trainers.
+Environments are plain Python: they know nothing of JAX, tokenizers or trainers. Games are
+registered with a ``GameSpec`` in ``environments.registry``.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 
@@ -67,6 +66,14 @@ class TextEnv(abc.ABC):
         """Per-task metadata for metrics (e.g. ``{"task_type": ..., "depth": ...}``)."""
         return {}
 
+    def oracle_action(self) -> str | None:
+        """The expert's next command from the current state (warm start, DAgger labels), or None.
+
+        None when the game has no expert (this default), the episode is over, or the expert has no
+        move; games with an expert override it.
+        """
+        return None
+
     def reset(self, task_id: int, seed: int) -> Observation:
         """Start task ``task_id`` (0 <= task_id < num_tasks) with ``seed``; raises ValueError otherwise."""
         if not 0 <= int(task_id) < self.num_tasks:
@@ -88,55 +95,3 @@ class TextEnv(abc.ABC):
             info["truncated"] = True
         self._done = done
         return obs, float(reward), bool(done), info
-
-
-_REGISTRY: dict[str, Callable[..., TextEnv]] = {}
-
-
-def register(name: str):
-    """Decorator registering an environment factory under ``name`` for ``make``."""
-
-    def deco(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"environment {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-_LAZY: dict[str, str] = {}
-
-
-def register_lazy(name: str, module: str) -> None:
-    """Register ``name`` as provided by ``module``, imported only when ``make(name)`` is first called.
-
-    Keeps heavy game dependencies (alfworld, webshop) out of ``import environments``; the module
-    must ``@register(name)`` its factory when imported.
-    """
-    _LAZY[name] = module
-
-
-def make(name: str, **options) -> TextEnv:
-    """Build a registered environment; raises ValueError naming the known environments.
-
-    A lazily registered game's module is imported here on first use; an ImportError from its own
-    dependencies (e.g. WebShop not installed) propagates with the module's message.
-    """
-    if name not in _REGISTRY and name in _LAZY:
-        try:
-            importlib.import_module(_LAZY[name])
-        except ModuleNotFoundError as e:
-            if e.name != _LAZY[name]:
-                raise
-            raise ValueError(f"environment {name!r} is not available: module {_LAZY[name]} is missing") from e
-        if name not in _REGISTRY:
-            raise ValueError(f"module {_LAZY[name]} did not register environment {name!r}")
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; known: {registered()}")
-    return _REGISTRY[name](**options)
-
-
-def registered() -> list[str]:
-    """Names ``make`` accepts (eagerly and lazily registered)."""
-    return sorted(set(_REGISTRY) | set(_LAZY))

@@ -15,14 +15,15 @@ They talk to the parent over a socket pair with ``multiprocessing.connection.Con
 message per involved worker; each worker answers env by env, and must answer each within
 ``timeout_s``.
 
-Faults never raise: every requested env gets a result, and ``info["env_error"]`` names the kind
-of each faulted one (``ENV_ERRORS``; ``info["env_error_detail"]`` says what happened):
+Faults never raise: every requested env gets a result, and the result's typed ``fault`` field (a
+``Fault``, None when the env answered) names the kind of each faulted one, ``detail`` says what
+happened; the game's own ``info`` never carries pool keys:
 
-* ``"timeout"``: the env gave no answer within ``timeout_s`` (a hang);
-* ``"crash"``: its worker died while serving it (exception outside Python, segfault, OOM or
+* ``Fault.TIMEOUT``: the env gave no answer within ``timeout_s`` (a hang);
+* ``Fault.CRASH``: its worker died while serving it (exception outside Python, segfault, OOM or
   SIGKILL);
-* ``"exception"``: the game raised (the worker stays);
-* ``"lost"``: the env's episode lived in a worker that was replaced because of another env.
+* ``Fault.EXCEPTION``: the game raised (the worker stays);
+* ``Fault.LOST``: the env's episode lived in a worker that was replaced because of another env.
 
 A hung or dead worker is killed (its whole process group) and replaced by a fresh one, so the
 episodes of all its envs end: those in the call get a ``"lost"`` result at once (a reset is
@@ -34,6 +35,7 @@ Not thread-safe: use one pool from one thread.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import pickle
 import signal
@@ -47,34 +49,59 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-from environments.base import Observation, TextEnv, make, registered
+from environments.base import Observation, TextEnv
+from environments.registry import game_spec, registered
 
-__all__ = ["ENV_ERRORS", "EnvPool", "EnvPoolError", "ResetResult", "StepResult"]
+__all__ = ["ENV_ERRORS", "EnvPool", "EnvPoolError", "Fault", "ResetResult", "StepResult", "TaskInfoResult"]
 
-ENV_ERRORS = ("timeout", "crash", "exception", "lost")
+
+class Fault(enum.StrEnum):
+    """Why the pool could not give an env's own answer (the values are the metric names' kinds)."""
+
+    TIMEOUT = "timeout"  # no answer within timeout_s: the worker was declared hung
+    CRASH = "crash"  # the worker died while serving this env
+    EXCEPTION = "exception"  # the game raised; the worker stays
+    LOST = "lost"  # the episode died with a worker replaced because of another env
+
+
+#: Every fault kind, in declaration order (``rollout/env_errors_<kind>`` metrics).
+ENV_ERRORS = tuple(Fault)
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class StepResult(NamedTuple):
-    """One env's step: ``(obs, reward, done, info)``; ``info["env_error"]`` (one of ``ENV_ERRORS``) on a fault."""
+    """One env's step: the game's ``(obs, reward, done, info)``, or on a fault ``fault`` set (``detail``
+    says what happened), the last observation, reward 0.0, ``done`` True and an empty ``info``."""
 
     obs: Observation
     reward: float
     done: bool
     info: dict[str, Any]
+    fault: Fault | None = None
+    detail: str = ""
 
 
 class ResetResult(NamedTuple):
-    """One env's reset: the initial ``obs`` and ``info``; on a fault ``info["env_error"]`` (one of
-    ``ENV_ERRORS``) is set, ``obs`` is empty and the env has no running episode."""
+    """One env's reset: the initial ``obs`` and ``info`` (empty); on a fault ``fault`` is set (``detail``
+    says what happened), ``obs`` is empty and the env has no running episode."""
 
     obs: Observation
     info: dict[str, Any]
+    fault: Fault | None = None
+    detail: str = ""
 
     @property
     def ok(self) -> bool:
-        return "env_error" not in self.info
+        return self.fault is None
+
+
+class TaskInfoResult(NamedTuple):
+    """One env's ``task_info`` of its current task: the game's dict, or ``{}`` with ``fault`` set on a fault."""
+
+    info: dict[str, Any]
+    fault: Fault | None = None
+    detail: str = ""
 
 
 class EnvPoolError(RuntimeError):
@@ -106,15 +133,12 @@ def _worker_main() -> None:
     """Worker process entry point: ``python -c ... <fd>``; serves commands until "close" or EOF."""
     conn = Connection(int(sys.argv[1]))
     try:
-        spec_bytes, options, env_ids, parent_path = conn.recv()
+        factory_bytes, options, env_ids, parent_path = conn.recv()
         for entry in parent_path:
             if entry not in sys.path:
                 sys.path.append(entry)
-        spec = pickle.loads(spec_bytes)
-        if isinstance(spec, str):
-            envs: dict[int, TextEnv] = {i: make(spec, **options) for i in env_ids}
-        else:
-            envs = {i: spec(**options) for i in env_ids}
+        factory = pickle.loads(factory_bytes)
+        envs: dict[int, TextEnv] = {i: factory(**options) for i in env_ids}
     except BaseException as e:  # noqa: BLE001
         conn.send(("init_error", _portable(e), traceback.format_exc()))
         return
@@ -136,8 +160,7 @@ def _worker_main() -> None:
                     i, task_id, seed = item
                     reply = ("ok", envs[i].reset(task_id, seed))
                 elif cmd == "oracle":
-                    fn = getattr(envs[item], "oracle_action", None)
-                    reply = ("ok", fn() if fn is not None else None)
+                    reply = ("ok", envs[item].oracle_action())
                 elif cmd == "task_info":
                     i, task_id = item
                     reply = ("ok", envs[i].task_info(task_id))
@@ -187,8 +210,9 @@ class EnvPool:
     """``num_envs`` environments in worker processes (see the module docstring for faults).
 
     Args:
-      env: a registered environment name (``environments.make``) or a picklable factory
-        (a module-level callable, e.g. a ``TextEnv`` subclass) called as ``env(**env_options)``.
+      env: a registered game name (its ``GameSpec.factory`` is sent to the workers, which import the
+        game's module) or a picklable factory (a module-level callable, e.g. a ``TextEnv`` subclass)
+        called as ``env(**env_options)``.
       num_envs: number of environments (>= 1).
       env_options: keyword options for every environment (e.g. ``{"max_steps": 50}``).
       num_workers: worker processes (1..num_envs); default ``min(num_envs, os.cpu_count())``.
@@ -226,11 +250,12 @@ class EnvPool:
                 raise ValueError(f"{name} must be a number > 0 (seconds), got {value!r}")
         if not isinstance(hash_seed, int) or not 0 <= hash_seed <= 4294967295:
             raise ValueError(f"hash_seed must be an int in [0, 4294967295], got {hash_seed!r}")
-        if isinstance(env, str):
-            if env not in registered():
-                raise ValueError(f"env {env!r} is not registered; known: {registered()}")
+        if isinstance(env, str) and env not in registered():
+            raise ValueError(f"env {env!r} is not registered; known: {registered()}")
+        # a name travels as its GameSpec's factory (pickled by reference): workers import the game's module
+        factory = game_spec(env).factory if isinstance(env, str) else env
         try:
-            self._spec_bytes = pickle.dumps(env)
+            self._factory_bytes = pickle.dumps(factory)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"env factory {env!r} is not picklable (use a module-level callable): {e}") from None
         self.env = env
@@ -279,7 +304,7 @@ class EnvPool:
         env_ids = list(range(w, self.num_envs, self.num_workers))
         worker = _Worker(proc=proc, conn=conn, env_ids=env_ids)
         self._workers[w] = worker
-        conn.send((self._spec_bytes, self.env_options, env_ids, list(sys.path)))
+        conn.send((self._factory_bytes, self.env_options, env_ids, list(sys.path)))
         return worker
 
     def _await_ready(self, w: int, worker: _Worker) -> None:
@@ -308,18 +333,18 @@ class EnvPool:
         self._await_ready(w, self._launch(w))
 
     # -- the call protocol -------------------------------------------------------------------
-    def _call(self, cmd: str, items: dict[int, list]) -> tuple[dict[int, list], dict[int, tuple[str, str]]]:
+    def _call(self, cmd: str, items: dict[int, list]) -> tuple[dict[int, list], dict[int, tuple[Fault, str]]]:
         """Send ``items`` (worker -> payload list) and collect one reply per payload entry.
 
         Workers answer entry by entry; a worker is declared hung when ``timeout_s`` passes
         without its next answer, dead when its connection closes. Returns (replies, faults):
         ``replies[w]`` holds the answers received (all of them unless ``w`` is in ``faults``,
-        then the answers before the fault); ``faults[w]`` is (kind, detail), kind "timeout" or
-        "crash". Faulted workers are replaced before this returns.
+        then the answers before the fault); ``faults[w]`` is (kind, detail), kind ``Fault.TIMEOUT`` or
+        ``Fault.CRASH``. Faulted workers are replaced before this returns.
         """
         self._check_open()
         replies: dict[int, list] = {w: [] for w in items}
-        faults: dict[int, tuple[str, str]] = {}
+        faults: dict[int, tuple[Fault, str]] = {}
         pending: dict[Connection, int] = {}
         deadline: dict[int, float] = {}
         for w, payload in items.items():
@@ -327,7 +352,7 @@ class EnvPool:
             try:
                 worker.conn.send((cmd, payload))
             except (OSError, ValueError) as e:
-                faults[w] = ("crash", f"worker {w} unreachable ({_describe(e)})")
+                faults[w] = (Fault.CRASH, f"worker {w} unreachable ({_describe(e)})")
                 continue
             if payload:
                 pending[worker.conn] = w
@@ -337,7 +362,7 @@ class EnvPool:
             for conn, w in list(pending.items()):
                 if deadline[w] <= now:
                     del pending[conn]
-                    faults[w] = ("timeout", f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
+                    faults[w] = (Fault.TIMEOUT, f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
             if not pending:
                 break
             wake = min(deadline[w] for w in pending.values()) - now
@@ -349,7 +374,7 @@ class EnvPool:
                         if len(replies[w]) == len(items[w]) or not conn.poll():
                             break
                 except (EOFError, OSError):
-                    faults[w] = ("crash", f"worker {w} died during {cmd} (exit code {self._exit_code(w)})")
+                    faults[w] = (Fault.CRASH, f"worker {w} died during {cmd} (exit code {self._exit_code(w)})")
                     del pending[conn]
                     continue
                 deadline[w] = time.monotonic() + self.timeout_s
@@ -368,11 +393,11 @@ class EnvPool:
         return out
 
     def _outcomes(self, cmd: str, jobs: Sequence, keep_answered: bool = True) -> dict[int, tuple]:
-        """Run ``cmd`` on ``jobs``; env index -> ("ok", value) | (kind, detail[, exception]) for every job.
+        """Run ``cmd`` on ``jobs``; env index -> ("ok", value) | (Fault, detail[, exception]) for every job.
 
-        On a faulted worker the first unanswered job is the culprit ("timeout"/"crash") and the
-        jobs queued after it are "lost"; those answered before it keep their answers unless
-        ``keep_answered`` is False (then they are "lost" too: their state died with the worker).
+        On a faulted worker the first unanswered job is the culprit (timeout/crash) and the
+        jobs queued after it are lost; those answered before it keep their answers unless
+        ``keep_answered`` is False (then they are lost too: their state died with the worker).
         """
         by_worker = self._by_worker(jobs)
         replies, faults = self._call(cmd, by_worker)
@@ -381,7 +406,8 @@ class EnvPool:
             answered = replies[w]
             for job, (status, value, *_tb) in zip(payload, answered):
                 i = job[0] if isinstance(job, tuple) else job
-                out[i] = ("ok", value) if status == "ok" else ("exception", f"env {i} raised {_describe(value)}", value)
+                ok = status == "ok"
+                out[i] = ("ok", value) if ok else (Fault.EXCEPTION, f"env {i} raised {_describe(value)}", value)
             if w in faults:
                 kind, detail = faults[w]
                 first = len(answered)
@@ -390,7 +416,7 @@ class EnvPool:
                     if k == first:
                         out[i] = (kind, detail)
                     elif k > first or (not keep_answered and out[i][0] == "ok"):
-                        out[i] = ("lost", f"lost with worker {w}: {detail}")
+                        out[i] = (Fault.LOST, f"lost with worker {w}: {detail}")
         return out
 
     def _group(self, env_indices: Sequence[int], what: str) -> list[int]:
@@ -425,7 +451,7 @@ class EnvPool:
         """Reset env ``env_indices[k]`` to task ``task_ids[k]`` with seed ``seeds[k]``; results in order.
 
         A fault never raises: the env whose reset hung, crashed its worker or raised gets
-        ``ResetResult(empty obs, {"env_error": kind, "env_error_detail": why})`` and no episode;
+        ``ResetResult(empty obs, {}, fault, detail)`` and no episode;
         the other envs of a replaced worker are reset again on the fresh one, so their results
         are real. Retrying a faulted game (e.g. on another seed) is the caller's choice.
 
@@ -455,17 +481,17 @@ class EnvPool:
                 if status == "ok":
                     results[i] = ResetResult(value, {})
                     self._task[i], self._last_obs[i], self._running[i] = jobs[i][1:], value, True
-                elif status == "lost":
+                elif status == Fault.LOST:
                     self._running[i] = False
                     todo.append(i)  # an innocent bystander: reset again on the fresh worker
-                elif status == "exception" and isinstance(exc[0], ValueError):
+                elif status == Fault.EXCEPTION and isinstance(exc[0], ValueError):
                     raise ValueError(f"reset of env {i}: {exc[0]}") from exc[0]
                 else:
                     results[i] = self._error_result(i, status, value, reset=True)
             todo = [i for i in idx if i in todo]
         for i in idx:  # a later round's fault on the same worker ended this episode again
             if results[i].ok and not self._running[i]:
-                results[i] = self._error_result(i, "lost", self._lost.pop(i, "worker replaced"), reset=True)
+                results[i] = self._error_result(i, Fault.LOST, self._lost.pop(i, "worker replaced"), reset=True)
         groups: dict[tuple[int, int], list[int]] = {}
         for i in idx:
             if results[i].ok:
@@ -483,8 +509,8 @@ class EnvPool:
     def step(self, env_indices: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
         """Step env ``env_indices[k]`` with ``actions[k]``; results in the same order.
 
-        A fault ends the episode and never raises: ``StepResult(last observation, 0.0, True,
-        {"env_error": kind, "env_error_detail": why})`` (kinds in ``ENV_ERRORS``).
+        A fault ends the episode and never raises: ``StepResult(last observation, 0.0, True, {}, fault,
+        detail)``.
 
         Raises:
           ValueError: on mismatched lengths, bad or repeated indices, or a non-str action.
@@ -503,7 +529,7 @@ class EnvPool:
         out: dict[int, StepResult] = {}
         for i in idx:
             if i in self._lost:
-                out[i] = self._error_result(i, "lost", self._lost.pop(i))
+                out[i] = self._error_result(i, Fault.LOST, self._lost.pop(i))
         outcomes = self._outcomes("step", [(i, a) for i, a in zip(idx, actions) if i not in out])
         for i, (status, value, *_exc) in outcomes.items():
             if status != "ok":
@@ -519,15 +545,14 @@ class EnvPool:
             out[i] = StepResult(obs, reward, done, info)
         return [out[i] for i in idx]
 
-    def _error_result(self, i: int, kind: str, detail: str, reset: bool = False):
+    def _error_result(self, i: int, kind: Fault, detail: str, reset: bool = False):
         self._running[i] = False
-        info = {"env_error": kind, "env_error_detail": detail}
         if reset:
-            return ResetResult(Observation(text="", anchor="", task=""), info)
+            return ResetResult(Observation(text="", anchor="", task=""), {}, Fault(kind), detail)
         obs = self._last_obs[i]
         if obs is None:
             obs = Observation(text="", anchor="", task="")
-        return StepResult(obs, 0.0, True, info)
+        return StepResult(obs, 0.0, True, {}, Fault(kind), detail)
 
     def oracle_actions(self, env_indices: Sequence[int]) -> list[str | None]:
         """The expert's next action of each env from its current state (None without one or on a fault)."""
@@ -536,11 +561,11 @@ class EnvPool:
         outcomes = self._outcomes("oracle", [i for i in idx if self._running[i]])
         return [outcomes[i][1] if outcomes.get(i, ("none",))[0] == "ok" else None for i in idx]
 
-    def task_info(self, env_indices: Sequence[int]) -> list[dict[str, Any]]:
-        """``task_info`` of each env's current task (from its last reset).
+    def task_info(self, env_indices: Sequence[int]) -> list[TaskInfoResult]:
+        """``task_info`` of each env's current task (from its last reset), as ``TaskInfoResult``s.
 
-        A fault never raises: the env's entry is ``{"env_error": kind, "env_error_detail": why}``
-        (for "timeout"/"crash"/"lost" its running episode ended with the worker).
+        A fault never raises: the env's entry is ``TaskInfoResult({}, fault, detail)`` (for a
+        timeout, crash or loss its running episode ended with the worker).
 
         Raises RuntimeError when an env was never reset.
         """
@@ -554,9 +579,9 @@ class EnvPool:
         for i in idx:
             status, value, *_ = outcomes[i]
             if status == "ok":
-                out.append(value)
+                out.append(TaskInfoResult(value))
             else:
-                out.append({"env_error": status, "env_error_detail": value})
+                out.append(TaskInfoResult({}, Fault(status), value))
         return out
 
     def worker_pids(self) -> list[int]:

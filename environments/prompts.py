@@ -4,7 +4,8 @@ A prompt (the user message of one turn) shows the task, the last ``history_lengt
 (observation, action) pairs, the current step number and observation, the admissible actions
 where the game lists them, and asks for reasoning inside ``<think>...</think>`` and the command
 inside ``<action>...</action>``. Templates are data (``PromptTemplate``: ``str.format`` strings),
-overridable field by field from a config mapping.
+overridable field by field from a config mapping; each game's default is its ``GameSpec.template``
+(``environments.registry``), defined in the game's module.
 
 Action parsing follows the spec's ``action_tag`` PACE key (``docs/estimators.md``, "PACE keys"):
 lower-case the whole response, take the text inside the first ``<action>...</action>``, strip
@@ -15,17 +16,18 @@ command a game receives and the PACE key of the response agree.
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from environments.base import Observation
+from environments.registry import game_spec
+from environments.templates import TEMPLATE_FIELDS, THINK_ACT, PromptTemplate
 
 __all__ = [
     "PromptTemplate",
-    "TEMPLATES",
+    "TEMPLATE_FIELDS",
+    "THINK_ACT",
     "build_prompt",
     "invalid_command",
     "parse_action",
@@ -33,181 +35,22 @@ __all__ = [
     "get_template",
 ]
 
-#: Placeholders the two main templates may use (all optional).
-TEMPLATE_FIELDS = frozenset(
-    {
-        "task",  # Observation.task
-        "observation",  # the current observation text
-        "step_count",  # actions taken so far (the `step` argument)
-        "current_step",  # step_count + 1
-        "history_length",  # number of (observation, action) pairs shown
-        "history",  # the shown pairs, each rendered with `history_entry`
-        "admissible",  # `admissible_block` when the game lists actions, else ""
-        "inventory",  # `inventory_block` with show_inventory=True, else ""
-    }
-)
-_ENTRY_FIELDS = frozenset({"index", "observation", "action"})
-_ACTION_FIELDS = frozenset({"action"})
-_ADMISSIBLE_FIELDS = frozenset({"actions"})
-_INVENTORY_FIELDS = frozenset({"inventory"})
-
-
-def _fields(template: str, what: str) -> set[str]:
-    try:
-        return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as e:
-        raise ValueError(f"PromptTemplate.{what} is not a valid format string: {e}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptTemplate:
-    """One game's prompt, as ``str.format`` templates.
-
-    Attributes:
-      first: the prompt when no history is shown (step 0, or ``history_length=0``).
-      later: the prompt with history. Both may use the names in ``TEMPLATE_FIELDS``.
-      history_entry: one shown (observation, action) pair; names ``index`` (1-based step of the
-        action), ``observation``, ``action``.
-      history_separator: between history entries.
-      admissible_block: replaces ``{admissible}`` when the game lists admissible actions; name
-        ``actions`` (the actions, each rendered with ``action_format``, joined by
-        ``action_separator``).
-      action_format, action_separator: see ``admissible_block``.
-      excluded_actions: admissible actions never shown (ALFWorld's ``help``).
-      inventory_block: replaces ``{inventory}`` with ``show_inventory=True``; name ``inventory``
-        (``Observation.inventory``).
-      task_echo: shown instead of an observation whose text equals the task (TextCraft's first
-        observation IS the task: the crafting commands), so the long text appears once.
-
-    Raises:
-      ValueError: naming the field, when a template uses an unknown placeholder or is malformed.
-    """
-
-    first: str
-    later: str
-    history_entry: str = "[Observation {index}: '{observation}', Action {index}: '{action}']"
-    history_separator: str = "\n"
-    admissible_block: str = "\nYour admissible actions now are: [{actions}]."
-    action_format: str = "'{action}'"
-    action_separator: str = "\n "
-    excluded_actions: tuple[str, ...] = ("help",)
-    inventory_block: str = "\n{inventory}"
-    task_echo: str = "(the task above)"
-
-    def __post_init__(self):
-        allowed = {
-            "first": TEMPLATE_FIELDS,
-            "later": TEMPLATE_FIELDS,
-            "history_entry": _ENTRY_FIELDS,
-            "admissible_block": _ADMISSIBLE_FIELDS,
-            "action_format": _ACTION_FIELDS,
-            "inventory_block": _INVENTORY_FIELDS,
-        }
-        for name, names in allowed.items():
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise ValueError(f"PromptTemplate.{name} must be a str, got {type(value).__name__}")
-            unknown = _fields(value, name) - names
-            if unknown:
-                raise ValueError(
-                    f"PromptTemplate.{name} uses unknown placeholder(s) {sorted(unknown)}; "
-                    f"expected a subset of {sorted(names)}"
-                )
-        for name in ("history_separator", "action_separator", "task_echo"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"PromptTemplate.{name} must be a str")
-        object.__setattr__(self, "excluded_actions", tuple(self.excluded_actions))
-
-    def replace(self, **overrides: Any) -> PromptTemplate:
-        """A copy with some fields changed (e.g. from a config); unknown fields raise ValueError."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"unknown PromptTemplate field(s) {sorted(unknown)}")
-        return dataclasses.replace(self, **overrides)
-
-
-_THINK_ACT = (
-    "Now it is your turn to act. First reason step by step about the current situation; the "
-    "reasoning MUST be enclosed in <think> </think> tags. Then give exactly one action for this "
-    "step, enclosed in <action> </action> tags."
-)
-
-_TEXTCRAFT_RULES = (
-    "Commands: 'get N item' fetches N of a base item; 'craft N item using N a, N b' follows one "
-    "crafting command above exactly (for a tag such as planks, name one concrete kind, e.g. oak "
-    "planks); 'inventory' lists what you hold."
-)
-
-TEMPLATES: dict[str, PromptTemplate] = {
-    "textcraft": PromptTemplate(
-        first=(
-            "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n"
-            "{task}\n" + _TEXTCRAFT_RULES + "\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{inventory}\n\n" + _THINK_ACT
-        ),
-        later=(
-            "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n"
-            "{task}\n" + _TEXTCRAFT_RULES + "\n"
-            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-            "action(s):\n{history}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{inventory}\n\n" + _THINK_ACT
-        ),
-        task_echo="(the crafting commands above)",
-    ),
-    "alfworld": PromptTemplate(
-        first=(
-            "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
-            "environment. Your task is to: {task}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-        later=(
-            "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
-            "environment. Your task is to: {task}\n"
-            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-            "action(s):\n{history}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-    ),
-    "webshop": PromptTemplate(
-        first=(
-            "You are an expert shopping agent in WebShop, a simulated online store. "
-            "Your task is to: {task}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-        later=(
-            "You are an expert shopping agent in WebShop, a simulated online store. "
-            "Your task is to: {task}\n"
-            "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-            "action(s):\n{history}\n"
-            "You are at step {current_step} and your current observation is: {observation}"
-            "{admissible}{inventory}\n\n" + _THINK_ACT
-        ),
-        admissible_block="\nYour admissible actions now are:\n[\n{actions}\n].",
-        action_separator=",\n",
-    ),
-}
-
 
 def get_template(game: str, template: PromptTemplate | Mapping[str, Any] | None = None) -> PromptTemplate:
-    """The template to use: ``template`` itself, the game's default overridden by a mapping, or the default.
+    """The template to use: ``template`` itself, the game's default (its ``GameSpec.template``)
+    overridden by a mapping, or the default.
 
-    Raises ValueError naming ``game`` when it has no default and ``template`` is not a full
+    Raises ValueError naming ``game`` when it is not registered and ``template`` is not a full
     ``PromptTemplate``, or naming a bad override field.
     """
     if isinstance(template, PromptTemplate):
         return template
-    if game not in TEMPLATES:
-        raise ValueError(f"game must be one of {sorted(TEMPLATES)} (or pass a PromptTemplate), got {game!r}")
+    default = game_spec(game).template
     if template is None:
-        return TEMPLATES[game]
+        return default
     if not isinstance(template, Mapping):
         raise ValueError(f"template must be a PromptTemplate, a mapping or None, got {type(template).__name__}")
-    return TEMPLATES[game].replace(**dict(template))
+    return default.replace(**dict(template))
 
 
 def build_prompt(
@@ -222,7 +65,7 @@ def build_prompt(
     """The user message for one turn (verl-agent style; see the module docstring).
 
     Args:
-      game: "textcraft", "alfworld" or "webshop" (selects the default template).
+      game: a registered game (``environments.registered()``); selects its ``GameSpec.template``.
       obs: the current observation.
       history: (observation_text, action) of earlier steps, oldest first; entry k holds the
         observation seen before action k+1 and that action. It may be truncated at the front.

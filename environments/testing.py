@@ -13,7 +13,8 @@ import signal
 import time
 from typing import Any
 
-from environments.base import Observation, TextEnv, make
+from environments.base import Observation, TextEnv
+from environments.registry import make
 
 
 class FaultyEnv(TextEnv):
@@ -31,7 +32,8 @@ class FaultyEnv(TextEnv):
     ValueError, -6 raises RuntimeError, -7 segfaults. ``task_info`` of task 99 hangs, of task 98
     raises. ``step_cost_ms`` makes every step busy the CPU that long (a synthetic slow game
     for benchmarks, e.g. 36 ms like an ALFWorld step). ``split="valid"`` is a 7-task game whose
-    ``task_info`` has ``task_type="valid"`` (for validation panels drawn from another split).
+    ``task_info`` has ``task_type="valid"`` and ``depth="valid"`` (for validation panels drawn from
+    another split).
     """
 
     def __init__(
@@ -52,7 +54,8 @@ class FaultyEnv(TextEnv):
 
     def task_info(self, task_id: int) -> dict[str, Any]:
         if self.split == "valid":
-            return {"task": int(task_id), "task_type": "valid"}
+            # depth too: a run configured as TextCraft splits validation by depth (its GameSpec.categories)
+            return {"task": int(task_id), "task_type": "valid", "depth": "valid"}
         if task_id == 99:
             time.sleep(3600)
         if task_id == 98:

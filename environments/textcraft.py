@@ -47,7 +47,9 @@ import random
 import re
 from typing import Any
 
-from environments.base import Observation, TextEnv, register
+from environments.base import Observation, TextEnv
+from environments.registry import GameSpec, register_game
+from environments.templates import THINK_ACT, PromptTemplate
 
 __all__ = [
     "Ingredient",
@@ -629,11 +631,6 @@ class TextCraftEnv(TextEnv):
         return plan[0] if plan else None
 
 
-@register("textcraft")
-def _make_textcraft(**options) -> TextCraftEnv:
-    return TextCraftEnv(**options)
-
-
 def task_ids_by_depth(*depths: int) -> list[int]:
     """Task ids of the goals of the given crafting depths (each 2, 3 or 4), ascending.
 
@@ -643,3 +640,32 @@ def task_ids_by_depth(*depths: int) -> list[int]:
         if d not in (2, 3, 4):
             raise ValueError(f"depth must be 2, 3 or 4, got {d!r}")
     return [k for k, (_, d) in enumerate(default_recipe_book().goals) if d in depths]
+
+
+_RULES = (
+    "Commands: 'get N item' fetches N of a base item; 'craft N item using N a, N b' follows one "
+    "crafting command above exactly (for a tag such as planks, name one concrete kind, e.g. oak "
+    "planks); 'inventory' lists what you hold."
+)
+_INTRO = "You are an expert agent playing TextCraft, a text game about crafting Minecraft items.\n{task}\n" + _RULES
+_NOW = "You are at step {current_step} and your current observation is: {observation}{inventory}\n\n" + THINK_ACT
+
+#: TextCraft's default prompt (verl-agent style; the first observation is the task: shown once).
+TEMPLATE = PromptTemplate(
+    first=_INTRO + "\n" + _NOW,
+    later=(
+        _INTRO + "\nYou have taken {step_count} step(s). Your last {history_length} observation(s) and "
+        "action(s):\n{history}\n" + _NOW
+    ),
+    task_echo="(the crafting commands above)",
+)
+
+SPEC = register_game(
+    GameSpec(
+        name="textcraft",
+        factory=TextCraftEnv,
+        template=TEMPLATE,
+        fallback_action="inventory",  # a real command that changes nothing
+        categories=("depth",),
+    )
+)

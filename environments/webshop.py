@@ -66,7 +66,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from environments import webshop_data as data
-from environments.base import Observation, TextEnv, register
+from environments.base import Observation, TextEnv
+from environments.registry import GameSpec, register_game
+from environments.templates import THINK_ACT, PromptTemplate
 from environments.webshop_reward import Score, task_score
 from environments.webshop_search import TOP_K, SearchIndex, document_text
 
@@ -600,7 +602,6 @@ class OriginalWebShopEnv(TextEnv):
         return None
 
 
-@register("webshop")
 def make_webshop(engine: str = "native", **options) -> TextEnv:
     """``environments.make("webshop", **options)``: our ``WebShopEnv`` (``engine="native"``, the
     default) or the adapter ``OriginalWebShopEnv`` (``engine="original"``), options as their
@@ -610,3 +611,31 @@ def make_webshop(engine: str = "native", **options) -> TextEnv:
     if engine == "original":
         return OriginalWebShopEnv(**options)
     raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+
+_INTRO = "You are an expert shopping agent in WebShop, a simulated online store. Your task is to: {task}\n"
+_NOW = (
+    "You are at step {current_step} and your current observation is: {observation}"
+    "{admissible}{inventory}\n\n" + THINK_ACT
+)
+
+#: WebShop's default prompt (verl-agent style: the page's actions one per line).
+TEMPLATE = PromptTemplate(
+    first=_INTRO + _NOW,
+    later=(
+        _INTRO + "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
+        "action(s):\n{history}\n" + _NOW
+    ),
+    admissible_block="\nYour admissible actions now are:\n[\n{actions}\n].",
+    action_separator=",\n",
+)
+
+SPEC = register_game(
+    GameSpec(
+        name="webshop",
+        factory=make_webshop,
+        template=TEMPLATE,
+        fallback_action="inventory",  # no WebShop action: the page stays as it was
+        categories=("task_type",),
+    )
+)

@@ -419,7 +419,7 @@ def test_build_spec_decodes_each_section_into_its_dataclass_once():
     spec = configs.build_spec(c)
     assert spec.learner.old_logprobs is OldLogprobs.SAMPLER and spec.learner.micro_batch_rows == 32
     assert (spec.sampler.temperature, spec.val_sampler.temperature, spec.loss.temperature) == (0.6, 0.4, 0.6)
-    assert spec.rollout.sampler == spec.sampler and spec.val_rollout.sampler == spec.val_sampler
+    assert spec.rollout.fallback == "inventory" and spec.val_rollout.group_size == spec.val.group_size
     assert (spec.rollout.game, spec.rollout.max_steps, spec.rollout.group_size, spec.val_rollout.group_size) == (
         "textcraft",
         c.env.max_steps,

@@ -15,10 +15,10 @@ import difflib
 import numpy as np
 import pytest
 
-from bipace_jax.config import ConfigError, estimator_config, rollout_config, validate
+from bipace_jax.build import estimator_config, rollout_config, validate
+from bipace_jax.config import ConfigError
 from bipace_jax.estimators import EstimatorConfig, StepBatch, compute_advantages, similarity_groups, step_group_labels
 from bipace_jax.rollout import RolloutConfig
-from bipace_jax.sampling import SamplerConfig
 from configs import base
 
 GROUP_SIZE = 8
@@ -223,7 +223,7 @@ def test_config_field_checks_and_plumbing():
     c.estimator.name = "gigpo"
     c.estimator.similarity_thresh = 0.95
     assert estimator_config(c).similarity_thresh == 0.95
-    assert rollout_config(c, group_size=8, sampler=SamplerConfig()).similarity_thresh == 0.95
+    assert rollout_config(c, group_size=8).similarity_thresh == 0.95
     c.estimator.similarity_thresh = 1.0
     with pytest.raises(ConfigError, match=r"config\.estimator\.similarity_thresh"):
         validate(c, abstract=True)

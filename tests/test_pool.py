@@ -11,7 +11,7 @@ import time
 import pytest
 
 import environments
-from environments.pool import ENV_ERRORS, EnvPool, EnvPoolError, ResetResult, StepResult
+from environments.pool import ENV_ERRORS, EnvPool, EnvPoolError, Fault, ResetResult, StepResult, TaskInfoResult
 from environments.testing import FaultyEnv
 
 LADDER, CHEST = 272, 183
@@ -45,7 +45,10 @@ def test_textcraft_pool_matches_in_process_envs_for_any_subset_and_order():
             local[1].reset(tasks[1], seeds[1]),
         ]
         assert obs[1] == obs[2]  # a task group shows one initial observation
-        assert pool.task_info([0, 2]) == [{"depth": 2, "goal": "ladder"}, {"depth": 2, "goal": "chest"}]
+        assert [r.info for r in pool.task_info([0, 2])] == [
+            {"depth": 2, "goal": "ladder"},
+            {"depth": 2, "goal": "chest"},
+        ]
         order = [[1, 2], [2, 0], [0, 1, 2], [2], [1, 0]]
         done = [False] * 3
         for subset in order * 4:
@@ -58,7 +61,7 @@ def test_textcraft_pool_matches_in_process_envs_for_any_subset_and_order():
             results = pool.step(subset, actions)
             for i, a, r in zip(subset, actions, results):
                 assert isinstance(r, StepResult)
-                assert tuple(r) == local[i].step(a)
+                assert tuple(r[:4]) == local[i].step(a) and r.fault is None
                 done[i] = r.done
         assert all(done)
         assert pool.fault_count == 0
@@ -82,15 +85,15 @@ def test_crashed_worker_is_replaced_and_its_episodes_end_with_env_error(faulty_p
     # env 1 (worker 1) crashes its worker; env 0 (worker 0) is unaffected; env 3 shares worker 1
     r0, r1 = pool.step([0, 1], ["e", "crash"])
     assert r0 == StepResult(r0.obs, 0.0, False, {"count": 2}) and r0.obs.text == "task 1 seed 0 step 2: e"
-    assert r1.done and r1.reward == 0.0 and r1.info["env_error"] == "crash"
-    assert "worker 1 died during step" in r1.info["env_error_detail"]
+    assert r1.done and r1.reward == 0.0 and r1.fault is Fault.CRASH and r1.info == {}
+    assert "worker 1 died during step" in r1.detail
     assert r1.obs.text == "task 2 seed 0 step 1: b"  # the last observation the env showed
     new_pids = pool.worker_pids()
     assert new_pids[0] == pids[0] and new_pids[1] != pids[1] and not _alive(pids[1])
     assert pool.fault_count == faults + 1
     # env 3 lost its episode with the old worker: its next step reports it, once
     (r3,) = pool.step([3], ["f"])
-    assert r3.done and r3.info["env_error"] == "lost" and "worker 1 died" in r3.info["env_error_detail"]
+    assert r3.done and r3.fault == "lost" and "worker 1 died" in r3.detail
     assert r3.obs.text == "task 4 seed 0 step 1: d"
     with pytest.raises(RuntimeError, match="env 3 has no running episode"):
         pool.step([3], ["g"])
@@ -104,10 +107,10 @@ def test_envs_answered_before_a_crash_keep_their_result_then_report_the_lost_epi
     pool.reset([0, 2], [1, 2], [0, 0])  # both on worker 0
     r0, r2 = pool.step([0, 2], ["x", "crash"])
     assert not r0.done and r0.obs.text == "task 1 seed 0 step 1: x"
-    assert r2.done and r2.info["env_error"] == "crash" and "worker 0 died during step" in r2.info["env_error_detail"]
+    assert r2.done and r2.fault == "crash" and "worker 0 died during step" in r2.detail
     (again,) = pool.step([0], ["y"])
-    assert again.done and again.info["env_error"] == "lost"
-    assert "worker 0 died during step" in again.info["env_error_detail"]
+    assert again.done and again.fault == "lost"
+    assert "worker 0 died during step" in again.detail
     assert again.obs.text == "task 1 seed 0 step 1: x"
 
 
@@ -116,10 +119,8 @@ def test_game_exception_ends_only_that_episode_and_keeps_the_worker(faulty_pool)
     pool.reset([0, 2], [5, 6], [1, 1])  # both on worker 0
     pids = pool.worker_pids()
     r0, r2 = pool.step([0, 2], ["raise", "x"])
-    assert r0.done and r0.info == {
-        "env_error": "exception",
-        "env_error_detail": "env 0 raised RuntimeError: injected step error",
-    }
+    assert r0.done and r0.info == {} and r0.fault is Fault.EXCEPTION
+    assert r0.detail == "env 0 raised RuntimeError: injected step error"
     assert not r2.done and r2.obs.text == "task 6 seed 1 step 1: x"
     assert pool.worker_pids() == pids
 
@@ -129,8 +130,8 @@ def test_unpicklable_step_result_is_an_env_error_not_a_dead_worker(faulty_pool):
     pool.reset([1], [2], [3])
     pids = pool.worker_pids()
     (r,) = pool.step([1], ["unpicklable"])
-    assert r.done and r.info["env_error"] == "exception"
-    assert "step result could not be sent to the parent" in r.info["env_error_detail"]
+    assert r.done and r.fault == "exception"
+    assert "step result could not be sent to the parent" in r.detail
     assert pool.worker_pids() == pids
 
 
@@ -139,8 +140,8 @@ def test_hung_worker_is_killed_after_the_call_timeout():
         pool.reset([0, 1], [1, 1], [0, 0])
         old = pool.worker_pids()
         r0, r1 = pool.step([0, 1], ["hang", "x"])
-        assert r0.done and r0.info["env_error"] == "timeout"
-        assert "worker 0 did not answer step within timeout_s=2.0" in r0.info["env_error_detail"]
+        assert r0.done and r0.fault == "timeout"
+        assert "worker 0 did not answer step within timeout_s=2.0" in r0.detail
         assert not r1.done and r1.obs.text == "task 1 seed 0 step 1: x"
         assert not _alive(old[0]) and pool.worker_pids()[1] == old[1]
         # the replacement works; a hang inside oracle-free calls is recovered the same way
@@ -167,7 +168,7 @@ def test_hung_reset_returns_the_good_observations_and_a_timeout_result_quickly()
         r0, r1 = pool.reset([0, 1], [0, 3], [0, -1])
         assert time.monotonic() - t0 < 10.0
         assert r0 == ResetResult(r0.obs, {}) and r0.obs.text == "task 0 seed 0 step 0"
-        assert not r1.ok and r1.info["env_error"] == "timeout" and "timeout_s=2.0" in r1.info["env_error_detail"]
+        assert not r1.ok and r1.fault == "timeout" and "timeout_s=2.0" in r1.detail
         assert pool.fault_count == 1 and pool.worker_pids()[0] == old[0] and not _alive(old[1])
         assert pool.step([0], ["a"])[0].obs.text == "task 0 seed 0 step 1: a"  # env 0 kept its episode
         with pytest.raises(RuntimeError, match="env 1 has no running episode"):
@@ -189,7 +190,7 @@ def test_reset_fault_of_one_env_flags_it_and_resets_its_worker_mates_again(seed,
     with EnvPool(FaultyEnv, 6, num_workers=2, timeout_s=20.0) as pool:
         results = pool.reset([0, 2, 4, 1], [10, 12, 14, 11], [0, seed, 0, 0])
         assert [r.obs.text for r in results if r.ok] == [f"task {t} seed 0 step 0" for t in (10, 14, 11)]
-        assert results[1].info == {"env_error": kind, "env_error_detail": detail}
+        assert results[1] == ResetResult(results[1].obs, {}, Fault(kind), detail) and results[1].obs.text == ""
         assert pool.fault_count == (kind == "crash")
         stepped = pool.step([0, 4, 1], ["x", "x", "x"])
         assert [r.obs.text for r in stepped] == [f"task {t} seed 0 step 1: x" for t in (10, 14, 11)]
@@ -202,10 +203,10 @@ def test_a_worker_killed_between_calls_is_replaced_without_blaming_an_env():
         os.kill(victim, signal.SIGKILL)
         time.sleep(0.5)
         r1, r0 = pool.step([1, 0], ["x", "x"])  # env 1's episode died with its worker
-        assert r1.done and r1.info["env_error"] == "lost" and "had exited (exit code -9)" in r1.info["env_error_detail"]
+        assert r1.done and r1.fault == "lost" and "had exited (exit code -9)" in r1.detail
         assert not r0.done and r0.obs.text == "task 0 seed 0 step 1: x"
         (r3,) = pool.step([3], ["x"])  # reported once, on its next step
-        assert r3.info["env_error"] == "lost"
+        assert r3.fault == "lost"
         results = pool.reset([1, 3], [5, 5], [0, 0])  # resets after a kill need no culprit either
         assert all(r.ok for r in results) and pool.fault_count == 1
 
@@ -214,17 +215,14 @@ def test_task_info_faults_are_results_not_exceptions():
     with EnvPool(FaultyEnv, 4, num_workers=2, timeout_s=2.0) as pool:
         pool.reset([0, 1, 2, 3], [98, 99, 2, 3], [0, 0, 0, 0])
         info = pool.task_info([0, 1, 2, 3])
-        assert info[0] == {
-            "env_error": "exception",
-            "env_error_detail": "env 0 raised RuntimeError: injected task_info error",
-        }
-        assert info[1]["env_error"] == "timeout"
-        assert info[2] == {"task": 2, "parity": 0}
-        assert info[3]["env_error"] == "lost"  # queued after env 1 on the hung worker
+        assert info[0] == TaskInfoResult({}, Fault.EXCEPTION, "env 0 raised RuntimeError: injected task_info error")
+        assert info[1].fault is Fault.TIMEOUT and info[1].info == {}
+        assert info[2] == TaskInfoResult({"task": 2, "parity": 0}) and info[2].fault is None
+        assert info[3].fault is Fault.LOST  # queued after env 1 on the hung worker
         # env 3's episode ended with worker 1; env 0's game raised but its worker and episode stay
         r0, r3 = pool.step([0, 3], ["x", "x"])
-        assert not r0.done and r3.done and r3.info["env_error"] == "lost"
-        assert set(ENV_ERRORS) == {"timeout", "crash", "exception", "lost"}
+        assert not r0.done and r3.done and r3.fault == "lost"
+        assert ENV_ERRORS == tuple(Fault) and [str(k) for k in ENV_ERRORS] == ["timeout", "crash", "exception", "lost"]
 
 
 def test_oracle_fault_gives_none_and_the_episode_reports_the_loss():
@@ -233,7 +231,7 @@ def test_oracle_fault_gives_none_and_the_episode_reports_the_loss():
         pool._workers[0].proc.kill()
         time.sleep(0.5)
         assert pool.oracle_actions([0, 1]) == [None, None]
-        assert [r.info["env_error"] for r in pool.step([0, 1], ["x", "x"])] == ["lost", "lost"]
+        assert [r.fault for r in pool.step([0, 1], ["x", "x"])] == ["lost", "lost"]
 
 
 def test_workers_run_with_the_fixed_hash_seed():

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 import environments
 from environments.base import Observation
 from environments.prompts import (
-    TEMPLATES,
     PromptTemplate,
     action_tag,
     build_prompt,
@@ -205,7 +204,7 @@ def test_textcraft_history_prompt_shows_last_two_pairs_with_step_numbers():
         ("3", history[2][0], "3", history[2][1]),
     ]
     assert "You have taken 3 step(s)" in text and "at step 4" in text
-    assert text.endswith(TEMPLATES["textcraft"].later.rsplit("\n\n", 1)[1])
+    assert text.endswith(environments.game_spec("textcraft").template.later.rsplit("\n\n", 1)[1])
     assert f"current observation is: {obs.text}" in text
     # history_length larger than the history: everything, numbered from 1; the first
     # observation (the task) is shown by reference
@@ -267,7 +266,7 @@ def test_template_overrides_from_a_config_mapping():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(game="chess"), "game must be one of"),
+        (dict(game="chess"), r"unknown environment 'chess'; known: \[.*'textcraft'"),
         (dict(step=-1), "step must be an int >= 0"),
         (dict(history_length=-2), "history_length must be an int >= 0"),
         (dict(step=0), "history has 1 entries but step is 0"),
@@ -286,7 +285,8 @@ def test_build_prompt_rejects_bad_input_naming_the_field(kwargs, match):
 
 
 def test_every_default_template_is_valid_and_uses_the_tags():
-    for game, tpl in TEMPLATES.items():
+    for game in ("alfworld", "textcraft", "webshop"):
+        tpl = environments.game_spec(game).template
         assert get_template(game) is tpl
         for text in (tpl.first, tpl.later):
             assert "<think> </think>" in text and "<action> </action>" in text

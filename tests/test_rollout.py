@@ -13,10 +13,11 @@ from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
 from bipace_jax.rollout import FIRST_TOKENS, PromptTooLongError, RolloutConfig, collect, encode_prompt
 from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
 from environments.base import Observation
-from environments.pool import EnvPool
+from environments.pool import EnvPool, Fault
 from environments.prompts import action_tag, build_prompt
 
-TASKS, SEEDS = [16, 12], [3, 4]  # depth-3 goals the oracle solves in 5-6 steps
+GAMES = [(16, 3), (12, 4)]  # (task_id, seed) of depth-3 goals the oracle solves in 5-6 steps
+SEEDS = [s for _, s in GAMES]
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +98,9 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
         group_size=2,
         max_steps=8,
         max_prompt_length=1024,
-        sampler=SamplerConfig(length_buckets=(512, 1024)),
     )
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
-    res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
+    res = collect(None, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(0), progress=False)
     eps = res.episodes
     assert [e.traj_id for e in eps] == [0, 1, 2, 3] and [e.group_id for e in eps] == [0, 0, 1, 1]
     assert [e.task_id for e in eps] == [16, 16, 12, 12] and eps[0].task_info["goal"] == "beetroot soup"
@@ -160,7 +160,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
 def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, pool):
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens", max_prompt_length=1024)
     sampler = OracleSampler(tokenizer, pool, 4, bad={2})
-    res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
+    res = collect(None, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(0), progress=False)
     akey = np.asarray(res.steps.action_key)[: res.stats["rows"]]
     firsts = [tuple(r[: min(FIRST_TOKENS, int(m.sum()))]) for r, m in zip(res.response_ids, res.response_mask)]
     assert (akey >= 0).all()
@@ -203,8 +203,7 @@ def test_collect_raises_naming_game_and_step_when_a_prompt_cannot_fit(tokenizer,
             OracleSampler(tokenizer, pool, 4),
             pool,
             tokenizer,
-            TASKS,
-            SEEDS,
+            GAMES,
             rcfg,
             jax.random.key(0),
             progress=False,
@@ -214,22 +213,22 @@ def test_collect_raises_naming_game_and_step_when_a_prompt_cannot_fit(tokenizer,
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(task_ids=[0], seeds=[1, 2]), "one entry per task group"),
-        (dict(task_ids=[0, 1, 2], seeds=[1, 2, 3]), "pool has 4 envs, fewer than"),
+        (dict(games=[]), "at least one"),
+        (dict(games=[(0, 1, 2)]), r"\(task_id, seed\) pairs, got \(0, 1, 2\)"),
+        (dict(games=[(0, 1), (1, 2), (2, 3)]), "pool has 4 envs, fewer than"),
         (dict(game="alfworld"), "RolloutConfig.game is 'alfworld' but the pool runs 'textcraft'"),
     ],
 )
 def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
     rcfg = RolloutConfig(game=kw.pop("game", "textcraft"), group_size=2, max_steps=2, max_prompt_length=1024)
-    args = {"task_ids": TASKS, "seeds": SEEDS, **kw}
+    args = {"games": GAMES, **kw}
     with pytest.raises(ValueError, match=match):
         collect(
             None,
             OracleSampler(tokenizer, pool, 4),
             pool,
             tokenizer,
-            args["task_ids"],
-            args["seeds"],
+            args["games"],
             rcfg,
             jax.random.key(0),
             progress=False,
@@ -240,8 +239,8 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
     sampler = Sampler(tokenizer, scfg)
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024, sampler=scfg)
-    res = collect(actor, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(1), progress=True)
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    res = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(1), progress=True)
     n = res.stats["rows"]
     assert n == 8 and res.response_ids.shape == (8, 8) and res.prompt_ids.shape == (8, 1024)
     fp = np.asarray(res.steps.fingerprint)[:n]
@@ -300,10 +299,9 @@ def test_finish_reasons_are_recorded_and_length_rows_are_scored_by_the_config(to
         max_prompt_length=1024,
         length_finish=mode,
         invalid_penalty=0.1,
-        sampler=SamplerConfig(length_buckets=(512, 1024)),
     )
     res = collect(
-        None, FinishSampler(tokenizer, pool), pool, tokenizer, [16], [3], rcfg, jax.random.key(0), progress=False
+        None, FinishSampler(tokenizer, pool), pool, tokenizer, [(16, 3)], rcfg, jax.random.key(0), progress=False
     )
     traj = np.asarray(res.steps.traj_id)[: res.rows]
     reward = np.asarray(res.steps.reward)[: res.rows]
@@ -342,9 +340,7 @@ def _chaos_pool(tmp_path, plan):
 
 
 def _faults_rcfg(**kw):
-    return RolloutConfig(
-        game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024, sampler=SamplerConfig(), **kw
-    )
+    return RolloutConfig(game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024, **kw)
 
 
 def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokenizer, tmp_path):
@@ -353,7 +349,7 @@ def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokeni
     # reset call 2 is env 1's (task group 0): it hangs; the pool flags it, the rollout resets group 0 again
     with _chaos_pool(tmp_path, [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]) as pool:
         res = collect(
-            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, TASKS, SEEDS, _faults_rcfg(), jax.random.key(0)
+            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, _faults_rcfg(), jax.random.key(0)
         )
     eps = res.episodes
     assert [e.seed for e in eps] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
@@ -369,13 +365,12 @@ def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_pat
             OracleSampler(tokenizer, pool, 4),
             pool,
             tokenizer,
-            TASKS,
-            SEEDS,
+            GAMES,
             _faults_rcfg(reset_retries=0),
             jax.random.key(0),
         )
     eps = res.episodes
-    assert [e.env_error for e in eps] == [None, "crash", None, None] and eps[1].length == 0
+    assert [e.env_error for e in eps] == [None, Fault.CRASH, None, None] and eps[1].length == 0
     assert [e.won for e in eps] == [True, False, True, True] and [e.seed for e in eps] == [3, 3, 4, 4]
     n = res.stats["rows"]
     assert sorted(set(np.asarray(res.steps.traj_id)[:n].tolist())) == [0, 2, 3]
@@ -387,7 +382,7 @@ def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_
     # step calls 1-4 are turn 0 (envs 0-3); call 6 is env 1's second step
     with _chaos_pool(tmp_path, [{"id": "r", "call": "step", "at": 6, "kind": "raise"}]) as pool:
         res = collect(
-            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, TASKS, SEEDS, _faults_rcfg(), jax.random.key(0)
+            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, _faults_rcfg(), jax.random.key(0)
         )
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, "exception", None, None] and eps[1].length == 2
@@ -407,10 +402,9 @@ def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalt
         max_prompt_length=1024,
         invalid_action="projected",
         projection_chars=8,
-        sampler=SamplerConfig(length_buckets=(512, 1024)),
     )
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
-    res = collect(None, sampler, pool, tokenizer, TASKS, SEEDS, rcfg, jax.random.key(0), progress=False)
+    res = collect(None, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(0), progress=False)
     n = res.stats["rows"]
     tid = np.asarray(res.steps.traj_id)[:n]
     # env 1 answers "I do not know.": the game gets its last 8 characters, lower-cased
@@ -421,3 +415,14 @@ def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalt
     # the history shows the projected command, as verl-agent's memory does
     text = tokenizer.decode(res.prompt_ids[int(np.flatnonzero(tid == 1)[1])])
     assert "ot know." in text
+
+
+def test_the_fallback_action_is_the_games_unless_the_config_sets_one():
+    spec = environments.game_spec("textcraft")
+    assert RolloutConfig(game="textcraft").fallback == spec.fallback_action == "inventory"
+    assert RolloutConfig(game="textcraft", fallback_action="look").fallback == "look"
+    assert RolloutConfig(game="textcraft").spec is spec
+    with pytest.raises(ValueError, match="RolloutConfig.game must be a registered game: unknown environment 'chess'"):
+        RolloutConfig(game="chess")
+    with pytest.raises(ValueError, match="RolloutConfig.fallback_action must be None or a non-empty str, got ' '"):
+        RolloutConfig(fallback_action=" ")

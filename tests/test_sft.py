@@ -180,8 +180,7 @@ def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_stat
         ScriptedSampler(tok, script),
         pool,
         tok,
-        [300],
-        [7],
+        [(300, 7)],
         RCFG,
         jax.random.key(0),
         progress=False,
@@ -212,8 +211,7 @@ def test_unparsable_responses_count_as_invalid_and_send_the_fallback(tok, pool):
         ScriptedSampler(tok, lambda turn, n: ["no tags"] * n),
         pool,
         tok,
-        [300, 301],
-        [1, 2],
+        [(300, 1), (301, 2)],
         rcfg,
         jax.random.key(0),
         progress=False,
@@ -260,7 +258,7 @@ def test_rl_and_warm_start_prompts_are_the_same_ids_for_the_same_game_state():
 
     rl_cfg, ws_cfg = configs.textcraft_tiny.get_config(), configs.sft_textcraft_tiny.get_config()
     tok = load_tokenizer(resolve_path(rl_cfg.model.checkpoint))
-    rl = build.rollout_config(rl_cfg, group_size=1, sampler=SamplerConfig())
+    rl = build.rollout_config(rl_cfg, group_size=1)
     ws = sft.rollout_config(ws_cfg)
     assert rl.system_prompt is None and ws.system_prompt is None
     env = environments.make("textcraft", max_steps=15)

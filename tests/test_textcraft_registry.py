@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import environments
-from environments import base
+from environments import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,12 +40,12 @@ def test_import_environments_and_textcraft_games_import_no_heavy_package():
 
 
 def test_lazy_names_import_their_module_on_make(monkeypatch):
-    monkeypatch.setitem(base._LAZY, "_missing_game", "environments._no_such_module")
+    monkeypatch.setitem(registry._LAZY, "_missing_game", "environments._no_such_module")
     with pytest.raises(
         ValueError, match="'_missing_game' is not available: module environments._no_such_module is missing"
     ):
         environments.make("_missing_game")
-    monkeypatch.setitem(base._LAZY, "_silent_game", "environments.testing")
+    monkeypatch.setitem(registry._LAZY, "_silent_game", "environments.testing")
     with pytest.raises(ValueError, match="module environments.testing did not register environment '_silent_game'"):
         environments.make("_silent_game")
     with pytest.raises(ValueError, match=r"unknown environment 'chess'; known: \[.*'textcraft'"):
@@ -53,5 +53,6 @@ def test_lazy_names_import_their_module_on_make(monkeypatch):
 
 
 def test_register_refuses_a_duplicate_name():
+    spec = environments.game_spec("textcraft")
     with pytest.raises(ValueError, match="'textcraft' is already registered"):
-        base.register("textcraft")(lambda **kw: None)
+        registry.register_game(registry.GameSpec("textcraft", spec.factory, spec.template, "look"))

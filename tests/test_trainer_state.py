@@ -250,7 +250,7 @@ def test_validation_panels_come_from_the_games_of_val_options(tmp_path):
         assert pools["val"].env_options == {"max_steps": 2, "split": "valid"}
         assert pools["val/holdout"].env_options == {"max_steps": 1, "split": "valid"}
         v = tr.validate()
-        assert v["val/tasks"] == 3 and v["val/holdout/tasks"] == 2 and v["val/tasks/task_type_valid"] == 3
+        assert v["val/tasks"] == 3 and v["val/holdout/tasks"] == 2 and v["val/tasks/depth_valid"] == 3
         assert v["val/holdout/episode_length"] == 1.0  # its own step cap: played on its own game
     finally:
         tr.close()
