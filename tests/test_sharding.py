@@ -105,6 +105,7 @@ MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,mesh", sorted(EXPECTED_SPECS))
 def test_parameters_declare_logical_axes_giving_the_expected_specs(config, mesh):
     state = abstract_params(CONFIGS[config](), jnp.float32)
@@ -223,6 +224,7 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
     proc = run_on_cpu_devices(SCRIPT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
