@@ -288,6 +288,7 @@ def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_token():
     assert np.isnan(np.asarray(logits[0, 2:])).all() and np.isfinite(np.asarray(logits[1])).all()
 
 
+@pytest.mark.slow
 def test_padding_columns_may_hold_any_id():
     actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
     ids, mask = random_batch(3, 5, 512, padding="left", seed=13, min_real=2)
@@ -297,6 +298,7 @@ def test_padding_columns_may_hold_any_id():
     )
 
 
+@pytest.mark.slow
 def test_forward_hidden_and_lm_logits_compose_to_the_forward():
     actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), fingerprint_layer=1, rngs=nnx.Rngs(8))
     ids, mask = random_batch(2, 6, 512, padding="left", seed=12)

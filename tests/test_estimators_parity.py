@@ -85,6 +85,7 @@ def test_grpo_matches_oracle_on_random_batches(seed, gamma, omega, norm):
     _check(_batch(seed), EstimatorConfig(name="grpo", gamma=gamma, omega=omega, norm=norm))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(norm=st.sampled_from(("mean_std", "mean")), **common)
 def test_gigpo_matches_oracle_on_random_batches(seed, gamma, omega, norm):

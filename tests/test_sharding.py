@@ -143,6 +143,7 @@ def test_make_mesh_checks_sizes_against_the_device_count():
         shd.make_mesh(tensor=0)
 
 
+@pytest.mark.slow
 def test_parameter_counts_of_the_qwen2_5_presets():
     # Exact counts of the published checkpoints (tied heads counted once).
     assert count_params(Qwen2Config.preset("0.5b")) == 494_032_768
@@ -247,6 +248,7 @@ def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
     assert mixed["logits_spec"].startswith("P(('data', 'fsdp'), None, 'tensor')")
 
 
+@pytest.mark.slow
 def test_cache_logical_axes_name_the_key_and_value_layouts():
     """Keys are [L, B, K, Hd, S] and values [L, B, K, S, Hd]: each logical name must sit on the dim of
     its size (a rule that split "cache_seq" would otherwise split the keys' head_dim)."""

@@ -109,6 +109,7 @@ def test_updates_raise_logprob_of_positive_advantage_rows_and_lower_negative_one
     assert np.all(after[:3] > before[:3]) and np.all(after[3:] < before[3:])
 
 
+@pytest.mark.slow
 def test_mini_batches_give_one_optimizer_step_each():
     L = _learner(ADAMW, micro=3, mini=4)
     b = _batch(n=10)  # 3 mini-batches of <= 4 rows, each 2 micro-batches of 3
@@ -196,6 +197,7 @@ def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the
     np.testing.assert_array_equal(wide[:, 4:], b.attention_mask[:3])
 
 
+@pytest.mark.slow
 def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
     # support 40 of the actor's 48 logit columns: log_softmax over the first 40, as the sampler draws.
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
