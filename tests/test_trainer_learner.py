@@ -117,6 +117,7 @@ def test_mini_batches_give_one_optimizer_step_each():
     assert out["loss/updates"] == 3  # ceil(10 / 4)
 
 
+@pytest.mark.slow
 def test_nan_advantage_stops_the_update_and_leaves_params_untouched():
     L = _learner(ADAMW, micro=3)
     b = _batch()
