@@ -20,6 +20,8 @@ from bipace_jax.models import ActorOutput, KVCache, Qwen2Actor, Qwen2Config, loa
 from bipace_jax.models import attention as attn  # noqa: E402
 from tests.qwen_fixtures import build_hf_model, random_batch  # noqa: E402
 
+pytestmark = pytest.mark.parity
+
 TOL = 1e-4
 
 # (name, HF overrides): tied/untied heads and head/kv-head ratios 4:2, 4:1, 4:4, 6:2 (explicit head_dim).
@@ -67,6 +69,7 @@ def normalise(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_logits_and_every_hidden_state_match_hf(hf_pair, padding):
     model, actor, _ = hf_pair
@@ -87,6 +90,7 @@ def test_logits_and_every_hidden_state_match_hf(hf_pair, padding):
     assert np.allclose(np.linalg.norm(np.asarray(out.fingerprint), axis=-1), 1.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fingerprint_layer_selects_hf_hidden_state(hf_pair):
     model, _, path = hf_pair
     ids, mask = random_batch(3, 9, model.config.vocab_size, padding="left", seed=4)
@@ -105,6 +109,7 @@ def test_fingerprint_layer_selects_hf_hidden_state(hf_pair):
         np.testing.assert_allclose(np.asarray(out.fingerprint), normalise(ref_hidden[layer][rows, cols]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_left_and_right_padding_give_the_same_outputs_at_real_tokens():
     actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(3))
     ids_l, mask_l = random_batch(3, 8, 300, padding="left", seed=5, min_real=3)
@@ -122,6 +127,7 @@ def test_left_and_right_padding_give_the_same_outputs_at_real_tokens():
         np.testing.assert_allclose(np.asarray(out_l.logits[b, -n:]), np.asarray(out_r.logits[b, :n]), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_jitted_split_state_forward_equals_eager():
     actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(4))
     ids, mask = random_batch(2, 7, 300, padding="left", seed=6)
@@ -138,6 +144,7 @@ def test_jitted_split_state_forward_equals_eager():
     np.testing.assert_allclose(np.asarray(fp), np.asarray(eager.fingerprint), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_activations_keep_fp32_logits_and_stay_close(tmp_path):
     model = build_hf_model(seed=11, tie_word_embeddings=False)
     path = tmp_path / "ckpt"
@@ -164,6 +171,7 @@ def _extend(ids, mask, new_tokens):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding,layer", [("left", -1), ("right", 1)])
 def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     cfg = Qwen2Config.tiny(tie_word_embeddings=False, num_key_value_heads=1, num_hidden_layers=3)
@@ -191,6 +199,7 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     assert int(cache.index) == 10
 
 
+@pytest.mark.slow
 def test_jitted_prefill_and_decode_loop_equal_full_forward():
     cfg = Qwen2Config.tiny()
     actor = Qwen2Actor(cfg, rngs=nnx.Rngs(2))
@@ -279,6 +288,7 @@ def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_token():
     assert np.isnan(np.asarray(logits[0, 2:])).all() and np.isfinite(np.asarray(logits[1])).all()
 
 
+@pytest.mark.slow
 def test_padding_columns_may_hold_any_id():
     actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
     ids, mask = random_batch(3, 5, 512, padding="left", seed=13, min_real=2)
@@ -288,6 +298,7 @@ def test_padding_columns_may_hold_any_id():
     )
 
 
+@pytest.mark.slow
 def test_forward_hidden_and_lm_logits_compose_to_the_forward():
     actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), fingerprint_layer=1, rngs=nnx.Rngs(8))
     ids, mask = random_batch(2, 6, 512, padding="left", seed=12)
@@ -351,6 +362,7 @@ SELF_SCHEDULES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("schedule", SELF_SCHEDULES, ids=str)
 def test_every_self_attention_schedule_equals_the_reference(schedule, padding):
@@ -375,6 +387,7 @@ def test_every_self_attention_schedule_equals_the_reference(schedule, padding):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule", [attn.Schedule(row_chunk=1), attn.Schedule(row_chunk=2), attn.Schedule(row_chunk=3)], ids=str
 )
@@ -416,6 +429,7 @@ def test_attention_refuses_a_schedule_that_does_not_fit():
         attn.attention(q, k, v, mask, causal=True, schedule=attn.Schedule(causal_blocks=5))
 
 
+@pytest.mark.slow
 def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(monkeypatch):
     """The actor with attention over row chunks (what large CPU batches get) gives the unchunked outputs."""
     actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(10))
@@ -446,6 +460,7 @@ def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monkeypatch, padding):
     """The actor with causal self-attention in query blocks (CPU, T >= 2 blocks) gives the one-block
@@ -474,6 +489,7 @@ def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monke
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_layer_cache_form_gives_the_stacked_forms_values():
     actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), rngs=nnx.Rngs(11))
     ids, mask = random_batch(3, 5, 512, padding="left", seed=18)
@@ -512,6 +528,7 @@ def test_rope_tables_looked_up_by_position_equal_the_direct_ones():
 
 # fingerprint 2 and 3 cut the scan in two (3: just before the prefill's unrolled last layer);
 # remat=True (= "full") on the unrolled layers
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "policy,fingerprint_layer,scan", [("none", 2, True), ("save_dots", 0, True), ("full", 3, True), (True, -1, False)]
 )
@@ -557,6 +574,7 @@ def _causal_case(t=384, seed=21):
     return q, k, v, mask, real
 
 
+@pytest.mark.slow
 def test_tpu_splash_kernel_equals_the_reference_at_real_columns_values_and_gradients():
     # The Pallas kernel in interpret mode (the TPU path's own code, run on CPU), 3 blocks of 128.
     q, k, v, mask, real = _causal_case()

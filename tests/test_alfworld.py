@@ -62,6 +62,7 @@ def test_reset_shows_the_alfworld_intro_task_and_admissible_commands(planner_env
     assert sorted(obs.admissible_actions) == sorted([f"go to {r}" for r in receptacles] + ["help", "inventory", "look"])
 
 
+@pytest.mark.slow
 def test_planner_oracle_solves_every_fixture_game_with_reward_only_at_the_end(planner_env):
     env = planner_env
     for task_id in range(env.num_tasks):
@@ -164,6 +165,7 @@ def test_same_task_and_seed_give_the_same_initial_observation():
         b.close()
 
 
+@pytest.mark.slow
 def test_handcoded_expert_solves_the_single_object_task_types():
     """ALFWorld's own HandCodedTWAgent, run alongside the game as AlfredExpert runs it."""
     env = alf.AlfWorldEnv(data_path=alf.FIXTURES_DIR, expert_type="handcoded", task_types=(1, 2, 3, 4, 5))
@@ -259,6 +261,7 @@ def test_generator_reproduces_the_committed_fixture_games():
         assert f"Your task is to: {traj['task_desc']}." in game["grammar"]
 
 
+@pytest.mark.slow
 def test_task_group_plays_in_pool_workers_and_the_oracle_wins():
     from environments.pool import EnvPool
 

@@ -24,6 +24,7 @@ def _aot(tmp_path, *args, env=None):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
 
 
+@pytest.mark.slow
 def test_cpu8_compiles_every_program_with_fsdp_sharded_fp32_master_weights_and_moments(tmp_path):
     proc = _aot(tmp_path, "--topology=cpu:8", "--config.mesh.data=1", "--config.mesh.fsdp=-1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -43,6 +44,7 @@ def test_cpu8_compiles_every_program_with_fsdp_sharded_fp32_master_weights_and_m
     assert "fits: True" in proc.stdout and "ppo_grad" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_program_over_the_budget_exits_nonzero_and_says_so(tmp_path):
     proc = _aot(tmp_path, "--topology=cpu:2", "--programs=ppo_apply", "--budget=0.0000001")
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -51,6 +53,7 @@ def test_a_program_over_the_budget_exits_nonzero_and_says_so(tmp_path):
     assert "fits: False" in proc.stdout
 
 
+@pytest.mark.slow
 def test_unknown_topology_and_program_are_refused_by_name(tmp_path):
     proc = _aot(tmp_path, "--topology=cpu:0")
     assert proc.returncode != 0 and "--topology=cpu:0" in proc.stderr
@@ -74,6 +77,7 @@ def test_committed_tpu_reports_fit_with_fp32_master_weights(path):
     assert 15.5 <= r["ppo_apply_argument_bytes_per_param"] <= 17.0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")')
 @pytest.mark.parametrize("path", COMMITTED, ids=[os.path.basename(p) for p in COMMITTED])
 def test_committed_tpu_reports_compile_again_to_the_same_memory(path, tmp_path):

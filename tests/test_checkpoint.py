@@ -82,6 +82,7 @@ def test_actor_saved_loads_in_transformers_to_the_same_logits(tmp_path, tied):
         assert json.load(f)["eos_token_id"] == 2
 
 
+@pytest.mark.slow
 def test_sharded_save_writes_an_index_that_loads_back(tmp_path):
     actor = Qwen2Actor(Qwen2Config.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(6))
     path = save_hf_checkpoint(actor, tmp_path / "sharded", max_shard_bytes=60_000)
@@ -253,6 +254,7 @@ def test_loader_rejects_a_path_that_is_not_a_folder(tmp_path):
         load_hf_checkpoint(tmp_path / "absent")
 
 
+@pytest.mark.slow
 def test_tied_checkpoint_that_also_stores_an_identical_head_loads(tmp_path, pristine):
     path = tmp_path / "ckpt"
     path.mkdir()

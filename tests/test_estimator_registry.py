@@ -95,6 +95,7 @@ def test_duplicate_and_malformed_specs_are_rejected():
     assert registry.names() == BUILTINS
 
 
+@pytest.mark.slow
 def test_a_registered_toy_estimator_runs_jitted_and_in_the_reference(toy):
     assert registry.names() == (*BUILTINS, toy.name)
     cfg = EstimatorConfig(name=toy.name, gamma=0.5, norm="mean", omega=2.0)

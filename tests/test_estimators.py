@@ -104,6 +104,7 @@ def _gigpo_step(norm):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gigpo", "bigpo"])
 @pytest.mark.parametrize("norm", ["mean_std", "mean"])
 def test_gigpo_and_bigpo_hand_computed_step_advantages(name, norm):
@@ -206,6 +207,7 @@ def test_equal_episode_returns_stay_equal_despite_float32_rounding():
     np.testing.assert_array_equal(adv[:6], 0.0)
 
 
+@pytest.mark.slow
 def test_clustering_nearest_cluster_ties_leader_vs_mean_overflow_and_degenerate_rows():
     deg = lambda a: np.radians(a)
     unit = lambda a: np.array([np.cos(deg(a)), np.sin(deg(a))] + [0] * 6, np.float32)
@@ -244,6 +246,7 @@ def test_clustering_nearest_cluster_ties_leader_vs_mean_overflow_and_degenerate_
     assert float(diag["loo_row_rate"]) == pytest.approx(2 / 5)
 
 
+@pytest.mark.slow
 def test_epsilon_zero_with_one_hot_obs_fingerprints_equals_gigpo_exactly():
     for seed in range(6):
         a = random_step_arrays(np.random.default_rng(seed), num_rows=64, dim=8)
@@ -258,6 +261,7 @@ def test_epsilon_zero_with_one_hot_obs_fingerprints_equals_gigpo_exactly():
                 assert float(g_diag[k]) == float(c_diag[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,norm", [("gigpo", "mean_std"), ("bipace_q", "mean")])
 def test_row_permutation_and_extra_padding_change_nothing(name, norm):
     cfg = EstimatorConfig(name=name, epsilon=0.1, norm=norm)
@@ -281,6 +285,7 @@ def test_row_permutation_and_extra_padding_change_nothing(name, norm):
             assert float(p_diag[k]) == float(diag[k]) == pytest.approx(float(x_diag[k])), k
 
 
+@pytest.mark.slow
 def test_bipace_q_recovers_q_minus_v_on_a_bisimulation_mdp():
     """Two observation texts per latent state (bisimilar: same dynamics, same fingerprint up to
     noise). s0 -> action a in {0, 1, 2} -> s1 (obs text x or y at random) -> action b -> terminal
@@ -315,6 +320,7 @@ def test_bipace_q_recovers_q_minus_v_on_a_bisimulation_mdp():
     assert int(diag["num_step_groups"]) == 2 and int(diag["hash_num_step_groups"]) == 3
 
 
+@pytest.mark.slow
 def test_bfloat16_fingerprints_cluster_like_their_float32_values():
     a = random_step_arrays(np.random.default_rng(5), num_rows=64, dim=8, fingerprints="gaussian")
     a16 = dict(a, fingerprint=a["fingerprint"].astype(ml_dtypes.bfloat16))

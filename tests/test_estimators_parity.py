@@ -29,6 +29,8 @@ from bipace_jax.estimators import (
 from bipace_jax.estimators.config import EPISODE_STATS, PACE_FALLBACKS, PENALTIES, STEP_NORMS
 from bipace_jax.estimators.synthetic import random_step_arrays
 
+pytestmark = pytest.mark.parity
+
 N, D, GROUPS, ROWS = 64, 8, 4, 24
 EPSILONS = (0.0, 0.02, 0.1, 0.3, 0.6)
 GAMMAS = (0.0, 0.5, 0.95, 1.0)
@@ -76,18 +78,21 @@ def _check(batch, cfg):
 common = dict(seed=st.integers(0, 2**32 - 1), gamma=st.sampled_from(GAMMAS), omega=st.sampled_from((1.0, 0.5)))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(norm=st.sampled_from(("mean_std", "mean")), **common)
 def test_grpo_matches_oracle_on_random_batches(seed, gamma, omega, norm):
     _check(_batch(seed), EstimatorConfig(name="grpo", gamma=gamma, omega=omega, norm=norm))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(norm=st.sampled_from(("mean_std", "mean")), **common)
 def test_gigpo_matches_oracle_on_random_batches(seed, gamma, omega, norm):
     _check(_batch(seed), EstimatorConfig(name="gigpo", gamma=gamma, omega=omega, norm=norm))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bigpo", "bipace_q", "bipace_diff"])
 @SETTINGS
 @given(variant=st.sampled_from((0, 1)), epsilon=st.sampled_from(EPSILONS), **common)
@@ -101,6 +106,7 @@ def test_clustering_estimators_match_oracle_partitions_advantages_and_diagnostic
     _check(_batch(seed), cfg)
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("EST_EXAMPLES", 500)), deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -168,6 +174,7 @@ PROTOCOL_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,protocol", PROTOCOL_CASES)
 @settings(
     max_examples=max(1, int(os.environ.get("EST_EXAMPLES", 400)) // 50),  # 8 per case: 33 cases

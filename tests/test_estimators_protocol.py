@@ -122,6 +122,7 @@ def test_own_row_penalty_charges_only_its_own_row(penalty, stats, expected):
     np.testing.assert_allclose(ref, expected, rtol=0, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_in_reward_equals_a_batch_with_the_penalty_already_in_the_reward():
     """The old contract: with penalty="in_reward" a penalty field changes nothing but `reward - penalty`."""
     caps = dict(group_capacity=4, row_capacity=32)  # one compiled function per estimator and batch structure
@@ -174,6 +175,7 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,step_norm,step", STEP_CASES)
 def test_step_norm_std_divides_the_pace_term_by_the_cluster_std(name, step_norm, step):
     batch = _batch(STEP_TRAJS, penalties=False)
@@ -184,6 +186,7 @@ def test_step_norm_std_divides_the_pace_term_by_the_cluster_std(name, step_norm,
     assert np.abs(np.asarray(step)).max() > 0.5 and diag["max_group_size"] == 4
 
 
+@pytest.mark.slow
 def test_step_norm_is_ignored_under_norm_mean_and_zeroes_an_all_equal_cluster():
     batch = _batch(STEP_TRAJS, penalties=False)
     plain, _, _ = _both(batch, name="bipace_q", norm="mean")
@@ -231,6 +234,7 @@ FALLBACK_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,fallback,step,loo,pace", FALLBACK_CASES)
 def test_singleton_pool_falls_back_per_row(name, fallback, step, loo, pace):
     batch = _batch(FALLBACK_TRAJS, penalties=False)

@@ -4,6 +4,8 @@ before JAX initialises."""
 
 import textwrap
 
+import pytest
+
 from tests.devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent("""
@@ -34,6 +36,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_over_eight_devices_equals_one_device():
     out = run_on_cpu_devices(SCRIPT, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

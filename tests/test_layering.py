@@ -1,14 +1,17 @@
 """The import layering of docs/architecture.md: data flows one way, and no module imports itself back.
 
-Rules: nothing in ``bipace_jax`` imports ``configs`` or ``launch``; nothing in ``environments`` imports
-``bipace_jax``, ``configs`` or ``launch``; ``configs`` never imports ``launch``; the module graph of the
-project (every import statement, at module level or inside a function) has no cycle; and a project
-library module is never imported inside a function (lazy imports hid the cycles this test now forbids).
-No library module is over 800 lines, and `trainer.py` is at most 500.
+Package rules: nothing in ``bipace_jax`` imports ``configs`` or ``launch``; nothing in ``environments``
+imports ``bipace_jax``, ``configs`` or ``launch``; ``configs`` never imports ``launch``. Module order
+inside ``bipace_jax``: ``LAYERS`` below, bottom first, is the numbered list of docs/architecture.md
+(a test checks that they agree); a module imports only modules of its own layer and of layers below,
+and ``NEVER`` adds the rules between neighbours that the order alone allows (learning beside rollout).
+The module graph of the project (every import statement, at module level or inside a function) has no
+cycle, and a project library module is never imported inside a function (lazy imports hid cycles).
 """
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -19,6 +22,42 @@ FORBIDDEN = {
     "environments": {"bipace_jax", "configs", "launch"},
     "configs": {"launch"},
     "launch": set(),
+}
+
+# The order inside bipace_jax, bottom first: (layer name, modules). A name covers a package's
+# submodules too ("bipace_jax.models" is every module under bipace_jax/models/). A new library module
+# gets a line here and in docs/architecture.md's list (test_every_library_module_has_a_layer says which).
+LAYERS = (
+    ("checks", ("bipace_jax.config",)),
+    (
+        "base",
+        (
+            "bipace_jax.sharding",
+            "bipace_jax.tasks",
+            "bipace_jax.distributed",
+            "bipace_jax.runfolder",
+            "bipace_jax.checkpointing",
+            "bipace_jax.metric_keys",
+            "bipace_jax.metrics",
+            "bipace_jax.programs",
+        ),
+    ),
+    ("models", ("bipace_jax.models",)),
+    ("estimators", ("bipace_jax.estimators",)),
+    ("sampling", ("bipace_jax.sampling",)),
+    ("batch", ("bipace_jax.batch",)),
+    ("rollout", ("bipace_jax.rollout",)),
+    ("learning", ("bipace_jax.losses", "bipace_jax.learner", "bipace_jax.ppo")),
+    ("top", ("bipace_jax", "bipace_jax.build", "bipace_jax.tiny", "bipace_jax.sft", "bipace_jax.trainer")),
+)
+# Layers the order puts below a module that it still must not import: (importer layer, imported layer).
+NEVER = (("learning", "rollout"),)
+# Edges today's tree has only because other branches of this round are moving code: the factories
+# leave config.py for build.py, TokenBatch leaves rollout.py for batch.py. The order tests skip them;
+# IN_PROGRESS_EDGES expects them gone (xfail until the merge; then delete this table and the xfail).
+IN_PROGRESS = {
+    ("bipace_jax.config", "*"): "config.py's factories (build_actor, ppo_learner, ...) move to bipace_jax/build.py",
+    ("bipace_jax.ppo", "bipace_jax.rollout"): "TokenBatch moves from rollout.py to bipace_jax/batch.py",
 }
 
 
@@ -73,6 +112,36 @@ def _imports(name: str, path: str) -> list[tuple[str, bool, int]]:
 GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
 
 
+def _layer_of(module: str) -> int | None:
+    """Index in LAYERS of a bipace_jax module (its most specific entry), or None if no entry covers it."""
+    best, best_len = None, -1
+    for i, (_, names) in enumerate(LAYERS):
+        for n in names:
+            # the package's own __init__ is listed exactly; other entries also cover their submodules
+            covers = module == n or (n != "bipace_jax" and module.startswith(n + "."))
+            if covers and len(n) > best_len:
+                best, best_len = i, len(n)
+    return best
+
+
+def _order_violations(graph, skip=()) -> list[str]:
+    """Imports of a bipace_jax module from a higher layer, or from a layer that NEVER forbids, as
+    'module:line imports target (layer a -> layer b)'; edges matched by ``skip`` (IN_PROGRESS keys,
+    target "*" = any) are left out."""
+    names = [n for n, _ in LAYERS]
+    never = {(names.index(a), names.index(b)) for a, b in NEVER}
+    bad = []
+    for m, deps in graph.items():
+        lm = _layer_of(m)
+        for t, _, line in deps:
+            lt = _layer_of(t)
+            if lm is None or lt is None or (m, "*") in skip or (m, t) in skip:
+                continue
+            if lt > lm or (lm, lt) in never:
+                bad.append(f"{m}:{line} imports {t} (layer {names[lm]} -> layer {names[lt]})")
+    return bad
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_lower_layers_never_import_higher_ones(package):
     bad = [
@@ -83,6 +152,72 @@ def test_lower_layers_never_import_higher_ones(package):
         if t.split(".")[0] in FORBIDDEN[package]
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_every_library_module_has_a_layer():
+    missing = sorted(m for m in MODULES if m.split(".")[0] == "bipace_jax" and _layer_of(m) is None)
+    assert not missing, f"give these a layer in LAYERS and in docs/architecture.md's list: {missing}"
+
+
+def test_library_modules_import_only_their_own_layer_and_below():
+    bad = _order_violations(GRAPH, skip=IN_PROGRESS)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "edge",
+    [
+        pytest.param(edge, id=f"{edge[0]}->{edge[1]}", marks=pytest.mark.xfail(strict=False, reason=reason))
+        for edge, reason in IN_PROGRESS.items()
+    ],
+)
+def test_in_progress_edges_are_gone(edge):
+    # The target rule for each edge in IN_PROGRESS: it passes once the move has merged (then: XPASS).
+    module, target = edge
+    bad = [v for v in _order_violations({module: GRAPH.get(module, [])}) if target == "*" or f" imports {target} " in v]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_order_check_sees_planted_violations(tmp_path):
+    # Sampling importing rollout, an estimator importing the learner, config importing models (the
+    # order) and ppo importing rollout (NEVER) are each reported; rollout importing sampling is not.
+    planted = {
+        "bipace_jax.sampling": "from bipace_jax.rollout import collect\n",
+        "bipace_jax.estimators.core": "from bipace_jax import ppo\n",
+        "bipace_jax.config": "import os\n\nfrom bipace_jax.models import Qwen2Config\n",
+        "bipace_jax.ppo": "from bipace_jax import losses\nfrom bipace_jax.rollout import TokenBatch\n",
+        "bipace_jax.rollout": "from bipace_jax.sampling import Sampler\nfrom bipace_jax.estimators import StepBatch\n",
+    }
+    graph = {}
+    for m, text in planted.items():
+        p = tmp_path / f"{m}.py"
+        p.write_text(text)
+        graph[m] = _imports(m, str(p))
+    assert sorted(_order_violations(graph)) == [
+        "bipace_jax.config:3 imports bipace_jax.models (layer checks -> layer models)",
+        "bipace_jax.estimators.core:1 imports bipace_jax.ppo (layer estimators -> layer learning)",
+        "bipace_jax.ppo:2 imports bipace_jax.rollout (layer learning -> layer rollout)",
+        "bipace_jax.sampling:1 imports bipace_jax.rollout (layer sampling -> layer rollout)",
+    ]
+    # the skip table leaves out exactly its edges
+    assert sorted(_order_violations(graph, skip=IN_PROGRESS)) == [
+        "bipace_jax.estimators.core:1 imports bipace_jax.ppo (layer estimators -> layer learning)",
+        "bipace_jax.sampling:1 imports bipace_jax.rollout (layer sampling -> layer rollout)",
+    ]
+
+
+def test_layers_are_the_numbered_list_of_docs_architecture():
+    # The doc's list, one item per layer in LAYERS' order, names every module of its layer.
+    text = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    items = re.findall(r"^\d+\. \*\*(\w+)\*\*(.*?)(?=^\d+\. |^#|\Z)", text, flags=re.M | re.S)
+    doc = [(name, body) for name, body in items if name in dict(LAYERS)]
+    assert [n for n, _ in doc] == [n for n, _ in LAYERS], [n for n, _ in items]
+    for (name, body), (_, modules) in zip(doc, LAYERS):
+        for m in modules:
+            path = m.replace(".", "/")
+            named = f"`{path}.py`" in body or f"`{path}/`" in body or f"`{m}`" in body
+            named = named or f"`{path.rpartition('/')[2]}.py`" in body or f"`{path.rpartition('/')[2]}/`" in body
+            assert named, f"docs/architecture.md's item {name!r} does not name {m}"
 
 
 def test_no_library_module_imports_a_project_module_inside_a_function():
@@ -126,10 +261,3 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
     deps = _imports("bipace_jax.x", str(p))
     assert ("bipace_jax.trainer", False, 1) in deps and ("bipace_jax.estimators.gigpo", False, 2) in deps
     assert ("configs.base", True, 4) in deps
-
-
-def test_library_modules_stay_readable_in_one_sitting():
-    # Issue 11's size limits: no library file over 800 lines, the trainer loop at most 500.
-    sizes = {m: sum(1 for _ in open(p)) for m, p in MODULES.items() if m.startswith("bipace_jax")}
-    assert sizes["bipace_jax.trainer"] <= 500, sizes["bipace_jax.trainer"]
-    assert not {m: n for m, n in sizes.items() if n > 800}

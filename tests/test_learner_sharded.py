@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.devices import run_on_cpu_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,6 +108,7 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_loads_into_shardings_and_learner_runs_under_the_mesh_on_8_cpu_devices():
     proc = run_on_cpu_devices(SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -182,6 +185,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_make_their_local_copies_on_device():
     import socket
 

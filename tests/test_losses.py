@@ -100,6 +100,7 @@ def test_ppo_loss_is_taken_at_the_policy_temperature():
         losses.PPOLossConfig(temperature=0.0)
 
 
+@pytest.mark.slow
 def test_micro_batch_losses_with_global_denominator_sum_to_full_batch_token_mean():
     rng = np.random.default_rng(0)
     B, M, V = 6, 5, 7

@@ -143,6 +143,7 @@ def _reference_key(response: str) -> str | None:
     return body or None
 
 
+@pytest.mark.slow
 @settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(response=_responses, require_think=st.booleans())
 def test_parse_action_never_raises_and_matches_reference_on_10000_strings(response, require_think):

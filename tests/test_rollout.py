@@ -235,6 +235,7 @@ def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
         )
 
 
+@pytest.mark.slow
 def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))

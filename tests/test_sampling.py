@@ -251,6 +251,7 @@ def test_filter_logits_keeps_the_same_tokens_as_hf_warpers(top_k, top_p):
     np.testing.assert_array_equal(ours[np.isfinite(ours)], logits[np.isfinite(ours)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (7, 1.0), (0, 0.37), (0, 0.81), (6, 0.55), (1, 0.9)])
 def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_zeros(top_k, top_p):
     rng = np.random.default_rng(top_k * 100 + int(top_p * 100))
@@ -298,6 +299,7 @@ def _filtered_probs_oracle(logits, temperature, top_k, top_p):
     return q / q.sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.5, 0, 0.75), (1.0, 5, 0.9)])
 def test_sampled_tokens_follow_the_filtered_distribution(temperature, top_k, top_p):
     from scipy import stats
@@ -332,6 +334,7 @@ class ConstLM(FakeLM):
         return jnp.broadcast_to(self.const[...], h.shape[:-1] + self.const.shape), h
 
 
+@pytest.mark.slow
 def test_generate_draws_independently_per_row_and_step_from_the_filtered_distribution():
     from scipy import stats
 
@@ -401,6 +404,7 @@ def _cfg(**kw):
     return SamplerConfig(**base)
 
 
+@pytest.mark.slow
 def test_greedy_generate_equals_stepwise_argmax_over_the_full_forward():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=16, seed=3)
@@ -431,6 +435,7 @@ def test_greedy_generate_equals_stepwise_argmax_over_the_full_forward():
         np.testing.assert_allclose(out.logprobs[i, :n], lp[np.arange(n), resp], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sampling_stops_right_after_stop_text_and_at_eos():
     tok = small_tokenizer()
     v = len(tok)
@@ -460,6 +465,7 @@ def test_sampling_stops_right_after_stop_text_and_at_eos():
     assert out.lengths[3] == 40 and decoded[3].startswith("a/b <a> café") and decoded[3].endswith("bbb")
 
 
+@pytest.mark.slow
 def test_padding_rows_and_neighbours_never_change_a_row():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=16, seed=5, scale=1.0)
@@ -479,6 +485,7 @@ def test_padding_rows_and_neighbours_never_change_a_row():
         np.testing.assert_allclose(alone.fingerprints[i], together.fingerprints[i], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_more_prompts_than_the_largest_bucket_are_served_in_chunks_with_the_same_rows():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=8, seed=2, scale=1.0)

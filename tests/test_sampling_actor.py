@@ -16,6 +16,8 @@ from bipace_jax.models import load_hf_checkpoint, load_tokenizer
 from bipace_jax.sampling import Sampler, SamplerConfig
 from tests.devices import run_on_cpu_devices
 
+pytestmark = pytest.mark.parity
+
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
@@ -24,6 +26,7 @@ def tiny_folder(tmp_path_factory):
     return write_tiny_qwen2_folder(tmp_path_factory.mktemp("qwen") / "ckpt", seed=1, weight_std=0.3)
 
 
+@pytest.mark.slow
 def test_greedy_equals_full_forward_argmax_and_hf_generate(tiny_folder):
     torch = pytest.importorskip("torch")
     import transformers
@@ -111,6 +114,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_over_8_cpu_devices_equals_one_device():
     res = run_on_cpu_devices(_SHARDED_SCRIPT)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -116,6 +116,7 @@ def tiny_learner(vocab, lr=0.0):
     return Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), optax.sgd(lr))
 
 
+@pytest.mark.slow
 def test_micro_batches_give_the_exact_token_mean_of_the_batch():
     """Rows with 1 to 3 response tokens: the step's loss is the mean NLL over the batch's 9 real response
     tokens, computed here from the full logits, whatever the micro-batch split."""

@@ -15,6 +15,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "data", "textcraft_tiny")
 
 

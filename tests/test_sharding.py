@@ -105,6 +105,7 @@ MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,mesh", sorted(EXPECTED_SPECS))
 def test_parameters_declare_logical_axes_giving_the_expected_specs(config, mesh):
     state = abstract_params(CONFIGS[config](), jnp.float32)
@@ -151,6 +152,7 @@ def test_make_mesh_on_one_process_keeps_jax_make_mesh_order_and_passes_the_place
     assert info["processes"] == 1 and info["process_batch_shards"] == {"0": [0, len(devices)]}
 
 
+@pytest.mark.slow
 def test_parameter_counts_of_the_qwen2_5_presets():
     # Exact counts of the published checkpoints (tied heads counted once).
     assert count_params(Qwen2Config.preset("0.5b")) == 494_032_768
@@ -232,6 +234,7 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
     proc = run_on_cpu_devices(SCRIPT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -254,6 +257,7 @@ def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
     assert mixed["logits_spec"].startswith("P(('data', 'fsdp'), None, 'tensor')")
 
 
+@pytest.mark.slow
 def test_cache_logical_axes_name_the_key_and_value_layouts():
     """Keys are [L, B, K, Hd, S] and values [L, B, K, S, Hd]: each logical name must sit on the dim of
     its size (a rule that split "cache_seq" would otherwise split the keys' head_dim)."""

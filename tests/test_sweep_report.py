@@ -114,6 +114,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_two_cell_sweep_runs_and_resumes_after_a_kill(tmp_path):
     from bipace_jax.tiny import build_game_tokenizer
     from configs import textcraft_tiny

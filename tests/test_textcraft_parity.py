@@ -28,6 +28,8 @@ import pytest
 import environments
 from environments.textcraft import default_recipe_book, item_display_name
 
+pytestmark = pytest.mark.parity
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _RUNNER = r"""
@@ -154,6 +156,7 @@ def scripted():
     return jobs, ours
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hash_seed", ["1", "4242"])
 def test_pinned_original_matches_engine_character_for_character(scripted, hash_seed):
     jobs, ours = scripted
@@ -166,6 +169,7 @@ def test_pinned_original_matches_engine_character_for_character(scripted, hash_s
         assert orig["steps"][-1][1:] == [1.0, True]  # the oracle's script wins in both
 
 
+@pytest.mark.slow
 def test_raw_original_matches_engine_up_to_hash_order(scripted):
     jobs, _ = scripted
     book = default_recipe_book()

@@ -12,9 +12,12 @@ import os
 import pytest
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "data", "textcraft_tiny")
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(SHIPPED, "config.json")), reason="no shipped warm start in this checkout"
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not os.path.exists(os.path.join(SHIPPED, "config.json")), reason="no shipped warm start in this checkout"
+    ),
+]
 
 # Greedy success on the first NUM_GAMES seen-goal games of the panel, measured when the checkpoint
 # was made (see docs/warm_start.md / the folder's sft_report.json); the test allows MARGIN below it.

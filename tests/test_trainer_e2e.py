@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [

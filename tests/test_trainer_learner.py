@@ -51,6 +51,7 @@ def _learner(tx, micro, kl=0.0, mini=0, actor=None):
     return PPOLearner(actor or _actor(), mesh, cfg, tx, micro_batch_rows=micro, mini_batch_rows=mini)
 
 
+@pytest.mark.slow
 def test_logprobs_match_a_per_row_forward_over_the_real_tokens():
     L = _learner(SGD, micro=4)
     b = _batch(n=4)
@@ -65,6 +66,7 @@ def test_logprobs_match_a_per_row_forward_over_the_real_tokens():
         np.testing.assert_allclose(lp[i, : len(resp)], want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
     b = _batch(n=6)
     adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
@@ -78,6 +80,7 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
         jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6, rtol=1e-5), results[0], other)
 
 
+@pytest.mark.slow
 def test_first_update_sees_unit_ratio_and_zero_kl_to_the_initial_policy():
     L = _learner(ADAMW, micro=3, kl=0.01)
     b = _batch()
@@ -93,6 +96,7 @@ def test_first_update_sees_unit_ratio_and_zero_kl_to_the_initial_policy():
     assert np.abs(L.logprobs(L.params_local, b) - old)[b.response_mask].max() > 1e-4
 
 
+@pytest.mark.slow
 def test_updates_raise_logprob_of_positive_advantage_rows_and_lower_negative_ones():
     L = _learner(ADAMW, micro=3, mini=0)
     b = _batch(n=6, seed=3)
@@ -105,6 +109,7 @@ def test_updates_raise_logprob_of_positive_advantage_rows_and_lower_negative_one
     assert np.all(after[:3] > before[:3]) and np.all(after[3:] < before[3:])
 
 
+@pytest.mark.slow
 def test_mini_batches_give_one_optimizer_step_each():
     L = _learner(ADAMW, micro=3, mini=4)
     b = _batch(n=10)  # 3 mini-batches of <= 4 rows, each 2 micro-batches of 3
@@ -112,6 +117,7 @@ def test_mini_batches_give_one_optimizer_step_each():
     assert out["loss/updates"] == 3  # ceil(10 / 4)
 
 
+@pytest.mark.slow
 def test_nan_advantage_stops_the_update_and_leaves_params_untouched():
     L = _learner(ADAMW, micro=3)
     b = _batch()
@@ -123,6 +129,7 @@ def test_nan_advantage_stops_the_update_and_leaves_params_untouched():
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, L.params))
 
 
+@pytest.mark.slow
 def test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass():
     b = _batch(n=6, seed=5)
     adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
@@ -159,6 +166,7 @@ def test_fused_old_logprobs_give_the_same_update_as_a_recomputed_pass():
         )
 
 
+@pytest.mark.slow
 def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the_update():
     # Prompts of 2..12 tokens in a batch padded to 12: micro-batches of similar lengths keep 4, 8 or 12
     # prompt columns; log-probs and the parameters after two updates equal the uncut learner's.
@@ -190,6 +198,7 @@ def test_prompt_buckets_cut_micro_batch_padding_without_changing_logprobs_or_the
     np.testing.assert_array_equal(wide[:, 4:], b.attention_mask[:3])
 
 
+@pytest.mark.slow
 def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
     # support 40 of the actor's 48 logit columns: log_softmax over the first 40, as the sampler draws.
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -227,6 +236,7 @@ def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
     np.testing.assert_allclose(float(stats["entropy"]), np.mean(ents), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_chunked_lm_head_gives_the_same_logprobs_and_update(chunk=3):  # 3 does not divide M = 5: a padded chunk
     b = _batch(n=6, seed=5)
     adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
@@ -245,6 +255,7 @@ def test_chunked_lm_head_gives_the_same_logprobs_and_update(chunk=3):  # 3 does 
     jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6, rtol=1e-5), p0, p1)
 
 
+@pytest.mark.slow
 def test_fp32_master_weights_with_bf16_compute_change_every_weight_under_small_adamw_steps():
     # bf16 parameters would round most of these 1e-6 updates away (issue: "updates vanish").
     actor = _actor(1, dtype=jnp.bfloat16, param_dtype=jnp.float32)

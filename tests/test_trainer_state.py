@@ -218,6 +218,7 @@ def test_two_metrics_loggers_started_in_the_same_second_keep_both_event_files(tm
     assert sorted(steps) == [0, 1]
 
 
+@pytest.mark.slow
 def test_validation_panels_come_from_the_games_of_val_options(tmp_path):
     # verl-agent validates ALFWorld on valid_seen / valid_unseen, not on training games: val.options and
     # val.holdout_options build those panels' games (here FaultyEnv's 7-task "valid" split) on their own pools
