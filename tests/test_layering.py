@@ -40,6 +40,7 @@ LAYERS = (
             "bipace_jax.metric_keys",
             "bipace_jax.metrics",
             "bipace_jax.programs",
+            "bipace_jax.step_time",
         ),
     ),
     ("models", ("bipace_jax.models",)),
@@ -48,7 +49,10 @@ LAYERS = (
     ("batch", ("bipace_jax.batch",)),
     ("rollout", ("bipace_jax.rollout",)),
     ("learning", ("bipace_jax.losses", "bipace_jax.learner", "bipace_jax.ppo")),
-    ("top", ("bipace_jax", "bipace_jax.build", "bipace_jax.tiny", "bipace_jax.sft", "bipace_jax.trainer")),
+    (
+        "top",
+        ("bipace_jax", "bipace_jax.build", "bipace_jax.tiny", "bipace_jax.sft", "bipace_jax.trainer", "bipace_jax.lab"),
+    ),
 )
 # Layers the order puts below a module that it still must not import: (importer layer, imported layer).
 NEVER = (("learning", "rollout"),)
