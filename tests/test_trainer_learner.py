@@ -271,3 +271,26 @@ def test_fp32_master_weights_with_bf16_compute_change_every_weight_under_small_a
     after = jax.tree.map(np.asarray, L.params)
     changed = jax.tree.leaves(jax.tree.map(lambda a, c: float(np.mean(a != c)), before, after))
     assert min(changed) == 1.0, changed
+
+
+def test_program_specs_are_what_the_learner_runs():
+    from bipace_jax.batch import abstract_micro_batch
+    from bipace_jax.ppo import STAT_KEYS, logprobs_spec
+
+    L = _learner(SGD, micro=3)
+    b = _batch(n=3)
+    mb = abstract_micro_batch(L.mesh, 3, b.prompt_len, 5, reference=False)  # kl_coef 0: no reference
+    step = L.step_specs(L.objective, mb, STAT_KEYS)
+    acc = step["accumulate"]
+    assert acc.donate_argnums == (2,) and step["apply"].donate_argnums == (0, 1)  # the accumulator, params + moments
+    placed = zip(jax.tree.leaves(acc.args[0]), jax.tree.leaves(acc.in_shardings[0]), jax.tree.leaves(L.param_shardings))
+    assert all(got.is_equivalent_to(want, x.ndim) for x, got, want in placed)
+    assert acc.args[4].input_ids.shape == (3, b.prompt_len + 5) and acc.args[4].ref_logprobs is None
+    assert acc.lower().compile() is not None
+    with pytest.raises(TypeError, match="'accumulate' takes 6 positional arguments, got 1"):
+        acc(L.params)
+    # the log-prob spec's program is the one PPOLearner.logprobs calls: same values through either
+    lmb = abstract_micro_batch(L.mesh, 3, b.prompt_len, 5, logprobs=False)
+    spec = logprobs_spec(L.graphdef, L.objective, L.params_local, L.rest, lmb)
+    got = spec(L.params_local, L.rest, jax.tree.map(jnp.asarray, b.take(np.arange(3), b.prompt_len, 3)))
+    np.testing.assert_allclose(np.asarray(got), L.logprobs(L.params_local, b), atol=1e-6)
