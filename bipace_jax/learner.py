@@ -11,7 +11,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import distributed, sharding
+from bipace_jax.programs import ProgramSpec, abstract
 
 #: ``loss_fn(model, micro_batch, denom) -> (loss, stats)``: a scalar and a dict of scalars, summed over
 #: the micro-batches of a step. It must be hashable by value (a frozen dataclass), so learners of the
@@ -32,12 +33,22 @@ class NonFiniteError(FloatingPointError):
     """A loss or gradient was NaN/Inf; the update was not applied."""
 
 
+class StepPrograms(NamedTuple):
+    """The jitted programs of one (model, loss, optimizer): ``accumulate(params, rest, grads, stats, mb,
+    denom) -> (grads, stats)`` (``grads`` donated), ``apply(params, opt_state, grads) -> (params,
+    opt_state)`` (``params`` and ``opt_state`` donated), ``zeros(params)`` and ``global_norm(grads)``."""
+
+    accumulate: Callable
+    apply: Callable
+    zeros: Callable
+    global_norm: Callable
+
+
 @functools.lru_cache(maxsize=32)
-def _programs(graphdef, loss_fn: LossFn, tx: optax.GradientTransformation):
+def _step_programs(graphdef, loss_fn: LossFn, tx: optax.GradientTransformation) -> StepPrograms:
     def loss(params, rest, mb, denom):
         return loss_fn(nnx.merge(graphdef, params, rest), mb, denom)
 
-    @jax.jit
     def accumulate(params, rest, grads_acc, stats_acc, mb, denom):
         (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params, rest, mb, denom)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
@@ -48,8 +59,38 @@ def _programs(graphdef, loss_fn: LossFn, tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
-    return accumulate, jax.jit(apply, donate_argnums=(0, 1)), zeros, jax.jit(optax.tree.norm)
+    return StepPrograms(
+        jax.jit(accumulate, donate_argnums=(2,)),  # the fp32 accumulator is updated in place
+        jax.jit(apply, donate_argnums=(0, 1)),
+        jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p)),
+        jax.jit(optax.tree.norm),
+    )
+
+
+def step_specs(
+    graphdef, loss_fn: LossFn, tx: optax.GradientTransformation, mesh, params, rest, opt_state, micro_batch, stat_keys
+) -> dict[str, ProgramSpec]:
+    """The two programs of an optimizer step as ``ProgramSpec``s: ``"accumulate"`` (one micro-batch's
+    loss gradient added to the accumulator, which is donated) and ``"apply"`` (the optimizer update).
+
+    Args:
+      graphdef, loss_fn, tx: the model's graph, the loss (``LossFn``) and the optax transformation.
+      mesh: the global mesh (the loss normaliser and the stats are replicated over it).
+      params, rest, opt_state: arrays or ``jax.ShapeDtypeStruct``s carrying their shardings (the
+        parameters', e.g. ``sharding.param_shardings``; AdamW's moments ``opt_state_shardings``).
+      micro_batch: one micro-batch pytree (arrays or ShapeDtypeStructs with their shardings).
+      stat_keys: the loss's stats (``"loss"`` is added).
+    """
+    fns = _step_programs(graphdef, loss_fn, tx)
+    rep = NamedSharding(mesh, P())
+    p = abstract(params)
+    stats = {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=rep) for k in (*stat_keys, "loss")}
+    denom = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+    args = (p, abstract(rest), p, stats, abstract(micro_batch), denom)
+    return {
+        "accumulate": ProgramSpec("accumulate", fns.accumulate, args, donate_argnums=(2,)),
+        "apply": ProgramSpec("apply", fns.apply, (p, abstract(opt_state), p), donate_argnums=(0, 1)),
+    }
 
 
 @functools.lru_cache(maxsize=8)
@@ -195,18 +236,29 @@ class Learner:
 
         Raises:
           NonFiniteError: NaN/Inf loss or gradient; the step is not applied.
+          ValueError: no micro-batches.
         """
-        accumulate, apply, zeros, global_norm = _programs(self.graphdef, loss_fn, self.tx)
+        fns = _step_programs(self.graphdef, loss_fn, self.tx)
         with mesh_context(self.mesh):
-            grads = zeros(self.params)
+            grads = fns.zeros(self.params)
             stats = {k: jnp.zeros((), jnp.float32) for k in (*stat_keys, "loss")}
+            specs = None
             for mb in micro_batches:
-                grads, stats = accumulate(self.params, self.rest, grads, stats, mb, jnp.float32(denom))
+                specs = specs or self.step_specs(loss_fn, mb, stat_keys)
+                grads, stats = specs["accumulate"](self.params, self.rest, grads, stats, mb, jnp.float32(denom))
+            if specs is None:
+                raise ValueError(f"{where or 'update'}: no micro-batches")
             stats = {k: float(v) for k, v in stats.items()}
-            gnorm = float(global_norm(grads))
+            gnorm = float(fns.global_norm(grads))
             if not (math.isfinite(stats["loss"]) and math.isfinite(gnorm)):
                 raise NonFiniteError(
                     f"non-finite {where or 'update'}: loss={stats['loss']}, grad_norm={gnorm}; the update was not applied"
                 )
-            self.params, self.opt_state = apply(self.params, self.opt_state, grads)
+            self.params, self.opt_state = specs["apply"](self.params, self.opt_state, grads)
         return stats, gnorm
+
+    def step_specs(self, loss_fn: LossFn, micro_batch: Any, stat_keys: Sequence[str]) -> dict[str, ProgramSpec]:
+        """``step_specs`` of this learner's model, optimizer, mesh and state for ``micro_batch``'s shape."""
+        return step_specs(
+            self.graphdef, loss_fn, self.tx, self.mesh, self.params, self.rest, self.opt_state, micro_batch, stat_keys
+        )

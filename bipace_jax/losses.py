@@ -138,29 +138,6 @@ class PPOLossConfig:
                 raise ValueError(f"PPOLossConfig.{name} must {expected}, got {getattr(self, name)}")
 
 
-def ppo_loss(
-    logits: jax.Array,
-    targets: jax.Array,
-    mask: jax.Array,
-    old_logprobs: jax.Array,
-    ref_logprobs: jax.Array | None,
-    advantages: jax.Array,
-    cfg: PPOLossConfig,
-    denom: jax.Array | float | None = None,
-) -> tuple[jax.Array, dict[str, Any]]:
-    """Total PPO objective on one (micro-)batch from its logits (see `ppo_loss_from_logprobs`).
-
-    Args:
-      logits: float ``[B, M, V]`` raw current-policy logits predicting ``targets`` (divided by
-        ``cfg.temperature`` here).
-      targets: int32 ``[B, M]`` response tokens; the other arguments as `ppo_loss_from_logprobs`.
-    """
-    if cfg.temperature != 1.0:
-        logits = logits.astype(jnp.float32) / cfg.temperature
-    logprobs, ent = token_logprobs(logits, targets), entropy_from_logits(logits)
-    return ppo_loss_from_logprobs(logprobs, ent, mask, old_logprobs, ref_logprobs, advantages, cfg, denom)
-
-
 def ppo_loss_from_logprobs(
     logprobs: jax.Array,
     entropy: jax.Array,

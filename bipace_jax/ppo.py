@@ -1,11 +1,14 @@
-"""PPO on the learner core: the micro-batch pytree, the objective, old/reference log-probs, the update.
+"""PPO on the learner core: the objective, old/reference log-probs, the update.
 
 Shapes: N step rows, P prompt columns (left-padded, bucketed), M response columns (right-padded),
 T = P + M, V vocabulary, B micro-batch rows.
 
-An update is ``epochs`` passes over the iteration's rows, shuffled, split into mini-batches (one AdamW
-step each) and fixed-shape micro-batches whose gradients are summed; the token mean of each
-mini-batch is exact (its denominator is the mini-batch's real-token count over all hosts).
+An update is ``epochs`` passes over the iteration's rows of all hosts, each split into
+ceil(N / ``mini_batch_rows``) mini-batches (one AdamW step each; ``mini_batches``) whose rows are cut
+into fixed-shape micro-batches whose gradients are summed (``plan_micro_batches``, the same planner as
+the log-prob pass); the token mean of each mini-batch is exact (its denominator is the mini-batch's
+real-token count over all hosts). The split depends on the global rows only, so a run makes the same
+optimizer steps on the same rows whatever the number of hosts holding them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import functools
 import math
 from collections.abc import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,25 +25,21 @@ import optax
 from flax import nnx
 
 from bipace_jax import distributed, losses, sharding
+from bipace_jax.batch import MicroBatch, TokenBatch
 from bipace_jax.learner import Learner, NonFiniteError, mesh_context, shard_rows
-from bipace_jax.rollout import TokenBatch
+from bipace_jax.programs import ProgramSpec, abstract
 
-__all__ = ["MicroBatch", "NonFiniteError", "PPOLearner", "PPOObjective"]
+__all__ = [
+    "MicroBatch",
+    "NonFiniteError",
+    "PPOLearner",
+    "PPOObjective",
+    "logprobs_spec",
+    "mini_batches",
+    "plan_micro_batches",
+]
 
 STAT_KEYS = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "sampler_gap")
-
-
-@flax.struct.dataclass
-class MicroBatch:
-    """B rows of one gradient pass (fixed shape; padding rows have all-zero masks)."""
-
-    input_ids: jax.Array  # int32[B, T]
-    attention_mask: jax.Array  # int32[B, T]
-    response_ids: jax.Array  # int32[B, M]
-    response_mask: jax.Array  # bool[B, M]
-    old_logprobs: jax.Array  # float32[B, M]
-    ref_logprobs: jax.Array  # float32[B, M] (zeros when kl_coef == 0)
-    advantages: jax.Array  # float32[B]
 
 
 def response_logprobs(
@@ -81,7 +79,7 @@ def response_logprobs(
 
 @dataclasses.dataclass(frozen=True)
 class PPOObjective:
-    """The PPO loss of a micro-batch (``losses.ppo_loss``), a ``learner.LossFn``.
+    """The PPO loss of a micro-batch (``losses.ppo_loss_from_logprobs``), a ``learner.LossFn``.
 
     ``fused_old``: the old log-probs are ``stop_gradient`` of the current ones inside the gradient pass
     (exact when the iteration makes one optimizer step: every micro-batch's gradient is taken at the
@@ -117,12 +115,78 @@ class PPOObjective:
 @functools.lru_cache(maxsize=16)
 def _logprobs_program(graphdef, temperature: float, support: int | None, chunk: int = 0):
     @jax.jit
-    def logprobs(params, rest, input_ids, attention_mask, response_ids):
+    def logprobs(params, rest, mb: MicroBatch):
         model = nnx.merge(graphdef, params, rest)
         kw = dict(temperature=temperature, support=support, chunk=chunk)
-        return response_logprobs(model, input_ids, attention_mask, response_ids, **kw)[0]
+        return response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, **kw)[0]
 
     return logprobs
+
+
+def logprobs_spec(graphdef, objective: PPOObjective, params, rest, micro_batch: MicroBatch) -> ProgramSpec:
+    """The log-prob pass ``(params, rest, micro_batch) -> float32[B, M]`` as a ``ProgramSpec``.
+
+    ``params``, ``rest``, ``micro_batch``: arrays or ``jax.ShapeDtypeStruct``s carrying their shardings
+    (the host-local copy's; a micro-batch without log-probs, e.g. ``batch.abstract_micro_batch(...,
+    logprobs=False)``); the policy is ``objective``'s (temperature, support, LM-head chunk).
+    """
+    fn = _logprobs_program(graphdef, objective.cfg.temperature, objective.support, objective.chunk)
+    return ProgramSpec("logprobs", fn, (abstract(params), abstract(rest), abstract(micro_batch)))
+
+
+def mini_batches(counts: np.ndarray, process: int, mini_batch_rows: int, key: jax.Array) -> list[np.ndarray]:
+    """This process's rows of each mini-batch of one epoch (int64 local row indices, one array per step).
+
+    The N = ``counts.sum()`` rows of all processes are numbered globally, process p's after those of
+    processes < p. There are K = ceil(N / ``mini_batch_rows``) mini-batches (K = 1 for 0); each run of K
+    consecutive global rows sends one row to each mini-batch, in an order drawn from ``key``. So every
+    mini-batch holds floor(N / K) or ceil(N / K) <= ``mini_batch_rows`` rows, each process about its
+    share of every one, and the split depends on the global rows and ``key`` only, not on how many
+    processes hold them.
+
+    Args:
+      counts: int[num_processes] rows per process; process: this process's index.
+      mini_batch_rows: rows per optimizer step over all processes (0: all rows, one step).
+      key: a ``jax.random`` key, the same on every process.
+    """
+    counts = np.asarray(counts, np.int64)
+    n = int(counts.sum())
+    k = max(math.ceil(n / mini_batch_rows), 1) if mini_batch_rows else 1
+    draws = np.asarray(jax.random.uniform(key, (max(-(-n // k), 1), k)))
+    mini_of = np.argsort(np.argsort(draws, axis=1), axis=1).reshape(-1)  # a permutation of 0..K-1 per run
+    first = int(counts[:process].sum())
+    own = mini_of[first : first + int(counts[process])]
+    return [np.flatnonzero(own == j) for j in range(k)]
+
+
+def plan_micro_batches(
+    groups: Sequence[np.ndarray],
+    prompt_lengths: np.ndarray,
+    rows: int,
+    width_of,
+    *,
+    across_processes: bool,
+) -> list[list[tuple[np.ndarray, int]]]:
+    """Micro-batches of each group of row indices (a mini-batch, or all rows): (rows, prompt width) pairs.
+
+    A group's rows are ordered by prompt length (the gradient sum and the per-row log-probs ignore
+    order) and cut into runs of ``rows``, so each micro-batch keeps only the prompt columns its longest
+    prompt needs: ``width_of(need)`` columns. ``across_processes``: the micro-batch counts and widths
+    are agreed over processes (the largest of each), every process then runs the same fixed-shape
+    programs, a process short of rows with all-padding micro-batches. Every group gets at least one.
+    """
+    groups = [np.asarray(g)[np.argsort(prompt_lengths[g], kind="stable")] for g in groups]
+    counts = np.array([[-(-len(g) // rows) for g in groups]], np.int64)
+    if across_processes:
+        counts = distributed.allgather(counts[0])
+    k = np.maximum(counts.max(0), 1)
+    cuts = [g[m * rows : (m + 1) * rows] for g, kk in zip(groups, k) for m in range(kk)]
+    need = np.array([int(prompt_lengths[c].max(initial=1)) for c in cuts], np.int64)
+    if across_processes:
+        need = distributed.allgather(need).max(0)
+    widths = [width_of(int(x)) for x in need]
+    starts = np.concatenate([[0], np.cumsum(k)])
+    return [list(zip(cuts[a:b], widths[a:b])) for a, b in zip(starts[:-1], starts[1:])]
 
 
 class PPOLearner(Learner):
@@ -131,12 +195,14 @@ class PPOLearner(Learner):
     Args:
       actor, mesh, tx, local_mesh: as ``Learner``.
       loss_cfg: PPO coefficients; ``kl_coef > 0`` keeps the frozen initial parameters as the reference.
-      micro_batch_rows: B, rows per forward/backward on this process (fixed shape).
-      mini_batch_rows: rows per optimizer step on this process (0: all rows, one step per epoch).
+      micro_batch_rows: B, rows per forward/backward on each process (fixed shape): the gradient
+        program's global batch is B times the process count, the log-prob pass runs B rows on a host.
+      mini_batch_rows: rows per optimizer step over all processes (0: all rows, one step per epoch);
+        see ``mini_batches``.
       epochs: passes over the rows per ``update``.
       fused_old_logprobs: take the old log-probs inside the gradient pass (``PPOObjective.fused_old``);
-        requires one optimizer step per ``update`` (``epochs == 1``, ``mini_batch_rows == 0``);
-        ``update``'s ``old_lp`` is then the sampler's log-probs, reported as ``loss/sampler_gap``.
+        requires one optimizer step per ``update`` (``epochs == 1``, ``mini_batch_rows == 0``); the
+        batch's ``old_logprobs`` are then the sampler's, reported as ``loss/sampler_gap``.
       prompt_buckets: prompt lengths a micro-batch may be cut down to (the sampler's length buckets);
         () keeps every micro-batch at the iteration's ``TokenBatch.prompt_len``.
       support: ids below it form the policy's distribution (the tokenizer's size, as the sampler's);
@@ -179,25 +245,26 @@ class PPOLearner(Learner):
         Runs under this host's mesh (``local_mesh``) with each micro-batch's rows split over its
         ("data", "fsdp") axes; the rows are padded to a multiple of data*fsdp (padding rows are dropped).
         """
-        o = self.objective
-        fn = _logprobs_program(self.graphdef, o.cfg.temperature, o.support, o.chunk)
         dp = math.prod(sharding.mesh_axis_sizes(self.local_mesh)[a] for a in ("data", "fsdp"))
-        B = -(-self.micro_batch_rows // dp) * dp
+        size = -(-self.micro_batch_rows // dp) * dp
+        bare = batch.with_(old_logprobs=None, ref_logprobs=None, advantages=None)
+        (plan,) = plan_micro_batches(
+            [np.arange(batch.rows)],
+            batch.prompt_lengths(),
+            self.micro_batch_rows,
+            lambda need: self._prompt_width(need, batch.prompt_len),
+            across_processes=False,
+        )
         out = np.zeros(batch.response_ids.shape, np.float32)
-        plen = batch.prompt_lengths()
-        order = np.argsort(plen, kind="stable")  # similar lengths share a micro-batch
-        for s in range(0, batch.rows, self.micro_batch_rows):
-            r = order[s : s + self.micro_batch_rows]
-            width = self._prompt_width(int(plen[r].max()), batch.prompt_len)
-            ids, att = (
-                _pad_rows(self._micro_rows(x, r, batch, width), B) for x in (batch.input_ids, batch.attention_mask)
-            )
-            att[:, -1] |= att.sum(1) == 0  # padding rows get one real token (no empty softmax)
-            rows = [ids, att, _pad_rows(batch.response_ids[r], B)]
-            with mesh_context(self.local_mesh):
-                placed = [jax.device_put(x, sharding.batch_sharding(self.local_mesh, x.ndim)) for x in rows]
-                lp = fn(params_local, self.rest, *placed)
-            out[r] = np.asarray(lp)[: len(r)]
+        spec = None
+        with mesh_context(self.local_mesh):
+            for rows, width in plan:
+                mb = jax.tree.map(
+                    lambda x: jax.device_put(x, sharding.batch_sharding(self.local_mesh, x.ndim)),
+                    bare.take(rows, width, size),
+                )
+                spec = spec or logprobs_spec(self.graphdef, self.objective, params_local, self.rest, mb)
+                out[rows] = np.asarray(spec(params_local, self.rest, mb))[: len(rows)]
         return out
 
     def _prompt_width(self, need: int, widest: int) -> int:
@@ -207,94 +274,46 @@ class PPOLearner(Learner):
         fit = [b for b in self.prompt_buckets if max(need, 1) <= b]
         return min(fit[0], widest) if fit else widest
 
-    def _micro_rows(self, x: np.ndarray, rows: np.ndarray, batch: TokenBatch, width: int) -> np.ndarray:
-        """``x[rows]`` ([n, P + M]) with its prompt part cut, or left-padded with zero columns, to
-        ``width`` and its rows padded to the micro-batch size."""
-        x, P_ = x[rows], batch.prompt_len
-        if width <= P_:
-            x = x[:, P_ - width :]
-        else:
-            x = np.concatenate([np.zeros((x.shape[0], width - P_), x.dtype), x], 1)
-        return _pad_rows(x, self.micro_batch_rows)
-
-    def _micro_batch(self, batch, r, width, old_lp, ref_lp, adv) -> MicroBatch:
-        B = self.micro_batch_rows
-        att = self._micro_rows(batch.attention_mask, r, batch, width)
-        att[:, -1] |= att.sum(1) == 0
-        ref = ref_lp[r] if ref_lp is not None else np.zeros_like(old_lp[r])
-        mb = MicroBatch(
-            input_ids=self._micro_rows(batch.input_ids, r, batch, width),
-            attention_mask=att,
-            response_ids=_pad_rows(batch.response_ids[r], B),
-            response_mask=_pad_rows(batch.response_mask[r], B),
-            old_logprobs=_pad_rows(old_lp[r], B),
-            ref_logprobs=_pad_rows(ref, B),
-            advantages=_pad_rows(adv[r], B),
-        )
-        return shard_rows(self.mesh, mb)
-
-    def update(
-        self,
-        batch: TokenBatch,
-        old_lp: np.ndarray,
-        ref_lp: np.ndarray | None,
-        adv: np.ndarray,
-        key: jax.Array,
-        where: str = "",
-    ) -> dict[str, float]:
+    def update(self, batch: TokenBatch, key: jax.Array, where: str = "") -> dict[str, float]:
         """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.
 
-        Every process calls it with its own N rows (``batch``); mini- and micro-batch counts are agreed
-        over processes, a process short of rows contributes all-padding micro-batches. ``old_lp``,
-        ``ref_lp``: float32[N, M] (ref may be None when kl_coef == 0); ``adv``: float32[N]; ``key``
-        shuffles; ``where`` names the iteration in the error message.
+        Every process calls it with its own N rows (``batch``, with ``old_logprobs`` float32[N, M],
+        ``advantages`` float32[N] and, when ``kl_coef > 0``, ``ref_logprobs`` float32[N, M]; see
+        ``TokenBatch.with_``); the mini-batches are split over the rows of all processes
+        (``mini_batches``), the micro-batch counts and widths agreed over processes. ``key``: the
+        shuffle, the same on every process; ``where`` names the iteration in the error message.
 
         Returns:
-          metrics ``loss/*`` averaged over the optimizer steps, ``loss/grad_norm`` (before clipping).
+          metrics ``loss/*`` averaged over the optimizer steps, ``loss/grad_norm`` (before clipping),
+          ``loss/grad_norm_max``, ``loss/updates`` (optimizer steps).
 
         Raises:
+          ValueError: a missing ``old_logprobs`` / ``advantages`` (or ``ref_logprobs`` with
+            ``kl_coef > 0``), or ``key`` differs between processes.
           NonFiniteError: NaN/Inf loss or gradient; that step is not applied.
         """
-        B, n_local = self.micro_batch_rows, batch.rows
-        counts = distributed.allgather(np.array([n_local], np.int64))[:, 0]
-        mb_rows = self.mini_batch_rows or int(max(counts.max(), 1))
-        n_mini = max(math.ceil(counts.max() / mb_rows), 1)
-        totals = dict.fromkeys((*STAT_KEYS, "loss"), 0.0)
-        gnorms = []
-        plen = batch.prompt_lengths()
+        batch = self._checked(batch, key)
+        B, plen = self.micro_batch_rows, batch.prompt_lengths()
+        counts = distributed.allgather(np.array(batch.rows, np.int64))
         # Every process's micro-batch must have the same shape: the widest prompt length of all.
-        widest = int(distributed.allgather(np.array([batch.prompt_len], np.int64)).max())
+        widest = int(distributed.allgather(np.array(batch.prompt_len, np.int64)).max())
+        totals, gnorms = dict.fromkeys((*STAT_KEYS, "loss"), 0.0), []
         for epoch in range(self.epochs):
-            perm = (
-                np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_local))
-                if n_local
-                else np.zeros(0, int)
+            minis = mini_batches(counts, jax.process_index(), self.mini_batch_rows, jax.random.fold_in(key, epoch))
+            tokens = distributed.host_sum([batch.response_mask[r].sum() for r in minis])
+            plans = plan_micro_batches(
+                minis, plen, B, lambda need: self._prompt_width(need, widest), across_processes=True
             )
-            # Rows ordered by prompt length inside a mini-batch (the gradient sum ignores order), so
-            # each micro-batch keeps only the prompt columns its longest prompt needs.
-            minis = [perm[j * mb_rows : (j + 1) * mb_rows] for j in range(n_mini)]
-            minis = [r[np.argsort(plen[r], kind="stable")] for r in minis]
-            info = distributed.allgather(
-                np.array([[len(r), int(batch.response_mask[r].sum())] for r in minis], np.int64)
-            )
-            k_micros = [max(math.ceil(info[:, j, 0].max() / B), 1) for j in range(n_mini)]
-            need = [int(plen[r[m * B : (m + 1) * B]].max(initial=1)) for r, k in zip(minis, k_micros) for m in range(k)]
-            needs = distributed.allgather(np.array(need, np.int64)).max(0)
-            widths = iter([self._prompt_width(int(nd), widest) for nd in needs])
-            for j, rows in enumerate(minis):
-                micro = (
-                    self._micro_batch(batch, rows[m * B : (m + 1) * B], next(widths), old_lp, ref_lp, adv)
-                    for m in range(k_micros[j])
-                )
+            for j, plan in enumerate(plans):
+                micro = (shard_rows(self.mesh, batch.take(rows, width, B)) for rows, width in plan)
                 stats, gnorm = self.step(
                     self.objective,
                     micro,
-                    float(max(info[:, j, 1].sum(), 1)),
+                    float(max(tokens[j], 1)),
                     STAT_KEYS,
                     where=f"PPO update ({where}epoch {epoch}, mini-batch {j})",
                 )
-                for k in totals:
-                    totals[k] += stats[k]
+                totals = {k: v + stats[k] for k, v in totals.items()}
                 gnorms.append(gnorm)
         out = {f"loss/{k}": v / len(gnorms) for k, v in totals.items()}
         out["loss/grad_norm"] = float(np.mean(gnorms))
@@ -303,9 +322,20 @@ class PPOLearner(Learner):
         self.sync_local()
         return out
 
-
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-    x = np.asarray(x)
-    if x.shape[0] == rows:
-        return x.copy()
-    return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)], 0)
+    def _checked(self, batch: TokenBatch, key: jax.Array) -> TokenBatch:
+        """``batch`` with the fields ``update`` needs (the reference dropped when ``kl_coef == 0``)."""
+        kl = self.objective.cfg.kl_coef > 0
+        for name, needed in (("old_logprobs", True), ("advantages", True), ("ref_logprobs", kl)):
+            if needed and getattr(batch, name) is None:
+                raise ValueError(
+                    f"PPOLearner.update: the batch has no {name} (TokenBatch.with_({name}=...))"
+                    + (
+                        f"; kl_coef={self.objective.cfg.kl_coef} > 0 needs the reference"
+                        if name == "ref_logprobs"
+                        else ""
+                    )
+                )
+        raw = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
+        if not (distributed.allgather(raw) == raw).all():
+            raise ValueError("PPOLearner.update: key must be the same on every process (one global shuffle)")
+        return batch if kl else batch.with_(ref_logprobs=None)

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
 from bipace_jax.sampling import SampleOutput, Sampler, truncate_at_stop
 from environments.pool import ENV_ERRORS, Fault
@@ -228,25 +229,6 @@ class StepRecord:
     valid: bool
     finish: str  # why the response ended: "eos", "stop" (a stop string) or "length" (the token budget)
     label: str | None = None
-
-
-@dataclasses.dataclass
-class TokenBatch:
-    """Host-side token arrays of N rows for the learner: [prompt (left-padded) | response (right-padded)]."""
-
-    input_ids: np.ndarray  # int32[N, T], T = P + M
-    attention_mask: np.ndarray  # int32[N, T]
-    response_ids: np.ndarray  # int32[N, M], 0 past each response
-    response_mask: np.ndarray  # bool[N, M]
-    prompt_len: int  # P
-
-    @property
-    def rows(self) -> int:
-        return self.input_ids.shape[0]
-
-    def prompt_lengths(self) -> np.ndarray:
-        """int64[N] real prompt tokens of each row."""
-        return self.attention_mask[:, : self.prompt_len].sum(1).astype(np.int64)
 
 
 @dataclasses.dataclass

@@ -41,10 +41,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bipace_jax.programs import ProgramSpec, abstract
+
 __all__ = [
     "SamplerConfig",
     "SampleOutput",
     "Sampler",
+    "StaticSettings",
+    "decode_spec",
+    "prefill_spec",
     "filter_logits",
     "sample_tokens",
     "first_argmax",
@@ -60,7 +65,7 @@ class SamplerConfig:
 
     Attributes:
       max_new_tokens: M, the most tokens generated per response (EOS and stop text included).
-      temperature: softmax temperature (> 0) used when ``greedy`` is False; ``generate`` may override it.
+      temperature: softmax temperature (> 0) used when ``greedy`` is False (one sampler per temperature).
       top_p: nucleus mass in (0, 1]; 1.0 disables the filter.
       top_k: keep the k most likely tokens; 0 disables the filter.
       greedy: take the argmax (ties: lowest token id); temperature, top-k, top-p are then ignored.
@@ -378,16 +383,29 @@ def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> str:
 # Compiled programs.
 
 
-class _Static(NamedTuple):
-    """Hashable compile-time settings of one program."""
+class StaticSettings(NamedTuple):
+    """Hashable compile-time settings of the prefill and decode programs (one pair per prompt bucket)."""
 
     greedy: bool
     top_k: int
     top_p: float
     max_new_tokens: int
-    cache_length: int
+    cache_length: int  # prompt bucket T + max_new_tokens
     pad_id: int
     support: int  # ids below it can be drawn: the tokenizer's size (<= the logits' width V)
+
+    @classmethod
+    def of(cls, config: SamplerConfig, prompt_len: int, pad_id: int, support: int) -> StaticSettings:
+        """The settings of ``config`` for prompts padded to ``prompt_len`` tokens."""
+        return cls(
+            greedy=config.greedy,
+            top_k=config.top_k,
+            top_p=float(config.top_p),
+            max_new_tokens=config.max_new_tokens,
+            cache_length=prompt_len + config.max_new_tokens,
+            pad_id=pad_id,
+            support=support,
+        )
 
 
 def _row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
@@ -414,15 +432,16 @@ def _advance_stop(table: jax.Array, stop_lens: jax.Array, state: jax.Array, toke
     return new, hit
 
 
-def _draw(static: _Static, logits, keys, step, temperature):
+def _draw(static: StaticSettings, logits, keys, step, temperature):
     """``sample_tokens`` with the sampler's static filters: the prefill and every decode step draw alike."""
     kw = dict(greedy=static.greedy, top_k=static.top_k, top_p=static.top_p, support=static.support)
     return sample_tokens(logits, keys, step, temperature, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _prefill_program(
     graphdef,
+    static: StaticSettings,
     state,
     input_ids,
     attention_mask,
@@ -433,8 +452,6 @@ def _prefill_program(
     table,
     stop_lens,
     eos_ids,
-    *,
-    static: _Static,
 ):
     """Prefill + the first token. Returns the first-step carry and the filled KV cache."""
     actor = nnx.merge(graphdef, state)
@@ -454,9 +471,10 @@ def _prefill_program(
     return token, logp, done, stop_state, out.fingerprint.astype(jnp.float32), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def _decode_program(
     graphdef,
+    static: StaticSettings,
     state,
     cache,
     first_token,
@@ -470,8 +488,6 @@ def _decode_program(
     table,
     stop_lens,
     eos_ids,
-    *,
-    static: _Static,
 ):
     """The decode loop (``lax.while_loop``) from the prefilled cache (donated: updated in place)."""
     actor = nnx.merge(graphdef, state)
@@ -504,6 +520,66 @@ def _decode_program(
     carry = (jnp.int32(1), cache, tokens, logps, lengths, done, stop_state, first_token)
     _, cache, tokens, logps, lengths, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return tokens, logps, lengths, cache
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes a sampler batch is split over: ("data", "fsdp") where present, else all (none without a mesh)."""
+    if mesh is None:
+        return ()
+    return tuple(a for a in ("data", "fsdp") if a in mesh.axis_names) or tuple(mesh.axis_names)
+
+
+def prefill_spec(
+    graphdef, state, static: StaticSettings, mesh, *, batch: int, stop_table_shape: tuple[int, int, int], num_eos: int
+) -> ProgramSpec:
+    """The prefill program ``(graphdef, static, state, input_ids, attention_mask, row_ids, row_mask, key,
+    temperature, stop_table, stop_lens, eos_ids) -> (token, logp, done, stop_state, fingerprint, cache)``.
+
+    Args:
+      graphdef, state: ``nnx.split(actor)`` (state: arrays or ``jax.ShapeDtypeStruct``s with shardings).
+      static: the compile-time settings; the prompt bucket T is ``static.cache_length - max_new_tokens``.
+      mesh: the sampler's mesh (rows split over ``batch_axes(mesh)``), or None (default placement).
+      batch: the padded batch size Bb (a multiple of the batch axes' size).
+      stop_table_shape: (S, Q, V) of the stop-string table; num_eos: the EOS ids' count.
+    """
+    t = static.cache_length - static.max_new_tokens
+
+    def sds(shape, dtype, rows=True):
+        if mesh is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        spec = P(batch_axes(mesh) or None, *[None] * (len(shape) - 1)) if rows else P()
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    ids = sds((batch, t), jnp.int32)
+    args = (
+        graphdef,
+        static,
+        abstract(state),
+        ids,
+        ids,
+        sds((batch,), jnp.int32),
+        sds((batch,), jnp.bool_),
+        sds((2,), jnp.uint32, rows=False),
+        sds((), jnp.float32, rows=False),
+        sds(tuple(stop_table_shape), jnp.int32, rows=False),
+        sds((stop_table_shape[0],), jnp.int32, rows=False),
+        sds((num_eos,), jnp.int32, rows=False),
+    )
+    return ProgramSpec("prefill", _prefill_program, args, static_argnums=(0, 1))
+
+
+def decode_spec(prefill: ProgramSpec, first) -> ProgramSpec:
+    """The decode loop ``(graphdef, static, state, cache, first_token, first_logp, done, stop_state, row_ids,
+    row_mask, key, temperature, stop_table, stop_lens, eos_ids) -> (tokens int32[Bb, M], logprobs
+    float32[Bb, M], lengths int32[Bb], cache)``, the cache donated (updated in place).
+
+    ``first``: the outputs of ``prefill`` (arrays, or ShapeDtypeStructs with the compiled prefill's
+    output shardings); the other arguments are ``prefill``'s.
+    """
+    token, logp, done, stop_state, _, cache = abstract(first)
+    g, st, state, _, _, row_ids, row_mask, key, temp, table, stop_lens, eos = prefill.args
+    args = (g, st, state, cache, token, logp, done, stop_state, row_ids, row_mask, key, temp, table, stop_lens, eos)
+    return ProgramSpec("decode", _decode_program, args, static_argnums=(0, 1), donate_argnums=(3,))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -557,12 +633,8 @@ class Sampler:
         self.vocab_size = len(tokenizer)
         self._table = stop_string_table(token_byte_texts(tokenizer), config.stop_strings)
         self._stop_lens = np.array([len(s.encode("utf-8")) for s in config.stop_strings], np.int32)
-        if mesh is not None:
-            self.batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names) or tuple(mesh.axis_names)
-            self._dp = int(np.prod([mesh.shape[a] for a in self.batch_axes]))
-        else:
-            self.batch_axes = ()
-            self._dp = 1
+        self.batch_axes = batch_axes(mesh)
+        self._dp = int(np.prod([mesh.shape[a] for a in self.batch_axes])) if mesh is not None else 1
         self._device_consts: dict[int, tuple] = {}
         #: Seconds and token counts of the last ``generate`` call (prefill and decode timed apart).
         self.last_timing: dict[str, float] = {}
@@ -623,9 +695,7 @@ class Sampler:
         return arrays
 
     # -- the call ---------------------------------------------------------------------------------
-    def generate(
-        self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array, temperature: float | None = None
-    ) -> SampleOutput:
+    def generate(self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array) -> SampleOutput:
         """Samples one response per prompt.
 
         Args:
@@ -633,19 +703,15 @@ class Sampler:
             ``decode_step`` of the same contract); passed each call because its parameters change.
           prompts: B token-id lists (any lengths up to the largest length bucket).
           key: a ``jax.random`` key; row b draws from ``fold_in(fold_in(key, b), step)``.
-          temperature: overrides ``config.temperature`` for this call (must be > 0; ignored if greedy).
 
         Returns:
           ``SampleOutput`` of NumPy arrays with B rows in prompt order.
 
         Raises:
           TypeError / ValueError: malformed prompts (empty, not 1-D, ids outside the vocabulary),
-            a prompt longer than the largest length bucket, a temperature <= 0.
+            a prompt longer than the largest length bucket.
         """
-        cfg = self.config
-        temp = cfg.temperature if temperature is None else float(temperature)
-        if not cfg.greedy and not (temp > 0 and math.isfinite(temp)):
-            raise ValueError(f"temperature must be finite and > 0 (use greedy=True for argmax), got {temperature!r}")
+        temp = self.config.temperature
         vocab = self._actor_vocab(actor)
         arrays = self._validate(prompts, vocab)
         t_bucket = self.length_bucket(max(a.size for a in arrays))
@@ -689,44 +755,24 @@ class Sampler:
         ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
         b_bucket = ids.shape[0]
         row_ids = np.arange(offset, offset + b_bucket, dtype=np.int32)
-        static = _Static(
-            greedy=cfg.greedy,
-            top_k=cfg.top_k,
-            top_p=float(cfg.top_p),
-            max_new_tokens=cfg.max_new_tokens,
-            cache_length=t_bucket + cfg.max_new_tokens,
-            pad_id=self.pad_id,
-            support=min(self.vocab_size, vocab),
-        )
-        table, stop_lens, eos_ids = self._consts(vocab)
+        static = StaticSettings.of(cfg, t_bucket, self.pad_id, min(self.vocab_size, vocab))
+        consts = self._consts(vocab)
         ids, mask, row_ids_d, row_mask_d = (
             self._put(x, P(self.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, row_ids, row_mask)
         )
         temp_d = jnp.float32(temp)
-        t0 = time.perf_counter()
-        token, logp, done, stop_state, fingerprint, cache = _prefill_program(
-            graphdef, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, table, stop_lens, eos_ids, static=static
+        pre = prefill_spec(
+            graphdef, state, static, self.mesh, batch=b_bucket, stop_table_shape=consts[0].shape, num_eos=len(consts[2])
         )
+        t0 = time.perf_counter()
+        first = pre(graphdef, static, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, *consts)
+        token, logp, done, stop_state, fingerprint, cache = first
         token.block_until_ready()
         t1 = time.perf_counter()
         if cfg.max_new_tokens > 1:
-            tokens, logps, lengths, cache = _decode_program(
-                graphdef,
-                state,
-                cache,
-                token,
-                logp,
-                done,
-                stop_state,
-                row_ids_d,
-                row_mask_d,
-                key,
-                temp_d,
-                table,
-                stop_lens,
-                eos_ids,
-                static=static,
-            )
+            dec = decode_spec(pre, first)
+            args = (token, logp, done, stop_state, row_ids_d, row_mask_d, key, temp_d, *consts)
+            tokens, logps, lengths, cache = dec(graphdef, static, state, cache, *args)
         else:
             tokens, logps, lengths = token[:, None], logp[:, None], row_mask_d.astype(jnp.int32)
         del cache

@@ -214,7 +214,8 @@ class Trainer:
         """Run iteration ``self.iteration`` and advance the run state (not the checkpoint)."""
         s, L, timer = self.spec, self.learner, StageTimer()
         self.rng, key = jax.random.split(self.rng)
-        k_roll, k_ppo = jax.random.split(jax.random.fold_in(key, jax.process_index()))
+        k_roll = jax.random.split(jax.random.fold_in(key, jax.process_index()))[0]
+        k_ppo = jax.random.split(jax.random.fold_in(key, 0))[1]  # the same on every host: one global shuffle
 
         with timer.stage("rollout"):  # 1. Collect.
             first = self.task_cursor + jax.process_index() * self.groups_per_host
@@ -232,7 +233,8 @@ class Trainer:
             adv, diag = self._advantages(res)
         with timer.stage("update"):  # 5. Update.
             try:
-                upd = L.update(batch, old_lp, ref_lp, adv, k_ppo, where=f"iteration {self.iteration}, ")
+                batch = batch.with_(old_logprobs=old_lp, ref_logprobs=ref_lp, advantages=adv)
+                upd = L.update(batch, k_ppo, where=f"iteration {self.iteration}, ")
             except NonFiniteError as e:
                 raise NonFiniteError(
                     f"{e}; the last good checkpoint is step {self.checkpointer.latest_step()} "

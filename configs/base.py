@@ -138,8 +138,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.ppo.kl_bound = 10.0
     c.ppo.entropy_coef = 0.001
     c.ppo.epochs = 1  # passes over the iteration's rows
-    c.ppo.mini_batch_rows = 0  # rows per optimizer update; 0 = all rows of the iteration (one update)
-    c.ppo.micro_batch_rows = 8  # rows per forward/backward (fixed shape; gradient accumulation)
+    # the most rows per optimizer update over ALL hosts: N rows of an iteration make ceil(N / it) updates of
+    # near-equal size, the same rows whatever the host count (ppo.mini_batches); 0 = all rows, one update
+    c.ppo.mini_batch_rows = 0
+    # rows per forward/backward on EACH host (fixed shape; gradient accumulation): the gradient program's
+    # batch is it x hosts, split over mesh data*fsdp; the log-prob pass runs it on each host's own mesh
+    c.ppo.micro_batch_rows = 8
     # response positions per LM-head chunk in the loss and log-probs: fp32 logits [rows, chunk, V]
     # instead of [rows, M, V], the head recomputed per chunk in the backward (0 = all M at once)
     c.ppo.logprob_chunk = 0

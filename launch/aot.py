@@ -6,7 +6,9 @@
 
 No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
 every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
-``jax.jit(...).lower(...).compile()`` runs the target's own compiler. A TPU topology
+each program is the library's own ``ProgramSpec`` (``learner.step_specs``, ``ppo.logprobs_spec``,
+``sampling.prefill_spec`` / ``decode_spec``: the objects the trainer runs), and
+``spec.lower().compile()`` runs the target's own compiler. A TPU topology
 (``v5e:4x4``, ``v5e:8x8``, ``v5p:2x2x4``, ``v4:2x2x4``, ``v6e:4x4``, ...) needs libtpu
 (``pip install -e ".[tpu]"``), not a TPU: ``jax.experimental.topologies`` describes the slice on any
 machine. ``cpu:N`` compiles for N CPU devices of this machine (for tests).
@@ -39,14 +41,14 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 from jax.experimental import topologies
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
 from bipace_jax import build, learner, ppo, sampling, sharding
 from bipace_jax import config as config_lib
+from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
+from bipace_jax.programs import ProgramSpec, abstract
 from launch._common import ROOT, write_json
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "Run config.")
@@ -120,10 +122,6 @@ def hbm_bytes(device) -> int:
     raise ValueError(f"unknown HBM size of device kind {device.device_kind!r}; add it to HBM_BYTES")
 
 
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
-
-
 def _bytes_per_chip(tree) -> int:
     """Bytes of one device's shard of every array of ``tree`` (ShapeDtypeStructs with shardings)."""
     return int(
@@ -175,13 +173,13 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     actor = nnx.eval_shape(lambda: build.init_actor(c.model, cfg, seed=c.seed))
     graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    master = _abstract(params, sharding.param_shardings(params, mesh))
+    master = abstract(params, sharding.param_shardings(params, mesh))
     # The sampler's and the reference's host-local copies (the global parameters themselves on one host).
     local_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)  # copies in compute dtype
-    local_params = _abstract(local_params, sharding.param_shardings(local_params, local_mesh))
+    local_params = abstract(local_params, sharding.param_shardings(local_params, local_mesh))
     tx = build.make_optimizer(c.optim)
     opt_shardings = learner.opt_state_shardings(tx, master, sharding.param_shardings(params, mesh), mesh)
-    opt_state = _abstract(jax.eval_shape(tx.init, master), opt_shardings)
+    opt_state = abstract(jax.eval_shape(tx.init, master), opt_shardings)
 
     s = build.sampler_config(c, eos_token_ids=cfg.eos_token_ids)
     prompt = next(b for b in s.length_buckets if b >= c.rollout.max_prompt_length)
@@ -228,97 +226,45 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         programs={},
     )
 
-    def rows_sds(shape, dtype, mesh_):
-        return jax.ShapeDtypeStruct(
-            shape, dtype, sharding=NamedSharding(mesh_, P(("data", "fsdp"), *[None] * (len(shape) - 1)))
-        )
-
-    def scalar(mesh_, dtype=jnp.float32, shape=()):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh_, P()))
-
-    def run(name, mesh_, fn, *args, other=(), **kwargs):
+    def run(name, mesh_, spec: ProgramSpec, other=()):
         if name not in programs:
             return None
         t0 = time.perf_counter()
         with jax.set_mesh(mesh_):
-            compiled = fn.lower(*args, **kwargs).compile()
+            compiled = spec.lower().compile()
         report["programs"][name] = _stats(compiled, time.perf_counter() - t0, sum(resident[k] for k in other))
         print(f"  compiled {name} in {report['programs'][name]['compile_s']} s", flush=True)
         return compiled
 
+    # The library's own program specs at the run's largest shapes: what compiles here is what runs.
     objective = ppo.PPOObjective(
         build.loss_config(c), c.ppo.old_logprobs == "fused", cfg.vocab_size, c.ppo.logprob_chunk
     )
-    accumulate, apply, _, _ = learner._programs(graphdef, objective, tx)
-    width = prompt + response
-    mb = ppo.MicroBatch(
-        input_ids=rows_sds((rows, width), jnp.int32, mesh),
-        attention_mask=rows_sds((rows, width), jnp.int32, mesh),
-        response_ids=rows_sds((rows, response), jnp.int32, mesh),
-        response_mask=rows_sds((rows, response), jnp.bool_, mesh),
-        old_logprobs=rows_sds((rows, response), jnp.float32, mesh),
-        ref_logprobs=rows_sds((rows, response), jnp.float32, mesh),
-        advantages=rows_sds((rows,), jnp.float32, mesh),
-    )
-    stats = {k: scalar(mesh) for k in (*ppo.STAT_KEYS, "loss")}
-    run(
-        "ppo_grad",
-        mesh,
-        accumulate,
-        master,
-        rest,
-        master,
-        stats,
-        mb,
-        scalar(mesh),
-        other=("opt_state", "reference", "sampler_params"),
-    )
-    run("ppo_apply", mesh, apply, master, opt_state, master, other=("reference", "sampler_params"))
+    mb = abstract_micro_batch(mesh, rows, prompt, response, reference=c.ppo.kl_coef > 0)
+    step = learner.step_specs(graphdef, objective, tx, mesh, master, rest, opt_state, mb, ppo.STAT_KEYS)
+    run("ppo_grad", mesh, step["accumulate"], other=("opt_state", "reference", "sampler_params"))
+    run("ppo_apply", mesh, step["apply"], other=("reference", "sampler_params"))
 
-    lp = ppo._logprobs_program(graphdef, objective.cfg.temperature, cfg.vocab_size, c.ppo.logprob_chunk)
     lrows = -(-c.ppo.micro_batch_rows // dp_local) * dp_local
-    run(
-        "logprobs",
-        local_mesh,
-        lp,
-        local_params,
-        rest,
-        rows_sds((lrows, width), jnp.int32, local_mesh),
-        rows_sds((lrows, width), jnp.int32, local_mesh),
-        rows_sds((lrows, response), jnp.int32, local_mesh),
-        other=host_other,
-    )
+    lmb = abstract_micro_batch(local_mesh, lrows, prompt, response, logprobs=False)
+    run("logprobs", local_mesh, ppo.logprobs_spec(graphdef, objective, local_params, rest, lmb), other=host_other)
 
-    static = sampling._Static(
-        greedy=False,
-        top_k=s.top_k,
-        top_p=float(s.top_p),
-        max_new_tokens=response,
-        cache_length=prompt + response,
-        pad_id=0,
-        support=cfg.vocab_size,
-    )
+    static = sampling.StaticSettings.of(s, prompt, pad_id=0, support=cfg.vocab_size)
     q = max([len(x.encode("utf-8")) for x in s.stop_strings], default=1)
-    consts = (
-        scalar(local_mesh, jnp.int32, (len(s.stop_strings), q, cfg.vocab_size)),
-        scalar(local_mesh, jnp.int32, (len(s.stop_strings),)),
-        scalar(local_mesh, jnp.int32, (len(cfg.eos_token_ids),)),
-    )
     gdef_s, state_s = nnx.split(actor)  # the sampler merges the whole actor from one state
     state_s = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), state_s)
-    state = _abstract(state_s, sharding.param_shardings(state_s, local_mesh))
-    ids = rows_sds((batch, prompt), jnp.int32, local_mesh)
-    row_ids, row_mask = rows_sds((batch,), jnp.int32, local_mesh), rows_sds((batch,), jnp.bool_, local_mesh)
-    key, temp = scalar(local_mesh, jnp.uint32, (2,)), scalar(local_mesh)
-    pre_args = (gdef_s, state, ids, ids, row_ids, row_mask, key, temp, *consts)
-    run("prefill", local_mesh, sampling._prefill_program, *pre_args, static=static, other=host_other)
+    state = abstract(state_s, sharding.param_shardings(state_s, local_mesh))
+    table = (len(s.stop_strings), q, cfg.vocab_size)
+    pre = sampling.prefill_spec(
+        gdef_s, state, static, local_mesh, batch=batch, stop_table_shape=table, num_eos=len(cfg.eos_token_ids)
+    )
+    compiled = run("prefill", local_mesh, pre, other=host_other)
     if "decode" in programs:
         with jax.set_mesh(local_mesh):
-            lowered = sampling._prefill_program.lower(*pre_args, static=static)
-            out = _abstract(lowered.out_info, lowered.compile().output_shardings)
-        token, logp, done, stop_state, _, cache = out
-        dec_args = (gdef_s, state, cache, token, logp, done, stop_state, row_ids, row_mask, key, temp, *consts)
-        run("decode", local_mesh, sampling._decode_program, *dec_args, static=static, other=host_other)
+            lowered = pre.lower()
+            compiled = compiled or lowered.compile()
+        first = abstract(lowered.out_info, compiled.output_shardings)
+        run("decode", local_mesh, sampling.decode_spec(pre, first), other=host_other)
 
     ecfg = build.estimator_config(c)
     fn, scalars = jitted_advantages(ecfg)
@@ -342,7 +288,8 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         row_capacity=-(-c.rollout.group_size * c.env.max_steps // 16) * 16,
     )
     scalars = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one) for x in scalars)
-    run("estimator", jax.sharding.Mesh(np.array(local[:1]), ("data",)), fn, steps, *scalars, other=tuple(resident))
+    estimator = ProgramSpec("estimator", fn, (steps, *scalars))
+    run("estimator", jax.sharding.Mesh(np.array(local[:1]), ("data",)), estimator, other=tuple(resident))
     return report
 
 

@@ -4,6 +4,7 @@ The CPU tests compile the tiny default for 8 CPU devices; the committed TPU repo
 (`benchmarks/aot/*.json`) are checked always and compiled again when libtpu is installed.
 """
 
+import ast
 import glob
 import importlib.util
 import json
@@ -41,6 +42,8 @@ def test_cpu8_compiles_every_program_with_fsdp_sharded_fp32_master_weights_and_m
     # 16 bytes per parameter of a chip's share (norm scales and biases that 8 does not divide stay whole)
     assert 16.0 <= r["ppo_apply_argument_bytes_per_param"] < 17.0
     assert r["programs"]["ppo_grad"]["flops"] > r["programs"]["logprobs"]["flops"] > 0
+    # the gradient accumulator (fp32, the parameters' shardings) is donated: its buffer is the output's
+    assert r["programs"]["ppo_grad"]["alias_bytes"] == r["resident_bytes_per_chip"]["params"] > 0
     assert "fits: True" in proc.stdout and "ppo_grad" in proc.stdout
 
 
@@ -89,3 +92,56 @@ def test_committed_tpu_reports_compile_again_to_the_same_memory(path, tmp_path):
     again = json.load(open(tmp_path / os.path.basename(path)))
     for name, p in r["programs"].items():
         assert again["programs"][name]["peak_bytes_per_chip"] == p["peak_bytes_per_chip"], name
+
+
+def _private_uses(source: str) -> list[str]:
+    """``_name``s of ``bipace_jax`` that ``source`` imports or reads as a module attribute (dunders aside)."""
+
+    def private(name):
+        return any(p.startswith("_") and not p.startswith("__") for p in name.split("."))
+
+    found, modules = [], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "bipace_jax":
+                    found += [a.name] if private(a.name) else []
+                    modules.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "bipace_jax":
+            for a in node.names:
+                if private(node.module) or private(a.name):
+                    found.append(f"{node.module}.{a.name}")
+                modules.add(a.asname or a.name)  # a module, or an object whose private attributes are as private
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in modules:
+                found.append(f"{ast.unparse(node)}")
+    return found
+
+
+def test_the_private_name_check_finds_imports_and_attribute_reads():
+    src = (
+        "from bipace_jax import learner, sampling as s\n"
+        "from bipace_jax.ppo import _logprobs_program, PPOLearner\n"
+        "import bipace_jax.sharding\n"
+        "learner._programs(1); s._Static; bipace_jax.sharding._is_variable; PPOLearner._checked\n"
+        "learner.step_specs; other._private; learner.__doc__\n"
+    )
+    assert sorted(_private_uses(src)) == sorted(
+        [
+            "bipace_jax.ppo._logprobs_program",
+            "learner._programs",
+            "s._Static",
+            "bipace_jax.sharding._is_variable",
+            "PPOLearner._checked",
+        ]
+    )
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "launch", "*.py"))), ids=os.path.basename)
+def test_launch_uses_no_private_name_of_the_library(path):
+    with open(path) as f:
+        assert _private_uses(f.read()) == [], path

@@ -149,9 +149,7 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
     seen = {}
     play, update = tr._play, tr.learner.update
     tr._play = lambda *a, **k: seen.setdefault("res", play(*a, **k))
-    tr.learner.update = lambda batch, old, ref, adv, *a, **k: update(
-        batch, old, ref, seen.setdefault("adv", adv), *a, **k
-    )
+    tr.learner.update = lambda batch, *a, **k: update(seen.setdefault("batch", batch), *a, **k)
     before = jax.tree.map(np.asarray, tr.learner.params)
     try:
         rec = tr.train_iteration()
@@ -159,7 +157,7 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
         tr.close()
     res = seen["res"]
     want, _ = reference.compute_advantages_reference(res.steps, estimator_config(c, tr.epsilon))
-    np.testing.assert_allclose(seen["adv"], want[: res.rows], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(seen["batch"].advantages, want[: res.rows], rtol=1e-5, atol=1e-5)
     assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.rows
     # both partitions are recorded whichever one trains: exact hashing and the clusters at this epsilon
     bigpo = dataclasses.replace(estimator_config(c, tr.epsilon), name="bigpo")

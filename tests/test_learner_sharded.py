@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(r"""
     from jax.sharding import PartitionSpec as P
     from bipace_jax import losses, ppo, sharding as shd
     from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, save_hf_checkpoint
-    from bipace_jax.rollout import TokenBatch
+    from bipace_jax.batch import TokenBatch
 
     assert len(jax.devices()) == 8, jax.devices()
     out = {}
@@ -58,9 +58,9 @@ SCRIPT = textwrap.dedent(r"""
     program = ppo._logprobs_program
     def spy(*a):
         fn = program(*a)
-        def run(params, rest, ids, att, resp):
-            seen.append(str(ids.sharding.spec))
-            return fn(params, rest, ids, att, resp)
+        def run(params, rest, mb):
+            seen.append(str(mb.input_ids.sharding.spec))
+            return fn(params, rest, mb)
         return run
     ppo._logprobs_program = spy
 
@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent(r"""
         L = ppo.PPOLearner(actor, mesh_, loss_cfg, tx, micro_batch_rows=4)
         old = L.logprobs(L.params_local, batch)
         refl = L.logprobs(L.ref_params_local, batch)
-        stats = L.update(batch, old, refl, adv, jax.random.PRNGKey(0))
+        stats = L.update(batch.with_(old_logprobs=old, ref_logprobs=refl, advantages=adv), jax.random.PRNGKey(0))
         new = L.logprobs(L.params_local, batch)
         leaves = jax.tree.leaves(L.params)
         # AdamW's moments live where their parameters do (never replicated on every device)

@@ -61,6 +61,13 @@ def test_token_mean_ignores_masked_tokens_even_if_nonfinite():
     assert float(losses.token_mean(values, jnp.zeros_like(mask))) == 0.0
 
 
+def _ppo_loss(logits, targets, mask, old, ref, adv, cfg, denom=None):
+    """The PPO objective from logits [B, M, V] at ``cfg.temperature``, as ``ppo.response_logprobs`` feeds it."""
+    logits = jnp.asarray(logits, jnp.float32) / cfg.temperature
+    logp, ent = losses.token_logprobs(logits, targets), losses.entropy_from_logits(logits)
+    return losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, cfg, denom)
+
+
 def test_ppo_loss_total_matches_hand_computed_value():
     # One row, two tokens (second masked). V=2, logits [0, log 3] -> p = [.25, .75]; target 1.
     logits = jnp.array([[[0.0, math.log(3.0)], [9.0, -9.0]]])
@@ -71,7 +78,7 @@ def test_ppo_loss_total_matches_hand_computed_value():
     ref = jnp.array([[math.log(0.5), 0.0]])
     adv = jnp.array([2.0])
     cfg = losses.PPOLossConfig(clip_eps=0.2, dual_clip=3.0, kl_coef=0.01, entropy_coef=0.001)
-    loss, m = losses.ppo_loss(logits, targets, mask, old, ref, adv, cfg)
+    loss, m = _ppo_loss(logits, targets, mask, old, ref, adv, cfg)
     pg = max(-2.0 * 1.5, -2.0 * 1.2)  # = -2.4
     d = math.log(0.5) - logp
     kl = math.exp(d) - d - 1.0
@@ -91,7 +98,7 @@ def test_ppo_loss_is_taken_at_the_policy_temperature():
     old = jnp.array([[logp - math.log(1.5), 0.0]])
     ref = jnp.array([[math.log(0.5), 0.0]])
     cfg = losses.PPOLossConfig(clip_eps=0.2, dual_clip=3.0, kl_coef=0.01, entropy_coef=0.001, temperature=2.0)
-    loss, m = losses.ppo_loss(logits, targets, mask, old, ref, jnp.array([2.0]), cfg)
+    loss, m = _ppo_loss(logits, targets, mask, old, ref, jnp.array([2.0]), cfg)
     d = math.log(0.5) - logp
     ent = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     assert float(m["entropy"]) == pytest.approx(ent, rel=1e-5)
@@ -111,10 +118,10 @@ def test_micro_batch_losses_with_global_denominator_sum_to_full_batch_token_mean
     ref = jnp.asarray(rng.normal(size=(B, M)) * 0.1 - 2.0, jnp.float32)
     adv = jnp.asarray(rng.normal(size=(B,)), jnp.float32)
     cfg = losses.PPOLossConfig()
-    full, _ = losses.ppo_loss(logits, targets, mask, old, ref, adv, cfg)
+    full, _ = _ppo_loss(logits, targets, mask, old, ref, adv, cfg)
     denom = jnp.sum(mask)
     parts = [
-        losses.ppo_loss(logits[s], targets[s], mask[s], old[s], ref[s], adv[s], cfg, denom)[0]
+        _ppo_loss(logits[s], targets[s], mask[s], old[s], ref[s], adv[s], cfg, denom)[0]
         for s in (slice(0, 2), slice(2, 4), slice(4, 6))
     ]
     np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
@@ -128,7 +135,7 @@ def test_ppo_loss_config_rejects_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="kl_coef"):
         losses.PPOLossConfig(kl_coef=-1.0)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        losses.ppo_loss(
+        _ppo_loss(
             jnp.zeros((1, 1, 2)),
             jnp.zeros((1, 1), jnp.int32),
             jnp.ones((1, 1), bool),

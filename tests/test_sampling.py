@@ -452,8 +452,8 @@ def test_sampling_stops_right_after_stop_text_and_at_eos():
         script[r, prompt_len : prompt_len + len(ids)] = ids
     script[1, prompt_len + len(tok.encode(texts[1]))] = tok.eos_token_id
     model = ScriptedLM(script, v)
-    sampler = Sampler(tok, _cfg(stop_strings=("</action>",), max_new_tokens=40, eos_token_ids=None))
-    out = sampler.generate(model, [[5, 6, 7]] * 4, jax.random.key(0), temperature=0.5)
+    sampler = Sampler(tok, _cfg(stop_strings=("</action>",), max_new_tokens=40, eos_token_ids=None, temperature=0.5))
+    out = sampler.generate(model, [[5, 6, 7]] * 4, jax.random.key(0))
     decoded = [tok.decode(out.tokens[r, : out.lengths[r]], skip_special_tokens=True) for r in range(4)]
     assert decoded[0] == "<think>x</think><action>get 2 iron ingot</action>."[: len(decoded[0])]
     assert "</action>" in decoded[0] and "</action>" not in tok.decode(out.tokens[0, : out.lengths[0] - 1])
@@ -537,9 +537,3 @@ def test_generate_rejects_bad_prompts_with_the_field_named(prompts, match):
 def test_sampler_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplerConfig(**kw)
-
-
-def test_generate_rejects_nonpositive_temperature_override():
-    tok = small_tokenizer()
-    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
-        Sampler(tok, _cfg()).generate(FakeLM(vocab=len(tok)), [[3]], jax.random.key(0), temperature=0.0)

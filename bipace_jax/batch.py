@@ -1,0 +1,159 @@
+"""The token rows from the rollout to the gradient: one ``TokenBatch`` of N rows, cut into ``MicroBatch``es.
+
+Shapes: N rows, P prompt columns (left-padded), M response columns (right-padded), T = P + M,
+B micro-batch rows, W a micro-batch's prompt columns.
+
+The rollout emits a ``TokenBatch`` (``RolloutResult.token_batch``); the learner adds the old and
+reference log-probs and the advantages with ``with_`` and cuts fixed-shape micro-batches with ``take``.
+This module sits below both (NumPy and JAX only), so learning never imports the rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import numpy as np
+
+from bipace_jax import sharding
+
+__all__ = ["MicroBatch", "TokenBatch", "abstract_micro_batch"]
+
+
+@flax.struct.dataclass
+class MicroBatch:
+    """B rows of one forward (and backward) pass, a pytree (fixed shape; padding rows have all-zero
+    response masks and one real prompt token, so no softmax is empty). A field the pass does not need
+    is None (the log-prob pass carries no log-probs or advantages)."""
+
+    input_ids: jax.Array  # int32[B, W + M]
+    attention_mask: jax.Array  # int32[B, W + M]
+    response_ids: jax.Array  # int32[B, M]
+    response_mask: jax.Array  # bool[B, M]
+    old_logprobs: jax.Array | None = None  # float32[B, M]
+    ref_logprobs: jax.Array | None = None  # float32[B, M]
+    advantages: jax.Array | None = None  # float32[B]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBatch:
+    """Host-side arrays of N rows: [prompt (left-padded) | response (right-padded)], and what the
+    learner adds to them.
+
+    Attributes:
+      input_ids: int32[N, T], T = P + M.
+      attention_mask: int32[N, T], 1 on real tokens.
+      response_ids: int32[N, M], 0 past each response.
+      response_mask: bool[N, M], True on the response's tokens.
+      prompt_len: P.
+      old_logprobs: float32[N, M] behaviour-policy log-probs of the responses, or None.
+      ref_logprobs: float32[N, M] reference-policy log-probs, or None (no KL term).
+      advantages: float32[N], one per row, or None.
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    response_ids: np.ndarray
+    response_mask: np.ndarray
+    prompt_len: int
+    old_logprobs: np.ndarray | None = None
+    ref_logprobs: np.ndarray | None = None
+    advantages: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        """N."""
+        return self.input_ids.shape[0]
+
+    def prompt_lengths(self) -> np.ndarray:
+        """int64[N] real prompt tokens of each row."""
+        return self.attention_mask[:, : self.prompt_len].sum(1).astype(np.int64)
+
+    def with_(self, **fields) -> TokenBatch:
+        """A copy with ``old_logprobs`` / ``ref_logprobs`` (float32[N, M]) and ``advantages``
+        (float32[N]) set (None clears one).
+
+        Raises:
+          TypeError: a field other than those three.
+          ValueError: an array of another shape.
+        """
+        n, m = self.response_ids.shape
+        want = {"old_logprobs": (n, m), "ref_logprobs": (n, m), "advantages": (n,)}
+        unknown = sorted(set(fields) - set(want))
+        if unknown:
+            raise TypeError(f"TokenBatch.with_: unknown fields {unknown}; expected some of {sorted(want)}")
+        for k, v in list(fields.items()):
+            if v is not None:
+                fields[k] = v = np.asarray(v, np.float32)
+                if v.shape != want[k]:
+                    raise ValueError(f"TokenBatch.with_: {k} must have shape {want[k]}, got {v.shape}")
+        return dataclasses.replace(self, **fields)
+
+    def take(self, rows: np.ndarray, width: int, size: int) -> MicroBatch:
+        """The micro-batch of ``rows`` (int indices, at most ``size``): the prompt part cut, or left-padded
+        with masked zero columns, to ``width`` columns (positions come from the mask, so the values do
+        not depend on it), the rows padded to ``size``; NumPy arrays.
+
+        Raises:
+          ValueError: more than ``size`` rows.
+        """
+        rows = np.asarray(rows, np.int64)
+        if len(rows) > size:
+            raise ValueError(f"TokenBatch.take: {len(rows)} rows do not fit a micro-batch of {size}")
+        p = self.prompt_len
+
+        def cols(x):
+            x = x[rows]
+            if width <= p:
+                return _pad_rows(x[:, p - width :], size)
+            return _pad_rows(np.concatenate([np.zeros((len(rows), width - p), x.dtype), x], 1), size)
+
+        att = cols(self.attention_mask)
+        att[:, -1] |= att.sum(1) == 0  # padding rows get one real token (no empty softmax)
+        opt = {
+            k: None if getattr(self, k) is None else _pad_rows(getattr(self, k)[rows], size)
+            for k in ("old_logprobs", "ref_logprobs", "advantages")
+        }
+        return MicroBatch(
+            input_ids=cols(self.input_ids),
+            attention_mask=att,
+            response_ids=_pad_rows(self.response_ids[rows], size),
+            response_mask=_pad_rows(self.response_mask[rows], size),
+            **opt,
+        )
+
+
+def abstract_micro_batch(
+    mesh, rows: int, width: int, response: int, *, logprobs: bool = True, reference: bool = True
+) -> MicroBatch:
+    """A ``MicroBatch`` of ``jax.ShapeDtypeStruct``s with rows split over ``mesh``'s ("data", "fsdp") axes.
+
+    Args:
+      mesh: the mesh the micro-batch is placed on (``sharding.batch_sharding``).
+      rows, width, response: B, W, M.
+      logprobs: with ``old_logprobs`` and ``advantages`` (the gradient pass); False: the log-prob pass.
+      reference: with ``ref_logprobs`` (only when ``logprobs``).
+    """
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
+
+    lp = sds((rows, response), np.float32)
+    return MicroBatch(
+        input_ids=sds((rows, width + response), np.int32),
+        attention_mask=sds((rows, width + response), np.int32),
+        response_ids=sds((rows, response), np.int32),
+        response_mask=sds((rows, response), np.bool_),
+        old_logprobs=lp if logprobs else None,
+        ref_logprobs=lp if logprobs and reference else None,
+        advantages=sds((rows,), np.float32) if logprobs else None,
+    )
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` [n, ...] with zero rows appended to ``rows`` (always a new array)."""
+    x = np.asarray(x)
+    if x.shape[0] == rows:
+        return x.copy()
+    return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)], 0)
