@@ -56,13 +56,6 @@ LAYERS = (
 )
 # Layers the order puts below a module that it still must not import: (importer layer, imported layer).
 NEVER = (("learning", "rollout"),)
-# Edges today's tree has only because other branches of this round are moving code: the factories
-# leave config.py for build.py, TokenBatch leaves rollout.py for batch.py. The order tests skip them;
-# IN_PROGRESS_EDGES expects them gone (xfail until the merge; then delete this table and the xfail).
-IN_PROGRESS = {
-    ("bipace_jax.config", "*"): "config.py's factories (build_actor, ppo_learner, ...) move to bipace_jax/build.py",
-    ("bipace_jax.ppo", "bipace_jax.rollout"): "TokenBatch moves from rollout.py to bipace_jax/batch.py",
-}
 
 
 def _modules() -> dict[str, str]:
@@ -130,8 +123,8 @@ def _layer_of(module: str) -> int | None:
 
 def _order_violations(graph, skip=()) -> list[str]:
     """Imports of a bipace_jax module from a higher layer, or from a layer that NEVER forbids, as
-    'module:line imports target (layer a -> layer b)'; edges matched by ``skip`` (IN_PROGRESS keys,
-    target "*" = any) are left out."""
+    'module:line imports target (layer a -> layer b)'; edges matched by ``skip`` ((module, target)
+    keys, target "*" = any) are left out."""
     names = [n for n, _ in LAYERS]
     never = {(names.index(a), names.index(b)) for a, b in NEVER}
     bad = []
@@ -164,21 +157,7 @@ def test_every_library_module_has_a_layer():
 
 
 def test_library_modules_import_only_their_own_layer_and_below():
-    bad = _order_violations(GRAPH, skip=IN_PROGRESS)
-    assert not bad, "\n".join(bad)
-
-
-@pytest.mark.parametrize(
-    "edge",
-    [
-        pytest.param(edge, id=f"{edge[0]}->{edge[1]}", marks=pytest.mark.xfail(strict=False, reason=reason))
-        for edge, reason in IN_PROGRESS.items()
-    ],
-)
-def test_in_progress_edges_are_gone(edge):
-    # The target rule for each edge in IN_PROGRESS: it passes once the move has merged (then: XPASS).
-    module, target = edge
-    bad = [v for v in _order_violations({module: GRAPH.get(module, [])}) if target == "*" or f" imports {target} " in v]
+    bad = _order_violations(GRAPH)
     assert not bad, "\n".join(bad)
 
 
@@ -203,8 +182,9 @@ def test_the_order_check_sees_planted_violations(tmp_path):
         "bipace_jax.ppo:2 imports bipace_jax.rollout (layer learning -> layer rollout)",
         "bipace_jax.sampling:1 imports bipace_jax.rollout (layer sampling -> layer rollout)",
     ]
-    # the skip table leaves out exactly its edges
-    assert sorted(_order_violations(graph, skip=IN_PROGRESS)) == [
+    # a skip table leaves out exactly its edges
+    skip = {("bipace_jax.config", "*"): "", ("bipace_jax.ppo", "bipace_jax.rollout"): ""}
+    assert sorted(_order_violations(graph, skip=skip)) == [
         "bipace_jax.estimators.core:1 imports bipace_jax.ppo (layer estimators -> layer learning)",
         "bipace_jax.sampling:1 imports bipace_jax.rollout (layer sampling -> layer rollout)",
     ]
