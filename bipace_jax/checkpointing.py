@@ -69,30 +69,37 @@ class Checkpointer:
     Args:
       workdir: run folder (a local path or ``gs://bucket/path``, see ``bipace_jax.runfolder``).
       keep: number of checkpoints kept (older ones are deleted after a successful save).
+      async_save: ``save`` returns once the arrays are copied to host memory and orbax writes them
+        in the background (a pod's fp32 params and moments take seconds per host to write); the next
+        save, ``latest_step``, a restore and ``close`` wait for it. False: ``save`` returns once the
+        step is committed.
 
     Raises:
       ValueError: ``keep`` < 1.
       RunFolderError: ``workdir`` is a URL of a scheme other than ``gs://``.
     """
 
-    def __init__(self, workdir: str, keep: int = 2):
+    def __init__(self, workdir: str, keep: int = 2, async_save: bool = False):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = os.fspath(runfolder.path(workdir) / "checkpoints")
+        self.async_save = bool(async_save)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
-            enable_async_checkpointing=False,  # a save returns only once the step is committed
+            enable_async_checkpointing=self.async_save,
             cleanup_tmp_directories=True,  # remove half-written steps of a killed run
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         """The latest committed step (completed iterations), or None when there is none."""
+        self._manager.wait_until_finished()
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        self._manager.wait_until_finished()
         self._manager.reload()
         return list(self._manager.all_steps())
 
@@ -131,8 +138,8 @@ class Checkpointer:
         self._manager.reload()
 
     def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, meta: CheckpointMeta | dict) -> None:
-        """Commit checkpoint ``step`` (blocking; atomic). ``rng`` is a typed or raw uint32 key; ``meta``
-        a ``CheckpointMeta`` (or a JSON-able dict)."""
+        """Commit checkpoint ``step`` (atomic; blocking unless ``async_save``, see the class). ``rng`` is
+        a typed or raw uint32 key; ``meta`` a ``CheckpointMeta`` (or a JSON-able dict)."""
         state = {"params": params, "opt_state": opt_state}
         meta = meta.to_dict() if isinstance(meta, CheckpointMeta) else meta
         meta = dict(meta, step=int(step), rng=[int(x) for x in np.asarray(_key_data(rng)).ravel()])
@@ -141,7 +148,8 @@ class Checkpointer:
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
-        self._manager.wait_until_finished()
+        if not self.async_save:
+            self._manager.wait_until_finished()
 
     def restore(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, jax.Array, dict]:
         """Restore ``step`` into the structure, shapes, dtypes and shardings of the given trees.
@@ -163,6 +171,7 @@ class Checkpointer:
         return st["params"], st["opt_state"], jnp.asarray(meta["rng"], jnp.uint32), meta
 
     def close(self) -> None:
+        self._manager.wait_until_finished()
         self._manager.close()
 
 

@@ -416,19 +416,21 @@ class OptimConfig(Section):
 class CheckpointConfig(Section):
     """``config.checkpoint``: save every ``every`` iterations (and at the end), keep ``keep``, export HF;
     ``shared_workdir``: a local ``--workdir`` of a multi-host run is a file system every host sees
-    (`check_workdir`)."""
+    (`check_workdir`); ``async_save``: orbax writes in the background (`Checkpointer`)."""
 
     SECTION: ClassVar[str] = "checkpoint"
     every: int = 1
     keep: int = 2
     export_hf: bool = True
     shared_workdir: bool = False
+    async_save: bool = False
 
     def __post_init__(self):
         check_int(self._name("every"), self.every, 1)
         check_int(self._name("keep"), self.keep, 1)
         check_bool(self._name("export_hf"), self.export_hf)
         check_bool(self._name("shared_workdir"), self.shared_workdir)
+        check_bool(self._name("async_save"), self.async_save)
 
 
 @dataclasses.dataclass(frozen=True)

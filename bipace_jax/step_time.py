@@ -212,7 +212,9 @@ class RunShape:
         sampler's log-probs stand in for the old ones or there is no KL term).
       remat: ``model.remat`` (``full`` recomputes the forward in the backward).
       iterations: RL iterations of the run.
-      val_games_per_host, val_every: validation games a host plays and every how many iterations.
+      val_games_per_host, val_panels, val_every: validation games a host plays per panel (its sampler
+        batch), how many panels (seen goals, held-out goals) a validation plays one after the other,
+        and every how many iterations it runs (0: never).
       checkpoint_every: iterations between checkpoints.
     """
 
@@ -232,6 +234,7 @@ class RunShape:
     remat: str = "full"
     iterations: int = 150
     val_games_per_host: int = 0
+    val_panels: int = 1
     val_every: int = 0
     checkpoint_every: int = 1
 
@@ -321,10 +324,11 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
         ppo_apply=counts["optimizer_steps"] * t["ppo_apply"],
     )
     if r.val_every and r.val_games_per_host:
-        val_turn = costs["prefill"] * (r.val_games_per_host / r.games_per_host)
-        val_step = costs["decode_step"] * (r.val_games_per_host / r.games_per_host)
-        val = r.turns * (val_turn.seconds(chip)["seconds"] + r.response_tokens * val_step.seconds(chip)["seconds"])
-        stages["validation"] = val / r.val_every
+        # a validation panel is a rollout of its own at the validation batch (the weights are read per step)
+        v = program_costs(m, dataclasses.replace(r, games_per_host=r.val_games_per_host))
+        vt = {k: c.seconds(chip)["seconds"] for k, c in v.items()}
+        panel = r.turns * (vt["prefill"] + r.response_tokens * vt["decode_step"])
+        stages["validation"] = r.val_panels * panel / r.val_every
     iteration = sum(stages.values())
     checkpoint = 16 * m.params / r.hosts / STORAGE_BYTES_PER_S / max(r.checkpoint_every, 1)
     hours = r.iterations * iteration / 3600

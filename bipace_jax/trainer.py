@@ -112,7 +112,7 @@ class Trainer:
         self.epsilon = float(spec.estimator.epsilon)
         self.needs_calibration = spec.needs_calibration  # done on iteration 0
         self.controller = spec.new_controller()
-        self.checkpointer = Checkpointer(workdir, keep=spec.checkpoint.keep)
+        self.checkpointer = Checkpointer(workdir, keep=spec.checkpoint.keep, async_save=spec.checkpoint.async_save)
         latest = self.checkpointer.latest_step()
         if latest is not None and not resume:
             raise FileExistsError(

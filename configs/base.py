@@ -182,6 +182,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.export_hf = True  # write <workdir>/hf_final (HF folder) at the end
     # several hosts need one folder they all see: gs://, or True to declare a local path shared (NFS)
     c.checkpoint.shared_workdir = False
+    c.checkpoint.async_save = False  # orbax writes in the background; the next save waits for the last
 
     c.log = ml_collections.ConfigDict()
     c.log.progress = True  # tqdm bars

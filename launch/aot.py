@@ -19,17 +19,27 @@ Programs (the ones a run compiles, at their largest shapes):
   logprobs   the old / reference log-prob pass of a micro-batch (host-local parameter copy)
   prefill    the sampler's prefill and first token, largest batch and prompt bucket
   decode     the sampler's decode loop over ``sampler.max_new_tokens`` from that cache
+  val_prefill, val_decode   the same at the validation batch each host really plays
+             (ceil(panel x val.group_size / hosts), bucketed; ``same_as`` when it is the rollout's)
   estimator  the advantage estimator at the rollout's row capacity (one device per host)
+
+Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
+(the new sampler copy is built while the old one is alive) and ``grad_init`` (the fp32 gradient
+accumulator beside every long-lived array). ``placement`` records each device's host and the mesh
+checks (`sharding.check_placement`); ``step_time`` is `bipace_jax.step_time`'s roofline model of every
+program, one iteration and the whole run (TPU topologies). ``--num_slices=2`` joins two copies of the
+slice over the data-center network (data parallel across them; the report is ``<config>__2x<topology>``).
 
 Per chip, a program needs its own peak (``memory_analysis``) plus the long-lived arrays it does not take
 as arguments (master weights, AdamW moments, the reference and sampler copies): ``total_bytes_per_chip``.
-The config fits when every program's total is at most ``--budget`` (0.9) of the chip's HBM; otherwise the
+The config fits when every program's total and every transient is at most ``--budget`` (0.9) of the chip's HBM; otherwise the
 command exits with status 1. Writes a table to stdout and JSON to
 ``--out/<config>__<topology>.json`` (``benchmarks/aot/``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -43,7 +53,7 @@ from flax import nnx
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from bipace_jax import build, learner, ppo, sampling, sharding
+from bipace_jax import build, learner, ppo, sampling, sharding, step_time
 from bipace_jax import config as config_lib
 from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.estimators import StepBatch
@@ -56,8 +66,11 @@ _TOPOLOGY = flags.DEFINE_string("topology", "cpu:8", "TPU topology (e.g. v5e:4x4
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "aot"), "Folder of the JSON report.")
 _BUDGET = flags.DEFINE_float("budget", 0.9, "Largest fraction of a chip's HBM a program may use.")
 _PROGRAMS = flags.DEFINE_list("programs", "", "Compile only these programs (default: all).")
+_SLICES = flags.DEFINE_integer(
+    "num_slices", 1, "TPU slices joined over the data-center network (multi-slice: data parallel across them)."
+)
 
-PROGRAMS = ("ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "estimator")
+PROGRAMS = ("ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "val_prefill", "val_decode", "estimator")
 GiB = 1 << 30
 # HBM per chip by `device_kind` substring (Cloud TPU data sheets); first match wins.
 HBM_BYTES = (
@@ -72,14 +85,17 @@ HBM_BYTES = (
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def topology_devices(name: str) -> list:
+def topology_devices(name: str, num_slices: int = 1) -> list:
     """The devices of ``name``: ``cpu:N`` (this machine's CPU devices; N must not exceed them) or a TPU
-    topology (``jax.experimental.topologies``; needs libtpu).
+    topology (``jax.experimental.topologies``; needs libtpu), ``num_slices`` copies of it joined over
+    the data-center network (devices carry ``slice_index``; processes are numbered slice after slice).
 
     Raises:
-      ValueError: a malformed name, too few CPU devices, or a TPU topology without libtpu.
+      ValueError: a malformed name, too few CPU devices, slices of CPU devices, or a TPU topology
+        without libtpu.
     """
-
+    if num_slices < 1 or (num_slices > 1 and name.startswith("cpu:")):
+        raise ValueError(f"--num_slices={num_slices}: expected 1, or more slices of a TPU topology")
     if name.startswith("cpu:"):
         n = int(name[4:]) if name[4:].isdigit() else 0
         devices = jax.devices("cpu")
@@ -90,6 +106,8 @@ def topology_devices(name: str) -> list:
     try:
         # v4 lists two devices (TensorCores) per chip unless megacore; meshes need one per chip
         kw = dict(chip_config_name="megacore") if name.startswith("v4:") else {}
+        if num_slices > 1:
+            kw["num_slices"] = num_slices
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
     except Exception as e:  # libtpu missing or an unknown slice name
         raise ValueError(
@@ -120,6 +138,13 @@ def hbm_bytes(device) -> int:
         if key in kind:
             return size
     raise ValueError(f"unknown HBM size of device kind {device.device_kind!r}; add it to HBM_BYTES")
+
+
+def _bucket(rows: int, buckets, dp_local: int) -> int:
+    """The sampler's batch for ``rows`` prompts: the first bucket that holds them (more are served in
+    chunks of the largest), rounded up to the host's row shards."""
+    b = next((b for b in buckets if b >= rows), buckets[-1])
+    return -(-b // dp_local) * dp_local
 
 
 def _bytes_per_chip(tree) -> int:
@@ -187,8 +212,10 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     rows = c.ppo.micro_batch_rows * len(hosts)
     games = c.rollout.num_groups // len(hosts) * c.rollout.group_size
     dp_local = local_mesh.shape["data"] * local_mesh.shape["fsdp"]
-    batch = next((b for b in s.batch_buckets if b >= games), s.batch_buckets[-1])
-    batch = -(-batch // dp_local) * dp_local
+    batch = _bucket(games, s.batch_buckets, dp_local)
+    validating = bool(c.val.every or c.val.at_start)
+    panel = max(c.val.num_tasks, c.val.num_holdout_tasks) * c.val.seeds_per_goal  # goals x seeds, at most
+    val_rows = -(-panel * c.val.group_size // len(hosts)) if validating else 0
     # one host with equal dtypes: the sampler's copy is the master parameters themselves
     separate = len(hosts) > 1 or dtype != param_dtype
     resident = dict(
@@ -236,6 +263,16 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         print(f"  compiled {name} in {report['programs'][name]['compile_s']} s", flush=True)
         return compiled
 
+    def sampler_programs(pre: ProgramSpec, prefill: str, decode: str) -> None:
+        """Compile a prefill spec and the decode loop that continues from its outputs."""
+        compiled = run(prefill, local_mesh, pre, other=host_other)
+        if decode in programs:
+            with jax.set_mesh(local_mesh):
+                lowered = pre.lower()
+                compiled = compiled or lowered.compile()
+            first = abstract(lowered.out_info, compiled.output_shardings)
+            run(decode, local_mesh, sampling.decode_spec(pre, first), other=host_other)
+
     # The library's own program specs at the run's largest shapes: what compiles here is what runs.
     objective = ppo.PPOObjective(
         build.loss_config(c), c.ppo.old_logprobs == "fused", cfg.vocab_size, c.ppo.logprob_chunk
@@ -258,13 +295,20 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     pre = sampling.prefill_spec(
         gdef_s, state, static, local_mesh, batch=batch, stop_table_shape=table, num_eos=len(cfg.eos_token_ids)
     )
-    compiled = run("prefill", local_mesh, pre, other=host_other)
-    if "decode" in programs:
-        with jax.set_mesh(local_mesh):
-            lowered = pre.lower()
-            compiled = compiled or lowered.compile()
-        first = abstract(lowered.out_info, compiled.output_shardings)
-        run("decode", local_mesh, sampling.decode_spec(pre, first), other=host_other)
+    sampler_programs(pre, "prefill", "decode")
+    # Validation: each panel is one sampler call per turn over the rows this host plays, as the trainer
+    # sizes them (ceil(panel x val.group_size / hosts)), bucketed like the rollout's
+    val_batch = _bucket(val_rows, s.batch_buckets, dp_local)
+    report["shapes"]["val_rows_per_host"], report["shapes"]["val_sampler_batch"] = val_rows, val_batch
+    if val_batch == batch:  # the same shapes: the rollout's programs serve validation
+        for name, same in (("val_prefill", "prefill"), ("val_decode", "decode")):
+            if same in report["programs"] and name in programs:
+                report["programs"][name] = dict(report["programs"][same], same_as=same)
+    elif val_rows:
+        vpre = sampling.prefill_spec(
+            gdef_s, state, static, local_mesh, batch=val_batch, stop_table_shape=table, num_eos=len(cfg.eos_token_ids)
+        )
+        sampler_programs(vpre, "val_prefill", "val_decode")
 
     ecfg = build.estimator_config(c)
     fn, scalars = jitted_advantages(ecfg)
@@ -290,6 +334,40 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     scalars = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one) for x in scalars)
     estimator = ProgramSpec("estimator", fn, (steps, *scalars))
     run("estimator", jax.sharding.Mesh(np.array(local[:1]), ("data",)), estimator, other=tuple(resident))
+
+    # Peaks no compiled program shows: `Learner.sync_local` builds the new sampler copy while the old one
+    # is alive, and the fp32 gradient accumulator's zeros exist beside every long-lived array.
+    r = resident
+    report["transients"] = dict(
+        sync_local=r["params"] + r["opt_state"] + r["reference"] + 2 * r["sampler_params"],
+        grad_init=2 * r["params"] + r["opt_state"] + r["reference"] + r["sampler_params"],
+    )
+    if devices[0].platform != "cpu":
+        shape = step_time.RunShape(
+            chips=len(devices),
+            hosts=len(hosts),
+            fsdp=fsdp,
+            tensor=tensor,
+            sampler_tensor=local_mesh.shape["tensor"],
+            prompt_tokens=prompt,
+            response_tokens=response,
+            games_per_host=batch,
+            turns=c.env.max_steps,
+            micro_batch_rows=rows,
+            logprob_rows_per_host=lrows,
+            mini_batch_rows=c.ppo.mini_batch_rows,
+            logprob_passes=int(c.ppo.old_logprobs == "recompute") + int(c.ppo.kl_coef > 0),
+            remat=m.remat,
+            iterations=c.num_iterations,
+            val_games_per_host=val_batch if val_rows else 0,
+            val_panels=int(c.val.num_tasks > 0) + int(c.val.num_holdout_tasks > 0),
+            val_every=c.val.every,
+            checkpoint_every=c.checkpoint.every,
+        )
+        chip = step_time.chip_for(devices[0].device_kind)
+        report["step_time"] = dict(
+            run_shape=dataclasses.asdict(shape), **step_time.estimate(step_time.ModelShape.of(cfg), shape, chip)
+        )
     return report
 
 
@@ -300,7 +378,7 @@ def main(argv):
     if name.startswith("cpu:") and name[4:].isdigit() and int(name[4:]) > 0:
         jax.config.update("jax_num_cpu_devices", int(name[4:]))  # before the CPU backend starts
     try:
-        devices = topology_devices(name)
+        devices = topology_devices(name, _SLICES.value)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
@@ -315,12 +393,16 @@ def main(argv):
         report = compile_all(c, devices, host_devices(name, devices), programs)
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
-    report["topology"] = name
+    report["topology"], report["num_slices"] = name, _SLICES.value
     hbm = report["hbm_bytes_per_chip"]
     report["budget_fraction"] = _BUDGET.value
     for p in report["programs"].values():
         p["fraction_of_hbm"] = round(p["total_bytes_per_chip"] / hbm, 4)
-    report["fits"] = all(p["fraction_of_hbm"] <= _BUDGET.value for p in report["programs"].values())
+    report["transients"] = {
+        k: dict(bytes_per_chip=v, fraction_of_hbm=round(v / hbm, 4)) for k, v in report["transients"].items()
+    }
+    peaks = [*report["programs"].values(), *report["transients"].values()]
+    report["fits"] = all(p["fraction_of_hbm"] <= _BUDGET.value for p in peaks)
     if "ppo_apply" in report["programs"]:
         share = report["model"]["params"] / report["chips"]
         report["ppo_apply_argument_bytes_per_param"] = round(
@@ -337,17 +419,29 @@ def main(argv):
     gib = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
     print(f"\n{setting} on {name}: HBM {hbm / GiB:.1f} GiB per chip, budget {_BUDGET.value:.0%}")
     print(
-        f"{'program':10s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (memory in GiB per chip)"
+        f"{'program':11s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (memory in GiB per chip)"
     )
     for k, p in report["programs"].items():
         coll = "?" if p["collectives"] is None else " ".join(f"{n}={v}" for n, v in p["collectives"].items() if v)
         print(
-            f"{k:10s} {gib(p['peak_bytes_per_chip'])} {gib(p['argument_bytes'])} {gib(p['temp_bytes'])} "
+            f"{k:11s} {gib(p['peak_bytes_per_chip'])} {gib(p['argument_bytes'])} {gib(p['temp_bytes'])} "
             f"{gib(p['output_bytes'])} {gib(p['other_resident_bytes'])} {gib(p['total_bytes_per_chip'])}  "
             f"{p['fraction_of_hbm']:5.0%}  {p['flops'] / 1e12:7.2f}  {p['compile_s']:6.1f}s  {coll}"
         )
+    for k, t in report["transients"].items():
+        print(
+            f"{k:11s} {'':55s} {gib(t['bytes_per_chip'])}  {t['fraction_of_hbm']:5.0%}  (not a program: see the module doc)"
+        )
+    if "step_time" in report:
+        st = report["step_time"]
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in st["stages_s"].items())
+        print(
+            f"\nstep-time model (roofline, {st['chip']['name']}): {st['iteration_s']:.0f} s per iteration ({stages}); "
+        )
+        print(f"{st['iterations']} iterations: {st['run_hours']:.1f} h, {st['chip_hours']:.0f} chip-hours")
     print(f"fits: {report['fits']}")
-    write_json(os.path.join(_OUT.value, f"{setting}__{name.replace(':', '-')}.json"), report, indent=1)
+    slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
+    write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}.json"), report, indent=1)
     if not report["fits"]:
         sys.exit(1)
 

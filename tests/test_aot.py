@@ -1,7 +1,9 @@
 """`launch.aot`: every program of a run compiled from abstract shapes, memory per chip, fits or not.
 
-The CPU tests compile the tiny default for 8 CPU devices; the committed TPU reports
-(`benchmarks/aot/*.json`) are checked always and compiled again when libtpu is installed.
+The CPU tests compile the tiny default for 8 CPU devices; with libtpu (the `[tpu]` extra, which CI
+installs) a tiny run compiles for a 4-host v5e:4x4 slice with the placement checks; the committed TPU
+reports (`benchmarks/aot/*.json`) are checked always and compiled again with
+``BIPACE_AOT_RECOMPILE=1`` (minutes per paper config on 2 cores).
 """
 
 import ast
@@ -15,9 +17,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAMS = {"ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "estimator"}
+PROGRAMS = {"ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "val_prefill", "val_decode", "estimator"}
 PROGRAM_KEYS = {"peak_bytes_per_chip", "argument_bytes", "temp_bytes", "output_bytes", "flops", "compile_s"}
-COMMITTED = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*__v*.json")))
+COMMITTED = sorted(p for p in glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*.json")) if "__cpu" not in p)
 
 
 def _aot(tmp_path, *args, env=None):
@@ -77,17 +79,59 @@ def test_committed_tpu_reports_fit_with_fp32_master_weights(path):
     for name, p in r["programs"].items():
         assert PROGRAM_KEYS <= set(p), name
         assert p["total_bytes_per_chip"] <= r["budget_fraction"] * r["hbm_bytes_per_chip"], name
+    for name, t in r["transients"].items():  # sync_local, grad_init
+        assert t["bytes_per_chip"] <= r["budget_fraction"] * r["hbm_bytes_per_chip"], name
     assert 15.5 <= r["ppo_apply_argument_bytes_per_param"] <= 17.0
+    # every tensor group in one host, hosts' batch blocks disjoint, as the trainer asserts
+    p = r["placement"]
+    assert p["tensor_groups_in_one_process"] and p["batch_shards_disjoint"] and p["batch_blocks_contiguous"]
+    assert p["processes"] == r["hosts"] and len(p["device_process"]) == r["chips"]
+    st = r["step_time"]
+    assert st["iteration_s"] == pytest.approx(sum(st["stages_s"].values()))
+    assert st["run_hours"] == pytest.approx(st["iterations"] * st["iteration_s"] / 3600)
+
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")'
+)
+# libtpu's lock file would refuse a second process of the machine using libtpu at the same time
+LIBTPU_ENV = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")')
+@needs_libtpu
+def test_a_tiny_run_compiles_for_a_multi_host_slice_with_the_placement_checks(tmp_path):
+    # v5e:4x4 is 4 hosts of 2x2 chips: tensor 4 = one host's chips, data 2 x fsdp 2 over the hosts
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=-1", "--config.mesh.tensor=4"]
+    proc = _aot(tmp_path, "--topology=v5e:4x4", "--programs=ppo_apply,prefill,decode", *mesh, env=LIBTPU_ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__v5e-4x4.json"))
+    assert (r["hosts"], r["chips"], r["mesh"]) == (4, 16, {"data": 2, "fsdp": 2, "tensor": 4})
+    p = r["placement"]
+    assert p["tensor_groups_in_one_process"] and p["batch_shards_disjoint"] and p["batch_blocks_contiguous"]
+    assert p["process_batch_shards"] == {str(h): [h, h + 1] for h in range(4)}  # one tensor group per host
+    hosts = list(p["device_process"].values())
+    assert sorted(hosts) == sorted([0, 1, 2, 3] * 4)
+    assert r["sampler_mesh"] == {"data": 1, "fsdp": 1, "tensor": 4}
+    # validation plays 18 goals x 3 seeds: 54 rows over 4 hosts = 14, in the 16-row bucket; rollout: 16 games
+    assert (r["shapes"]["val_rows_per_host"], r["shapes"]["val_sampler_batch"]) == (14, 16)
+    assert r["programs"]["val_prefill"]["same_as"] == "prefill"
+    st = r["step_time"]
+    assert st["counts"]["optimizer_steps"] >= 1 and st["programs"]["decode_step"]["bound"] == "memory"
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.skipif(
+    not os.environ.get("BIPACE_AOT_RECOMPILE"), reason="minutes per paper config: BIPACE_AOT_RECOMPILE=1"
+)
 @pytest.mark.parametrize("path", COMMITTED, ids=[os.path.basename(p) for p in COMMITTED])
 def test_committed_tpu_reports_compile_again_to_the_same_memory(path, tmp_path):
     r = json.load(open(path))
     overrides = [f"--config.{k}={v}" for k, v in r.get("overrides", {}).items()]
     config = os.path.join(ROOT, "configs", r["config"] + ".py")
-    proc = _aot(tmp_path, f"--config={config}", f"--topology={r['topology']}", *overrides)
+    slices = f"--num_slices={r.get('num_slices', 1)}"
+    proc = _aot(tmp_path, f"--config={config}", f"--topology={r['topology']}", slices, *overrides, env=LIBTPU_ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     again = json.load(open(tmp_path / os.path.basename(path)))
     for name, p in r["programs"].items():

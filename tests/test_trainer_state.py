@@ -338,3 +338,22 @@ def test_the_trainer_reads_no_raw_config_field():
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert "c" not in names  # the old loop's `c = self.config`
     assert "spec" in names  # the parser does see the trainer's code
+
+
+def test_async_saves_commit_in_order_and_keep_the_buffers_they_were_given(tmp_path):
+    # async: save returns after the copy to host memory, so the device buffers given to it may be freed
+    # at once (as the next update's donation frees them) and the committed step still holds their values
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    opt = optax.adam(1e-3).init(params)
+    ck = Checkpointer(str(tmp_path), keep=2, async_save=True)
+    for step in (1, 2, 3):
+        saved = jax.tree.map(lambda x, s=step: x + s, params)
+        ck.save(step, saved, opt, jax.random.PRNGKey(step), CheckpointMeta(iteration=step))
+        saved["w"].delete()  # what a donating update does to the buffer
+    assert ck.latest_step() == 3 and ck.all_steps() == [2, 3]  # both wait for the last write
+    ck.close()
+    ck = Checkpointer(str(tmp_path), keep=2)
+    step, (p, _, _, meta) = ck.restore_latest(params, opt)
+    ck.close()
+    assert step == 3 and meta["iteration"] == 3
+    np.testing.assert_array_equal(p["w"], params["w"] + 3)
