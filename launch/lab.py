@@ -83,42 +83,6 @@ def _paired(scores: dict, a: str, b: str):
     return {k: lab_interval(scores[a][k] - scores[b][k]) for k in PAIRED}
 
 
-def _anchor(report_path: str, m_rows: list, s_rows: list) -> dict:
-    """Which m reproduces TextCraft's hash singleton-group rate, which sigma its cluster rate."""
-    path = report_path if os.path.isabs(report_path) else os.path.join(ROOT, report_path)
-    if not os.path.exists(path):
-        return {"report": report_path, "error": "not found"}
-    with open(path) as f:
-        arms = json.load(f)["arms"]
-    hashed = [a["diagnostics"]["estimator/hash_singleton_group_rate"][0] for a in arms.values()]
-    clustered = [
-        a["diagnostics"]["estimator/cluster_singleton_group_rate"][0]
-        for name, a in arms.items()
-        if any(k in name for k in ("bigpo", "bipace"))
-    ]
-    eps = [a["diagnostics"]["estimator/epsilon"][0] for name, a in arms.items() if "bigpo" in name or "bipace" in name]
-    h, cl = float(np.mean(hashed)), float(np.mean(clustered))
-
-    def crossing(xs, ys, target):
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if (y0 - target) * (y1 - target) <= 0 and y1 != y0:
-                return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0))
-        return None
-
-    ms = [r["m"] for r in m_rows]
-    gig = [r["summary"]["gigpo"]["singleton_group_rate"][0] for r in m_rows if "gigpo" in r["summary"]]
-    sig = [r["sigma"] for r in s_rows]
-    big = [r["summary"]["bigpo"]["singleton_group_rate"][0] for r in s_rows if "bigpo" in r["summary"]]
-    return {
-        "report": report_path,
-        "textcraft_hash_singleton_group_rate": h,
-        "textcraft_cluster_singleton_group_rate": cl,
-        "textcraft_epsilon": float(np.mean(eps)) if eps else None,
-        "m_matching_hash_rate": crossing(ms, gig, h) if len(gig) == len(ms) else None,
-        "sigma_matching_cluster_rate": crossing(sig, big, cl) if len(big) == len(sig) else None,
-    }
-
-
 def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
     import matplotlib
 
@@ -438,7 +402,7 @@ def run_grid(c) -> dict:
             + f"  ({rep['learning'][-1]['seconds']} s)",
             flush=True,
         )
-    rep["anchor"] = _anchor(c.grid.anchor_report, rep["m_sweep"], rep["sigma_sweep"])
+    rep["anchor"] = lab.anchor(c.grid.anchor_report, rep["m_sweep"], rep["sigma_sweep"], root=ROOT)
     write_json(os.path.join(out, "report.json"), rep, indent=1)  # kept should a plot fail
     rep["plots"] = _plots(out, rep, names, scatter)
     rep["wall_s"] = time.perf_counter() - t0

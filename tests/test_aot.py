@@ -103,7 +103,13 @@ LIBTPU_ENV = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
 def test_a_tiny_run_compiles_for_a_multi_host_slice_with_the_placement_checks(tmp_path):
     # v5e:4x4 is 4 hosts of 2x2 chips: tensor 4 = one host's chips, data 2 x fsdp 2 over the hosts
     mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=-1", "--config.mesh.tensor=4"]
-    proc = _aot(tmp_path, "--topology=v5e:4x4", "--programs=ppo_apply,prefill,decode", *mesh, env=LIBTPU_ENV)
+    proc = _aot(
+        tmp_path,
+        "--topology=v5e:4x4",
+        "--programs=ppo_apply,prefill,decode,val_prefill,val_decode",
+        *mesh,
+        env=LIBTPU_ENV,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.load(open(tmp_path / "textcraft_tiny__v5e-4x4.json"))
     assert (r["hosts"], r["chips"], r["mesh"]) == (4, 16, {"data": 2, "fsdp": 2, "tensor": 4})

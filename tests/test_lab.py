@@ -1,5 +1,7 @@
 """The credit-assignment lab (`bipace_jax/lab`, `docs/lab.md`): ground truth, batches, scores, learning."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,7 @@ from bipace_jax.config import ConfigError
 from bipace_jax.estimators import EstimatorConfig, assign_ids
 from bipace_jax.lab import (
     LabView,
+    anchor,
     bonus_policy,
     build_batch,
     crafting_game,
@@ -20,7 +23,8 @@ from bipace_jax.lab import (
 )
 from bipace_jax.lab import config as lab_config
 from bipace_jax.lab.observe import anchor_texts, observation_keys
-from launch import lab as lab_launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One batch shape for every estimator call here, so each estimator compiles once per test session.
 SHAPE = dict(groups=2, group_size=8, horizon=6)
@@ -260,9 +264,9 @@ def test_anchor_reads_the_committed_textcraft_report_and_interpolates_m_and_sigm
 
     m_rows = rows("m", [1, 8, 64], [0.1, 0.5, 0.9], "gigpo")
     s_rows = rows("sigma", [0.0, 0.2, 0.4], [0.0, 0.1, 0.5], "bigpo")
-    a = lab_launch._anchor("docs/results/estimators_textcraft_tiny/report.json", m_rows, s_rows)
+    a = anchor("docs/results/estimators_textcraft_tiny/report.json", m_rows, s_rows, root=ROOT)
     h, c = a["textcraft_hash_singleton_group_rate"], a["textcraft_cluster_singleton_group_rate"]
     assert 0.5 < h < 0.6 and 0.15 < c < 0.25  # the study's 55-56% and 19-20% (README)
     assert a["m_matching_hash_rate"] == pytest.approx(8 + (h - 0.5) / 0.4 * 56)
     assert a["sigma_matching_cluster_rate"] == pytest.approx(0.2 + (c - 0.1) / 0.4 * 0.2)
-    assert lab_launch._anchor("no/such/report.json", m_rows, s_rows)["error"] == "not found"
+    assert anchor("no/such/report.json", m_rows, s_rows, root=ROOT)["error"] == "not found"

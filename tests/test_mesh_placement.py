@@ -323,19 +323,6 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
         out["private_error"] = ""
     except config_lib.ConfigError as e:
         out["private_error"] = str(e)
-    # two v5e:4x4 slices (8 hosts): data parallel across the slices, fsdp x tensor inside each
-    devices = list(topologies.get_topology_desc(platform="tpu", topology_name="v5e:4x4", num_slices=2).devices)
-    mesh = shd.make_mesh(2, -1, 4, devices=devices)
-    info = shd.check_placement(mesh)
-    out["2 slices"] = dict(
-        shape=list(mesh.devices.shape), slices=np.vectorize(lambda d: d.slice_index)(mesh.devices).tolist(),
-        placement={k: info[k] for k in ("slices", "data_rows_in_one_slice", "process_batch_shards")},
-    )
-    try:
-        shd.make_mesh(1, -1, 4, devices=devices)
-        out["2 slices data 1"] = "no error"
-    except config_lib.ConfigError as e:
-        out["2 slices data 1"] = str(e)
     print("RESULT" + json.dumps(out))
 """)
 

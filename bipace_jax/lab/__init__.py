@@ -7,6 +7,7 @@ against A* = Q - V (`scores`) and policy-gradient learning with exact success cu
 """
 
 from bipace_jax.lab.experiment import (
+    anchor,
     bonus_policy,
     estimate,
     estimator_configs,
@@ -24,6 +25,7 @@ __all__ = [
     "LabBatch",
     "LabView",
     "Rollouts",
+    "anchor",
     "bonus_policy",
     "build_batch",
     "crafting_game",

@@ -10,6 +10,9 @@ batch, so each iteration is one compiled estimator call).
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 from bipace_jax.estimators import EstimatorConfig, registry
@@ -164,3 +167,45 @@ def bonus_policy(game: Game, bonus: float, seeds: int) -> np.ndarray:
         for k in range(game.stages):
             logits[task * game.stages + k, game.correct[task, k]] = bonus
     return np.broadcast_to(softmax(logits), (seeds, game.num_states, game.num_actions)).copy()
+
+
+def anchor(report_path: str, m_rows: list, s_rows: list, root: str = "") -> dict:
+    """The real-game anchor: which paraphrase count m reproduces a TextCraft study's hash singleton
+    step-group rate, and which fingerprint noise sigma its cluster rate, by linear interpolation along
+    the lab's m sweep (``m_rows``, GiGPO's rate) and sigma sweep (``s_rows``, BiGPO's rate).
+
+    ``report_path``: a ``launch.report`` ``report.json`` (relative paths are under ``root``). Returns a
+    JSON-able dict; ``{"report": ..., "error": "not found"}`` when the file is missing, and ``None``
+    for a rate no sweep interval brackets."""
+    path = report_path if os.path.isabs(report_path) else os.path.join(root, report_path)
+    if not os.path.exists(path):
+        return {"report": report_path, "error": "not found"}
+    with open(path) as f:
+        arms = json.load(f)["arms"]
+    hashed = [a["diagnostics"]["estimator/hash_singleton_group_rate"][0] for a in arms.values()]
+    clustered = [
+        a["diagnostics"]["estimator/cluster_singleton_group_rate"][0]
+        for name, a in arms.items()
+        if any(k in name for k in ("bigpo", "bipace"))
+    ]
+    eps = [a["diagnostics"]["estimator/epsilon"][0] for name, a in arms.items() if "bigpo" in name or "bipace" in name]
+    h, cl = float(np.mean(hashed)), float(np.mean(clustered))
+
+    def crossing(xs, ys, target):
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if (y0 - target) * (y1 - target) <= 0 and y1 != y0:
+                return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0))
+        return None
+
+    ms = [r["m"] for r in m_rows]
+    gig = [r["summary"]["gigpo"]["singleton_group_rate"][0] for r in m_rows if "gigpo" in r["summary"]]
+    sig = [r["sigma"] for r in s_rows]
+    big = [r["summary"]["bigpo"]["singleton_group_rate"][0] for r in s_rows if "bigpo" in r["summary"]]
+    return {
+        "report": report_path,
+        "textcraft_hash_singleton_group_rate": h,
+        "textcraft_cluster_singleton_group_rate": cl,
+        "textcraft_epsilon": float(np.mean(eps)) if eps else None,
+        "m_matching_hash_rate": crossing(ms, gig, h) if len(gig) == len(ms) else None,
+        "sigma_matching_cluster_rate": crossing(sig, big, cl) if len(big) == len(sig) else None,
+    }
