@@ -404,7 +404,8 @@ def main(argv):
     peaks = [*report["programs"].values(), *report["transients"].values()]
     report["fits"] = all(p["fraction_of_hbm"] <= _BUDGET.value for p in peaks)
     if "ppo_apply" in report["programs"]:
-        share = report["model"]["params"] / report["chips"]
+        mesh = report["mesh"]  # parameters split over fsdp x tensor, replicated over data (slices)
+        share = report["model"]["params"] / (mesh["fsdp"] * mesh["tensor"])
         report["ppo_apply_argument_bytes_per_param"] = round(
             report["programs"]["ppo_apply"]["argument_bytes"] / share, 2
         )
