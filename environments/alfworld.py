@@ -78,7 +78,7 @@ from typing import Any
 
 from environments.base import Observation, TextEnv
 from environments.registry import GameSpec, register_game
-from environments.templates import THINK_ACT, PromptTemplate
+from environments.templates import turn_template
 
 TASK_TYPES = {
     1: "pick_and_place_simple",
@@ -392,19 +392,9 @@ _INTRO = (
     "You are an expert agent acting in ALFWorld, the text version of the ALFRED household "
     "environment. Your task is to: {task}\n"
 )
-_NOW = (
-    "You are at step {current_step} and your current observation is: {observation}"
-    "{admissible}{inventory}\n\n" + THINK_ACT
-)
-
 #: ALFWorld's default prompt (verl-agent style, with the admissible commands but ``help``).
-TEMPLATE = PromptTemplate(
-    first=_INTRO + _NOW,
-    later=(
-        _INTRO + "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-        "action(s):\n{history}\n" + _NOW
-    ),
-)
+TEMPLATE = turn_template(_INTRO)
+
 
 SPEC = register_game(
     GameSpec(

@@ -112,3 +112,17 @@ THINK_ACT = (
     "reasoning MUST be enclosed in <think> </think> tags. Then give exactly one action for this "
     "step, enclosed in <action> </action> tags."
 )
+
+#: The history block of a later turn's prompt (verl-agent's layout).
+HISTORY = "You have taken {step_count} step(s). Your last {history_length} observation(s) and action(s):\n{history}\n"
+#: The current step, its admissible commands and inventory (when shown), and the response format.
+CURRENT_STEP = (
+    "You are at step {current_step} and your current observation is: {observation}"
+    "{admissible}{inventory}\n\n" + THINK_ACT
+)
+
+
+def turn_template(intro: str, current: str = CURRENT_STEP, **options: Any) -> PromptTemplate:
+    """verl-agent's prompt layout: ``intro`` (the game and task), then on later turns `HISTORY`, then
+    ``current``; ``options`` are the other `PromptTemplate` fields."""
+    return PromptTemplate(first=intro + current, later=intro + HISTORY + current, **options)

@@ -49,7 +49,7 @@ from typing import Any
 
 from environments.base import Observation, TextEnv
 from environments.registry import GameSpec, register_game
-from environments.templates import THINK_ACT, PromptTemplate
+from environments.templates import THINK_ACT, turn_template
 
 __all__ = [
     "Ingredient",
@@ -651,12 +651,9 @@ _INTRO = "You are an expert agent playing TextCraft, a text game about crafting 
 _NOW = "You are at step {current_step} and your current observation is: {observation}{inventory}\n\n" + THINK_ACT
 
 #: TextCraft's default prompt (verl-agent style; the first observation is the task: shown once).
-TEMPLATE = PromptTemplate(
-    first=_INTRO + "\n" + _NOW,
-    later=(
-        _INTRO + "\nYou have taken {step_count} step(s). Your last {history_length} observation(s) and "
-        "action(s):\n{history}\n" + _NOW
-    ),
+TEMPLATE = turn_template(
+    _INTRO + "\n",
+    _NOW,
     task_echo="(the crafting commands above)",
 )
 

@@ -68,7 +68,7 @@ from typing import Any
 from environments import webshop_data as data
 from environments.base import Observation, TextEnv
 from environments.registry import GameSpec, register_game
-from environments.templates import THINK_ACT, PromptTemplate
+from environments.templates import turn_template
 from environments.webshop_reward import Score, task_score
 from environments.webshop_search import TOP_K, SearchIndex, document_text
 
@@ -614,18 +614,8 @@ def make_webshop(engine: str = "native", **options) -> TextEnv:
 
 
 _INTRO = "You are an expert shopping agent in WebShop, a simulated online store. Your task is to: {task}\n"
-_NOW = (
-    "You are at step {current_step} and your current observation is: {observation}"
-    "{admissible}{inventory}\n\n" + THINK_ACT
-)
-
-#: WebShop's default prompt (verl-agent style: the page's actions one per line).
-TEMPLATE = PromptTemplate(
-    first=_INTRO + _NOW,
-    later=(
-        _INTRO + "You have taken {step_count} step(s). Your last {history_length} observation(s) and "
-        "action(s):\n{history}\n" + _NOW
-    ),
+TEMPLATE = turn_template(
+    _INTRO,
     admissible_block="\nYour admissible actions now are:\n[\n{actions}\n].",
     action_separator=",\n",
 )

@@ -290,6 +290,24 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _learn(c, game, view, cfg, policy: str, render_text: bool) -> dict:
+    """`lab.learn` of one estimator with the config's batch, horizon and learning settings."""
+    return lab.learn(
+        game,
+        view,
+        cfg,
+        seeds=c.batch.seeds,
+        groups=c.batch.groups,
+        group_size=c.batch.group_size,
+        horizon=c.game.horizon,
+        iterations=c.learn.iterations,
+        lr=c.learn.lr,
+        policy=policy,
+        rng_seed=c.seed,
+        render_text=render_text,
+    )
+
+
 def run_grid(c) -> dict:
     """The documented grid (module docstring); returns the report dict and writes it under config.out."""
     t0 = time.perf_counter()
@@ -361,20 +379,7 @@ def run_grid(c) -> dict:
         t = time.perf_counter()
         curves, finals = {}, {}
         for n, cfg in cfgs.items():
-            r = lab.learn(
-                game,
-                view,
-                cfg,
-                seeds=c.batch.seeds,
-                groups=c.batch.groups,
-                group_size=c.batch.group_size,
-                horizon=c.game.horizon,
-                iterations=c.learn.iterations,
-                lr=c.learn.lr,
-                policy=policy,
-                rng_seed=c.seed,
-                render_text=False,
-            )
+            r = _learn(c, game, view, cfg, policy, render_text=False)
             ivs = [lab_interval(r["success"][k]) for k in range(r["success"].shape[0])]
             curves[n] = dict(
                 mean=[iv[0] for iv in ivs],
@@ -426,20 +431,7 @@ def run_cell(c) -> dict:
     view = lab_config.view(c)
     final = {}
     for n, cfg in cfgs.items():
-        r = lab.learn(
-            game,
-            view,
-            cfg,
-            seeds=c.batch.seeds,
-            groups=c.batch.groups,
-            group_size=c.batch.group_size,
-            horizon=c.game.horizon,
-            iterations=c.learn.iterations,
-            lr=c.learn.lr,
-            policy=c.learn.policy,
-            rng_seed=c.seed,
-            render_text=c.render_text,
-        )
+        r = _learn(c, game, view, cfg, c.learn.policy, render_text=c.render_text)
         final[n] = dict(start=lab_interval(r["success"][0]), final=lab_interval(r["success"][-1]))
     print(f"{'estimator':12s} " + " ".join(f"{k:>17s}" for k in SHOWN) + f" {'final J':>17s}")
     for n in cfgs:
