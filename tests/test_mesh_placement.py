@@ -193,7 +193,7 @@ def test_a_multi_host_run_refuses_a_local_workdir_unless_declared_shared():
     config_lib.check_workdir(c, "/tmp/run", 16)
     # the field's type is checked once, in its section record
     typo = ml_collections.ConfigDict(
-        {"checkpoint": {"every": 1, "keep": 2, "export_hf": True, "shared_workdir": "yes"}}
+        {"checkpoint": {"every": 1, "keep": 2, "export_hf": True, "shared_workdir": "yes", "async_save": False}}
     )
     with pytest.raises(config_lib.ConfigError, match="config.checkpoint.shared_workdir"):
         config_lib.CheckpointConfig.from_config(typo)
