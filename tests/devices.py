@@ -4,6 +4,7 @@ once, when it starts, so a test that needs 8 devices cannot get them in the pyte
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -22,3 +23,34 @@ def run_on_cpu_devices(script: str, devices: int = 8, timeout: float = 900) -> s
     return subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_processes(script: str, args: list[list[str]], devices: int, timeout: float = 600) -> list[str]:
+    """``python -c script localhost:<port> *args[pid]`` once per process, all at once (a
+    ``jax.distributed`` group with its coordinator on a free local port), each on ``devices`` CPU
+    devices; returns their stdouts. Raises AssertionError with the stderr tail of a process that fails."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, f"localhost:{port}", *a],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for a in args
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]

@@ -3,13 +3,11 @@ reference copies are made on device (in the compute dtype): on 8 emulated CPU de
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.devices import run_on_cpu_devices
+from tests.devices import run_on_cpu_devices, run_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,33 +185,8 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
 
 @pytest.mark.slow
 def test_two_processes_make_their_local_copies_on_device():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TWO_PROCESS_SCRIPT, f"localhost:{port}", str(pid)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    for stdout, _ in outs:
+    outs = run_processes(TWO_PROCESS_SCRIPT, [["0"], ["1"]], devices=4)
+    for stdout in outs:
         r = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT") :])
         assert r["local_devices"] == 4 and not r["global_addressable"], r
         # bf16 copies of the fp32 masters on this host's (data, 1, tensor) mesh, made without a host hop

@@ -5,7 +5,6 @@ axes, on libtpu's real TPU topologies and on 2 `jax.distributed` CPU processes, 
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 
 from bipace_jax import config as config_lib
 from bipace_jax import sharding as shd
+from tests.devices import run_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_libtpu = pytest.mark.skipif(
@@ -330,35 +330,12 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_two_processes_feed_the_global_batch_and_copy_weights_on_device(tmp_path):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TWO_PROCESS_SCRIPT, f"localhost:{port}", str(pid), str(tmp_path)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = run_processes(TWO_PROCESS_SCRIPT, [["0", str(tmp_path)], ["1", str(tmp_path)]], devices=4)
     x = np.arange(12, dtype=np.float64).reshape(4, 3)
     rows = np.concatenate([x + 100, x + 200])  # host 0's rows, then host 1's
     w = np.linspace(-1, 1, 12).reshape(3, 4)
     grad = 2 * rows.T @ (rows @ w)  # d/dW sum((x W)^2), NumPy in float64
-    for stdout, _ in outs:
+    for stdout in outs:
         r = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT") :])
         me = r["process"]
         # the naive order pairs the hosts in every tensor group and loses half the rows (issue 23: (4, 3))

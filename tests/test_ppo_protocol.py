@@ -3,9 +3,6 @@ and their rows do not depend on how many processes hold the rows (``ppo.mini_bat
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -14,6 +11,7 @@ import pytest
 
 from bipace_jax.batch import TokenBatch
 from bipace_jax.ppo import mini_batches, plan_micro_batches
+from tests.devices import run_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,31 +111,8 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def _spawn(nproc, tmp_path):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(2 // nproc), PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     outs = [str(tmp_path / f"n{nproc}_p{pid}.json") for pid in range(nproc)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, f"localhost:{port}", str(nproc), str(pid), outs[pid]],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in range(nproc)
-    ]
-    try:
-        errs = [p.communicate(timeout=600)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, err in zip(procs, errs):
-        assert p.returncode == 0, err[-3000:]
+    run_processes(SCRIPT, [[str(nproc), str(pid), outs[pid]] for pid in range(nproc)], devices=2 // nproc)
     return [json.load(open(o)) for o in outs]
 
 
