@@ -448,13 +448,21 @@ class LogConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
-    """``config.mesh``: the (data, fsdp, tensor) axis sizes, each >= 1 or -1 (at most one: the devices
-    left over)."""
+    """``config.mesh``: the training mesh's (data, fsdp, tensor) axis sizes, each >= 1 or -1 (at most
+    one: the devices left over), and ``sampler_tensor``, the tensor-parallel size of the mesh each
+    host samples and computes log-probs on (its own chips; 0: the same as ``tensor``).
+
+    A separate ``sampler_tensor`` lets the gradient step run pure FSDP (``tensor=1``: every
+    all-gather spans the whole slice) while decoding stays tensor-parallel inside a host, whose
+    bandwidth-bound decode would otherwise all-gather every weight on every token (v5e's 7B setting:
+    ``docs/performance.md``).
+    """
 
     SECTION: ClassVar[str] = "mesh"
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    sampler_tensor: int = 0
 
     def __post_init__(self):
         for f in ("data", "fsdp", "tensor"):
@@ -463,6 +471,7 @@ class MeshConfig(Section):
                 fail(self._name(f), "be an int >= 1 or -1 (the devices left over)", v)
         if self.sizes.count(-1) > 1:
             fail("mesh", "have at most one axis set to -1", self._shown())
+        check_int(self._name("sampler_tensor"), self.sampler_tensor, 0)
 
     @property
     def sizes(self) -> list[int]:
@@ -490,7 +499,27 @@ def mesh_shape(c: Any, num_devices: int) -> tuple[int, int, int]:
     return MeshConfig(m.data, m.fsdp, m.tensor).shape(num_devices)
 
 
-def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) -> None:
+def sampler_tensor(c: Any, num_processes: int, devices: int, local_devices: int) -> int:
+    """The resolved ``mesh.sampler_tensor`` (0: the training mesh's tensor size) of a run on
+    ``devices`` over ``num_processes`` hosts of ``local_devices`` each.
+
+    Raises:
+      ConfigError: it does not divide the devices of one host (``config.mesh.sampler_tensor``): a
+        host samples on its own chips.
+    """
+    t = int(c.mesh.get("sampler_tensor", 0)) or mesh_shape(c, devices)[2]
+    if local_devices % t:
+        divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
+        fail(
+            "mesh.sampler_tensor",
+            f"divide the {local_devices} devices of each of the {num_processes} hosts (a host samples on its "
+            f"own chips): one of {divisors}, or 0 for mesh.tensor",
+            t,
+        )
+    return t
+
+
+def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int, field: str = "mesh.tensor") -> None:
     """With several processes the mesh's tensor axis (its resolved size ``tensor``) must lie inside one
     host: its all-reduces then stay on the host's fast links, each host holds whole tensor groups (so
     its batch shards are its own, `sharding.check_placement`), and its sampler and reference copies
@@ -498,14 +527,15 @@ def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int) ->
 
     Raises:
       ConfigError: ``num_processes > 1`` and ``tensor`` does not divide ``local_devices`` (so also
-        when it is larger): ``config.mesh.tensor``, naming the chips per host and the sizes that fit.
+        when it is larger): ``config.<field>`` (default ``mesh.tensor``), naming the chips per host and
+        the sizes that fit.
     """
     if num_processes <= 1:
         return
     if local_devices % tensor:  # also every tensor > local_devices
         divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
         fail(
-            "mesh.tensor",
+            field,
             f"divide the {local_devices} devices of each host, its chips ({num_processes} hosts; a tensor "
             f"group never crosses hosts, so at most {local_devices}): one of {divisors}",
             tensor,

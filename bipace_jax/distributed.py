@@ -6,6 +6,7 @@ reshard / cast them on device), so single-host code calls them unconditionally.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding
@@ -75,17 +76,28 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
     """This host's copy of a pytree of global arrays, made on device (never through host memory), with
     its floating arrays cast to ``dtype`` (None: kept).
 
-    One process: ``tree`` itself when nothing is cast (the global mesh is the host's; the result
-    shares the buffers), else the cast arrays with each input's sharding. Several processes: one
-    jitted program gathers every array over the global mesh's data/fsdp axes on device (the tensor
-    axis kept, so each host holds whole tensor-parallel copies) and this host's shards are reassembled
-    on ``local_shardings`` (``NamedSharding`` leaves over this host's devices; None: replicated on its
-    first device) by device-to-device moves only (none when the local mesh is `local_mesh`'s, which
-    keeps the global tensor order). A fully replicated array is copied from this host's own replica.
+    Three on-device routes, per array:
+
+    - *same layout* (one process, ``local_shardings`` None or the arrays' own): the array itself when
+      nothing is cast (the result shares the buffers), else one jitted cast keeping its sharding;
+    - *host-wide gather* (the local mesh splits the array over axes of the global mesh's sizes, e.g.
+      the host's own tensor groups under `sharding.make_mesh`): one jitted program gathers every such
+      array over the global data/fsdp axes, tensor kept, and this host's shards are reassembled on
+      ``local_shardings`` by device-to-device moves only (none for `local_mesh`'s mesh);
+    - *replica* (the local mesh has another tensor size than the global one, e.g. a pure-FSDP
+      training mesh under a tensor-parallel sampler, ``config.mesh.sampler_tensor``): array by array,
+      one all-gather over every device of the global mesh to a full replica, then each host slices
+      its own devices' parts with no collective. Array by array bounds the transient to one whole
+      array per chip; a whole-slice all-gather because libtpu 0.10.2 cannot route the subgroup
+      all-gather of a direct reshard on v5e (every 4th chip of the torus).
+
+    A fully replicated array is copied from this host's own replica.
 
     Args:
       tree: pytree of ``jax.Array`` (global, over the learner's mesh).
-      local_shardings: pytree like ``tree`` of this host's shardings, or None.
+      local_shardings: pytree like ``tree`` of this host's shardings (``NamedSharding`` over this
+        host's devices, `local_mesh`), or None (one process: the arrays' own; several: replicated on
+        the host's first device).
       dtype: the copy's floating dtype (e.g. the compute dtype for bf16 sampler/reference copies).
 
     Returns:
@@ -93,44 +105,70 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
 
     Raises:
       sharding.PlacementError: an array whose layout gives no on-device route to this host's copy
-        (a local mesh axis of another size than the global one, or a host without every
-        tensor-parallel index: tensor groups that cross hosts); the reason names the array's shape.
-        There is no silent ``process_allgather`` fallback (it replicated every leaf on every chip and
-        went through host memory).
+        (this host does not hold every tensor-parallel index of it: tensor groups that cross hosts);
+        the reason names the array's shape. There is no silent ``process_allgather`` fallback.
     """
 
     def cast(t):
         return t if dtype is None else jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, t)
 
-    needs_cast = dtype is not None and any(_is_float(x) and x.dtype != jnp.dtype(dtype) for x in jax.tree.leaves(tree))
-    if jax.process_count() == 1:
-        if not needs_cast:
-            return tree
-        return jax.jit(cast, out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
-    if local_shardings is None:
+    leaves, treedef = jax.tree.flatten(tree)
+    if local_shardings is None and jax.process_count() == 1:
+        local_shardings = jax.tree.map(lambda x: x.sharding, tree)
+    elif local_shardings is None:
         dev = jax.local_devices()[0]
         local_shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), tree)
-    leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(local_shardings)
-    routes = [_host_wide(x, s) for x, s in zip(leaves, targets)]
-    replicated = [isinstance(r, str) and x.is_fully_replicated for x, r in zip(leaves, routes)]
-    for x, r, rep in zip(leaves, routes, replicated):
-        if isinstance(r, str) and not rep:
-            raise sharding.PlacementError(f"local_copy: array of shape {tuple(x.shape)}: {r}")
-    on_device = [i for i, r in enumerate(routes) if not isinstance(r, str)]
-    gathered = []
-    if on_device:
-        gathered = jax.jit(cast, out_shardings=[routes[i] for i in on_device])([leaves[i] for i in on_device])
     out = [None] * len(leaves)
-    for i, y in zip(on_device, gathered):
-        out[i] = _reassemble(y, targets[i])
-        if isinstance(out[i], str):
-            raise sharding.PlacementError(f"local_copy: array of shape {tuple(y.shape)}: {out[i]}")
-    for i, x in enumerate(leaves):
-        if replicated[i]:
+    batched = []  # (index, global sharding) of the arrays one jitted program gathers host-wide
+    for i, (x, s) in enumerate(zip(leaves, targets)):
+        if x.sharding == s or (x.sharding.is_equivalent_to(s, x.ndim) and jax.process_count() == 1):
+            needs = dtype is not None and _is_float(x) and x.dtype != jnp.dtype(dtype)
+            out[i] = _cast_program(s, jnp.dtype(dtype))(x) if needs else x
+            continue
+        route = _host_wide(x, s)
+        if isinstance(route, NamedSharding):
+            batched.append((i, route))
+        elif x.is_fully_replicated:
             # this host's own replica, cast and spread over its devices on device
-            out[i] = jax.device_put(cast(x.addressable_data(0)), targets[i])
+            out[i] = jax.device_put(cast(x.addressable_data(0)), s)
+        elif isinstance(s, NamedSharding):
+            out[i] = _via_replica(x, s, dtype)
+        else:
+            raise sharding.PlacementError(f"local_copy: array of shape {tuple(x.shape)}: {route}")
+    if batched:
+        gathered = jax.jit(cast, out_shardings=[r for _, r in batched])([leaves[i] for i, _ in batched])
+        for (i, _), y in zip(batched, gathered):
+            out[i] = _reassemble(y, targets[i])
+            if isinstance(out[i], str):
+                raise sharding.PlacementError(f"local_copy: array of shape {tuple(y.shape)}: {out[i]}")
     return treedef.unflatten(out)
+
+
+@functools.cache
+def _cast_program(out: Any, dtype: Any) -> Any:
+    """A jitted cast of one array to ``dtype`` onto sharding ``out`` (cached per target)."""
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=out)
+
+
+def _via_replica(x: jax.Array, local: NamedSharding, dtype: Any) -> jax.Array:
+    """``x`` (cast to ``dtype``) as this host's array on ``local``: one whole-mesh all-gather to a
+    replica on every device of ``x``'s mesh, then a slice on this host's devices (no collective)."""
+    dt = jnp.dtype(dtype) if dtype is not None and _is_float(x) else x.dtype
+    full = _cast_program(NamedSharding(x.sharding.mesh, P()), dt)(x)
+    on = {shard.device: shard.data for shard in full.addressable_shards}
+    devices = list(np.asarray(local.mesh.devices).flat)
+    missing = [d for d in devices if d not in on]
+    if missing:
+        raise sharding.PlacementError(
+            f"local_copy: array of shape {tuple(x.shape)}: the local mesh's devices {missing[:4]} are not "
+            "devices of the global mesh on this process"
+        )
+    replica = jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(local.mesh, P()), [on[d] for d in devices]
+    )
+    del full, on
+    return _cast_program(local, dt)(replica)
 
 
 def _host_wide(x: jax.Array, local: Any) -> Any:
@@ -145,10 +183,7 @@ def _host_wide(x: jax.Array, local: Any) -> Any:
     for entry in spec:
         for ax in () if entry is None else ((entry,) if isinstance(entry, str) else entry):
             if local_sizes.get(ax) != global_sizes.get(ax):
-                return (
-                    f"this host's mesh splits it over {ax!r} of size {local_sizes.get(ax)}, the global mesh's "
-                    f"{ax!r} has size {global_sizes.get(ax)} (build the local mesh with distributed.local_mesh)"
-                )
+                return f"this host's mesh splits it over {ax!r} of size {local_sizes.get(ax)}, the global mesh's has size {global_sizes.get(ax)}"
     return NamedSharding(mesh, spec)
 
 
@@ -194,23 +229,11 @@ def to_global(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
-def local_mesh(mesh, tensor: int):
-    """The mesh a host samples on: the global mesh with one process; else this host's devices with
-    (data, fsdp=1, tensor). When the global mesh holds whole tensor groups of size ``tensor`` on this
-    host (`sharding.make_mesh`), they are its rows in the global order, so `local_copy` reassembles
-    the host's shards with no device-to-device move; otherwise ``tensor`` when it divides the local
-    device count, else 1."""
-    if jax.process_count() == 1:
-        return mesh
-    t = sharding.mesh_axis_sizes(mesh)["tensor"]
-    groups = np.asarray(mesh.devices).reshape(-1, t)
-    me = jax.process_index()
-    mine = [g for g in groups if all(d.process_index == me for d in g)]
-    if tensor == t and len(mine) * t == jax.local_device_count():
-        return Mesh(np.array(mine).reshape(len(mine), 1, t), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    n = jax.local_device_count()
-    t = tensor if tensor > 0 and n % tensor == 0 else 1
-    return sharding.make_mesh(-1, 1, t, devices=jax.local_devices())
+def local_mesh(mesh, tensor: int = 0):
+    """The mesh this host samples on: `sharding.host_mesh` of this process (``tensor``: the sampler's
+    tensor-parallel size, ``config.mesh.sampler_tensor``; 0: the global mesh's). One process with the
+    global tensor size: the global mesh itself."""
+    return sharding.host_mesh(mesh, tensor, jax.process_index())
 
 
 def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:

@@ -293,6 +293,14 @@ class PPOLearner(Learner):
           NonFiniteError: NaN/Inf loss or gradient; that step is not applied.
         """
         batch = self._checked(batch, key)
+        self.release_local()  # the sampler copy's HBM goes to the gradient steps; rebuilt after them
+        try:
+            return self._update(batch, key, where)
+        finally:
+            self.sync_local()
+
+    def _update(self, batch: TokenBatch, key: jax.Array, where: str) -> dict[str, float]:
+        """`update`'s optimizer steps over ``batch`` (checked), without the host-copy refresh."""
         B, plen = self.micro_batch_rows, batch.prompt_lengths()
         counts = distributed.allgather(np.array(batch.rows, np.int64))
         # Every process's micro-batch must have the same shape: the widest prompt length of all.
@@ -319,7 +327,6 @@ class PPOLearner(Learner):
         out["loss/grad_norm"] = float(np.mean(gnorms))
         out["loss/grad_norm_max"] = float(np.max(gnorms))
         out["loss/updates"] = len(gnorms)
-        self.sync_local()
         return out
 
     def _checked(self, batch: TokenBatch, key: jax.Array) -> TokenBatch:

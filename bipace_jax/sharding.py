@@ -33,6 +33,7 @@ __all__ = [
     "LOGICAL_TO_MESH",
     "LOGICAL_AXES_KEY",
     "make_mesh",
+    "host_mesh",
     "process_devices",
     "PlacementError",
     "placement",
@@ -146,6 +147,32 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
         per_host, across, devices, process_is_granule=True, allow_split_physical_axes=True
     )
     return Mesh(grid.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def host_mesh(mesh: Mesh, tensor: int = 0, process: int = 0) -> Mesh:
+    """The mesh one host samples on (sampler, reference copy, log-prob forwards): process
+    ``process``'s devices of ``mesh`` in ``mesh``'s own device order, regrouped as
+    ``(data = local devices / tensor, fsdp 1, tensor)``.
+
+    With ``tensor`` equal to ``mesh``'s (or 0) the rows are the host's own tensor groups of ``mesh``,
+    so its shards are the host copy's with no move; a different ``tensor`` groups consecutive devices
+    of the host's ICI-ordered block (`make_mesh`), e.g. a v5e host's 2x2 chips for ``tensor=4`` under
+    a pure-FSDP training mesh. One process with ``tensor`` equal to ``mesh``'s: ``mesh`` itself.
+
+    Raises:
+      ValueError: ``tensor`` does not divide the process's device count, or the process holds no
+        device of ``mesh``.
+    """
+    t = int(tensor) or mesh_axis_sizes(mesh)["tensor"]
+    flat = list(np.asarray(mesh.devices).flat)
+    if t == mesh_axis_sizes(mesh)["tensor"] and len(process_devices(flat)) == 1:
+        return mesh
+    mine = [d for d in flat if int(getattr(d, "process_index", 0)) == process]
+    if not mine or len(mine) % t:
+        raise ValueError(
+            f"host_mesh: process {process} holds {len(mine)} devices of the mesh, not a multiple of tensor={t}"
+        )
+    return Mesh(np.array(mine, dtype=object).reshape(len(mine) // t, 1, t), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def _slice_of(device: Any) -> int:

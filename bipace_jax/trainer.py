@@ -94,7 +94,10 @@ class Trainer:
         distributed.check_shared_workdir(workdir)
         self.mesh = sharding.make_mesh(*layout)
         sharding.check_placement(self.mesh)  # each host: whole tensor groups, its own batch block
-        self.local_mesh = distributed.local_mesh(self.mesh, layout[2])
+        sampler_tensor = config_lib.sampler_tensor(
+            spec.config, self.num_hosts, jax.device_count(), jax.local_device_count()
+        )
+        self.local_mesh = distributed.local_mesh(self.mesh, sampler_tensor)  # this host's chips
         self.game = env_factory if env_factory is not None else spec.env.name
         self._select_tasks()  # missing game data fails before the model loads
 

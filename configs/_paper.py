@@ -8,9 +8,16 @@ from configs import base
 MODEL_SIZES = {
     # 1.5B: params + AdamW states in fp32 are ~25 GB: shard them over every device (FSDP).
     "qwen2_5_1_5b": dict(fingerprint_layer=-12, epsilon=0.05, mesh=dict(data=1, fsdp=-1, tensor=1), micro_batch_rows=8),
-    # 7B: ~122 GB of fp32 params + AdamW states: FSDP over hosts' devices and 4-way tensor parallel.
-    # 4 rows per micro-batch: at 8, a v5e:8x8 gradient step needs 92% of a chip (launch.aot)
-    "qwen2_5_7b": dict(fingerprint_layer=-8, epsilon=0.10, mesh=dict(data=1, fsdp=-1, tensor=4), micro_batch_rows=4),
+    # 7B: ~122 GB of fp32 params + AdamW states: trained pure FSDP over every chip (tensor 1: on v5e a
+    # host-contained tensor group leaves FSDP groups of every 4th chip, whose all-gathers libtpu 0.10.2
+    # cannot route), sampled 4-way tensor parallel on each host's own chips (decode reads every weight
+    # per token). 4 rows per micro-batch per host: one per chip of a 4-chip host.
+    "qwen2_5_7b": dict(
+        fingerprint_layer=-8,
+        epsilon=0.10,
+        mesh=dict(data=1, fsdp=-1, tensor=1, sampler_tensor=4),
+        micro_batch_rows=4,
+    ),
 }
 
 # mini_batch_rows: verl-agent's ppo_mini_batch_size, one AdamW step per that many step rows (ALFWorld

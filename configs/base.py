@@ -193,4 +193,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # -1 = the devices left over
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    # tensor-parallel size of each host's sampler / log-prob mesh (its own chips); 0 = mesh.tensor.
+    # E.g. 7B on v5e: train pure FSDP (tensor 1) over the slice, decode tensor-parallel 4 in a host.
+    c.mesh.sampler_tensor = 0
     return c

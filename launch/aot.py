@@ -22,9 +22,11 @@ Programs (the ones a run compiles, at their largest shapes):
   val_prefill, val_decode   the same at the validation batch each host really plays
              (ceil(panel x val.group_size / hosts), bucketed; ``same_as`` when it is the rollout's)
   estimator  the advantage estimator at the rollout's row capacity (one device per host)
+  sync_gather  the sampler copy's all-gather of the largest array to every chip, when the host's
+             sampler mesh has another tensor size than training (``mesh.sampler_tensor``)
 
 Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
-(the new sampler copy is built while the old one is alive) and ``grad_init`` (the fp32 gradient
+(the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
 accumulator beside every long-lived array). ``placement`` records each device's host and the mesh
 checks (`sharding.check_placement`); ``step_time`` is `bipace_jax.step_time`'s roofline model of every
 program, one iteration and the whole run (TPU topologies). ``--num_slices=2`` joins two copies of the
@@ -51,6 +53,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 from jax.experimental import topologies
+from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
 from bipace_jax import build, learner, ppo, sampling, sharding, step_time
@@ -70,7 +73,17 @@ _SLICES = flags.DEFINE_integer(
     "num_slices", 1, "TPU slices joined over the data-center network (multi-slice: data parallel across them)."
 )
 
-PROGRAMS = ("ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "val_prefill", "val_decode", "estimator")
+PROGRAMS = (
+    "ppo_grad",
+    "ppo_apply",
+    "logprobs",
+    "prefill",
+    "decode",
+    "val_prefill",
+    "val_decode",
+    "estimator",
+    "sync_gather",
+)
 GiB = 1 << 30
 # HBM per chip by `device_kind` substring (Cloud TPU data sheets); first match wins.
 HBM_BYTES = (
@@ -190,9 +203,10 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     data, fsdp, tensor = config_lib.process_layout(c, len(hosts), len(devices), len(local))
     mesh = sharding.make_mesh(data, fsdp, tensor, devices=devices)
     placement = sharding.check_placement(mesh)  # as the trainer: tensor groups in a host, disjoint batch blocks
-    # As `distributed.local_mesh`: a host samples on its own devices, tensor-parallel when it divides them.
-    t_local = tensor if len(local) % tensor == 0 else 1
-    local_mesh = mesh if len(hosts) == 1 else sharding.make_mesh(-1, 1, t_local, devices=local)
+    # As `distributed.local_mesh`: a host samples on its own chips, tensor-parallel by
+    # `config.mesh.sampler_tensor` (``local``: one host's topology, its devices numbered from 0)
+    t_local = config_lib.sampler_tensor(c, len(hosts), len(devices), len(local))
+    local_mesh = mesh if len(hosts) == 1 and t_local == tensor else sharding.make_mesh(-1, 1, t_local, devices=local)
     cfg = build.actor_architecture(c.model, m.vocab_size)
     dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
     actor = nnx.eval_shape(lambda: build.init_actor(c.model, cfg, seed=c.seed))
@@ -279,8 +293,9 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     )
     mb = abstract_micro_batch(mesh, rows, prompt, response, reference=c.ppo.kl_coef > 0)
     step = learner.step_specs(graphdef, objective, tx, mesh, master, rest, opt_state, mb, ppo.STAT_KEYS)
-    run("ppo_grad", mesh, step["accumulate"], other=("opt_state", "reference", "sampler_params"))
-    run("ppo_apply", mesh, step["apply"], other=("reference", "sampler_params"))
+    # `PPOLearner.update` frees the sampler copy for its steps (`Learner.release_local`)
+    run("ppo_grad", mesh, step["accumulate"], other=("opt_state", "reference"))
+    run("ppo_apply", mesh, step["apply"], other=("reference",))
 
     lrows = -(-c.ppo.micro_batch_rows // dp_local) * dp_local
     lmb = abstract_micro_batch(local_mesh, lrows, prompt, response, logprobs=False)
@@ -335,13 +350,26 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     estimator = ProgramSpec("estimator", fn, (steps, *scalars))
     run("estimator", jax.sharding.Mesh(np.array(local[:1]), ("data",)), estimator, other=tuple(resident))
 
-    # Peaks no compiled program shows: `Learner.sync_local` builds the new sampler copy while the old one
-    # is alive, and the fp32 gradient accumulator's zeros exist beside every long-lived array.
+    # `Learner.sync_local`: with another tensor size on the host than in training, each array comes
+    # whole to every chip by one all-gather over the slice, then a host-local slice (the `local_copy`
+    # replica route); compiled at the largest array, so libtpu's routing of it is proven too.
+    replica = separate and t_local != tensor
+    leaves = jax.tree.leaves(master)
+    big = max(leaves, key=lambda x: int(np.prod(x.shape)))
+    whole = int(np.prod(big.shape)) * dtype.itemsize
+    if replica:
+        gather = jax.jit(lambda x: x.astype(dtype), out_shardings=jax.sharding.NamedSharding(mesh, P()))
+        run("sync_gather", mesh, ProgramSpec("sync_gather", gather, (big,)), other=tuple(resident))
+    # Peaks no compiled program shows: the new sampler copy is built (the old one freed first), by the
+    # replica route one array at a time through its whole replica, and the fp32 gradient
+    # accumulator's zeros exist beside every long-lived array.
     r = resident
+    sync_extra = whole + whole // t_local if replica else 0
     report["transients"] = dict(
-        sync_local=r["params"] + r["opt_state"] + r["reference"] + 2 * r["sampler_params"],
-        grad_init=2 * r["params"] + r["opt_state"] + r["reference"] + r["sampler_params"],
+        sync_local=r["params"] + r["opt_state"] + r["reference"] + r["sampler_params"] + sync_extra,
+        grad_init=2 * r["params"] + r["opt_state"] + r["reference"],  # the sampler copy is released
     )
+    report["sync_route"] = "replica" if replica else ("host_wide" if separate else "shared")
     if devices[0].platform != "cpu":
         shape = step_time.RunShape(
             chips=len(devices),

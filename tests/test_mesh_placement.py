@@ -22,7 +22,7 @@ needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")'
 )
 
-# topology -> (chips, hosts); paper configs: 1.5B (1, -1, 1) and 7B (1, -1, 4).
+# topology -> (chips, hosts); paper configs train (1, -1, 1); 7B samples tensor-parallel 4 in a host.
 TOPOLOGIES = {
     "v5e:8x8": (64, 16),
     "v5e:16x16": (256, 64),
@@ -47,8 +47,12 @@ TOPOLOGY_SCRIPT = textwrap.dedent(r"""
     for name in json.loads(sys.argv[1]):
         kw = dict(chip_config_name="megacore") if name.startswith("v4:") else {}  # one device per chip
         devices = list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
-        for setting in json.loads(sys.argv[2]):
-            c = importlib.import_module(f"configs.{setting}").get_config()
+        for setting in [*json.loads(sys.argv[2]), "tensor4"]:
+            if setting == "tensor4":  # issue 23's layout: 4-chip tensor groups in training
+                c = importlib.import_module("configs.alfworld_qwen2_5_7b").get_config()
+                c.mesh.tensor, c.mesh.sampler_tensor = 4, 0
+            else:
+                c = importlib.import_module(f"configs.{setting}").get_config()
             shape = config_lib.mesh_shape(c, len(devices))
             mesh = shd.make_mesh(*shape, devices=devices)
             naive = jax.make_mesh(tuple(mesh.devices.shape), shd.MESH_AXES, devices=devices)
@@ -58,10 +62,16 @@ TOPOLOGY_SCRIPT = textwrap.dedent(r"""
                 naive_error = ""
             except shd.PlacementError as e:
                 naive_error = str(e)
+            hosts = shd.process_devices(devices)
+            t = config_lib.sampler_tensor(c, len(hosts), len(devices), len(hosts[0]))
+            samplers = [shd.host_mesh(mesh, t, p) for p in hosts]
             out[f"{name} {setting}"] = dict(
                 shape=list(mesh.devices.shape), processes=proc(mesh), naive=proc(naive),
                 devices=len(devices), ids=sorted(d.id for d in mesh.devices.flat),
                 check=shd.check_placement(mesh)["process_batch_shards"], naive_error=naive_error,
+                sampler_shapes=sorted({tuple(m.devices.shape) for m in samplers}),
+                sampler_own_host=all({d.process_index for d in m.devices.flat} == {p} for p, m in zip(hosts, samplers)),
+                sampler_chips_covered=sorted(d.id for m in samplers for d in m.devices.flat) == sorted(d.id for d in devices),
             )
         try:  # a tensor group larger than a host's 4 chips
             shd.make_mesh(1, -1, 8, devices=devices)
@@ -105,7 +115,7 @@ def test_paper_meshes_keep_tensor_groups_in_a_host_and_give_hosts_contiguous_bat
 ):
     chips, hosts = TOPOLOGIES[topology]
     r = topology_meshes[f"{topology} {setting}"]
-    tensor = 1 if "1_5b" in setting else 4
+    tensor = 1
     assert r["devices"] == chips and r["shape"] == [1, chips // tensor, tensor], r["shape"]
     assert r["ids"] == sorted(set(r["ids"])) and len(r["ids"]) == chips  # every chip once
     procs = np.array(r["processes"]).reshape(chips // tensor, tensor)  # [batch shard, tensor index]
@@ -114,6 +124,20 @@ def test_paper_meshes_keep_tensor_groups_in_a_host_and_give_hosts_contiguous_bat
     # host p holds shards [p*k, (p+1)*k): contiguous, disjoint, in process order
     np.testing.assert_array_equal(procs[:, 0], np.repeat(np.arange(hosts), k))
     assert r["check"] == {str(p): [p * k, (p + 1) * k] for p in range(hosts)}
+    # each host samples on its own chips: 7B tensor-parallel over all 4 of them, 1.5B one chip per row
+    sampler_tensor = 1 if "1_5b" in setting else 4
+    assert r["sampler_shapes"] == [[chips // hosts // sampler_tensor, 1, sampler_tensor]], r["sampler_shapes"]
+    assert r["sampler_own_host"] and r["sampler_chips_covered"], r
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_tensor_4_training_meshes_stay_in_a_host(topology_meshes, topology):
+    chips, hosts = TOPOLOGIES[topology]
+    r = topology_meshes[f"{topology} tensor4"]
+    procs = np.array(r["processes"]).reshape(chips // 4, 4)
+    assert r["shape"] == [1, chips // 4, 4] and (procs == procs[:, :1]).all(), r["shape"]
+    assert r["check"] == {str(p): [p, p + 1] for p in range(hosts)}  # one tensor group per 4-chip host
 
 
 @needs_libtpu
@@ -134,7 +158,7 @@ def test_naive_make_mesh_crosses_hosts_where_issue_23_found_it(topology_meshes):
     # 4-chip tensor groups: jax.make_mesh's order puts them on 2 hosts except on v5p:2x2x4
     for topology in [*NAIVE_CROSSES, "v5p:2x2x4"]:
         chips, _ = TOPOLOGIES[topology]
-        r = topology_meshes[f"{topology} alfworld_qwen2_5_7b"]
+        r = topology_meshes[f"{topology} tensor4"]
         procs = np.array(r["naive"]).reshape(chips // 4, 4)
         crosses = bool((procs != procs[:, :1]).any())
         assert crosses == (topology in NAIVE_CROSSES), topology
@@ -179,6 +203,22 @@ def test_process_layout_splits_rows_over_each_hosts_batch_shards():
         config_lib.process_layout(_layout_config(tensor=8), 16, 64, 4)
     with pytest.raises(ValueError, match="64 devices are not 8 hosts x 4 devices"):
         config_lib.process_layout(_layout_config(), 8, 64, 4)
+
+
+def test_sampler_tensor_defaults_to_the_training_tensor_and_must_divide_a_host():
+    c = _layout_config(tensor=1)
+    assert config_lib.sampler_tensor(c, 16, 64, 4) == 1  # 0: mesh.tensor
+    c.mesh.sampler_tensor = 4
+    assert config_lib.sampler_tensor(c, 16, 64, 4) == 4
+    c.mesh.sampler_tensor = 8
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.sampler_tensor(c, 16, 64, 4)
+    assert str(e.value) == (
+        "config.mesh.sampler_tensor must divide the 4 devices of each of the 16 hosts (a host samples on its "
+        "own chips): one of [1, 2, 4], or 0 for mesh.tensor, got 8"
+    )
+    with pytest.raises(config_lib.ConfigError, match="config.mesh.sampler_tensor must be an int >= 0, got -1"):
+        config_lib.MeshConfig(1, -1, 1, sampler_tensor=-1)
 
 
 def test_a_multi_host_run_refuses_a_local_workdir_unless_declared_shared():
@@ -312,6 +352,26 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
         out["naive_copy_error"] = str(e)
     out["hops_after_naive"] = len(hops)
 
+    # 4b. Pure-FSDP training mesh (1, 8, 1) under a tensor-parallel sampler (mesh.sampler_tensor=2):
+    # the copies come by whole-mesh all-gather + local slice, still on device, and a re-sync frees
+    # each old array as its replacement exists.
+    fmesh = shd.make_mesh(1, 8, 1, devices=interleaved)
+    flocal = distributed.local_mesh(fmesh, 2)
+    out["fsdp_local_mesh"] = [list(flocal.devices.shape), sorted({d.process_index for d in flocal.devices.flat})]
+    actor = Qwen2Actor(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    F = Learner(actor, fmesh, optax.sgd(0.1), local_mesh=flocal, keep_reference=True)
+    copies = jax.tree.leaves(F.params_local) + jax.tree.leaves(F.ref_params_local)
+    out["fsdp_copy_values"] = all(np.array_equal(np.asarray(c).astype(np.float32), bf(v)) for c, v in zip(copies, want * 2))
+    out["fsdp_copy_on_local_mesh"] = all(c.sharding.mesh == flocal and c.is_fully_addressable for c in copies)
+    out["fsdp_tensor_split"] = sorted({str(c.sharding.spec) for c in copies if "tensor" in str(c.sharding.spec)})
+    old = jax.tree.leaves(F.params_local)
+    F.sync_local()
+    out["fsdp_old_deleted"] = all(o.is_deleted() for o in old)
+    out["fsdp_resync_values"] = all(
+        np.array_equal(np.asarray(c).astype(np.float32), bf(v)) for c, v in zip(jax.tree.leaves(F.params_local), want)
+    )
+    out["hops_after_fsdp"] = len(hops)
+
     # 5. A shared workdir is proven (process 0's token file); two private folders are refused.
     distributed.multihost_utils.process_allgather = gather
     distributed.check_shared_workdir(sys.argv[3])
@@ -353,6 +413,11 @@ def test_two_processes_feed_the_global_batch_and_copy_weights_on_device(tmp_path
         assert r["local_mesh_rows"] == r["global_rows_of_host"], r
         assert r["copy_values"] and r["copy_addressable"] and r["hops"] == 0, r
         assert "tensor groups cross hosts" in r["naive_copy_error"] and r["hops_after_naive"] == 0, r
+        # pure FSDP over both hosts, tensor-parallel 2 on each host's own devices: exact bf16 copies
+        assert r["fsdp_local_mesh"] == [[2, 1, 2], [me]], r["fsdp_local_mesh"]
+        assert r["fsdp_copy_values"] and r["fsdp_copy_on_local_mesh"] and r["fsdp_resync_values"], r
+        assert r["fsdp_tensor_split"], r  # some weights really are split over the sampler's tensor axis
+        assert r["fsdp_old_deleted"] and r["hops_after_fsdp"] == 0, r
         if me == 0:  # process 0 removes the token file once every process has looked
             assert r["shared_left"] == [], r["shared_left"]
         assert "is not shared: processes [1] do not see the file" in r["private_error"], r["private_error"]
