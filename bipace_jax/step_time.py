@@ -203,7 +203,9 @@ class RunShape:
       fsdp, tensor: the training mesh's FSDP and tensor axis sizes (data = chips / fsdp / tensor).
       sampler_tensor: the tensor axis of a host's sampler / log-prob mesh (its other devices split rows).
       prompt_tokens, response_tokens: the prompt bucket and ``sampler.max_new_tokens``.
-      games_per_host: games a host plays per turn (its sampler batch).
+      games_per_host: a host's sampler batch (games per sampler call).
+      sampler_calls: sampler calls per turn (games beyond the largest batch bucket are served in
+        further calls of that batch), so a host plays ``games_per_host * sampler_calls`` games.
       turns: turns per game (``env.max_steps``).
       micro_batch_rows: rows of one gradient micro-batch over the whole mesh.
       logprob_rows_per_host: rows of one log-prob micro-batch on a host.
@@ -212,10 +214,12 @@ class RunShape:
         sampler's log-probs stand in for the old ones or there is no KL term).
       remat: ``model.remat`` (``full`` recomputes the forward in the backward).
       iterations: RL iterations of the run.
-      val_games_per_host, val_panels, val_every: validation games a host plays per panel (its sampler
-        batch), how many panels (seen goals, held-out goals) a validation plays one after the other,
+      val_games_per_host, val_sampler_calls, val_panels, val_every: the validation sampler batch and
+        its calls per turn (as for the rollout), how many panels (seen goals, held-out goals) a validation plays one after the other,
         and every how many iterations it runs (0: never).
       checkpoint_every: iterations between checkpoints.
+      sync_replica: the sampler copy comes by `distributed.local_copy`'s replica route (the host's
+        sampler tensor size differs from training's): each chip receives the whole bf16 model.
     """
 
     chips: int
@@ -231,6 +235,9 @@ class RunShape:
     logprob_rows_per_host: int
     mini_batch_rows: int
     logprob_passes: int = 2
+    sampler_calls: int = 1
+    val_sampler_calls: int = 1
+    sync_replica: bool = False
     remat: str = "full"
     iterations: int = 150
     val_games_per_host: int = 0
@@ -241,7 +248,7 @@ class RunShape:
     @property
     def rows(self) -> int:
         """Step rows of one iteration (every game plays every turn)."""
-        return self.games_per_host * self.hosts * self.turns
+        return self.games_per_host * self.sampler_calls * self.hosts * self.turns
 
     @property
     def chips_per_host(self) -> int:
@@ -292,7 +299,11 @@ def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
     )
     # AdamW over fp32 shards: read params, grads, mu, nu; write params, mu, nu (28 bytes a parameter)
     apply = Cost(12 * m.params / r.chips, 28 * m.params / r.chips)
-    return dict(prefill=prefill, decode_step=decode_step, logprobs=logprobs, ppo_grad=grad, ppo_apply=apply)
+    # the sampler copy after the update: by the replica route every chip receives the whole bf16 model,
+    # else its host's tensor shard (`distributed.local_copy`)
+    received = w16 if r.sync_replica else w16 / r.sampler_tensor
+    sync = Cost(m.params / r.chips, received, received)
+    return dict(prefill=prefill, decode_step=decode_step, logprobs=logprobs, ppo_grad=grad, ppo_apply=apply, sync=sync)
 
 
 def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
@@ -301,15 +312,15 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
 
     Stages: ``rollout`` = turns x (prefill + response_tokens decode steps); ``logprobs`` = passes x the
     host's log-prob micro-batches; ``ppo_grad`` = global micro-batches; ``ppo_apply`` = optimizer steps;
-    ``validation`` = its rollout amortised over ``val_every``; ``checkpoint`` = a host's share of fp32
+    ``sync`` = one sampler-copy refresh; ``validation`` = its rollout amortised over ``val_every``; ``checkpoint`` = a host's share of fp32
     params and AdamW moments at `STORAGE_BYTES_PER_S`, amortised over ``checkpoint_every`` (with async
     saves it overlaps the next iteration: listed, not added).
     """
     costs = program_costs(m, r)
     sec = {k: c.seconds(chip) for k, c in costs.items()}
     t = {k: v["seconds"] for k, v in sec.items()}
-    turn = t["prefill"] + r.response_tokens * t["decode_step"]
-    rows_host = r.games_per_host * r.turns
+    turn = r.sampler_calls * (t["prefill"] + r.response_tokens * t["decode_step"])
+    rows_host = r.games_per_host * r.sampler_calls * r.turns
     counts = dict(
         turns=r.turns,
         decode_steps_per_turn=r.response_tokens,
@@ -322,12 +333,13 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
         logprobs=counts["logprob_micro_batches"] * t["logprobs"],
         ppo_grad=counts["grad_micro_batches"] * t["ppo_grad"],
         ppo_apply=counts["optimizer_steps"] * t["ppo_apply"],
+        sync=t["sync"],
     )
     if r.val_every and r.val_games_per_host:
         # a validation panel is a rollout of its own at the validation batch (the weights are read per step)
         v = program_costs(m, dataclasses.replace(r, games_per_host=r.val_games_per_host))
         vt = {k: c.seconds(chip)["seconds"] for k, c in v.items()}
-        panel = r.turns * (vt["prefill"] + r.response_tokens * vt["decode_step"])
+        panel = r.turns * r.val_sampler_calls * (vt["prefill"] + r.response_tokens * vt["decode_step"])
         stages["validation"] = r.val_panels * panel / r.val_every
     iteration = sum(stages.values())
     checkpoint = 16 * m.params / r.hosts / STORAGE_BYTES_PER_S / max(r.checkpoint_every, 1)

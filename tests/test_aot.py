@@ -71,7 +71,11 @@ def test_unknown_topology_and_program_are_refused_by_name(tmp_path):
 @pytest.mark.parametrize("path", COMMITTED, ids=[os.path.basename(p) for p in COMMITTED])
 def test_committed_tpu_reports_fit_with_fp32_master_weights(path):
     r = json.load(open(path))
-    assert r["fits"] is True and set(r["programs"]) == PROGRAMS
+    # the sampler copy's whole-slice gather is a program of its own when the host samples with another
+    # tensor size than training (7B on v5e: pure-FSDP training, tensor-parallel 4 sampler)
+    replica = r["sync_route"] == "replica"
+    assert r["fits"] is True and set(r["programs"]) == PROGRAMS | ({"sync_gather"} if replica else set())
+    assert replica == (r["sampler_mesh"]["tensor"] != r["mesh"]["tensor"])
     assert r["param_dtype"] == "float32" and r["compute_dtype"] == "bfloat16"
     # the paper's lengths: 2048 prompt tokens (ALFWorld, TextCraft) or 4096 (WebShop) + 512 response tokens
     assert r["shapes"]["prompt_tokens"] == (4096 if r["config"].startswith("webshop") else 2048)
