@@ -362,7 +362,7 @@ def test_a_loaded_checkpoint_keeps_the_configured_parameter_dtype(param_dtype):
     params = nnx.state(actor, nnx.Param)
     dtypes = {x.dtype for x in jax.tree.leaves(params)}
     assert dtypes == {jnp.dtype(param_dtype)} and actor.dtype == jnp.bfloat16
-    # loaded into the mesh's shardings (the 8-device case: tests/test_learner_sharded.py)
+    # loaded into the mesh's shardings (the 8-device case: tests/test_learner.py)
     want = jax.tree.leaves(sharding.param_shardings(params, mesh))
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), want))
 
