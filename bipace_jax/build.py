@@ -47,9 +47,11 @@ from bipace_jax.config import (
     EnvConfig,
     LearnerConfig,
     LogConfig,
+    MatmulPrecision,
     MeshConfig,
     OldLogprobs,
     OptimConfig,
+    Remat,
     TasksConfig,
     ValConfig,
     check_choice,
@@ -64,10 +66,10 @@ from bipace_jax.config import (
 )
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
-from bipace_jax.models.qwen2 import MATMUL_PRECISIONS, REMAT_POLICIES
 from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
+from bipace_jax.tiny import tiny_actor_config
 
 __all__ = [
     "ModelConfig",
@@ -115,8 +117,8 @@ class ModelConfig:
       vocab_size: size of the BPE the project trains when no tokenizer is given (>= 300).
       fingerprint_layer: HF ``hidden_states`` index of the BiPACE fingerprint.
       dtype, param_dtype: ``config.DType`` of activations and parameters.
-      matmul_precision: one of ``models.qwen2.MATMUL_PRECISIONS``.
-      remat: one of ``models.qwen2.REMAT_POLICIES``.
+      matmul_precision: a ``config.MatmulPrecision``.
+      remat: a ``config.Remat``.
       scan_layers: one ``lax.scan`` over the decoder layers.
     """
 
@@ -132,8 +134,8 @@ class ModelConfig:
     fingerprint_layer: int = -1
     dtype: DType = DType.FLOAT32
     param_dtype: DType = DType.FLOAT32
-    matmul_precision: str = "default"
-    remat: str = "none"
+    matmul_precision: MatmulPrecision = MatmulPrecision.DEFAULT
+    remat: Remat = Remat.NONE
     scan_layers: bool = False
 
     def __post_init__(self):
@@ -153,8 +155,9 @@ class ModelConfig:
         check_int("model.fingerprint_layer", self.fingerprint_layer)
         object.__setattr__(self, "dtype", decode("model.dtype", DType, self.dtype))
         object.__setattr__(self, "param_dtype", decode("model.param_dtype", DType, self.param_dtype))
-        check_choice("model.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
-        check_choice("model.remat", self.remat, REMAT_POLICIES)
+        precision = decode("model.matmul_precision", MatmulPrecision, self.matmul_precision)
+        object.__setattr__(self, "matmul_precision", precision)
+        object.__setattr__(self, "remat", decode("model.remat", Remat, self.remat))
         check_choice("model.scan_layers", self.scan_layers, (True, False))
         if self.tokenizer and not os.path.isdir(resolve_path(self.tokenizer)):
             fail("model.tokenizer", "be an existing tokenizer folder", self.tokenizer)
@@ -274,7 +277,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
     calibration = CalibrationConfig.from_config(c)
     controller = None
     if check_choice("estimator.controller.enabled", get(c, "estimator.controller.enabled"), (True, False)):
-        fields = c.estimator.controller.to_dict()
+        fields = {k: v for k, v in c.estimator.controller.to_dict().items() if k != "enabled"}
         controller = checked("estimator.controller", EpsilonController, epsilon=estimator.epsilon, **fields)
     loss = loss_config(c)
     learner = LearnerConfig.from_config(c)
@@ -479,8 +482,7 @@ def actor_architecture(model: ModelConfig, vocab_size: int, eos_token_id: int | 
         return Qwen2Config.preset(m.preset)
     sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
     heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
-    eos = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
-    return Qwen2Config.tiny(vocab_size=vocab_size, max_position_embeddings=8192, **eos, **sizes, **heads)
+    return tiny_actor_config(vocab_size, eos_token_id=eos_token_id, max_position_embeddings=8192, **sizes, **heads)
 
 
 def init_actor(model: ModelConfig, cfg: Qwen2Config, *, seed: int = 0) -> Qwen2Actor:

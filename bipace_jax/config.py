@@ -104,17 +104,50 @@ def decode(field: str, enum_type: type[enum.StrEnum], v: Any) -> enum.StrEnum:
         fail(field, f"be one of {[m.value for m in enum_type]}", v)
 
 
+SelectorPart = tuple  # ("all",) | ("range", a, b) | ("ids", frozenset) | ("key", key, frozenset of values)
+
+
+def parse_selector(text: str) -> tuple[SelectorPart, ...]:
+    """The parts of a task selector (the one parser of its grammar; ``tasks.select_tasks`` evaluates them).
+
+    ``"all"``; ``"a:b"`` (range); ``"i,j,k"``; ``"key=v1,v2"``; parts joined with ``"&"`` intersect;
+    ``""`` has no parts (selects nothing).
+
+    Raises:
+      ValueError: ``text`` is not a string or a part is none of the four forms.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"task selector must be a string, got {text!r}")
+    if text.strip() == "":
+        return ()
+    parts = []
+    for raw in text.split("&"):
+        part = raw.strip()
+        if not _SELECTOR_PART.match(part):
+            raise ValueError(f"task selector {text!r}: part {part!r} is not 'all', 'a:b', 'i,j,k' or 'key=v1,v2'")
+        if part == "all":
+            parts.append(("all",))
+        elif "=" in part:
+            key, values = part.split("=", 1)
+            parts.append(("key", key.strip(), frozenset(v.strip() for v in values.split(","))))
+        elif ":" in part:
+            a, b = (int(x) for x in part.split(":"))
+            parts.append(("range", a, b))
+        else:
+            parts.append(("ids", frozenset(int(x) for x in part.split(","))))
+    return tuple(parts)
+
+
 def validate_selector(field: str, value: str, allow_empty: bool) -> None:
-    """Check a task selector string (syntax in ``configs/base.py``); raises ConfigError."""
+    """Check a task selector string (syntax in ``configs/base.py``, ``parse_selector``); raises ConfigError."""
     if not isinstance(value, str):
         fail(field, "be a task selector string", value)
-    if value == "":
-        if not allow_empty:
-            fail(field, "be a non-empty task selector ('all', 'a:b', 'i,j', 'key=v1,v2')", value)
-        return
-    for part in value.split("&"):
-        if not _SELECTOR_PART.match(part.strip()):
-            fail(field, "be a task selector: 'all', 'a:b', 'i,j,k' or 'key=v1,v2', joined by '&'", value)
+    if value == "" and not allow_empty:
+        fail(field, "be a non-empty task selector ('all', 'a:b', 'i,j', 'key=v1,v2')", value)
+    try:
+        parse_selector(value)
+    except ValueError:
+        fail(field, "be a task selector: 'all', 'a:b', 'i,j,k' or 'key=v1,v2', joined by '&'", value)
 
 
 def parse_game_options(field: str, text: Any) -> dict[str, Any]:
@@ -200,6 +233,22 @@ class DType(enum.StrEnum):
     def jnp(self):
         """The ``jnp`` dtype."""
         return jnp.dtype(self.value)
+
+
+class MatmulPrecision(enum.StrEnum):
+    """``model.matmul_precision``: ``jax.default_matmul_precision`` of every dot of the actor."""
+
+    DEFAULT = "default"  # the backend's own (bf16 passes on TPU)
+    HIGH = "high"
+    HIGHEST = "highest"  # full fp32 matmuls
+
+
+class Remat(enum.StrEnum):
+    """``model.remat``: what each decoder layer keeps for the backward pass (``jax.checkpoint``)."""
+
+    NONE = "none"  # all activations (fastest, most memory)
+    FULL = "full"  # only the layer input: recomputes the layer, one extra forward
+    SAVE_DOTS = "save_dots"  # the matmul outputs without a batch dimension: recomputes the elementwise work
 
 
 class OldLogprobs(enum.StrEnum):
@@ -381,7 +430,13 @@ class LearnerConfig:
             )
         mode = decode("ppo.old_logprobs", OldLogprobs, self.old_logprobs)
         object.__setattr__(self, "old_logprobs", mode)
-        if mode is OldLogprobs.FUSED and (self.epochs != 1 or self.mini_batch_rows != 0):
+        self.check_old_logprobs(mode, self.epochs, self.mini_batch_rows)
+
+    @staticmethod
+    def check_old_logprobs(mode: OldLogprobs, epochs: int, mini_batch_rows: int) -> None:
+        """The one rule of ``ppo.old_logprobs`` (also asked by ``PPOLearner``): ``FUSED`` needs one
+        optimizer step per iteration. Raises ``ConfigError`` naming ``config.ppo.old_logprobs``."""
+        if mode is OldLogprobs.FUSED and (epochs != 1 or mini_batch_rows != 0):
             fail(
                 "ppo.old_logprobs",
                 "not be 'fused' unless ppo.epochs == 1 and ppo.mini_batch_rows == 0 (one optimizer step per iteration)",

@@ -26,6 +26,7 @@ from flax import nnx
 
 from bipace_jax import distributed, losses, sharding
 from bipace_jax.batch import MicroBatch, TokenBatch
+from bipace_jax.config import LearnerConfig, OldLogprobs
 from bipace_jax.learner import Learner, NonFiniteError, mesh_context, shard_rows
 from bipace_jax.programs import ProgramSpec, abstract
 
@@ -210,7 +211,8 @@ class PPOLearner(Learner):
       logprob_chunk: response positions per LM-head chunk (``response_logprobs``); 0: all at once.
 
     Raises:
-      ValueError: ``fused_old_logprobs`` with more than one optimizer step per update.
+      ConfigError: ``fused_old_logprobs`` with more than one optimizer step per update
+        (``LearnerConfig.check_old_logprobs``, naming ``ppo.old_logprobs``).
     """
 
     def __init__(
@@ -229,11 +231,8 @@ class PPOLearner(Learner):
         support: int | None = None,
         logprob_chunk: int = 0,
     ):
-        if fused_old_logprobs and (epochs != 1 or mini_batch_rows != 0):
-            raise ValueError(
-                f"fused_old_logprobs needs one optimizer step per update (epochs=1, mini_batch_rows=0), "
-                f"got epochs={epochs}, mini_batch_rows={mini_batch_rows}"
-            )
+        mode = OldLogprobs.FUSED if fused_old_logprobs else OldLogprobs.RECOMPUTE
+        LearnerConfig.check_old_logprobs(mode, epochs, mini_batch_rows)
         super().__init__(actor, mesh, tx, local_mesh=local_mesh, keep_reference=loss_cfg.kl_coef > 0)
         self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support, logprob_chunk)
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs

@@ -457,10 +457,6 @@ def _prefill_program(
     actor = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     cache = actor.init_cache(b, static.cache_length)
-    if hasattr(cache, "per_layer"):
-        # Carry k/v as per-layer arrays: the decode loop's attention then reads each layer's block in
-        # place instead of copying it out of the stacked [L, ...] array on every step.
-        cache = cache.per_layer()
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     token, logp = _draw(static, out.logits, _row_keys(key, row_ids), 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bipace_jax.config import parse_selector
+
 TRAIN_SEED_RANGE = 1_000_000  # training game seeds lie in [0, 10^6); validation seeds at or above it
 
 
@@ -20,30 +22,27 @@ def select_tasks(selector: str, num_tasks: int, task_info: Callable[[int], dict]
     one of the values); parts joined with ``"&"`` intersect. ``""`` selects nothing.
 
     Raises:
-      ValueError: an id outside ``[0, num_tasks)`` or a selector that matches no task.
+      ValueError: a selector outside the grammar (``config.parse_selector``), an id outside
+        ``[0, num_tasks)``, or a selector that matches no task.
     """
-    if selector.strip() == "":
+    parts = parse_selector(selector)
+    if not parts:
         return []
     ids = set(range(num_tasks))
-    for part in selector.split("&"):
-        part = part.strip()
-        if part == "all":
-            continue
-        if "=" in part:
-            key, values = part.split("=", 1)
-            wanted = {v.strip() for v in values.split(",")}
-            ids &= {i for i in range(num_tasks) if str(task_info(i).get(key.strip())) in wanted}
-        elif ":" in part:
-            a, b = (int(x) for x in part.split(":"))
+    for part in parts:
+        if part[0] == "key":
+            _, key, wanted = part
+            ids &= {i for i in range(num_tasks) if str(task_info(i).get(key)) in wanted}
+        elif part[0] == "range":
+            _, a, b = part
             if not 0 <= a < b <= num_tasks:
                 raise ValueError(f"task selector {selector!r}: range {a}:{b} must lie in [0, {num_tasks}]")
             ids &= set(range(a, b))
-        else:
-            sel = {int(x) for x in part.split(",")}
-            bad = sorted(i for i in sel if not 0 <= i < num_tasks)
+        elif part[0] == "ids":
+            bad = sorted(i for i in part[1] if not 0 <= i < num_tasks)
             if bad:
                 raise ValueError(f"task selector {selector!r}: ids {bad} outside [0, {num_tasks})")
-            ids &= sel
+            ids &= part[1]
     if not ids:
         raise ValueError(f"task selector {selector!r} matches no task")
     return sorted(ids)

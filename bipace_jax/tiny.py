@@ -112,18 +112,18 @@ def train_tokenizer(
     return fast
 
 
-def tiny_actor_config(vocab_size: int, **overrides) -> Qwen2Config:
-    """The embedded default actor's architecture (Qwen2): ``Qwen2Config.tiny`` with hidden 256, 4 layers,
-    4 query heads and 2 KV heads of dim 64, SiLU MLP 768, EOS id 2; tied embeddings, RoPE theta 10,000,
-    RMSNorm eps 1e-6, fp32. About 3.7M parameters with a 2k vocabulary. Override any field by keyword
-    (e.g. ``num_hidden_layers=3``).
+def tiny_actor_config(vocab_size: int, *, eos_token_id: int | None, **sizes) -> Qwen2Config:
+    """The one builder of a small random-init Qwen2 architecture: RL's ``model.preset = "tiny"``
+    (``build.actor_architecture``) and the warm start's actor. ``Qwen2Config.tiny`` (tied embeddings,
+    RoPE theta 10,000, RMSNorm eps 1e-6, fp32) with ``vocab_size``, ``eos_token_id`` (None:
+    ``Qwen2Config.tiny``'s) and ``sizes`` (``hidden_size``, ``num_hidden_layers``, ... by keyword).
 
     Raises:
       ValueError: (from ``Qwen2Config``) a field out of range, e.g. ``vocab_size`` < 1 or ``hidden_size``
         not divisible by the head count.
     """
-    base = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, eos_token_id=2)
-    return Qwen2Config.tiny(**{**base, "vocab_size": vocab_size, **overrides})
+    eos = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+    return Qwen2Config.tiny(vocab_size=vocab_size, **eos, **sizes)
 
 
 def random_hf_qwen2(config: Qwen2Config, *, seed: int = 0, weight_std: float = 0.05, path: str | None = None):

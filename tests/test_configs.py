@@ -362,7 +362,7 @@ def test_a_loaded_checkpoint_keeps_the_configured_parameter_dtype(param_dtype):
     params = nnx.state(actor, nnx.Param)
     dtypes = {x.dtype for x in jax.tree.leaves(params)}
     assert dtypes == {jnp.dtype(param_dtype)} and actor.dtype == jnp.bfloat16
-    # loaded into the mesh's shardings (the 8-device case: tests/test_learner_sharded.py)
+    # loaded into the mesh's shardings (the 8-device case: tests/test_learner.py)
     want = jax.tree.leaves(sharding.param_shardings(params, mesh))
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params), want))
 
@@ -412,7 +412,7 @@ def test_webshop_paper_config_trains_the_tiny_actor_one_iteration_on_the_sample(
 def test_build_spec_decodes_each_section_into_its_dataclass_once():
     import dataclasses
 
-    from bipace_jax.config import DType, OldLogprobs, Panel
+    from bipace_jax.config import DType, MatmulPrecision, OldLogprobs, Panel, Remat
 
     c = _load("textcraft_tiny")
     c.val.options = '{"split": "valid"}'
@@ -437,6 +437,20 @@ def test_build_spec_decodes_each_section_into_its_dataclass_once():
         spec.config.seed = 1
     c.seed = 5  # and a later change of the config does not reach the spec
     assert spec.config.seed == 0
+    assert spec.model.remat is Remat.NONE and spec.model.matmul_precision is MatmulPrecision.DEFAULT
+    c = _load("textcraft_tiny")
+    c.model.remat, c.model.matmul_precision, c.estimator.controller.enabled = "save_dots", "highest", True
+    c.estimator.controller.gain = 0.2
+    spec = configs.build_spec(c)
+    assert spec.model.remat is Remat.SAVE_DOTS and spec.model.matmul_precision is MatmulPrecision.HIGHEST
+    # the section's "enabled" decides whether there is a controller; the controller always moves
+    ctrl = spec.new_controller()
+    assert (ctrl.epsilon, ctrl.gain, ctrl.target_singleton_rate) == (
+        0.05,
+        0.2,
+        c.estimator.controller.target_singleton_rate,
+    )
+    assert ctrl.update(1.0) == pytest.approx(0.05 + min(0.2 * (1.0 - ctrl.target_singleton_rate), ctrl.max_step))
 
 
 def test_the_config_module_imports_nothing_from_the_library():

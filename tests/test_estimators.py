@@ -455,17 +455,12 @@ def test_calibrate_epsilon_returns_the_smallest_grid_value_under_the_target():
         calibrate_epsilon(b, target_singleton_rate=0.0, grid=(0.0, 0.01))
 
 
-def test_epsilon_controller_moves_toward_the_target_within_bounds_and_is_off_by_default():
-    off = EpsilonController(epsilon=0.05)
-    assert off.update(0.9) == 0.05
-    on = EpsilonController(
-        epsilon=0.05, target_singleton_rate=0.2, gain=0.1, max_step=0.01, max_epsilon=0.07, enabled=True
-    )
+def test_epsilon_controller_moves_toward_the_target_within_bounds():
+    on = EpsilonController(epsilon=0.05, target_singleton_rate=0.2, gain=0.1, max_step=0.01, max_epsilon=0.07)
     assert on.update(0.5) == pytest.approx(0.06)  # 0.1 * 0.3 clipped to 0.01
     assert on.update(0.5) == pytest.approx(0.07)
     assert on.update(0.5) == pytest.approx(0.07)  # upper bound
     assert on.update(0.15) == pytest.approx(0.065)  # 0.1 * -0.05
-    assert on.apply(EstimatorConfig()).epsilon == pytest.approx(0.065)
     with pytest.raises(ValueError, match="singleton_rate"):
         on.update(float("nan"))
     with pytest.raises(ValueError, match="EpsilonController.epsilon"):

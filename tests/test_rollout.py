@@ -72,7 +72,7 @@ class OracleSampler:
     def length_bucket(self, t):
         return next(b for b in self.config.length_buckets if b >= t)
 
-    def generate(self, actor, prompts, key, temperature=None):
+    def generate(self, actor, prompts, key):
         oracle = self.pool.oracle_actions(list(range(self.n_envs)))
         live = [i for i, a in enumerate(oracle) if a is not None]
         assert len(live) == len(prompts)
@@ -273,7 +273,7 @@ class FinishSampler(OracleSampler):
         super().__init__(tokenizer, pool, 3, max_new_tokens=m)
         self.config = SamplerConfig(max_new_tokens=m, length_buckets=(512, 1024), stop_strings=())
 
-    def generate(self, actor, prompts, key, temperature=None):
+    def generate(self, actor, prompts, key):
         oracle = self.pool.oracle_actions(list(range(self.n_envs)))
         live = [i for i, a in enumerate(oracle) if a is not None]
         m, b = self.config.max_new_tokens, len(prompts)

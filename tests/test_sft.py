@@ -155,7 +155,7 @@ class ScriptedSampler:
     def length_bucket(self, t):
         return 448
 
-    def generate(self, actor, prompts, key, temperature=None):
+    def generate(self, actor, prompts, key):
         texts = self.script(self.turn, len(prompts))
         self.turn += 1
         m = self.config.max_new_tokens

@@ -259,26 +259,20 @@ def test_sharded_forward_and_cache_on_8_cpu_devices_equal_unsharded():
 
 @pytest.mark.slow
 def test_cache_logical_axes_name_the_key_and_value_layouts():
-    """Keys are [L, B, K, Hd, S] and values [L, B, K, S, Hd]: each logical name must sit on the dim of
-    its size (a rule that split "cache_seq" would otherwise split the keys' head_dim)."""
+    """Each layer's keys are [B, K, Hd, S] and values [B, K, S, Hd]: each logical name must sit on the dim
+    of its size (a rule that split "cache_seq" would otherwise split the keys' head_dim)."""
     cfg = Qwen2Config.tiny(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
     actor = Qwen2Actor(cfg, rngs=nnx.Rngs(0))
-    sizes = {"layers": 3, "batch": 5, "kv_heads": 2, "head_dim": 8, "cache_seq": 11}
-    for per_layer in (False, True):
-        cache = actor.init_cache(5, 11, per_layer=per_layer)
-        suffix = "_layer" if per_layer else ""
-        for kind, x in (("cache_k", cache.k), ("cache_v", cache.v)):
-            arr = x[0] if per_layer else x
-            axes = ACTIVATION_AXES[kind + suffix]
-            assert tuple(sizes[a] for a in axes) == arr.shape, (kind, per_layer, axes, arr.shape)
-        shardings = cache_shardings(cache, shd.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-        assert jax.tree.structure(shardings) == jax.tree.structure(cache)
+    sizes = {"batch": 5, "kv_heads": 2, "head_dim": 8, "cache_seq": 11}
+    cache = actor.init_cache(5, 11)
+    assert len(cache.k) == len(cache.v) == 3
+    for kind, x in (("cache_k", cache.k), ("cache_v", cache.v)):
+        axes = ACTIVATION_AXES[kind]
+        assert tuple(sizes[a] for a in axes) == x[0].shape, (kind, axes, x[0].shape)
+    shardings = cache_shardings(cache, shd.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    assert jax.tree.structure(shardings) == jax.tree.structure(cache)
     # With a rule that splits the slots, keys and values are split along their own slot dims.
     rules = dict(shd.LOGICAL_TO_MESH, cache_seq="tensor")
     mesh = {"data": 1, "fsdp": 1, "tensor": 11}
-    assert shd.logical_to_spec(ACTIVATION_AXES["cache_k"], (3, 5, 2, 8, 11), mesh, rules) == P(
-        None, None, None, None, "tensor"
-    )
-    assert shd.logical_to_spec(ACTIVATION_AXES["cache_v"], (3, 5, 2, 11, 8), mesh, rules) == P(
-        None, None, None, "tensor", None
-    )
+    assert shd.logical_to_spec(ACTIVATION_AXES["cache_k"], (5, 2, 8, 11), mesh, rules) == P(None, None, None, "tensor")
+    assert shd.logical_to_spec(ACTIVATION_AXES["cache_v"], (5, 2, 11, 8), mesh, rules) == P(None, None, "tensor", None)

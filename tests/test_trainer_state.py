@@ -10,7 +10,7 @@ import pytest
 
 from bipace_jax import metric_keys as keys
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
-from bipace_jax.config import ConfigError, resolve_template
+from bipace_jax.config import ConfigError, resolve_template, validate_selector
 from bipace_jax.metrics import MetricsLogger, StageTimer, make_plots, panel_metrics, read_metrics
 from bipace_jax.tasks import TRAIN_SEED_RANGE, select_tasks, split_holdout, train_task, validation_panel
 
@@ -90,6 +90,14 @@ def test_task_selectors():
         select_tasks("1,12", 9, info)
     with pytest.raises(ValueError, match="matches no task"):
         select_tasks("depth=9", 9, info)
+    # One grammar: the config check and the selection reject the same malformed part.
+    with pytest.raises(ValueError, match="part 'depth>2' is not"):
+        select_tasks("0:4&depth>2", 9, info)
+    with pytest.raises(ConfigError, match="config.tasks.train must be a task selector"):
+        validate_selector("tasks.train", "0:4&depth>2", allow_empty=False)
+    validate_selector("tasks.holdout", "", allow_empty=True)
+    with pytest.raises(ConfigError, match="config.tasks.train must be a non-empty task selector"):
+        validate_selector("tasks.train", "", allow_empty=False)
 
 
 def test_training_task_order_visits_every_task_once_per_epoch_and_is_reproducible():

@@ -60,12 +60,12 @@ def calibrate_epsilon(
 
 @dataclasses.dataclass
 class EpsilonController:
-    """Nudges epsilon between iterations toward a target singleton step-group rate; off by default.
+    """Nudges epsilon between iterations toward a target singleton step-group rate (opt-in).
 
     After each iteration call `update(diag["singleton_group_rate"])`:
       epsilon <- clip(epsilon + clip(gain * (rate - target), -max_step, max_step), min, max)
-    (too many singletons -> a larger epsilon merges more). With `enabled=False` epsilon never moves
-    (the paper's fixed epsilon). epsilon is a traced input of `compute_advantages`, so a change does
+    (too many singletons -> a larger epsilon merges more). A run without a controller keeps the
+    paper's fixed epsilon (``estimator.controller.enabled = False``). epsilon is a traced input of `compute_advantages`, so a change does
     not recompile.
 
     Raises:
@@ -79,7 +79,6 @@ class EpsilonController:
     max_step: float = 0.01
     min_epsilon: float = 0.0
     max_epsilon: float = 0.3
-    enabled: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.min_epsilon <= self.epsilon <= self.max_epsilon < 1.0:
@@ -104,14 +103,9 @@ class EpsilonController:
         rate = float(singleton_rate)
         if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
             raise ValueError(f"EpsilonController.update: singleton_rate must lie in [0, 1], got {singleton_rate}")
-        if self.enabled:
-            delta = min(max(self.gain * (rate - self.target_singleton_rate), -self.max_step), self.max_step)
-            self.epsilon = min(max(self.epsilon + delta, self.min_epsilon), self.max_epsilon)
+        delta = min(max(self.gain * (rate - self.target_singleton_rate), -self.max_step), self.max_step)
+        self.epsilon = min(max(self.epsilon + delta, self.min_epsilon), self.max_epsilon)
         return self.epsilon
-
-    def apply(self, cfg: EstimatorConfig) -> EstimatorConfig:
-        """`cfg` with the controller's current epsilon."""
-        return cfg.replace(epsilon=self.epsilon)
 
     def state_dict(self) -> dict:
         return {"epsilon": self.epsilon}

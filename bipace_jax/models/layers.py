@@ -28,10 +28,8 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp": ("batch", "seq", "mlp"),  # [B, T, F]
     "logits": ("batch", "seq", "vocab"),  # [B, T, V]
     "last_logits": ("batch", "vocab"),  # [B, V]
-    "cache_k": ("layers", "batch", "kv_heads", "head_dim", "cache_seq"),  # keys [L, B, K, Hd, S]
-    "cache_k_layer": ("batch", "kv_heads", "head_dim", "cache_seq"),  # [B, K, Hd, S] (per-layer form)
-    "cache_v": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),  # values [L, B, K, S, Hd]
-    "cache_v_layer": ("batch", "kv_heads", "cache_seq", "head_dim"),  # [B, K, S, Hd] (per-layer form)
+    "cache_k": ("batch", "kv_heads", "head_dim", "cache_seq"),  # one layer's keys [B, K, Hd, S]
+    "cache_v": ("batch", "kv_heads", "cache_seq", "head_dim"),  # one layer's values [B, K, S, Hd]
     "cache_mask": ("batch", "cache_seq"),  # [B, S]
     "per_row": ("batch",),  # [B]
 }

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bipace_jax.config import MatmulPrecision, Remat
 from bipace_jax.models.config import Qwen2Config
 from bipace_jax.models.kv_cache import KVCache
 from bipace_jax.models.layers import (
@@ -55,24 +56,16 @@ from bipace_jax.models.layers import (
     rope_cos_sin,
 )
 
-__all__ = ["ActorOutput", "KVCache", "MATMUL_PRECISIONS", "Qwen2Actor", "REMAT_POLICIES"]
+__all__ = ["ActorOutput", "KVCache", "Qwen2Actor"]
 
 Array = jax.Array
 
 
-MATMUL_PRECISIONS = ("default", "high", "highest")
-
-# What each decoder layer keeps for the backward pass: "none" all activations (fastest, most memory),
-# "full" only its input (recomputes the layer: one extra forward), "save_dots" the matmul outputs
-# without a batch dimension (recomputes the elementwise work only).
-REMAT_POLICIES = ("none", "full", "save_dots")
-
-
-def _remat(fn: Callable, policy: str) -> Callable:
-    """``fn`` under the named `REMAT_POLICIES` entry (``jax.checkpoint``)."""
-    if policy == "none":
+def _remat(fn: Callable, policy: Remat) -> Callable:
+    """``fn`` under the ``Remat`` policy (``jax.checkpoint``)."""
+    if policy is Remat.NONE:
         return fn
-    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy == "save_dots" else None
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy is Remat.SAVE_DOTS else None
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
@@ -81,9 +74,9 @@ def _with_precision(method):
 
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        if self.matmul_precision == "default":
+        if self.matmul_precision == MatmulPrecision.DEFAULT:
             return method(self, *args, **kwargs)
-        with jax.default_matmul_precision(self.matmul_precision):
+        with jax.default_matmul_precision(str(self.matmul_precision)):  # jax's option takes a plain str
             return method(self, *args, **kwargs)
 
     return wrapped
@@ -117,12 +110,12 @@ class Qwen2Actor(nnx.Module):
       dtype: activation/matmul dtype (jnp.bfloat16 on accelerators).
       param_dtype: parameter storage dtype.
       rngs: initialiser keys (weights ~ N(0, initializer_range), biases 0, norm scales 1).
-      matmul_precision: precision of every matmul of the actor (``MATMUL_PRECISIONS``), for all
+      matmul_precision: precision of every matmul of the actor (a ``config.MatmulPrecision``), for all
         paths alike (sampling, log-probs, the loss): ``"default"`` is the backend's fast mode
         (bf16 passes on TPU, TF32 on NVIDIA GPUs, full fp32 on CPU), ``"high"`` (3 bf16 passes on
         TPU), ``"highest"`` (full fp32). Settable later, before the next trace.
       remat: what each decoder layer keeps for the backward pass of `__call__` / `forward_hidden`
-        (`REMAT_POLICIES`: "none", "full" = only the layer input, one extra forward; "save_dots" =
+        (a ``config.Remat``: "none", "full" = only the layer input, one extra forward; "save_dots" =
         the matmul outputs); True means "full", False "none". Outputs and gradients are unchanged.
         Settable later (`actor.remat = "full"`), before the next trace.
       scan_layers: run runs of identical decoder layers as one `lax.scan` over their stacked
@@ -145,8 +138,8 @@ class Qwen2Actor(nnx.Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
-        remat: bool | str = "none",
-        matmul_precision: str = "default",
+        remat: bool | str = Remat.NONE,
+        matmul_precision: str = MatmulPrecision.DEFAULT,
         scan_layers: bool = False,
     ):
         if not isinstance(config, Qwen2Config):
@@ -159,12 +152,14 @@ class Qwen2Actor(nnx.Module):
             )
         self.remat = remat
         self.remat_policy  # noqa: B018 (validates remat)
-        if matmul_precision not in MATMUL_PRECISIONS:
+        try:
+            self.matmul_precision = MatmulPrecision(matmul_precision)
+        except ValueError:
+            choices = tuple(m.value for m in MatmulPrecision)
             raise ValueError(
-                f"Qwen2Actor: matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}"
-            )
+                f"Qwen2Actor: matmul_precision must be one of {choices}, got {matmul_precision!r}"
+            ) from None
         rngs = nnx.Rngs(0) if rngs is None else rngs
-        self.matmul_precision = matmul_precision
         self.scan_layers = bool(scan_layers)
         self.config = config
         self.fingerprint_layer = int(fingerprint_layer)
@@ -285,7 +280,7 @@ class Qwen2Actor(nnx.Module):
                     fingerprint = self._fingerprint(x, fingerprint_index)
         else:
             for i, layer in enumerate(list(self.layers)[:n_full]):
-                if policy == "none":
+                if policy is Remat.NONE:
                     x, k, v = layer(x, cos, sin, attn_mask, causal=True)
                 else:
                     x, k, v = _layer_fn(nnx.graphdef(layer), policy, True)(nnx.state(layer), x, cos, sin, attn_mask)
@@ -328,17 +323,18 @@ class Qwen2Actor(nnx.Module):
         return x, k, v
 
     @property
-    def remat_policy(self) -> str:
-        """`remat` as a `REMAT_POLICIES` name (True -> "full", False -> "none").
+    def remat_policy(self) -> Remat:
+        """`remat` as a ``config.Remat`` (True -> FULL, False -> NONE).
 
         Raises:
-          ValueError: `remat` is not a bool or one of `REMAT_POLICIES`.
+          ValueError: `remat` is not a bool or a ``Remat`` value.
         """
         r = self.remat
-        policy = ("full" if r else "none") if isinstance(r, (bool, np.bool_)) else r
-        if policy not in REMAT_POLICIES:
-            raise ValueError(f"Qwen2Actor: remat must be a bool or one of {REMAT_POLICIES}, got {r!r}")
-        return policy
+        try:
+            return (Remat.FULL if r else Remat.NONE) if isinstance(r, (bool, np.bool_)) else Remat(r)
+        except ValueError:
+            choices = tuple(m.value for m in Remat)
+            raise ValueError(f"Qwen2Actor: remat must be a bool or one of {choices}, got {r!r}") from None
 
     # ----------------------------------------------------------------------------------------------
     def _prepare(self, input_ids, attention_mask, fingerprint_index, where):
@@ -405,11 +401,10 @@ class Qwen2Actor(nnx.Module):
         return h, fingerprint
 
     # ----------------------------------------------------------------------------------------------
-    def init_cache(self, batch_size: int, max_length: int, *, per_layer: bool = False) -> KVCache:
+    def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty `KVCache` with S = max_length slots for B = batch_size rows (k/v in `dtype`).
 
-        k is [L, B, K, Hd, S] and v [L, B, K, S, Hd], or with `per_layer` tuples of L arrays
-        [B, K, Hd, S] / [B, K, S, Hd] (the form a compiled decode loop should carry; see `KVCache`).
+        k is a tuple of L arrays [B, K, Hd, S] and v of L arrays [B, K, S, Hd] (see `KVCache`).
 
         Raises:
           ValueError: batch_size or max_length not a positive int.
@@ -420,12 +415,8 @@ class Qwen2Actor(nnx.Module):
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
         k_shape = (batch_size, c.num_key_value_heads, c.head_dim, max_length)
-        if per_layer:
-            k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_k_layer") for _ in range(c.num_hidden_layers))
-            v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_v_layer") for _ in range(c.num_hidden_layers))
-        else:
-            k = constrain(jnp.zeros((c.num_hidden_layers,) + k_shape, self.dtype), "cache_k")
-            v = constrain(jnp.zeros((c.num_hidden_layers,) + shape, self.dtype), "cache_v")
+        k = tuple(constrain(jnp.zeros(k_shape, self.dtype), "cache_k") for _ in range(c.num_hidden_layers))
+        v = tuple(constrain(jnp.zeros(shape, self.dtype), "cache_v") for _ in range(c.num_hidden_layers))
         return KVCache(
             k=k,
             v=v,
@@ -445,8 +436,7 @@ class Qwen2Actor(nnx.Module):
           input_ids: int32 [B, T] prompt (padding on either side; left padding is what the
             sampler uses so that decoding appends at a shared slot).
           attention_mask: int32/bool [B, T].
-          cache: a `KVCache` from `init_cache(B, S)` with S >= T (either form; the result has the
-            same form).
+          cache: a `KVCache` from `init_cache(B, S)` with S >= T.
 
         Returns:
           (ActorOutput(logits float32 [B, V] at each row's last real token, fingerprint float32
@@ -473,10 +463,8 @@ class Qwen2Actor(nnx.Module):
         pad = ((0, 0), (0, 0), (0, cache.max_length - t), (0, 0))
         k_pad = ((0, 0), (0, 0), (0, 0), (0, cache.max_length - t))
         dt = cache.k[0].dtype
-        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k_layer") for x in ks)
-        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v_layer") for x in vs)
-        if not cache.is_per_layer:
-            k, v = constrain(jnp.stack(k), "cache_k"), constrain(jnp.stack(v), "cache_v")
+        k = tuple(constrain(jnp.pad(jnp.transpose(x.astype(dt), (0, 2, 3, 1)), k_pad), "cache_k") for x in ks)
+        v = tuple(constrain(jnp.pad(jnp.swapaxes(x.astype(dt), 1, 2), pad), "cache_v") for x in vs)
         slot_mask = jnp.zeros(cache.slot_mask.shape, bool).at[:, :t].set(mask)
         new_cache = KVCache(
             k=k,
@@ -496,8 +484,7 @@ class Qwen2Actor(nnx.Module):
 
         Args:
           token_ids: int32 [B].
-          cache: the `KVCache` from `prefill` or the previous `decode_step` (either form; the
-            result has the same form); the caller keeps
+          cache: the `KVCache` from `prefill` or the previous `decode_step`; the caller keeps
             `cache.index < S` (a full cache cannot be checked inside jit: the write would clamp
             to the last slot).
 
@@ -518,38 +505,28 @@ class Qwen2Actor(nnx.Module):
             cache.lengths[:, None], self.config.head_dim, self.config.rope_theta, num_positions=cache.max_length
         )
         x = self._embed(token_ids[:, None])
-        per_layer = cache.is_per_layer
-        k_all = list(cache.k) if per_layer else cache.k
-        v_all = list(cache.v) if per_layer else cache.v
+        k_all, v_all = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):
 
             def kv_update(k, v, i=i):
                 # Write the new token's k/v, [B, 1, K, Hd] -> k [B, K, Hd, 1], v [B, K, 1, Hd], at
                 # (layer i, slot index) in place; attend over layer i's k [B, K, Hd, S], v [B, K, S, Hd].
-                nonlocal k_all, v_all
                 k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
-                if per_layer:
-                    k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
-                    v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
-                    return k_all[i], v_all[i]
-                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, 0, 0, index))
-                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, 0, index, 0))
+                k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
+                v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
                 return k_all[i], v_all[i]
 
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
         h = self.final_norm(x)[:, 0]
         logits = constrain(self.lm_logits(h), "last_logits")
-        if per_layer:
-            k_new = tuple(constrain(a, "cache_k_layer") for a in k_all)
-            v_new = tuple(constrain(a, "cache_v_layer") for a in v_all)
-        else:
-            k_new, v_new = constrain(k_all, "cache_k"), constrain(v_all, "cache_v")
+        k_new = tuple(constrain(a, "cache_k") for a in k_all)
+        v_new = tuple(constrain(a, "cache_v") for a in v_all)
         new_cache = KVCache(k=k_new, v=v_new, slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_fn(graphdef, policy: str, keep_kv: bool) -> Callable:
+def _layer_fn(graphdef, policy: Remat, keep_kv: bool) -> Callable:
     """``fn(layer_state, x, cos, sin, mask) -> (x, k, v)``: one decoder layer of the full causal
     forward (`_run`'s mask is causal & padding) under the remat `policy`; k, v are None unless
     `keep_kv`."""

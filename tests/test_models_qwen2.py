@@ -182,7 +182,8 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
     full = actor(full_ids, full_mask, fingerprint_index=last_real(mask))
 
     cache = actor.init_cache(3, 12)
-    assert isinstance(cache, KVCache) and cache.k.shape == (3, 3, 1, 16, 12) and cache.v.shape == (3, 3, 1, 12, 16)
+    assert isinstance(cache, KVCache) and len(cache.k) == len(cache.v) == 3
+    assert cache.k[0].shape == (3, 1, 16, 12) and cache.v[0].shape == (3, 1, 12, 16)
     out, cache = actor.prefill(ids, mask, cache)
     assert isinstance(out, ActorOutput) and out.logits.shape == (3, cfg.vocab_size)
     np.testing.assert_allclose(
@@ -439,7 +440,7 @@ def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(
 
     def run(model):
         out = model(ids, mask)
-        first, cache = model.prefill(ids, mask, model.init_cache(6, 9, per_layer=True))
+        first, cache = model.prefill(ids, mask, model.init_cache(6, 9))
         step, cache = model.decode_step(new, cache)
         return out.logits, out.fingerprint, first.logits, step
 
@@ -475,9 +476,9 @@ def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monke
         first, cache = actor.prefill(ids, mask, actor.init_cache(4, 14))
         grads = nnx.grad(lambda m: jnp.sum(jax.nn.log_softmax(m(ids, mask).logits)[..., 7] * mask))(actor)
         at_real = [np.asarray(a)[real] for a in (out.logits, *out.hidden_states)]
-        # Cache slots [0, 12) hold the prompt columns: keys [L, B, K, Hd, S], values [L, B, K, S, Hd].
-        k = np.moveaxis(np.asarray(cache.k)[..., :12], -1, 2)[:, real]
-        v = np.moveaxis(np.asarray(cache.v)[..., :12, :], -2, 2)[:, real]
+        # Cache slots [0, 12) hold the prompt columns: keys L x [B, K, Hd, S], values L x [B, K, S, Hd].
+        k = np.moveaxis(np.stack(cache.k)[..., :12], -1, 2)[:, real]
+        v = np.moveaxis(np.stack(cache.v)[..., :12, :], -2, 2)[:, real]
         return [*at_real, out.fingerprint, first.logits, k, v, *[g.get_value() for _, g in nnx.to_flat_state(grads)]]
 
     monkeypatch.setattr(attn, "CPU_CAUSAL_BLOCK", 10**6)
@@ -487,28 +488,6 @@ def test_causal_query_blocks_equal_one_block_forward_prefill_and_gradients(monke
     assert attn.choose_schedule(4, 12, 12, 4, causal=True).causal_blocks == 4
     for a, b in zip(run(), ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_per_layer_cache_form_gives_the_stacked_forms_values():
-    actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), rngs=nnx.Rngs(11))
-    ids, mask = random_batch(3, 5, 512, padding="left", seed=18)
-    stacked = actor.init_cache(3, 8)
-    per_layer = actor.init_cache(3, 8, per_layer=True)
-    assert stacked.k.shape == (3, 3, 2, 16, 8) and stacked.v.shape == (3, 3, 2, 8, 16) and not stacked.is_per_layer
-    assert per_layer.is_per_layer and len(per_layer.k) == 3 and per_layer.k[0].shape == (3, 2, 16, 8)
-    assert per_layer.v[0].shape == (3, 2, 8, 16)
-    out_s, stacked = actor.prefill(ids, mask, stacked)
-    out_p, per_layer = actor.prefill(ids, mask, per_layer)
-    token = jnp.argmax(out_s.logits, axis=-1).astype(jnp.int32)
-    logits_s, stacked = actor.decode_step(token, stacked)
-    logits_p, per_layer = actor.decode_step(token, per_layer)
-    assert per_layer.is_per_layer and not stacked.is_per_layer
-    np.testing.assert_array_equal(np.asarray(out_p.logits), np.asarray(out_s.logits))
-    np.testing.assert_array_equal(np.asarray(logits_p), np.asarray(logits_s))
-    np.testing.assert_array_equal(np.asarray(per_layer.stacked().k), np.asarray(stacked.k))
-    np.testing.assert_array_equal(np.asarray(stacked.per_layer().v[2]), np.asarray(per_layer.v[2]))
-    assert per_layer.max_length == stacked.max_length == 8 and per_layer.batch_size == 3
 
 
 def test_rope_tables_looked_up_by_position_equal_the_direct_ones():

@@ -78,7 +78,7 @@ def test_bad_arguments_raise_naming_the_field():
     with pytest.raises(ValueError, match="distinct"):
         train_tokenizer(CORPUS, vocab_size=300, phrase_tokens=["a", "a"])
     with pytest.raises(ValueError, match="hidden_size"):
-        tiny_actor_config(100, hidden_size=100, num_attention_heads=3)
+        tiny_actor_config(100, eos_token_id=2, hidden_size=100, num_attention_heads=3)
 
 
 def test_item_names_reads_outputs_and_ingredients_of_recipe_lines_only():
