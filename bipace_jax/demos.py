@@ -25,6 +25,8 @@ import tensorflow_datasets as tfds
 import environments
 from bipace_jax import tasks
 from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps
+from environments import alfworld
+from environments.base import Observation
 
 NAME = "bipace_demos"
 #: The builder's version: bump it when the schema or the recording changes (re-running builds anew).
@@ -101,8 +103,6 @@ def demos_config(
 
 
 def _fixture_alfworld_options() -> dict[str, Any]:
-    from environments import alfworld
-
     return {"expert_type": "handcoded", "data_path": alfworld.FIXTURES_DIR}
 
 
@@ -110,7 +110,7 @@ def _fixture_alfworld_options() -> dict[str, Any]:
 DEFAULT_OPTIONS = {
     "textcraft": dict(seeds=24, max_steps=30),
     "alfworld": dict(seeds=1, max_steps=50),
-    "webshop": dict(seeds=1, max_steps=15, env_options={"data_dir": "sample"}),
+    "webshop": dict(seeds=1, max_steps=15, holdout_every=2, env_options={"data_dir": "sample", "num_test_goals": 50}),
 }
 
 
@@ -237,8 +237,6 @@ def read_split(builder: DemosBuilder, split: str):
 
 def observation_of(record: dict[str, Any]):
     """The ``environments.base.Observation`` of a record (its JSON ``observation`` decoded)."""
-    from environments.base import Observation
-
     return Observation(**json.loads(_text(record["observation"])))
 
 
