@@ -138,11 +138,14 @@ class DemosBuilder(tfds.core.GeneratorBasedBuilder):
 
     VERSION = tfds.core.Version(VERSION)
     RELEASE_NOTES = {"1.0.0": "One example per oracle step; state as JSON, response text, episode outcome."}
-    BUILDER_CONFIGS = [default_config("textcraft")]
+    BUILDER_CONFIGS = [default_config(g) for g in DEFAULT_OPTIONS]
 
     def __init__(self, *, config: DemosConfig | str | None = None, **kwargs):
-        if isinstance(config, str) and config in DEFAULT_OPTIONS:
-            config = default_config(config)
+        # TFDS refuses a config object named as a registered one: pass the registered name instead.
+        if isinstance(config, DemosConfig) and config.name in DEFAULT_OPTIONS:
+            if config.description != default_config(config.name).description:
+                raise ValueError(f"config name {config.name!r} is reserved for demos.default_config({config.name!r})")
+            config = config.name
         super().__init__(config=config, file_format="array_record", **kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:

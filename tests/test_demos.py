@@ -188,3 +188,37 @@ def test_sft_step_specs_compile_and_match_the_learners_step():
     grads, stats = acc(L.params, L.rest, zeros, stats0, jax.tree.map(jnp.asarray, batch), jnp.float32(5.0))
     assert np.isfinite(float(stats["loss"])) and float(stats["loss"]) > 0
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def test_dataset_examples_equal_the_in_memory_oracle_examples(tmp_path):
+    import environments
+    from bipace_jax.rollout import RolloutConfig
+    from bipace_jax.sft import demo_examples, expert_examples
+    from bipace_jax.tiny import warm_start_tokenizer
+    from configs.textcraft_tasks import TEMPLATE
+
+    tasks = [300, 301, 150]
+    rcfg = RolloutConfig(
+        game="textcraft", group_size=1, max_steps=15, history_length=2, max_prompt_length=448, template=TEMPLATE
+    )
+    tok = warm_start_tokenizer("textcraft", TEMPLATE, vocab_size=400, seeds=1, task_ids=tasks)
+    cfg = demos.demos_config("textcraft", tasks="300,301,150", holdout_every=0, seeds=2, max_steps=15)
+    got, gstats = demo_examples(demos.read_split(demos.build(cfg, str(tmp_path), progress=False), "train"), rcfg, tok)
+    env = environments.make("textcraft", max_steps=15)
+    want, wstats = expert_examples(env, rcfg, tok, [(t, s) for s in range(2) for t in sorted(tasks)])
+    key = lambda e: (tuple(e.prompt_ids), tuple(e.response_ids), e.depth)  # noqa: E731
+    assert sorted(map(key, got)) == sorted(map(key, want)) and len(got) == len(want) > 6
+    assert gstats == pytest.approx(wstats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("game", ["alfworld", "webshop"])
+def test_default_configs_of_the_other_games_build_split_by_task(game, tmp_path):
+    b = demos.build(game, str(tmp_path), progress=False)
+    assert b.builder_config.name == game
+    train, val = demos.read_split(b, "train"), demos.read_split(b, "validation")
+    tr, va = {int(r["task_id"]) for r in train}, {int(r["task_id"]) for r in val}
+    assert tr and va and not tr & va
+    rec = train[0]
+    assert rec["game"].decode() == game and rec["response"].decode() == f"<action>{rec['action'].decode()}</action>"
+    assert demos.observation_of(rec).text
