@@ -15,6 +15,9 @@ INSTALL_REQUIRES = [
     "jinja2>=3.1",
     "ml-collections==1.1.0",
     "tensorflow-datasets==4.9.10",
+    "importlib_resources==7.1.0",  # tfds.core.DatasetBuilder imports it without declaring it
+    "array-record==0.8.6",  # tfds's ArrayRecord file format
+    "grain==0.2.18",
     "numpy>=2.0",
     "absl-py>=2.0",
     "tensorboardX>=2.6",

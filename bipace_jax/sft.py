@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import environments
-from bipace_jax import losses, runfolder, tasks
+from bipace_jax import demos, losses, runfolder, tasks
 from bipace_jax.build import checked
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import (
@@ -48,7 +48,8 @@ from bipace_jax.config import (
     resolve_template,
     system_prompt_of,
 )
-from bipace_jax.learner import Learner, shard_rows
+from bipace_jax.demo_stream import BucketStream
+from bipace_jax.learner import Learner, shard_rows, step_specs
 from bipace_jax.metrics import MetricsLogger
 from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
@@ -93,6 +94,38 @@ def expert_examples(env, rcfg: RolloutConfig, tokenizer, pairs: Sequence[tuple[i
         wins += bool(s.next_obs.won)
     n = max(len(pairs), 1)
     return examples, {"oracle_win_rate": wins / n, "oracle_mean_length": len(examples) / n}
+
+
+def demo_examples(records, rcfg: RolloutConfig, tokenizer) -> tuple[list[Example], dict[str, float]]:
+    """Examples of a ``demos.read_split`` source (record order); returns (examples, oracle stats).
+
+    Each record's prompt is encoded as ``expert_examples`` does (``rollout.encode_prompt`` of its
+    observation and history), its response by ``encode_response`` of its oracle action.
+    """
+    examples, won = [], {}
+    for r in records:
+        task, seed, turn = int(r["task_id"]), int(r["seed"]), int(r["turn"])
+        ids, _ = encode_prompt(
+            tokenizer, rcfg, demos.observation_of(r), demos.history_of(r), turn, f"task {task} seed {seed}"
+        )
+        action = r["action"].decode() if isinstance(r["action"], bytes) else str(r["action"])
+        examples.append(Example(ids, encode_response(tokenizer, action), int(r["depth"]), "expert"))
+        won[(task, seed)] = bool(r["won"])
+    n = max(len(won), 1)
+    return examples, {"oracle_win_rate": sum(won.values()) / n, "oracle_mean_length": len(examples) / n}
+
+
+def expert_dataset(spec, data_dir: str, progress: bool = False) -> demos.DemosBuilder:
+    """The warm start's demonstrations (``bipace_demos``) built under ``data_dir`` on first use: its
+    training goals x ``data.expert_seeds`` in ``train``, its held-out goals in ``validation``."""
+    cfg = demos.demos_config(
+        spec.env.name,
+        tasks=spec.tasks.train,
+        holdout_every=spec.tasks.holdout_every,
+        seeds=spec.data.expert_seeds,
+        max_steps=spec.env.max_steps,
+    )
+    return demos.build(cfg, data_dir, progress=progress)
 
 
 def dagger_examples(res: RolloutResult, tokenizer) -> list[Example]:
@@ -185,20 +218,17 @@ def make_batch(examples: Sequence[Example], length: int, pad_id: int, response_l
 def batches(
     examples: Sequence[Example], batch_size: int, buckets: Sequence[int], rng: np.random.Generator
 ) -> Iterator[tuple[int, list[Example]]]:
-    """One epoch of (length bucket, examples): shuffled, grouped by bucket; a short last batch of a
-    bucket is filled with random repeats of that bucket's examples."""
-    by_bucket: dict[int, list[int]] = {}
-    for i, ex in enumerate(examples):
-        by_bucket.setdefault(bucket_length(len(ex.prompt_ids) + len(ex.response_ids), buckets), []).append(i)
-    chunks = []
-    for length, idx in by_bucket.items():
-        idx = list(rng.permutation(idx))
-        if len(idx) % batch_size:
-            idx += list(rng.choice(idx, batch_size - len(idx) % batch_size))
-        chunks += [(length, idx[s : s + batch_size]) for s in range(0, len(idx), batch_size)]
-    for k in rng.permutation(len(chunks)):
-        length, idx = chunks[k]
-        yield length, [examples[i] for i in idx]
+    """Endless (length bucket, examples) batches: a ``demo_stream.BucketStream`` over ``examples`` (this
+    process's shard, a new shuffle every epoch seeded from ``rng``), ``batch_size`` of one bucket each."""
+    seed = int(rng.integers(2**31))
+    return BucketStream(
+        list(examples),
+        lambda e: e,
+        lambda e: len(e.prompt_ids) + len(e.response_ids),
+        batch_size,
+        buckets,
+        seed,
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -238,6 +268,34 @@ def train_step(learner: Learner, batch: SFTBatch, micro_rows: int, where: str = 
     denom = float(max(batch.target_mask.sum(), 1.0))
     stats, gnorm = learner.step(ResponseNLL(), micros, denom, ("token_accuracy",), where=where)
     return dict(stats, grad_norm=gnorm)
+
+
+def abstract_sft_batch(mesh, rows: int, length: int, response_length: int) -> SFTBatch:
+    """An ``SFTBatch`` of ``jax.ShapeDtypeStruct``s: ``rows`` rows of ``length`` tokens and
+    ``response_length`` targets, rows split over the mesh's ("data", "fsdp") axes as ``shard_rows`` places them."""
+    rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+
+    r = response_length
+    i32 = jnp.int32
+    return SFTBatch(
+        sds((rows, length), i32),
+        sds((rows, length), i32),
+        sds((rows, r), i32),
+        sds((rows, r), i32),
+        sds((rows, r), jnp.float32),
+    )
+
+
+def sft_step_specs(graphdef, tx, mesh, params, rest, opt_state, rows: int, length: int, response_length: int):
+    """The warm start's optimizer step as ``ProgramSpec``s (``learner.step_specs`` with ``ResponseNLL``):
+    ``"accumulate"`` on one ``rows``-row micro-batch of ``length`` tokens (the longest length bucket) and
+    ``response_length`` targets, and ``"apply"``; for ``launch.aot`` (params/rest/opt_state abstract,
+    with their shardings, as for the RL step)."""
+    mb = abstract_sft_batch(mesh, rows, length, response_length)
+    return step_specs(graphdef, ResponseNLL(), tx, mesh, params, rest, opt_state, mb, ("token_accuracy",))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -546,20 +604,19 @@ class _WarmStart:
         t, d = self.spec.train, self.spec.data
         bar = tqdm(total=n_steps, desc=f"round {rnd} train", disable=not self.progress)
         done, window = 0, []
+        stream = batches(self.examples, t.batch_size, d.length_buckets, rng) if n_steps else iter(())
         while done < n_steps:
-            for length, exs in batches(self.examples, t.batch_size, d.length_buckets, rng):
-                batch = make_batch(exs, length, self.tokenizer.pad_token_id, d.response_length)
-                window.append(train_step(self.learner, batch, t.micro_batch_rows, f"SFT update {self.step}"))
-                self.step, done = self.step + 1, done + 1
-                bar.update(1)
-                if self.step % t.log_every == 0 or done == n_steps:
-                    rec = {f"train/{k}": float(np.mean([w[k] for w in window])) for k in window[0]}
-                    bar.set_postfix(loss=f"{rec['train/loss']:.3f}", acc=f"{rec['train/token_accuracy']:.3f}")
-                    rec.update({"train/examples": len(self.examples), "time_s": time.time() - t_start})
-                    self.metrics.write(self.step, {"round": rnd, **rec})
-                    window = []
-                if done >= n_steps:
-                    break
+            length, exs = next(stream)
+            batch = make_batch(exs, length, self.tokenizer.pad_token_id, d.response_length)
+            window.append(train_step(self.learner, batch, t.micro_batch_rows, f"SFT update {self.step}"))
+            self.step, done = self.step + 1, done + 1
+            bar.update(1)
+            if self.step % t.log_every == 0 or done == n_steps:
+                rec = {f"train/{k}": float(np.mean([w[k] for w in window])) for k in window[0]}
+                bar.set_postfix(loss=f"{rec['train/loss']:.3f}", acc=f"{rec['train/token_accuracy']:.3f}")
+                rec.update({"train/examples": len(self.examples), "time_s": time.time() - t_start})
+                self.metrics.write(self.step, {"round": rnd, **rec})
+                window = []
         bar.close()
         self.learner.sync_local()
 
@@ -626,13 +683,9 @@ def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> di
 
     env = environments.make(spec.env.name, max_steps=spec.env.max_steps)
     train_ids, held_ids, panel = _task_sets(spec, env)
-    held_set, data_path, ostats = set(held_ids), run_dir / "examples.json", {}
-    if data_path.exists():
-        examples = _load_examples(data_path)
-    else:
-        pairs = [(t, s) for s in range(spec.data.expert_seeds) for t in train_ids]
-        examples, ostats = expert_examples(env, spec.rollout, tokenizer, pairs)
-        _save_examples(data_path, examples)
+    held_set = set(held_ids)
+    builder = expert_dataset(spec, os.fspath(run_dir / "demos"), progress)
+    examples, ostats = demo_examples(demos.read_split(builder, "train"), spec.rollout, tokenizer)
 
     ws = _WarmStart(spec, run_dir, tokenizer, examples, progress)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ws.learner.params))

@@ -51,7 +51,16 @@ LAYERS = (
     ("learning", ("bipace_jax.losses", "bipace_jax.learner", "bipace_jax.ppo")),
     (
         "top",
-        ("bipace_jax", "bipace_jax.build", "bipace_jax.tiny", "bipace_jax.sft", "bipace_jax.trainer", "bipace_jax.lab"),
+        (
+            "bipace_jax",
+            "bipace_jax.build",
+            "bipace_jax.tiny",
+            "bipace_jax.demos",
+            "bipace_jax.demo_stream",
+            "bipace_jax.sft",
+            "bipace_jax.trainer",
+            "bipace_jax.lab",
+        ),
     ),
 )
 # Layers the order puts below a module that it still must not import: (importer layer, imported layer).
