@@ -189,7 +189,8 @@ class Episode:
       episode_return: undiscounted sum of the net step rewards (success term minus invalid-action charges).
       env_error: the pool's ``Fault`` (a ``StrEnum``: "timeout", "crash", "exception", "lost") when the
         game failed at reset or mid-game, else None; such a game's rows are left out of the batch (its return is
-        not the game's), it is not counted in ``success_rate``.
+        not the game's), it is not counted in ``success_rate``. ``env_error_detail``: the pool's
+        account of it (e.g. ``"env 3 raised ValueError: TextCraftEnv task 12: step 2 gave reward nan ..."``).
       truncated: ended by ``max_steps`` (or the game's own cap) without success or error.
       score: the game's task score (``info["task_score"]``, WebShop) at the last step, else None.
       task_info: the game's ``task_info`` of the task (e.g. ``goal``, ``depth``).
@@ -204,6 +205,7 @@ class Episode:
     invalid_count: int = 0
     episode_return: float = 0.0
     env_error: Fault | None = None
+    env_error_detail: str = ""
     truncated: bool = False
     task_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     score: float | None = None
@@ -575,7 +577,7 @@ def _advance(ep: Episode, res, net_reward: float, valid: bool, max_steps: int) -
     if "task_score" in res.info:
         ep.score = float(res.info["task_score"])
     if res.fault is not None:
-        ep.env_error = res.fault
+        ep.env_error, ep.env_error_detail = res.fault, res.detail
     ep.won = bool(res.obs.won)
     done = bool(res.done) or ep.env_error is not None or ep.length >= max_steps
     if done:
