@@ -358,7 +358,9 @@ class Trainer:
         """Play the fixed validation panel(s) at ``val.temperature``; success overall and per category.
 
         Categories: the game's ``GameSpec.categories`` (``task_info`` keys, e.g. TextCraft's ``depth``:
-        ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``.
+        ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``. A game whose
+        ``task_info`` has ``best_score`` (WebShop) adds ``val/unwinnable_goals``: the panel tasks (of
+        ``val/tasks``) that no purchase can win, so the success rate reads against its ceiling.
         """
         out: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -385,6 +387,10 @@ class Trainer:
                     score[i] = np.mean(scores) if scores else np.nan
             won, length, errors, score = (distributed.allgather(a).sum(0) for a in (won, length, errors, score))
             out.update(panel_metrics(name, won, length, errors, score))
+            # WebShop: panel tasks whose goal the expert's purchase cannot win under the active scorer
+            best = [self._task_infos[name](tid).get("best_score") for tid, _ in panel]
+            if any(b is not None for b in best):
+                out[f"{name}/unwinnable_goals"] = sum(b is not None and b < 1.0 for b in best)
             for key_name in self.rollout_cfg.spec.categories:
                 cats: dict[str, list] = {}
                 for (tid, _), w in zip(panel, won):
