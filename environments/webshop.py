@@ -308,8 +308,8 @@ class WebShopEnv(TextEnv):
       num_test_goals: size of the test split (default 500, verl-agent's).
       scorer: the option rule's revision, ``"verl_agent"`` (default: the baseline's, parity with
         GiGPO/verl-agent) or ``"upstream"`` (goal option values compared after colour normalisation,
-        as the clicked ones; ``environments.webshop_reward.OptionScorer``). Set it with
-        ``--config.env.options='{"scorer": "upstream"}'``.
+        as the clicked ones; ``environments.webshop_reward.OptionScorer``). A run sets it with
+        ``--config.env.webshop_scorer=upstream``.
       goal_seed: seed of the prices, price caps and goal order (default 233, WebShop's: the
         original test split; other values give splits of our own).
 
