@@ -259,6 +259,13 @@ class OldLogprobs(enum.StrEnum):
     FUSED = "fused"  # stop_gradient inside the gradient pass (one optimizer step per iteration)
 
 
+class WebShopScorer(enum.StrEnum):
+    """``env.webshop_scorer``: the revision of WebShop's option rule (``environments.webshop_reward``)."""
+
+    VERL_AGENT = "verl_agent"  # the baseline's (GiGPO/verl-agent vendor it): goal options as (name, value) pairs
+    UPSTREAM = "upstream"  # the later upstream rule: goal option values, colour-normalised like the clicked ones
+
+
 class Panel(enum.StrEnum):
     """``val.panel``: how the validation goals are picked (``tasks.validation_panel``)."""
 
@@ -306,6 +313,7 @@ class EnvConfig(Section):
     num_workers: int = 0
     timeout_s: float = 30.0
     options: Any = ""
+    webshop_scorer: Any = WebShopScorer.VERL_AGENT
 
     def __post_init__(self):
         check_str(self._name("name"), self.name, "a registered game name")
@@ -314,6 +322,23 @@ class EnvConfig(Section):
         check_float(self._name("timeout_s"), self.timeout_s, 0, lo_open=True)
         if not isinstance(self.options, dict):
             object.__setattr__(self, "options", parse_game_options(self._name("options"), self.options))
+        scorer = decode(self._name("webshop_scorer"), WebShopScorer, self.webshop_scorer)
+        object.__setattr__(self, "webshop_scorer", scorer)
+        native = self.name == "webshop" and self.options.get("engine", "native") == "native"
+        if scorer is not WebShopScorer.VERL_AGENT and not native:
+            fail(
+                self._name("webshop_scorer"),
+                f"be {WebShopScorer.VERL_AGENT.value!r} unless env.name is 'webshop' (native engine)",
+                scorer.value,
+            )
+        if native and "scorer" in self.options and self.options["scorer"] != scorer.value:
+            fail(
+                self._name("options"),
+                f"leave 'scorer' to config.env.webshop_scorer ({scorer.value!r})",
+                self.options["scorer"],
+            )
+        if native:  # the game takes it as its option: every pool and probe of the run gets it
+            object.__setattr__(self, "options", {**self.options, "scorer": scorer.value})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding
 from bipace_jax.config import ConfigError
+from bipace_jax.metrics import HostStats
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
@@ -47,10 +48,15 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
 
 
 def allgather(x: np.ndarray) -> np.ndarray:
-    """Stack a host-local array over processes: ``[num_processes, *x.shape]``."""
+    """Stack a host-local array over processes: ``[num_processes, *x.shape]``, of ``x``'s dtype (64-bit
+    values travel as int32 pairs: JAX without x64 would cut them to 32 bits)."""
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
+    if x.dtype.itemsize == 8:
+        words = np.ascontiguousarray(x).reshape(-1).view(np.int32)
+        out = np.asarray(multihost_utils.process_allgather(words, tiled=False), np.int32)
+        return np.ascontiguousarray(out).view(x.dtype).reshape((out.shape[0], *x.shape))
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
@@ -59,13 +65,17 @@ def host_sum(x) -> np.ndarray:
     return allgather(np.asarray(x, np.float64)).sum(0)
 
 
-def host_mean(d: dict[str, float]) -> dict[str, float]:
-    """The mean over processes of each value of a dict of float scalars (the same keys on every host)."""
-    if jax.process_count() == 1 or not d:
-        return d
-    keys = sorted(d)
-    vals = allgather(np.array([d[k] for k in keys], np.float64)).mean(0)
-    return dict(zip(keys, map(float, vals)))
+def pooled(stats: HostStats) -> dict[str, float]:
+    """The run's metric values from every process's ``HostStats`` (``HostStats.pool``: counts summed,
+    rates as summed numerator over summed denominator, maxima the max); ``stats.values()`` with one
+    process. Every process calls it, with the same names (one gather).
+
+    Raises:
+      ValueError: the processes hold different names.
+    """
+    if jax.process_count() == 1:
+        return stats.values()
+    return HostStats.pool([stats.like(v) for v in allgather(stats.vector())]).values()
 
 
 def _is_float(x: Any) -> bool:

@@ -41,6 +41,7 @@ import numpy as np
 
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
+from bipace_jax.metrics import HostStats
 from bipace_jax.sampling import SampleOutput, Sampler, truncate_at_stop
 from environments.pool import ENV_ERRORS, Fault
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
@@ -188,7 +189,8 @@ class Episode:
       episode_return: undiscounted sum of the net step rewards (success term minus invalid-action charges).
       env_error: the pool's ``Fault`` (a ``StrEnum``: "timeout", "crash", "exception", "lost") when the
         game failed at reset or mid-game, else None; such a game's rows are left out of the batch (its return is
-        not the game's), it is not counted in ``success_rate``.
+        not the game's), it is not counted in ``success_rate``. ``env_error_detail``: the pool's
+        account of it (e.g. ``"env 3 raised ValueError: TextCraftEnv task 12: step 2 gave reward nan ..."``).
       truncated: ended by ``max_steps`` (or the game's own cap) without success or error.
       score: the game's task score (``info["task_score"]``, WebShop) at the last step, else None.
       task_info: the game's ``task_info`` of the task (e.g. ``goal``, ``depth``).
@@ -203,6 +205,7 @@ class Episode:
     invalid_count: int = 0
     episode_return: float = 0.0
     env_error: Fault | None = None
+    env_error_detail: str = ""
     truncated: bool = False
     task_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     score: float | None = None
@@ -256,7 +259,9 @@ class RolloutResult:
         without a fault), ``env_errors`` (games that failed at reset or mid-game: ``Episode.env_error``;
         ``env_errors_<kind>`` per kind of ``ENV_ERRORS``, "lost" being a worker mate's fault)
         ``env_error_rows`` (their rows, left out of the batch) and ``reset_faults`` (env resets that
-        faulted, including those a retry repaired).
+        faulted, including those a retry repaired): this host's values, ``host_stats.values()``.
+      host_stats: the same statistics as ``metrics.HostStats`` (rates as numerator and denominator,
+        ``turns`` and ``prompt_tokens_max`` as maxima, the rest counts), for ``distributed.pooled``.
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
       finish_reasons: N of ``"eos"``, ``"stop"`` or ``"length"``: why each response ended.
       labels: N labels from ``collect``'s ``labeler`` (e.g. the oracle's action from the state the
@@ -276,6 +281,7 @@ class RolloutResult:
     actions: list[str]
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     labels: list[str | None] | None = None
+    host_stats: HostStats = dataclasses.field(default_factory=HostStats)
 
     @property
     def rows(self) -> int:
@@ -571,7 +577,7 @@ def _advance(ep: Episode, res, net_reward: float, valid: bool, max_steps: int) -
     if "task_score" in res.info:
         ep.score = float(res.info["task_score"])
     if res.fault is not None:
-        ep.env_error = res.fault
+        ep.env_error, ep.env_error_detail = res.fault, res.detail
     ep.won = bool(res.obs.won)
     done = bool(res.done) or ep.env_error is not None or ep.length >= max_steps
     if done:
@@ -631,19 +637,32 @@ def _pack(rows: list[StepRecord], sampler, tokenizer, num_groups: int, rcfg: Rol
     return prompt_ids, prompt_mask, response_ids, response_mask, sample_logprobs, steps
 
 
-def _episode_stats(rows: list[StepRecord], episodes: list[Episode], played: int, reset_faults: int) -> dict[str, float]:
-    """The per-call rates and fault counts of ``RolloutResult.stats`` (rows: the kept rows)."""
+def _episode_stats(
+    counters: dict[str, int], rows: list[StepRecord], episodes: list[Episode], played: int, reset_faults: int
+) -> HostStats:
+    """``RolloutResult.host_stats``: the turn counters, rates as (numerator, denominator) and fault
+    counts of one call (rows: the kept rows; played: every row, the faulted games' included)."""
     errors = [ep.env_error for ep in episodes if ep.env_error is not None]
-    return dict(
-        rows=len(rows),
-        prompt_tokens_max=max(len(r.prompt) for r in rows),
-        invalid_rate=float(np.mean([not r.valid for r in rows])),
-        **{f"finish_{why}_rate": float(np.mean([r.finish == why for r in rows])) for why in ("eos", "stop", "length")},
-        success_rate=float(np.mean([ep.won for ep in episodes if ep.env_error is None] or [0.0])),
+    n = len(rows)
+    finished = [ep.won for ep in episodes if ep.env_error is None]
+    counts = {k: v for k, v in counters.items() if k != "turns"}
+    counts.update(
+        rows=n,
         env_errors=len(errors),
         **{f"env_errors_{kind}": sum(e == kind for e in errors) for kind in ENV_ERRORS},
-        env_error_rows=played - len(rows),
+        env_error_rows=played - n,
         reset_faults=reset_faults,
+    )
+    rates = {
+        "invalid_rate": (sum(not r.valid for r in rows), n),
+        **{f"finish_{why}_rate": (sum(r.finish == why for r in rows), n) for why in ("eos", "stop", "length")},
+        "success_rate": (sum(finished), len(finished)),
+    }
+    maxima = {"turns": counters["turns"], "prompt_tokens_max": max(len(r.prompt) for r in rows)}
+    return HostStats(
+        {k: int(v) for k, v in counts.items()},
+        {k: (float(a), float(b)) for k, (a, b) in rates.items()},
+        {k: float(v) for k, v in maxima.items()},
     )
 
 
@@ -728,7 +747,7 @@ def collect(
     timing = state.timing
     timing["total_s"] = time.perf_counter() - t_start
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
-    stats = dict(state.stats, **_episode_stats(rows, state.episodes, len(state.rows), reset_faults))
+    host_stats = _episode_stats(state.stats, rows, state.episodes, len(state.rows), reset_faults)
     return RolloutResult(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -738,9 +757,10 @@ def collect(
         steps=steps,
         episodes=state.episodes,
         timing=timing,
-        stats=stats,
+        stats=host_stats.values(),
         responses=[r.text for r in rows],
         actions=[r.action for r in rows],
         finish_reasons=[r.finish for r in rows],
         labels=[r.label for r in rows] if labeler else None,
+        host_stats=host_stats,
     )

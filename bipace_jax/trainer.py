@@ -9,7 +9,9 @@ One iteration (``Trainer.train_iteration``), top to bottom:
    optimizer step); the reference forward uses the frozen initial parameters (skipped at kl_coef 0).
 3. **Advantages**: ``estimators.compute_advantages`` (``docs/estimators.md``).
 4. **Update**: ``PPOLearner.update``; a NaN/Inf stops the run (``NonFiniteError``) before it applies.
-5. **Record**: episode, estimator, loss and timing metrics, summed or averaged over hosts.
+5. **Record**: episode, estimator, loss and timing metrics; ``train/*``, ``rollout/*`` and
+   ``estimator/*`` pooled over hosts (``distributed.pooled``: counts summed, rates from summed
+   numerators and denominators), validation from every host's panel tasks.
 
 Multi-host: each process plays its share of the task groups on a host-local copy of the parameters;
 the gradient step is one global ``jax.jit`` over all devices, the batch sharded over ("data", "fsdp").
@@ -38,8 +40,8 @@ from bipace_jax import metric_keys as keys
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import OldLogprobs
 from bipace_jax.estimators import calibrate_epsilon, compute_advantages
-from bipace_jax.estimators.diagnostics import SIZE_STATS
-from bipace_jax.metrics import MetricsLogger, StageTimer, make_plots, panel_metrics, read_metrics
+from bipace_jax.estimators.diagnostics import SIZE_STATS, host_stats
+from bipace_jax.metrics import HostStats, MetricsLogger, StageTimer, make_plots, panel_metrics, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
@@ -248,27 +250,34 @@ class Trainer:
         rec = self._episode_metrics(res.episodes, "train")
         rec.update(upd)
         rec[keys.OPTIMIZER_STEPS] = upd["loss/updates"]
-        diag = distributed.host_mean({k: float(v) for k, v in diag.items()})
+        diag = distributed.pooled(host_stats(diag))  # the pooled partition of every host's step groups
         rec.update({f"estimator/{k}": v for k, v in diag.items()})
         rec[keys.EPSILON] = self.epsilon
         if calibrated is not None:
             rec.update({f"{keys.CALIBRATION_RATE}/{e:g}": r for e, r in calibrated.items()})
+        tokens = float(batch.response_mask.sum())
         # Sampler vs trainer log-probs of the same tokens: ~0 untruncated; a large value means the
         # sampling and training forwards disagree (positions, padding, dtype).
+        gap = {}
         if s.learner.old_logprobs is OldLogprobs.FUSED:
             rec[keys.LOGPROB_GAP] = upd["loss/sampler_gap"]
         else:
-            gap = float(np.abs(sample_lp - old_lp)[batch.response_mask].mean()) if batch.response_mask.any() else 0.0
-            rec[keys.LOGPROB_GAP] = float(distributed.allgather(np.array([gap]))[:, 0].mean())
+            gap[keys.LOGPROB_GAP] = (float(np.abs(sample_lp - old_lp)[batch.response_mask].sum()), tokens)
         rec[keys.TASK_CURSOR] = self.task_cursor  # global index of this iteration's first task group
         rec["train/hosts"] = self.num_hosts
-        rec["advantage/mean"] = float(adv.mean()) if adv.size else 0.0
-        rec["advantage/std"] = float(adv.std()) if adv.size else 0.0
-        rec["advantage/abs_max"] = float(np.abs(adv).max()) if adv.size else 0.0
-        rows, tokens = distributed.host_sum([batch.rows, batch.response_mask.sum()])
-        rec["train/rows"], rec["train/response_tokens"] = float(rows), float(tokens)
-        rec["train/prompt_tokens_mean"] = float(batch.prompt_lengths().mean()) if batch.rows else 0.0
-        rec.update({f"rollout/{k}": float(v) for k, v in res.stats.items() if isinstance(v, (int, float, np.number))})
+        a = np.asarray(adv, np.float64)
+        stats = HostStats(
+            counts={"train/rows": float(batch.rows), "train/response_tokens": tokens},
+            rates={
+                "train/prompt_tokens_mean": (float(batch.prompt_lengths().sum()), float(batch.rows)),
+                "advantage/mean": (float(a.sum()), float(a.size)),
+                "advantage/mean_square": (float(np.square(a).sum()), float(a.size)),
+                **gap,
+            },
+            maxima={"advantage/abs_max": float(np.abs(a).max()) if a.size else 0.0},
+        )
+        rec.update(distributed.pooled(stats | res.host_stats.prefixed("rollout/")))
+        rec["advantage/std"] = math.sqrt(max(rec.pop("advantage/mean_square") - rec["advantage/mean"] ** 2, 0.0))
         rec.update({keys.stage_seconds(k): v for k, v in timer.seconds.items()})
         rec.update({f"time/rollout_{k}": float(v) for k, v in res.timing.items()})
         rec[keys.ITERATION_SECONDS] = timer.total()
@@ -303,19 +312,18 @@ class Trainer:
 
     def _episode_metrics(self, episodes: list[Episode], prefix: str) -> dict[str, float]:
         # a game that faulted (env_error) is not the policy's result: counted apart, not in the rates
-        counts = [
-            (1, e.won, e.length, e.invalid_count, 0, e.episode_return) if e.env_error is None else (0, 0, 0, 0, 1, 0)
-            for e in episodes
-        ]
-        n, won, steps, invalid, errors, ret = distributed.host_sum(np.sum(counts, 0) if counts else np.zeros(6))
-        return {
-            f"{prefix}/success_rate": won / max(n, 1.0),
-            f"{prefix}/episode_length": steps / max(n, 1.0),
-            f"{prefix}/invalid_rate": invalid / max(steps, 1.0),
-            f"{prefix}/env_errors": errors,
-            f"{prefix}/return": ret / max(n, 1.0),
-            f"{prefix}/episodes": n,
-        }
+        played = [e for e in episodes if e.env_error is None]
+        n, steps = float(len(played)), float(sum(e.length for e in played))
+        stats = HostStats(
+            counts={"env_errors": float(len(episodes) - len(played)), "episodes": n},
+            rates={
+                "success_rate": (float(sum(e.won for e in played)), n),
+                "episode_length": (steps, n),
+                "invalid_rate": (float(sum(e.invalid_count for e in played)), steps),
+                "return": (float(sum(e.episode_return for e in played)), n),
+            },
+        )
+        return distributed.pooled(stats.prefixed(prefix + "/"))
 
     def _calibrate_epsilon(self, steps) -> dict[float, float]:
         """Sets ``self.epsilon`` by the one-shot sweep (``calibrate_epsilon``) on this iteration's batch.
@@ -353,7 +361,9 @@ class Trainer:
         """Play the fixed validation panel(s) at ``val.temperature``; success overall and per category.
 
         Categories: the game's ``GameSpec.categories`` (``task_info`` keys, e.g. TextCraft's ``depth``:
-        ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``.
+        ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``. A game whose
+        ``task_info`` has ``best_score`` (WebShop) adds ``val/unwinnable_goals``: the panel tasks (of
+        ``val/tasks``) that no purchase can win, so the success rate reads against its ceiling.
         """
         out: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -380,6 +390,10 @@ class Trainer:
                     score[i] = np.mean(scores) if scores else np.nan
             won, length, errors, score = (distributed.allgather(a).sum(0) for a in (won, length, errors, score))
             out.update(panel_metrics(name, won, length, errors, score))
+            # WebShop: panel tasks whose goal the expert's purchase cannot win under the active scorer
+            best = [self._task_infos[name](tid).get("best_score") for tid, _ in panel]
+            if any(b is not None for b in best):
+                out[f"{name}/unwinnable_goals"] = sum(b is not None and b < 1.0 for b in best)
             for key_name in self.rollout_cfg.spec.categories:
                 cats: dict[str, list] = {}
                 for (tid, _), w in zip(panel, won):

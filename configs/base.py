@@ -53,6 +53,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.num_workers = 0  # env pool worker processes; 0 = the pool's default
     c.env.timeout_s = 30.0  # per-call timeout of the pool before a worker is replaced
     c.env.options = ""  # JSON object of game options for every game, e.g. '{"require_real_data": true}'
+    c.env.webshop_scorer = (
+        "verl_agent"  # WebShop option rule: verl_agent (the baseline's) | upstream (values on both sides)
+    )
 
     # Task selectors (strings): "all"; "a:b" (ids in range(a, b)); "3,7,9" (ids); "key=v1,v2"
     # (task_info filter, e.g. "depth=2,3" for TextCraft); joined with "&" to intersect.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 
@@ -42,6 +44,11 @@ class TextEnv(abc.ABC):
 
     Subclasses implement ``_reset`` and ``_step``; ``reset``/``step`` add the step cap:
     after ``max_steps`` steps the episode ends with ``info["truncated"] = True``.
+
+    A step's reward must be a finite real number (an int, float or NumPy number): ``step`` raises
+    ValueError naming the game class and task id for NaN, inf or anything else (a str, None), so in an
+    ``EnvPool`` an unscorable step ends THAT game with ``Fault.EXCEPTION`` (counted in
+    ``rollout/env_errors``, its rows left out of the batch), never the run.
     """
 
     def __init__(self, max_steps: int):
@@ -50,6 +57,7 @@ class TextEnv(abc.ABC):
         self.max_steps = max_steps
         self._steps = 0
         self._done = True
+        self._task_id: int | None = None
 
     @property
     @abc.abstractmethod
@@ -79,15 +87,27 @@ class TextEnv(abc.ABC):
         if not 0 <= int(task_id) < self.num_tasks:
             raise ValueError(f"task_id must lie in [0, {self.num_tasks}), got {task_id}")
         obs = self._reset(int(task_id), int(seed))
+        self._task_id = int(task_id)
         self._steps = 0
         self._done = False
         return obs
 
     def step(self, action: str) -> tuple[Observation, float, bool, dict[str, Any]]:
-        """Apply ``action``; returns (observation, reward, done, info). Raises RuntimeError after done."""
+        """Apply ``action``; returns (observation, reward as float, done, info).
+
+        Raises:
+          RuntimeError: called after done (or before any reset).
+          ValueError: the game's reward is not a finite real number (the episode is over: reset next).
+        """
         if self._done:
             raise RuntimeError("step() called on a finished episode: call reset() first")
         obs, reward, done, info = self._step(action)
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            self._done = True
+            raise ValueError(
+                f"{type(self).__name__} task {self._task_id}: step {self._steps + 1} gave reward {reward!r} "
+                f"({type(reward).__name__}); a reward must be a finite real number"
+            )
         self._steps += 1
         info = dict(info)
         if not done and self._steps >= self.max_steps:

@@ -23,7 +23,8 @@ class FaultyEnv(TextEnv):
     ``reset(task_id, seed)`` shows ``"task {task_id} seed {seed} step 0"``. Actions:
     ``"win"`` ends with reward 1.0; ``"crash"`` kills the process (``os._exit``); ``"segv"``
     dereferences a null pointer (a real segfault); ``"hang"`` sleeps for an hour; ``"raise"``
-    raises RuntimeError; ``"hash"`` shows ``hash("bipace")``
+    raises RuntimeError; ``"nan"`` / ``"inf"`` / ``"text"`` score the step NaN / inf / ``"high"``
+    (unscorable rewards: ``TextEnv.step`` refuses them); ``"hash"`` shows ``hash("bipace")``
     (to check PYTHONHASHSEED); ``"pid"`` shows the process id; ``"unpicklable"`` returns an
     info dict holding a lambda; ``"nap"`` sleeps 0.8 s, then counts like any other action; any other action advances the
     counter: ``"task T seed S step N: <action>"``. Seeds with special meaning in ``reset``:
@@ -105,6 +106,13 @@ class FaultyEnv(TextEnv):
             raise RuntimeError("injected step error")
         if action == "nap":
             time.sleep(0.8)
+        if action in ("nan", "inf", "text"):
+            return (
+                self._obs(f"scored {action}"),
+                {"nan": float("nan"), "inf": float("inf"), "text": "high"}[action],
+                False,
+                {},
+            )
         if action == "unpicklable":
             return self._obs("returns a lambda"), 0.0, False, {"f": lambda: 0}
         if action == "win":
@@ -197,6 +205,35 @@ class ChaosEnv(TextEnv):
 
     def _step(self, action: str):
         raise NotImplementedError
+
+
+class UnscorableEnv(TextEnv):
+    """A registered game whose scorer fails on one task (for tests of ``TextEnv.step``'s reward check):
+    every step of task ``task_id`` scores ``reward`` (NaN by default; inf, or a non-number such as
+    ``"high"``), every other task scores as the game does.
+    """
+
+    def __init__(self, game: str, task_id: int, reward: Any = float("nan"), **options):
+        self.inner = make(game, **options)
+        super().__init__(self.inner.max_steps)
+        self.task_id, self.reward = int(task_id), reward
+
+    @property
+    def num_tasks(self) -> int:
+        return self.inner.num_tasks
+
+    def task_info(self, task_id: int) -> dict[str, Any]:
+        return self.inner.task_info(task_id)
+
+    def oracle_action(self):
+        return self.inner.oracle_action()
+
+    def _reset(self, task_id: int, seed: int) -> Observation:
+        return self.inner.reset(task_id, seed)
+
+    def _step(self, action: str):
+        obs, reward, done, info = self.inner.step(action)
+        return obs, self.reward if self._task_id == self.task_id else reward, done, info
 
 
 def _fire(kind: str) -> None:

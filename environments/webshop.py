@@ -69,7 +69,7 @@ from environments import webshop_data as data
 from environments.base import Observation, TextEnv
 from environments.registry import GameSpec, register_game
 from environments.templates import turn_template
-from environments.webshop_reward import Score, task_score
+from environments.webshop_reward import OptionScorer, Score, task_score
 from environments.webshop_search import TOP_K, SearchIndex, document_text
 
 SEP = " [SEP] "
@@ -306,6 +306,10 @@ class WebShopEnv(TextEnv):
       reward: ``"score"`` or ``"success"``.
       max_steps: step cap (default 15).
       num_test_goals: size of the test split (default 500, verl-agent's).
+      scorer: the option rule's revision, ``"verl_agent"`` (default: the baseline's, parity with
+        GiGPO/verl-agent) or ``"upstream"`` (goal option values compared after colour normalisation,
+        as the clicked ones; ``environments.webshop_reward.OptionScorer``). A run sets it with
+        ``--config.env.webshop_scorer=upstream``.
       goal_seed: seed of the prices, price caps and goal order (default 233, WebShop's: the
         original test split; other values give splits of our own).
 
@@ -326,8 +330,12 @@ class WebShopEnv(TextEnv):
         max_steps: int = 15,
         num_test_goals: int = TEST_GOALS,
         goal_seed: int = GOAL_SEED,
+        scorer: str = OptionScorer.VERL_AGENT,
     ):
         super().__init__(max_steps)
+        if scorer not in tuple(OptionScorer):
+            raise ValueError(f"scorer must be one of {[str(o) for o in OptionScorer]}, got {scorer!r}")
+        self.scorer = OptionScorer(scorer)
         if goals not in data.GOAL_KINDS:
             raise ValueError(f"goals must be one of {data.GOAL_KINDS}, got {goals!r}")
         if split not in ("train", "test"):
@@ -360,11 +368,26 @@ class WebShopEnv(TextEnv):
         return len(self.goals)
 
     def task_info(self, task_id: int) -> dict[str, Any]:
-        """``{"goal_index": <index among all goals>, "asin": <target>, "task_type": <WebShop category>}``."""
+        """``{"goal_index": <index among all goals>, "asin": <target>, "task_type": <WebShop category>,
+        "best_score": <the expert's purchase's score under this env's scorer>}`` (the goal's product,
+        options and price; a goal below 1.0 no purchase can win: ``val/unwinnable_goals``)."""
         if not 0 <= int(task_id) < self.num_tasks:
             raise ValueError(f"task_id must lie in [0, {self.num_tasks}), got {task_id}")
         g = self.goals[int(task_id)]
-        return {"goal_index": self._offset + int(task_id), "asin": g.asin, "task_type": g.category}
+        return {
+            "goal_index": self._offset + int(task_id),
+            "asin": g.asin,
+            "task_type": g.category,
+            "best_score": self.best_score(int(task_id)),
+        }
+
+    def best_score(self, task_id: int) -> float:
+        """The task score of buying goal ``task_id``'s product with its goal options at its price."""
+        g = self.goals[task_id]
+        opts = g.goal_options
+        chosen = dict(opts) if isinstance(opts, Mapping) else {str(i): v for i, v in enumerate(opts)}
+        product = self.catalogue.by_asin[g.asin]
+        return task_score(product, g, self.prices[g.asin], chosen, self.nouns.__getitem__, self.scorer).total
 
     # -- search ------------------------------------------------------------------------------
     def hits(self, keywords: Sequence[str]) -> list[data.Product]:
@@ -422,7 +445,8 @@ class WebShopEnv(TextEnv):
         if key == "buy now":
             product = self.catalogue.by_asin[self._asin]
             nouns = self.nouns.__getitem__
-            self.last_score = task_score(product, self.goal, self.prices[self._asin], self._options, nouns)
+            price = self.prices[self._asin]
+            self.last_score = task_score(product, self.goal, price, self._options, nouns, self.scorer)
             self._show(render_done(self._asin, self._options, self.last_score.total), "done")
             return self.last_score.total, True
         if key == "back to search":

@@ -7,8 +7,16 @@
   goal attribute is a substring of the lower-cased title, of the lower-cased bullet points joined
   by spaces, or of the lower-cased description.
 * Option match (per goal option): after ``normalize_color`` of both sides, some chosen option
-  value has ``token_set_ratio > 85``. A synthetic goal's options are (name, value) pairs, so the
-  name is part of the compared text (WebShop passes ``dict.items()``).
+  value has ``token_set_ratio > 85``. Under the default scorer ``OptionScorer.VERL_AGENT`` (the
+  revision of WebShop's ``goal.py`` that verl-agent vendors, GiGPO's code base: parity with the
+  baseline) a synthetic goal's options are (name, value) pairs (``dict.items()``), so the name is
+  part of the compared text and ``normalize_color`` of a pair changes nothing: a clicked
+  "antique graywash" becomes "ash" while the goal's ("color", "antique graywash") does not, and
+  the expert's purchase scores 0.8 (1 of the sample's 55 goals; 6.8% of the full data's
+  option-bearing goals cannot reach 1). ``OptionScorer.UPSTREAM`` takes the later upstream
+  revision's rule: the goal's option values (``dict.values()``), normalised like the clicked ones.
+  Only that rule is taken; the later revision's other changes (exact matching for some option
+  names, clicked values found in the title or bullet points) are not reproduced.
 * ``r_type`` starts at 1; 0.5 when neither the search query, nor two or more "›" category levels,
   nor a title-noun score above 0.2 match; 0.1 when the title-noun score is below 0.1; 0 when it
   is 0. Title-noun score: distinct shared nouns / number of the goal title's nouns (0.2 when the
@@ -21,6 +29,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,6 +45,15 @@ else:
     _IMPORT_ERROR = None
 
 MATCH_THRESHOLD = 85
+
+
+class OptionScorer(enum.StrEnum):
+    """Which revision of WebShop's option rule scores a purchase (see the module docstring)."""
+
+    VERL_AGENT = "verl_agent"  # goal options as (name, value) pairs: the baseline's scorer, the default
+    UPSTREAM = "upstream"  # goal option values, colour-normalised like the clicked ones
+
+
 #: WebShop's colour words (engine/normalize.py), in its order: the first one contained in an option wins.
 COLOR_SET = (
     "alabaster apricot aqua ash asphalt azure banana beige black blue blush bordeaux bronze brown burgundy "
@@ -119,17 +137,20 @@ def attribute_matches(product: Product, goal: Goal) -> int:
     return n
 
 
-def goal_option_items(goal: Goal) -> list[Any]:
-    """The goal options as WebShop scores them: (name, value) pairs for a synthetic goal's dict, values otherwise."""
+def goal_option_items(goal: Goal, scorer: OptionScorer = OptionScorer.VERL_AGENT) -> list[Any]:
+    """The goal options as WebShop scores them: for a synthetic goal's dict, (name, value) pairs
+    under ``VERL_AGENT``, the values under ``UPSTREAM``; a list of values as it is."""
     opts = goal.goal_options
-    return list(opts.items()) if isinstance(opts, Mapping) else list(opts)
+    if isinstance(opts, Mapping):
+        return list(opts.values()) if scorer is OptionScorer.UPSTREAM else list(opts.items())
+    return list(opts)
 
 
-def option_matches(chosen: Sequence[str], goal: Goal) -> int:
+def option_matches(chosen: Sequence[str], goal: Goal, scorer: OptionScorer = OptionScorer.VERL_AGENT) -> int:
     """How many goal options some chosen option value matches (after colour normalisation)."""
     have = [normalize_color(o) for o in chosen]
     n = 0
-    for wanted in (normalize_color(o) for o in goal_option_items(goal)):
+    for wanted in (normalize_color(o) for o in goal_option_items(goal, OptionScorer(scorer))):
         if any(token_set_ratio(h, wanted) > MATCH_THRESHOLD for h in have):
             n += 1
     return n
@@ -141,15 +162,17 @@ def task_score(
     price: float,
     options: Mapping[str, str],
     nouns: Callable[[str], Sequence[str]],
+    scorer: OptionScorer = OptionScorer.VERL_AGENT,
 ) -> Score:
     """WebShop's score of buying ``product`` at ``price`` with ``options`` (name -> value, in the
-    order chosen) for ``goal``; ``nouns(title)`` gives a title's nouns (``webshop_data.title_nouns``).
+    order chosen) for ``goal``; ``nouns(title)`` gives a title's nouns (``webshop_data.title_nouns``);
+    ``scorer`` the option rule's revision.
 
-    Raises KeyError when ``nouns`` lacks a title.
+    Raises KeyError when ``nouns`` lacks a title, ValueError for a ``scorer`` that is no ``OptionScorer``.
     """
     r_type, query_match, category_match, title_score = type_reward(product, goal, nouns)
     n_attr = attribute_matches(product, goal)
-    n_opt = option_matches(list(options.values()), goal)
+    n_opt = option_matches(list(options.values()), goal, OptionScorer(scorer))
     n_goal_opts = len(goal.goal_options)
     r_price = price <= goal.price_upper
     total = (n_attr + n_opt + r_price) / (len(goal.attributes) + n_goal_opts + 1) * r_type

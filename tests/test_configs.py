@@ -462,3 +462,18 @@ def test_the_config_module_imports_nothing_from_the_library():
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m.split(".")[0] in ("bipace_jax", "environments", "configs", "launch")]
     assert {"jax", "jax.numpy"} <= set(imported)  # the parser sees its imports at all
+
+
+def test_webshop_scorer_is_a_checked_env_field_passed_to_the_game():
+    from bipace_jax.config import ConfigError, EnvConfig, WebShopScorer
+
+    assert EnvConfig(name="webshop").options == {"scorer": "verl_agent"}  # the baseline's by default
+    up = EnvConfig(name="webshop", webshop_scorer="upstream", options='{"split": "test"}')
+    assert up.webshop_scorer is WebShopScorer.UPSTREAM and up.options == {"split": "test", "scorer": "upstream"}
+    assert EnvConfig(name="textcraft").options == {}  # no other game gets it
+    with pytest.raises(ConfigError, match=r"config.env.webshop_scorer must be one of \['verl_agent', 'upstream'\]"):
+        EnvConfig(name="webshop", webshop_scorer="newest")
+    with pytest.raises(ConfigError, match=r"config.env.webshop_scorer must be 'verl_agent' unless env.name is"):
+        EnvConfig(name="textcraft", webshop_scorer="upstream")
+    with pytest.raises(ConfigError, match=r"config.env.options must leave 'scorer' to config.env.webshop_scorer"):
+        EnvConfig(name="webshop", options='{"scorer": "upstream"}')

@@ -16,8 +16,9 @@ from environments.prompts import THINK_ACT, PromptTemplate, build_prompt, parse_
 class GuessEnv(TextEnv):
     """Guess the number ``task_id % 3 + 1`` (1..3); a wrong guess shows "higher" or "lower".
 
-    Six tasks; ``task_info`` is ``{"size": "small"}`` for tasks 0-2, ``"big"`` for 3-5 (the category);
-    the reward is 1.0 on the right guess. The oracle guesses the number.
+    Six tasks; ``task_info`` is ``{"size": "small"}`` for tasks 0-2, ``"big"`` for 3-5 (the category),
+    and a ``best_score`` like WebShop's (task 5's 0.5: a goal no play can win, as far as the
+    validation record knows); the reward is 1.0 on the right guess. The oracle guesses the number.
     """
 
     def __init__(self, max_steps: int = 2):
@@ -29,7 +30,7 @@ class GuessEnv(TextEnv):
         return 6
 
     def task_info(self, task_id: int) -> dict:
-        return {"size": "small" if task_id < 3 else "big"}
+        return {"size": "small" if task_id < 3 else "big", "best_score": 0.5 if task_id == 5 else 1.0}
 
     def _obs(self, text: str, won: bool = False) -> Observation:
         return Observation(text=text, anchor=text, task="guess the number from 1 to 3", won=won)
@@ -78,7 +79,10 @@ def test_the_registered_toy_game_is_made_prompted_and_played_in_pool_workers():
         r0, r1 = pool.step([0, 1], ["guess 3", "guess 9"])
         assert (r0.reward, r0.done, r0.obs.won, r0.fault) == (1.0, True, True, None)
         assert (r1.reward, r1.done, r1.obs.text) == (0.0, False, "lower")
-        assert [r.info for r in pool.task_info([0, 1])] == [{"size": "small"}, {"size": "big"}]
+        assert [r.info for r in pool.task_info([0, 1])] == [
+            {"size": "small", "best_score": 1.0},
+            {"size": "big", "best_score": 0.5},
+        ]
     from bipace_jax.rollout import RolloutConfig
 
     assert RolloutConfig(game="guess").fallback == "guess 1"
@@ -152,6 +156,7 @@ def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tm
     # validation splits success by the spec's categories: 3 small and 3 big tasks
     assert len(plays) == 2 and len(plays[1].episodes) == 6 and val["val/env_errors"] == 0
     assert val["val/tasks"] == 6 and val["val/tasks/size_small"] == val["val/tasks/size_big"] == 3
+    assert val["val/unwinnable_goals"] == 1  # task 5's best_score 0.5
     want = [val["val/success_rate/size_small"], val["val/success_rate/size_big"]]
     assert val["val/success_rate"] == pytest.approx(np.mean(want))
     assert not any("depth" in k or "task_type" in k for k in val)

@@ -306,3 +306,32 @@ def test_bad_call_arguments_raise_before_any_work(faulty_pool):
         pool.step([0], [None])
     with pytest.raises(ValueError, match="equal lengths"):
         pool.reset([0, 1], [1], [1, 1])
+
+
+def test_an_unscorable_reward_ends_only_that_game_with_an_exception_fault():
+    # TextEnv.step refuses NaN, inf and a non-number: the pool reports that env's fault, the others play on
+    with EnvPool(FaultyEnv, 4, num_workers=2, timeout_s=20.0) as pool:
+        pool.reset([0, 1, 2, 3], [5, 6, 7, 8], [0, 0, 0, 0])
+        results = pool.step([0, 1, 2, 3], ["nan", "a", "inf", "text"])
+        assert [r.fault for r in results] == [Fault.EXCEPTION, None, Fault.EXCEPTION, Fault.EXCEPTION]
+        assert (
+            "FaultyEnv task 5: step 1 gave reward nan (float); a reward must be a finite real number"
+            in results[0].detail
+        )
+        assert "FaultyEnv task 7: step 1 gave reward inf" in results[2].detail
+        assert "FaultyEnv task 8: step 1 gave reward 'high' (str)" in results[3].detail
+        assert results[1].obs.text == "task 6 seed 0 step 1: a" and results[1].reward == 0.0
+        assert pool.step([1], ["win"])[0].reward == 1.0 and pool.fault_count == 0  # no worker was replaced
+        with pytest.raises(RuntimeError, match="env 0 has no running episode"):
+            pool.step([0], ["a"])
+
+
+def test_text_env_step_accepts_real_numbers_only():
+    env = FaultyEnv()
+    env.reset(3, 0)
+    assert env.step("win")[1] == 1.0
+    env.reset(4, 0)
+    with pytest.raises(ValueError, match=r"FaultyEnv task 4: step 1 gave reward nan"):
+        env.step("nan")
+    with pytest.raises(RuntimeError, match="finished episode"):  # the unscorable step ended the episode
+        env.step("a")

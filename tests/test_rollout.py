@@ -395,6 +395,34 @@ def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_
     assert res.stats["env_errors_exception"] == 1 and res.stats["env_errors_lost"] == 0
 
 
+def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unchanged(tokenizer, tmp_path):
+    import functools
+
+    from environments.testing import UnscorableEnv
+
+    def play(factory):
+        with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=20.0) as pool:
+            sampler = OracleSampler(tokenizer, pool, 4)
+            return collect(None, sampler, pool, tokenizer, GAMES, _faults_rcfg(), jax.random.key(0), progress=False)
+
+    good = play(functools.partial(UnscorableEnv, "textcraft", task_id=-1))  # no task unscorable
+    res = play(functools.partial(UnscorableEnv, "textcraft", task_id=12))  # task group 1 (envs 2, 3)
+    eps = res.episodes
+    assert [e.env_error for e in eps] == [None, None, Fault.EXCEPTION, Fault.EXCEPTION]
+    assert [e.length for e in eps[2:]] == [1, 1]  # its first step was unscorable
+    assert "UnscorableEnv task 12: step 1 gave reward nan" in eps[2].env_error_detail
+    assert res.stats["env_errors"] == 2 and res.stats["env_errors_exception"] == 2 and res.stats["env_error_rows"] == 2
+    assert good.stats["env_errors"] == 0 and all(e.won for e in good.episodes)
+    # task group 0 played as without the fault: the same episodes, rows and rewards
+    assert [(e.won, e.length, e.episode_return) for e in eps[:2]] == [
+        (e.won, e.length, e.episode_return) for e in good.episodes[:2]
+    ]
+    n = res.stats["rows"]
+    assert n == sum(e.length for e in eps[:2]) and set(np.asarray(res.steps.traj_id)[:n].tolist()) == {0, 1}
+    np.testing.assert_array_equal(np.asarray(res.steps.reward)[:n], np.asarray(good.steps.reward)[:n])
+    assert np.isfinite(np.asarray(res.steps.reward)).all() and res.stats["success_rate"] == 1.0
+
+
 def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalty(tokenizer, pool):
     rcfg = RolloutConfig(
         game="textcraft",

@@ -38,7 +38,7 @@ def test_start_page_and_what_the_agent_sees(env):
     assert page(env) == f"WebShop [SEP] Instruction: [SEP] {I} [SEP] Search"
     assert obs.task == I and obs.text == obs.anchor == "'Search'"
     assert obs.admissible_actions == ["search[<your query>]", "click[search]"]
-    assert env.task_info(0) == {"goal_index": 0, "asin": "B08ZRR3DZT", "task_type": "fashion"}
+    assert env.task_info(0) == {"goal_index": 0, "asin": "B08ZRR3DZT", "task_type": "fashion", "best_score": 1.0}
 
 
 def test_results_pages_with_paging(env):
@@ -353,3 +353,26 @@ def test_title_nouns_come_from_the_cache_or_spacy_with_a_clear_error(monkeypatch
     env = environments.make("webshop", data_dir=str(tmp_path), split="test")
     cached = json.loads((tmp_path / "title_nouns.json").read_text())["nouns"]
     assert cached[DRESS] == ["shein", "women's"] and env.nouns[DRESS] == ("shein", "women's")
+
+
+def test_upstream_scorer_compares_option_values_on_both_sides(env):
+    # Provenance (facts only, no code copied): princeton-nlp/WebShop web_agent_site/engine/goal.py at
+    # commit 6ba9969dbb8411c4dda34232caad8d1bd1383b69: get_reward passes
+    # list(goal['goal_options'].values()) for a dict, and get_option_reward applies normalize_color
+    # to every goal option as to every purchased one. verl-agent's vendored revision (our default)
+    # passes the (name, value) pairs, which normalize_color leaves unchanged.
+    up = environments.make("webshop", data_dir="sample", split="test", goal_seed=0, scorer="upstream")
+    (t,) = [t for t in range(env.num_tasks) if env.goals[t].goal_options == {"color": "antique graywash"}]
+    assert t == 13 and env.goals[t].asin == "B09B7G7P58"
+    assert env.scorer == "verl_agent" and env.best_score(t) == pytest.approx(0.8)
+    assert up.best_score(t) == 1.0 and up.task_info(t)["best_score"] == 1.0
+    assert env.task_info(t)["best_score"] == pytest.approx(0.8)
+    winnable = [sum(e.best_score(i) == 1.0 for i in range(e.num_tasks)) for e in (env, up)]
+    assert winnable == [54, 55] and env.num_tasks == 55
+    up.reset(t, seed=t)  # the expert's purchase scores 1.0 in play too
+    done = False
+    while not done:
+        _, r, done, info = up.step(up.oracle_action())
+    assert info["task_score"] == 1.0
+    with pytest.raises(ValueError, match=r"scorer must be one of \['verl_agent', 'upstream'\], got 'new'"):
+        environments.make("webshop", data_dir="sample", split="test", scorer="new")

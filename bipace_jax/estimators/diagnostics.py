@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from bipace_jax.metrics import HostStats
 
 SIZE_STATS = (
     "num_step_groups",
@@ -78,3 +81,42 @@ def empty_size_stats() -> dict[str, jax.Array]:
 def row_rate(flags, include):
     """Share of the valid real rows where `flags` holds (0.0 when there are none)."""
     return _ratio(jnp.sum(flags & include, dtype=jnp.int32), jnp.sum(include, dtype=jnp.int32))
+
+
+def host_stats(diag: dict) -> HostStats:
+    """One host's diagnostics (`DIAGNOSTIC_KEYS`, plus any partition under another prefix such as
+    the trainer's `cluster_`) as a `HostStats`, so a multi-host run reports the pooled partition of all
+    hosts' step groups (step groups never span hosts: a host's groups are its own task groups).
+
+    Each rate's integer numerator and denominator are recovered from the rate and its count
+    (`round(rate * count)`, exact below ~8e6 rows per host): singleton_group_rate = singletons /
+    groups, singleton_row_rate = singletons / rows, mean_group_size = rows / groups, pace_row_rate and
+    loo_row_rate = flagged rows / rows (the hash partition's rows: every valid real row). Counts
+    (num_step_groups, pairs, overflow/degenerate/invalid_rows) are summed, max_group_size is the max;
+    p90_group_size is the max of the hosts' p90s (an upper bound of the pooled p90; exact with one host).
+
+    Raises:
+      ValueError: a key that is none of these (named), or no `hash_` partition.
+    """
+    d = {k: float(np.asarray(v)) for k, v in diag.items()}
+    if "hash_num_step_groups" not in d:
+        raise ValueError(f"diagnostics.host_stats: expected the hash_ partition's statistics, got keys {sorted(d)}")
+    counts, rates, maxima = {}, {}, {}
+    for p in [k[: -len("num_step_groups")] for k in d if k.endswith("num_step_groups")]:
+        groups = d[p + "num_step_groups"]
+        rows = float(round(d[p + "mean_group_size"] * groups))
+        singles = float(round(d[p + "singleton_group_rate"] * groups))
+        counts.update({p + "num_step_groups": groups, p + "pairs": d[p + "pairs"]})
+        rates[p + "singleton_group_rate"] = (singles, groups)
+        rates[p + "singleton_row_rate"] = (singles, rows)
+        rates[p + "mean_group_size"] = (rows, groups)
+        maxima.update({p + "max_group_size": d[p + "max_group_size"], p + "p90_group_size": d[p + "p90_group_size"]})
+    rows = rates["hash_mean_group_size"][0]
+    for k in ROW_RATES:
+        if k in d:
+            rates[k] = (float(round(d[k] * rows)), rows)
+    counts.update({k: d[k] for k in COUNTS if k in d})
+    unknown = sorted(set(d) - set(counts) - set(rates) - set(maxima))
+    if unknown:
+        raise ValueError(f"diagnostics.host_stats: no pooling rule for {unknown}")
+    return HostStats(counts, rates, maxima)
