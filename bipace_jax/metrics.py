@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -217,7 +218,7 @@ class _Wandb:
                 "config.log.wandb=True needs wandb: pip install -e '.[wandb]' (or set config.log.wandb=False)"
             ) from None
         id_file = folder / "wandb_id"
-        run_id = (runfolder.read_text(id_file) or "").strip() or wandb.util.generate_id()
+        run_id = (runfolder.read_text(id_file) or "").strip() or uuid.uuid4().hex[:12]
         runfolder.write_text(id_file, run_id)
         # wandb writes its files locally: in the run folder, or a temporary folder for a gs:// run
         local = tempfile.mkdtemp(prefix="bipace_wandb_") if runfolder.is_remote(folder) else os.fspath(folder)
