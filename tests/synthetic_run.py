@@ -41,7 +41,7 @@ def records(num_iterations: int = 6, seed: int = 0, val_every: int = 2) -> list[
             )
             r.update(_panel("val_before", 0.5, 0.2))
         if (i + 1) % val_every == 0 or i == num_iterations - 1:
-            r.update(_panel("val", 0.5 + 0.08 * (i + 1), 0.3 + 0.05 * (i + 1)))
+            r.update(_panel("val", 0.5 + 0.08 * (i + 1) + 0.02 * seed, 0.3 + 0.05 * (i + 1) + 0.02 * seed))
             r["time/validation_s"] = 8.0
         rows.append(r)
     return rows
