@@ -153,6 +153,7 @@ TABLE: tuple[Key, ...] = (
     Key(TASK_CURSOR, "index", "global index of this iteration's first task group"),
     Key(OPTIMIZER_STEPS, "count", "optimizer steps of this iteration's update"),
     # loss/*: ppo.PPOLearner.update, means over optimizer steps.
+    Key("loss/loss", "nats x advantage", "the objective minimised: pg_loss + kl_coef x kl - entropy_coef x entropy"),
     Key("loss/pg_loss", "nats x advantage", "clipped policy-gradient loss"),
     Key("loss/kl", "nats/token", "KL to the reference policy (0 at kl_coef 0)"),
     Key("loss/entropy", "nats/token", "policy entropy on the response tokens"),

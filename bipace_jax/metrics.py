@@ -374,6 +374,7 @@ def make_plots(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = list(rows) if rows is not None else read_metrics(workdir)
     cfg = _run_config(workdir)
@@ -393,6 +394,8 @@ def make_plots(
         plt.close(fig)
 
     def finish(ax, ylabel, title, ylim=None, xlabel=x_label):
+        if xlabel != "category":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         if ylim is not None:
@@ -417,7 +420,14 @@ def make_plots(
         pts = validation_points(rows, prefix, group_size) if group_size else []
         if pts:
             x, v, lo, hi, n = (np.array(c, float) for c in zip(*pts))
-            ax.errorbar(x, v, yerr=[v - lo, hi - v], marker="o", capsize=3, label=f"{label}, {int(n[-1])} games")
+            ax.errorbar(
+                x,
+                v,
+                yerr=[v - lo, hi - v],
+                marker="o",
+                capsize=3,
+                label=f"{label}, {int(n[-1])} game{'' if n[-1] == 1 else 's'}",
+            )
         elif not group_size and (xy := _series(rows, prefix + "/success_rate"))[0]:
             ax.plot(*xy, marker="o", label=label)
     finish(ax, "success rate", "Success (bars: 95% Wilson interval)" if group_size else "Success", (-0.02, 1.02))

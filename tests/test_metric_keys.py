@@ -40,7 +40,12 @@ def test_every_key_the_producers_name_is_documented():
     from bipace_jax.estimators import diagnostics
     from bipace_jax.metrics import panel_metrics
 
-    produced = [f"loss/{k}" for k in ppo.STAT_KEYS] + ["loss/grad_norm", "loss/grad_norm_max", "loss/updates"]
+    produced = [f"loss/{k}" for k in ppo.STAT_KEYS] + [
+        "loss/loss",
+        "loss/grad_norm",
+        "loss/grad_norm_max",
+        "loss/updates",
+    ]
     produced += [f"estimator/{k}" for k in diagnostics.DIAGNOSTIC_KEYS]
     produced += [f"estimator/cluster_{k}" for k in diagnostics.SIZE_STATS]
     row = types.SimpleNamespace(prompt=[1, 2], valid=True, finish="eos")
