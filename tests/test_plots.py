@@ -86,3 +86,19 @@ def test_tensorboard_steps_validation_by_iterations_completed(tmp_path):
     assert json.loads(text.strip("`\n"))["derived"] == {"rows": 8}
     assert any(tag == "_hparams_/experiment" for tag, _, _ in ev)
     assert [v for tag, _, v in ev if tag == "loss/kl"] == [pytest.approx(0.0), pytest.approx(0.001)]
+
+
+def test_a_resume_redraws_the_kept_validation_its_purge_would_drop(tmp_path):
+    # the restart purges steps >= start_iteration; the kept validation after iteration 1 sits at step 2
+    rows = write_run(tmp_path / "src", num_iterations=2)
+    logger = metrics.MetricsLogger(str(tmp_path / "run"))
+    for r in rows:
+        logger.write(r["iteration"], {k: v for k, v in r.items() if k != "iteration"})
+    logger.close()
+    before = set(os.listdir(tmp_path / "run" / "tb"))
+    metrics.MetricsLogger(str(tmp_path / "run"), start_iteration=2).close()
+    (new,) = set(os.listdir(tmp_path / "run" / "tb")) - before
+    os.makedirs(tmp_path / "new")
+    os.rename(tmp_path / "run" / "tb" / new, tmp_path / "new" / new)
+    redrawn = {(tag, step) for tag, step, _ in _events(tmp_path / "new")}
+    assert ("val/success_rate", 2) in redrawn and ("train/success_rate", 1) not in redrawn
