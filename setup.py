@@ -48,6 +48,9 @@ EXTRAS_REQUIRE = {
     # Run folders on GCS (--workdir=gs://bucket/run): gcsfs backs etils.epath's gs://, orbax lists and
     # deletes checkpoint steps with google-cloud-storage.
     "gcp": ["gcsfs>=2024.2.0", "google-cloud-storage>=2.14"],
+    # Tracking: wandb (config.log.wandb=True); tensorboard to view the run's tb/ events.
+    "wandb": ["wandb>=0.17"],
+    "tensorboard": ["tensorboard>=2.15"],
     # torch is the parity reference only: the library never imports it.
     "test": [
         "pytest>=8",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
+import importlib.util
 import json
 import math
 import os
@@ -515,15 +515,29 @@ class CheckpointConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig(Section):
-    """``config.log``: tqdm progress bars; PNG plots at the end."""
+    """``config.log``: tqdm progress bars; PNG plots at the end; optional wandb tracking.
+
+    ``wandb``: also log every record to wandb (project ``wandb_project``; the ``wandb`` extra;
+    ``WANDB_MODE=offline`` needs no network). Raises ConfigError when it is True and wandb is not
+    importable.
+    """
 
     SECTION: ClassVar[str] = "log"
     progress: bool = True
     plots: bool = True
+    wandb: bool = False
+    wandb_project: str = "bipace_jax"
 
     def __post_init__(self):
         check_bool(self._name("progress"), self.progress)
         check_bool(self._name("plots"), self.plots)
+        check_bool(self._name("wandb"), self.wandb)
+        if not check_str(self._name("wandb_project"), self.wandb_project):
+            fail(self._name("wandb_project"), "be a non-empty wandb project name", self.wandb_project)
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                f"config.{self._name('wandb')}=True needs wandb: pip install -e '.[wandb]' (or set it False)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ the gradient step is one global ``jax.jit`` over all devices, the batch sharded 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -126,9 +127,28 @@ class Trainer:
         if latest is not None:
             self._restore()
         self._start_rollout()
-        self.metrics = MetricsLogger(workdir, start_iteration=self.iteration, enabled=self.is_primary)
+        self.metrics = MetricsLogger(
+            workdir,
+            start_iteration=self.iteration,
+            enabled=self.is_primary,
+            **self._tracking() if self.is_primary else {},
+        )
         if self.is_primary:
             runfolder.write_text(runfolder.path(workdir) / "config.json", spec.config.to_json_best_effort(indent=2))
+
+    def _tracking(self) -> dict[str, Any]:
+        """MetricsLogger's config, derived sizes and wandb project (TensorBoard text/hparams, wandb config)."""
+        s = self.spec
+        derived = {
+            "hosts": self.num_hosts,
+            "devices": jax.device_count(),
+            "mesh": dict(self.mesh.shape),
+            "task_groups_per_iteration": s.num_groups,
+            "games_per_iteration": s.num_groups * s.rollout.group_size,
+            "validation_games": (len(self.val_panel) + len(self.holdout_panel)) * s.val.group_size,
+        }
+        config = json.loads(s.config.to_json_best_effort())
+        return dict(config=config, derived=derived, wandb_project=s.log.wandb_project if s.log.wandb else None)
 
     def _panel_options(self) -> dict[str, dict[str, Any]]:
         """Panel name -> its own game options (on top of ``env.options``; {} = the training game)."""

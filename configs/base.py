@@ -190,6 +190,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.log = ml_collections.ConfigDict()
     c.log.progress = True  # tqdm bars
     c.log.plots = True  # PNG plots at the end
+    c.log.wandb = False  # also log to wandb (pip install -e '.[wandb]'; WANDB_MODE=offline needs no network)
+    c.log.wandb_project = "bipace_jax"
 
     # --- devices ---------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()

@@ -1,7 +1,7 @@
 """Warm start of the embedded default: BC + DAgger of a tiny Qwen2 on TextCraft (`bipace_jax.sft`).
 
     python -m launch.sft --config=configs/sft_textcraft_tiny.py --workdir=runs/sft \
-        --out=bipace_jax/data/textcraft_tiny
+        --out=runs/warm_start  # a new folder: never over the shipped bipace_jax/data/textcraft_tiny
 
 Every field is overridable (`--config.train.steps_per_round=50`). The sections shared with RL
 (``model``, ``env``, ``tasks``, ``rollout``, ``sampler``, ``optim``, ``val``) carry RL's field names

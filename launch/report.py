@@ -4,8 +4,9 @@
 
 Run folders are found as given or one level down (a folder with ``metrics.jsonl`` and
 ``config.json``). Runs whose configs differ only in ``seed`` form one *arm*; an arm is named by the
-fields that tell the arms apart (e.g. ``estimator.name=bipace_q``). Per arm, over its seeds
-(std: sample standard deviation, ddof 1; 0 for one seed):
+fields that tell the arms apart (e.g. ``estimator.name=bipace_q``; plots label it by the values,
+e.g. ``bipace_q``). Per arm, over its seeds (std: sample standard deviation, ddof 1; none for one
+seed, printed "(n = 1)"):
 
 * final and best validation success (``val/success_rate``, the before-RL validation counts as
   iteration 0 of "best"), per category (``val/success_rate/<key>``), held-out goals, WebShop's task
@@ -21,8 +22,10 @@ fewer iterations than its ``num_iterations`` is left out and named in the report
 value is missing or not finite (NaN, written as null: every game of the panel faulted) is skipped, and
 a number that some seeds lack says "(n of m seeds)". The command exits 1 only when no run is complete.
 
-Writes ``report.md``, ``report.json`` and plots (learning curves with a band over seeds, singleton
-rates, PACE mix) to ``--out`` (default: the first folder given). Folders may be local or ``gs://``.
+Writes ``report.md``, ``report.json`` and plots (learning curves with a 95% t-interval band over
+seeds, singleton rates, PACE mix; x = iterations completed, ``metric_keys.x_of``) to ``--out``
+(default: beside the runs, never inside one: ``<study>/report`` for a study folder,
+``<run>_report`` next to a run folder given alone). Folders may be local or ``gs://``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from bipace_jax import metric_keys as mk
 from bipace_jax import runfolder
 
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
-_OUT = flags.DEFINE_string("out", "", "Output folder (default: the first folder given).")
+_OUT = flags.DEFINE_string(
+    "out", "", "Output folder (default: <study>/report for a study folder, <run>_report beside a lone run)."
+)
 
 DIAGNOSTICS = (  # (metric, label in the table)
     (mk.HASH_SINGLETON_GROUPS, "singleton groups, hashing"),
@@ -95,15 +100,41 @@ def arms_of(runs: list[str]) -> dict[str, list[str]]:
     return arms
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (ddof 1; 0.0 for one value); NaN for none."""
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (ddof 1; None for one value: no spread is known); NaN for none."""
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return float("nan"), float("nan")
     m = sum(vals) / len(vals)
     if len(vals) == 1:
-        return m, 0.0
+        return m, None
     return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+
+
+def arm_label(name: str) -> str:
+    """A plot label for an arm: its fields' values (``"estimator.name=bipace_q,sampler.temperature=1.0"``
+    -> ``"bipace_q, temperature 1.0"``: the first field's value alone, the others with their last part)."""
+    if "=" not in name:
+        return name
+    parts = [p.split("=", 1) for p in name.split(",")]
+    return ", ".join(v if i == 0 else f"{k.rsplit('.', 1)[-1]} {v}" for i, (k, v) in enumerate(parts))
+
+
+# Two-sided 95% Student t quantiles for 1..10 degrees of freedom; beyond, z + (z^3 + z) / (4 df).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def t_quantile(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` >= 1 degrees of freedom (3 digits up to 10, then the
+    Cornish-Fisher term: 2.039 at 30 against 2.042).
+
+    Raises:
+      ValueError: ``df < 1``.
+    """
+    if df < 1:
+        raise ValueError(f"t_quantile: expected df >= 1, got {df}")
+    z = 1.959964
+    return _T975[df - 1] if df <= len(_T975) else z + (z**3 + z) / (4 * df)
 
 
 def _finite(v: Any) -> float | None:
@@ -124,7 +155,7 @@ def validation_curve(rows: list[dict], key: str = mk.VAL_SUCCESS) -> list[tuple[
         if before in r and _finite(r[before]) is not None:
             curve.append((0, _finite(r[before])))
         if key in r and _finite(r[key]) is not None:
-            curve.append((int(r[mk.ITERATION]) + 1, _finite(r[key])))
+            curve.append((mk.x_of(key, r[mk.ITERATION]), _finite(r[key])))
     return curve
 
 
@@ -170,7 +201,7 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
         vals = [v for v in (_finite(r.get(key)) for r in rows) if v is not None]
         out["diagnostics"][key] = sum(vals) / len(vals) if vals else None
     out["curves"] = {
-        key: [(int(r[mk.ITERATION]) + 1, _finite(r[key])) for r in rows if _finite(r.get(key)) is not None]
+        key: [(mk.x_of(key, r[mk.ITERATION]), _finite(r[key])) for r in rows if _finite(r.get(key)) is not None]
         for key in (mk.HASH_SINGLETON_GROUPS, mk.CLUSTER_SINGLETON_GROUPS, mk.PACE_ROWS)
     }
     return out
@@ -200,11 +231,15 @@ def aggregate(arms: dict[str, list[str]], threshold: float) -> dict[str, Any]:
     return report
 
 
-def _pm(ms: tuple[float, float], pct: bool = True) -> str:
+def _pm(ms: tuple[float, float | None], pct: bool = True) -> str:
     m, s = ms
     if math.isnan(m):
         return "-"
-    return f"{100 * m:.1f} +- {100 * s:.1f}" if pct else f"{m:.3g} +- {s:.2g}"
+    scale = 100 if pct else 1
+    mean = f"{scale * m:.1f}" if pct else f"{m:.3g}"
+    if s is None:  # one seed: no spread to show
+        return f"{mean} (n = 1)"
+    return f"{mean} +- {scale * s:.1f}" if pct else f"{mean} +- {s:.2g}"
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -244,7 +279,9 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: str) -> list[str]:
-    """Learning curves (mean over seeds, band min..max), singleton rates and PACE share per arm."""
+    """Learning curves, cluster singleton rates and PACE share per arm: the mean over seeds with a 95%
+    t-interval band (mean +- t(n-1) s / sqrt(n); no band for one seed, labelled "n = 1"), x =
+    iterations completed (``metric_keys.x_of``). Returns the file names written into ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,15 +290,16 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
 
     files = []
     panels = (
-        ("learning_curves.png", "validation success", lambda s: s["curve"]),
+        ("learning_curves.png", "validation success rate", "Validation success", lambda s: s["curve"]),
         (
             "singleton_rates.png",
-            "singleton step groups, clusters",
+            "singleton step-group rate (clusters)",
+            "Singleton step groups, clusters",
             lambda s: s["curves"][mk.CLUSTER_SINGLETON_GROUPS],
         ),
-        ("pace_rows.png", "PACE row share", lambda s: s["curves"][mk.PACE_ROWS]),
+        ("pace_rows.png", "share of rows", "PACE row share", lambda s: s["curves"][mk.PACE_ROWS]),
     )
-    for fname, title, get in panels:
+    for fname, ylabel, title, get in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
         drew = False
         for name, a in report["arms"].items():
@@ -270,12 +308,19 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
             if not xs:
                 continue
             ys = np.array([[c[x] for x in xs] for c in curves])
-            ax.plot(xs, ys.mean(0), label=name)
-            ax.fill_between(xs, ys.min(0), ys.max(0), alpha=0.2)
+            n = len(curves)
+            (line,) = ax.plot(
+                xs, ys.mean(0), marker="o" if len(xs) < 12 else None, label=f"{arm_label(name)} (n = {n})"
+            )
+            if n > 1:
+                half = t_quantile(n - 1) * ys.std(0, ddof=1) / math.sqrt(n)
+                ax.fill_between(xs, ys.mean(0) - half, ys.mean(0) + half, alpha=0.2, color=line.get_color())
             drew = True
         if drew:
-            ax.set_xlabel("iterations trained")
-            ax.set_title(f"{title} (mean over seeds, band: min..max)")
+            ax.set_xlabel("PPO iterations completed")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title} (mean over seeds, band: 95% t-interval)")
+            ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             fig.tight_layout()
             with (runfolder.path(out, "--out") / fname).open("wb") as f:  # a file object: --out may be gs://
@@ -283,6 +328,14 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
             files.append(fname)
         plt.close(fig)
     return files
+
+
+def default_out(first: str) -> str:
+    """``--out``'s default for the first folder given: ``<first>_report`` beside it when it is a run
+    folder itself (holds ``metrics.jsonl``), else ``<first>/report`` (a study: beside its runs)."""
+    if (runfolder.path(first) / "metrics.jsonl").exists():
+        return os.path.normpath(first) + "_report" if "://" not in first else first.rstrip("/") + "_report"
+    return os.path.join(first, "report") if "://" not in first else first.rstrip("/") + "/report"
 
 
 def main(argv):
@@ -299,7 +352,7 @@ def main(argv):
     if not any(a["seeds"] for a in report["arms"].values()):
         excluded = {r: why for a in report["arms"].values() for r, why in a["excluded"].items()}
         sys.exit(f"error: no complete run to report: {excluded}")
-    out = _OUT.value or paths[0]
+    out = _OUT.value or default_out(paths[0])
     try:
         folder = runfolder.prepare(out, "--out")
     except runfolder.RunFolderError as e:

@@ -1,7 +1,7 @@
 r"""Warm start by behaviour cloning and DAgger on TextCraft's oracle (`bipace_jax.sft.run`).
 
     python -m launch.sft --config=configs/sft_textcraft_tiny.py --workdir=runs/sft \
-        --out=bipace_jax/data/textcraft_tiny
+        --out=runs/warm_start  # a new folder: never over the shipped bipace_jax/data/textcraft_tiny
 
 Running the same command again resumes from the last finished round. See docs/warm_start.md.
 """

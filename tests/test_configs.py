@@ -203,6 +203,7 @@ def test_command_line_overrides_reach_nested_fields():
         ("tasks.holdout_every", -1, "config.tasks.holdout_every must be an int >= 0, got -1"),
         ("sampler.top_p", 0.0, "config.sampler.top_p must lie in (0, 1], got 0.0"),
         ("env.max_steps", 0, "config.env.max_steps must be an int >= 1, got 0"),
+        ("log.wandb_project", "", "config.log.wandb_project must be a non-empty wandb project name"),
         (
             "sampler.length_buckets",
             (512, 256),

@@ -68,3 +68,36 @@ def test_the_command_reports_with_one_complete_run_and_refuses_with_none(tmp_pat
     cmd = [sys.executable, "-m", "launch.report", str(tmp_path / "bad"), f"--out={tmp_path / 'out2'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "no complete run" in proc.stderr
+
+
+def test_one_seed_says_n_1_and_the_band_is_a_t_interval(tmp_path):
+    from tests.synthetic_run import write_run
+
+    for seed in (0, 1, 2):
+        write_run(tmp_path / "study" / f"grpo_s{seed}", seed=seed, estimator="grpo")
+    write_run(tmp_path / "study" / "bq_s0", seed=0, estimator="bipace_q")
+    r = report.aggregate(report.arms_of(report.find_runs([str(tmp_path / "study")])), threshold=0.7)
+    assert sorted(r["arms"]) == ["estimator.name=bipace_q", "estimator.name=grpo"]
+    assert report.arm_label("estimator.name=bipace_q") == "bipace_q"
+    assert report.arm_label("estimator.name=grpo,sampler.temperature=1.0") == "grpo, temperature 1.0"
+    md = report.to_markdown(r)
+    assert "| estimator.name=bipace_q | 1 | 79.0 (n = 1) |" in md
+    assert "| estimator.name=grpo | 3 | 81.0 +- 2.0 |" in md  # finals 0.79, 0.81, 0.83
+    # the synthetic runs validate at x = 0 (before RL), 2, 4, 6: iterations completed
+    assert [x for x, _ in r["arms"]["estimator.name=grpo"]["per_run"][0]["curve"]] == [0, 2, 4, 6]
+    assert report.t_quantile(2) == 4.303 and report.t_quantile(30) == pytest.approx(2.042, abs=0.005)
+    files = report.plot(r, str(tmp_path))
+    assert files == ["learning_curves.png", "singleton_rates.png", "pace_rows.png"]
+    assert open(tmp_path / "learning_curves.png", "rb").read(4) == b"\x89PNG"
+
+
+def test_default_out_is_beside_the_runs_never_inside_one(tmp_path):
+    _run(tmp_path / "study" / "s0", 0, [0.7])
+    assert report.default_out(str(tmp_path / "study")) == str(tmp_path / "study" / "report")
+    assert report.default_out(str(tmp_path / "study" / "s0") + "/") == str(tmp_path / "study" / "s0_report")
+    cmd = [sys.executable, "-m", "launch.report", str(tmp_path / "study" / "s0")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "70.0 (n = 1)" in proc.stdout and "+- 0.0" not in proc.stdout.split("diagnostics")[0]
+    assert sorted(os.listdir(tmp_path / "study" / "s0")) == ["config.json", "metrics.jsonl"]  # nothing written inside
+    assert os.path.exists(tmp_path / "study" / "s0_report" / "report.md")

@@ -79,14 +79,15 @@ def test_report_of_hand_written_runs_gives_hand_computed_numbers(tmp_path):
     assert grpo["final"][0] == pytest.approx(0.75) and grpo["final"][1] == pytest.approx(math.sqrt(0.005))
     # best: 0.8 and 0.9; iterations to 0.85: seed 1 reaches 0.9 after iteration 0 (1 iteration), seed 0 never
     assert grpo["best"][0] == pytest.approx(0.85)
-    assert grpo["iterations_to_threshold"] == (1.0, 0.0) and grpo["reached_threshold"] == "1/2"
-    assert bq["iterations_to_threshold"] == (3.0, 0.0) and bq["reached_threshold"] == "1/1"
-    assert bq["final"] == (pytest.approx(0.95), 0.0)
+    assert grpo["iterations_to_threshold"] == (1.0, None) and grpo["reached_threshold"] == "1/2"
+    assert bq["iterations_to_threshold"] == (3.0, None) and bq["reached_threshold"] == "1/1"
+    assert bq["final"] == (pytest.approx(0.95), None)  # one seed: no spread
     assert grpo["final_by_key"]["val/success_rate/depth_2"][0] == pytest.approx(0.375)
     # diagnostics: the mean over iterations, then over seeds: (0.3 + 0.1) / 2
     assert grpo["diagnostics"]["estimator/cluster_singleton_group_rate"][0] == pytest.approx(0.2)
     md = report.to_markdown(r)
-    assert "| estimator.name=grpo | 2 | 75.0 +- 7.1 | 85.0 +- 7.1 | 1 +- 0 (1/2) |" in md
+    assert "| estimator.name=grpo | 2 | 75.0 +- 7.1 | 85.0 +- 7.1 | 1 (n = 1) (1/2) |" in md
+    assert "| estimator.name=bipace_q | 1 | 95.0 (n = 1) | 95.0 (n = 1) |" in md
     assert report.plot(r, str(tmp_path)) == ["learning_curves.png", "singleton_rates.png", "pace_rows.png"]
 
 

@@ -152,6 +152,9 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
         # in textcraft_tiny): same tokens, same tempered policy
         assert r["rollout/logprob_gap"] < 1e-3
     assert rows[0]["train/task_cursor"] == 0 and rows[1]["train/task_cursor"] == 2
+    from bipace_jax import metric_keys
+
+    assert metric_keys.undocumented({k for r in rows for k in r}) == []  # docs/metrics.md names every key
     # epsilon: the one-shot calibration of the first iteration (configs/textcraft_tiny.py enables it)
     # is the first grid value whose singleton rate meets the target, and it stays for the run.
     import configs.textcraft_tiny
@@ -172,7 +175,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
 
     events = os.listdir(w / "tb")
     assert events and all(os.path.getsize(w / "tb" / e) > 0 for e in events)
-    for name in ("success.png", "singleton_rate.png", "pace_row_mix.png"):
+    for name in ("success.png", "singleton_rate.png", "pace_row_mix.png", "training.png", "time.png", "categories.png"):
         with open(w / "plots" / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
