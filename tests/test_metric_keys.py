@@ -50,7 +50,8 @@ def test_every_key_the_producers_name_is_documented():
     produced += [f"estimator/cluster_{k}" for k in diagnostics.SIZE_STATS]
     row = types.SimpleNamespace(prompt=[1, 2], valid=True, finish="eos")
     ep = types.SimpleNamespace(env_error=None, won=True)
-    produced += [f"rollout/{k}" for k in rollout._episode_stats([row], [ep], 1, 0)]
+    counters = rollout._Games([], [], [], []).stats
+    produced += [f"rollout/{k}" for k in rollout._episode_stats(counters, [row], [ep], 1, 0).keys()]
     produced += [f"rollout/{k}" for k in rollout._Games([], [], [], []).stats]
     produced += [f"time/rollout_{k}" for k in (*rollout._Games([], [], [], []).timing, "total_s", "host_s")]
     a = np.array([1.0, 0.0])
