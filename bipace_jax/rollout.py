@@ -32,16 +32,18 @@ no history raises ``PromptTooLongError`` naming the game, the env, the task and 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
-from bipace_jax.sampling import SampleOutput, Sampler, truncate_at_stop
+from bipace_jax.sampling import SampleOutput, Sampler, key_data, truncate_at_stop
 from environments.pool import ENV_ERRORS, Fault
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 from environments.registry import GameSpec, game_spec
@@ -58,6 +60,8 @@ __all__ = [
     "collect",
     "encode_prompt",
     "finish_reason",
+    "game_keys",
+    "turn_keys",
 ]
 
 #: Number of response tokens in the ``first_tokens`` PACE key (``docs/estimators.md``, "PACE keys").
@@ -373,6 +377,43 @@ def finish_reason(tokens: np.ndarray, text: str, eos: set[int], stop_strings: Se
     return "stop" if any(s in text for s in stop_strings) else "length"
 
 
+def game_keys(key: jax.Array, games: Sequence[tuple[int, int]], group_size: int) -> np.ndarray:
+    """uint32[len(games) * group_size, 2]: one key per game, from what the game is, not where it runs.
+
+    Env ``k * G + g`` (rollout g of task group k = ``games[k]``) gets ``key`` folded with the task id, the
+    seed (low and high 32 bits), g, and c, the count of earlier task groups with the same
+    ``(task_id, seed)``; so adding or removing other games never changes a game's key.
+    """
+    seen: dict[tuple[int, int], int] = {}
+    parts = []
+    for task, seed in games:
+        copy = seen.get((task, seed), 0)
+        seen[(task, seed)] = copy + 1
+        parts += [(task, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, g, copy) for g in range(group_size)]
+    data = jnp.asarray(np.asarray(parts, np.int64).astype(np.uint32).reshape(-1, 5))
+
+    def one(fields):
+        k = key_data(key)
+        for j in range(5):
+            k = jax.random.fold_in(k, fields[j])
+        return k
+
+    return np.asarray(jax.vmap(one)(data), np.uint32)
+
+
+def turn_keys(keys: np.ndarray, turns: Sequence[int]) -> np.ndarray:
+    """uint32[B, 2]: ``fold_in(keys[b], turns[b])``, the sampler key of each game's turn (``game_keys`` rows)."""
+    return np.asarray(jax.vmap(jax.random.fold_in)(jnp.asarray(keys), jnp.asarray(turns, jnp.uint32)), np.uint32)
+
+
+def _takes_row_keys(sampler) -> bool:
+    """Whether ``sampler.generate`` accepts per-prompt ``row_keys`` (test doubles may not)."""
+    try:
+        return "row_keys" in inspect.signature(sampler.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_inputs(sampler, pool, games, rcfg) -> list[tuple[int, int]]:
     if not isinstance(rcfg, RolloutConfig):
         raise TypeError(f"rcfg must be a RolloutConfig, got {type(rcfg).__name__}")
@@ -438,6 +479,7 @@ class _Games:
     history: list[list[tuple[str, str]]]  # each env's (observation text, action sent), oldest first
     episodes: list[Episode]
     live: list[int]  # envs still playing, ascending
+    keys: np.ndarray  # uint32[n_envs, 2] each game's key (``game_keys``)
     rows: list[StepRecord] = dataclasses.field(default_factory=list)
     stats: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
@@ -447,7 +489,7 @@ class _Games:
     )
 
 
-def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]]) -> tuple[_Games, int]:
+def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]], key) -> tuple[_Games, int]:
     """Resets the ``len(games) * G`` envs; returns their state and the count of reset faults."""
     g_size = rcfg.group_size
     env_task = [games[i // g_size][0] for i in range(len(games) * g_size)]
@@ -460,7 +502,8 @@ def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]]) -> tuple
         for i, (t, s) in enumerate(zip(env_task, env_seed))
     ]
     live = [i for i, ep in enumerate(episodes) if ep.env_error is None and not obs[i].won]
-    state = _Games(obs=obs, history=[[] for _ in episodes], episodes=episodes, live=live)
+    keys = game_keys(key, games, g_size)
+    state = _Games(obs=obs, history=[[] for _ in episodes], episodes=episodes, live=live, keys=keys)
     state.timing["env_s"] += dt
     return state, reset_faults
 
@@ -511,7 +554,11 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
     prompts = _turn_prompts(state, tokenizer, rcfg)
     labels = list(labeler(list(live))) if labeler is not None else [None] * len(live)
     t0 = time.perf_counter()
-    out = sampler.generate(actor, prompts, key)
+    if _takes_row_keys(sampler):
+        row_keys = turn_keys(state.keys[live], [state.episodes[i].length for i in live])
+        out = sampler.generate(actor, prompts, key, row_keys=row_keys)
+    else:
+        out = sampler.generate(actor, prompts, key)
     dt_sample = time.perf_counter() - t0
     state.timing["sampling_s"] += dt_sample
     for k in ("prefill_s", "decode_s"):
@@ -687,7 +734,9 @@ def collect(
       tokenizer: the actor's tokenizer (chat template, encode, decode).
       games: one ``(task_id, seed)`` pair per task group.
       rcfg: ``RolloutConfig``.
-      key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
+      key: ``jax.random`` key; turn t of a game samples with ``turn_keys(game_keys(key, games, G), t)``,
+        its own (game, turn) key, so its tokens do not depend on the other games (a sampler whose
+        ``generate`` takes no ``row_keys`` gets ``fold_in(key, t)`` for the whole turn).
       progress: show a tqdm bar over turns (live games, tokens/s).
       labeler: called each turn with the live env indices before they step; returns one label per env
         for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
@@ -703,7 +752,7 @@ def collect(
     """
     t_start = time.perf_counter()
     games = _check_inputs(sampler, pool, games, rcfg)
-    state, reset_faults = _new_games(pool, rcfg, games)
+    state, reset_faults = _new_games(pool, rcfg, games, key)
     bar = None
     if progress:
         from tqdm.auto import tqdm

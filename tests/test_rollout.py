@@ -10,7 +10,15 @@ from flax import nnx
 
 import environments
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
-from bipace_jax.rollout import FIRST_TOKENS, PromptTooLongError, RolloutConfig, collect, encode_prompt
+from bipace_jax.rollout import (
+    FIRST_TOKENS,
+    PromptTooLongError,
+    RolloutConfig,
+    collect,
+    encode_prompt,
+    game_keys,
+    turn_keys,
+)
 from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
 from environments.base import Observation
 from environments.pool import EnvPool, Fault
@@ -257,12 +265,44 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     assert res.actions == ["inventory"] * 8 and res.stats["invalid_rate"] == 1.0
     assert res.timing["sampling_s"] > 0 and res.stats["response_tokens"] == lengths.sum()
     assert 0 < res.timing["prefill_s"] + res.timing["decode_s"] <= res.timing["sampling_s"]
-    # Turn 0 sampled all four games in one call: its fingerprints equal a direct sampler call.
+    # Turn 0 sampled all four games in one call: its rows equal a direct sampler call with each game's
+    # own (game, turn) key.
     rows0 = np.asarray(res.steps.step)[:n] == 0
     prompts = [list(p[m == 1]) for p, m in zip(res.prompt_ids[rows0], res.prompt_mask[rows0])]
-    direct = sampler.generate(actor, prompts, jax.random.fold_in(jax.random.key(1), 0))
+    keys0 = turn_keys(game_keys(jax.random.key(1), GAMES, 2), [0] * 4)
+    direct = sampler.generate(actor, prompts, jax.random.key(99), row_keys=keys0)
     np.testing.assert_array_equal(direct.tokens, res.response_ids[rows0])
     np.testing.assert_allclose(direct.fingerprints, fp[rows0], atol=1e-6)
+
+
+def test_game_keys_depend_on_the_game_only():
+    both = game_keys(jax.random.key(3), [(16, 3), (12, 4)], 2)
+    alone = game_keys(jax.random.key(3), [(12, 4)], 2)
+    twice = game_keys(jax.random.key(3), [(12, 4), (12, 4)], 2)
+    assert both.shape == (4, 2) and both.dtype == np.uint32
+    np.testing.assert_array_equal(both[2:], alone)
+    np.testing.assert_array_equal(twice[:2], alone)
+    assert len({tuple(k) for k in np.concatenate([both, twice[2:]])}) == 6  # rollouts and copies differ
+    k = turn_keys(both, [0, 1, 0, 1])
+    assert len({tuple(x) for x in k}) == 4 and not (k == both).all(axis=1).any()
+    big = game_keys(jax.random.key(3), [(12, 4 + (1 << 32))], 2)  # the seed's high bits count
+    assert not (big == alone).all()
+
+
+@pytest.mark.slow
+def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    sampler = Sampler(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    key = jax.random.key(5)
+    both = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    alone = collect(actor, sampler, pool, tokenizer, GAMES[1:], rcfg, key, progress=False)
+    rows = np.asarray(both.steps.group_id)[: both.rows] == 1  # group (12, 4): envs 2, 3 here, 0, 1 alone
+    assert rows.sum() == alone.rows == 4
+    np.testing.assert_array_equal(both.response_ids[rows], alone.response_ids)
+    np.testing.assert_allclose(both.sample_logprobs[rows], alone.sample_logprobs, atol=1e-5)
+    # Another game's tokens differ (the keys are its own): the check above can fail.
+    assert not np.array_equal(both.response_ids[~rows], alone.response_ids)
 
 
 class FinishSampler(OracleSampler):
