@@ -31,7 +31,9 @@ no history raises ``PromptTooLongError`` naming the game, the env, the task and 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +46,7 @@ import numpy as np
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
 from bipace_jax.sampling import SampleOutput, Sampler, key_data, truncate_at_stop
+from bipace_jax.slots import SlotSampler
 from environments.pool import ENV_ERRORS, Fault
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 from environments.registry import GameSpec, game_spec
@@ -54,6 +57,7 @@ __all__ = [
     "PromptTooLongError",
     "RolloutConfig",
     "RolloutResult",
+    "Scheduler",
     "StepRecord",
     "TokenBatch",
     "chat_prompt_ids",
@@ -71,6 +75,15 @@ _ACTION_KEYS = ("action_tag", "first_tokens")
 LENGTH_FINISH = ("parse", "invalid", "unpenalised")
 INVALID_ACTIONS = ("fallback", "projected")
 RESEED_STRIDE = 1_000_003  # retry k of a task group's reset uses seed + k * RESEED_STRIDE
+
+
+class Scheduler(enum.StrEnum):
+    """How ``collect`` batches the sampler: ``lockstep`` (one ``generate`` per turn over every live game,
+    then one pool step) or ``continuous`` (``slots.SlotSampler``: a finished response goes to its game
+    while the other slots keep decoding)."""
+
+    LOCKSTEP = "lockstep"
+    CONTINUOUS = "continuous"
 
 
 class PromptTooLongError(ValueError):
@@ -113,6 +126,11 @@ class RolloutConfig:
       show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
       system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
       template: None, or a mapping of ``PromptTemplate`` fields overriding the game's default.
+      scheduler: ``Scheduler`` value, ``"lockstep"`` or ``"continuous"`` (``collect(scheduler=...)``
+        overrides it).
+      num_slots: (>= 0) decode slots of the continuous scheduler; 0: one per game, capped at the
+        sampler's largest batch bucket.
+      chunk_steps: (>= 1) most decode steps per on-device chunk of the continuous scheduler.
 
     Raises:
       ValueError: naming the ``RolloutConfig`` field, on a value outside its range or set, or a game
@@ -138,13 +156,20 @@ class RolloutConfig:
     show_inventory: bool = False
     system_prompt: str | None = None
     template: Any = None
+    scheduler: str = "lockstep"
+    num_slots: int = 0
+    chunk_steps: int = 8
 
     def __post_init__(self):
         ints = (("group_size", 1), ("max_steps", 1), ("history_length", 0), ("max_prompt_length", 16))
-        for name, lo in (*ints, ("reset_retries", 0), ("projection_chars", 1)):
+        for name, lo in (*ints, ("reset_retries", 0), ("projection_chars", 1), ("num_slots", 0), ("chunk_steps", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
+        if self.scheduler not in tuple(Scheduler):
+            raise ValueError(
+                f"RolloutConfig.scheduler must be one of {tuple(map(str, Scheduler))}, got {self.scheduler!r}"
+            )
         if self.invalid_action not in INVALID_ACTIONS:
             raise ValueError(
                 f"RolloutConfig.invalid_action must be one of {INVALID_ACTIONS}, got {self.invalid_action!r}"
@@ -480,6 +505,9 @@ class _Games:
     episodes: list[Episode]
     live: list[int]  # envs still playing, ascending
     keys: np.ndarray  # uint32[n_envs, 2] each game's key (``game_keys``)
+    prompts: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # continuous: each slot game's prompt
+    labels: dict[int, Any] = dataclasses.field(default_factory=dict)  # continuous: its label
+    slot_stats: dict[str, float] = dataclasses.field(default_factory=dict)  # continuous: slots, decode steps, use
     rows: list[StepRecord] = dataclasses.field(default_factory=list)
     stats: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
@@ -508,10 +536,10 @@ def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]], key) -> 
     return state, reset_faults
 
 
-def _turn_prompts(state: _Games, tokenizer, rcfg: RolloutConfig) -> list[list[int]]:
-    """The prompt token ids of every live game, history shortened to fit (counted in ``stats``)."""
+def _turn_prompts(state: _Games, tokenizer, rcfg: RolloutConfig, envs: Sequence[int] | None = None) -> list[list[int]]:
+    """The prompt token ids of every live game (or of ``envs``), history shortened to fit (counted in ``stats``)."""
     prompts = []
-    for i in state.live:
+    for i in state.live if envs is None else envs:
         ep = state.episodes[i]
         where = f"env {i} (task {ep.task_id}, seed {ep.seed})"
         ids, dropped = encode_prompt(tokenizer, rcfg, state.obs[i], state.history[i], ep.length, where)
@@ -563,6 +591,13 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
     state.timing["sampling_s"] += dt_sample
     for k in ("prefill_s", "decode_s"):
         state.timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
+    state.live = _step_and_book(state, live, prompts, out, labels, sampler, pool, tokenizer, rcfg)
+    state.stats["turns"] += 1
+    return float(np.asarray(out.lengths).sum()) / max(dt_sample, 1e-9)
+
+
+def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, sampler, pool, tokenizer, rcfg):
+    """Parses the responses of games ``live``, steps them in the pool, books their rows; returns those still playing."""
     texts, finish = _decode(out, sampler, tokenizer)
     actions, valid, penalised = _score(texts, finish, rcfg)
     t0 = time.perf_counter()
@@ -605,9 +640,76 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
         state.obs[i] = res.obs
         if not _advance(ep, res, reward - penalty, valid[r], rcfg.max_steps):
             still.append(i)
-    state.live = still
-    state.stats["turns"] += 1
-    return float(lengths.sum()) / max(dt_sample, 1e-9)
+    return still
+
+
+def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, labeler) -> None:
+    """Plays every live game to its end on a ``SlotSampler``: a game whose response is done steps in the
+    pool while the other slots keep decoding, and its next prompt goes into a free slot."""
+    n_slots = rcfg.num_slots or min(len(state.episodes), sampler.config.batch_buckets[-1])
+    slot_sampler = SlotSampler(sampler, n_slots, rcfg.max_prompt_length, rcfg.chunk_steps)
+    t0 = time.perf_counter()
+    slots = slot_sampler.empty(actor)
+    pending = collections.deque(state.live)  # games waiting for a slot, in order
+    slot_env = [-1] * n_slots
+    busy_steps = 0
+    while pending or any(e >= 0 for e in slot_env):
+        free = [k for k, e in enumerate(slot_env) if e < 0]
+        if pending and free:
+            envs = [pending.popleft() for _ in range(min(len(pending), len(free)))]
+            ids = free[: len(envs)]
+            prompts = _turn_prompts(state, tokenizer, rcfg, envs)
+            for k, i, p in zip(ids, envs, prompts):
+                slot_env[k] = i
+                state.prompts[i] = p
+                state.labels[i] = None
+            if labeler is not None:
+                for i, lab in zip(envs, labeler(list(envs))):
+                    state.labels[i] = lab
+            keys = turn_keys(state.keys[envs], [state.episodes[i].length for i in envs])
+            t1 = time.perf_counter()
+            slots = slot_sampler.insert(actor, slots, prompts, ids, keys)
+            slots.done.block_until_ready()
+            state.timing["prefill_s"] += time.perf_counter() - t1
+        done = np.asarray(slots.done)
+        if not any(e >= 0 and done[k] for k, e in enumerate(slot_env)):
+            t1 = time.perf_counter()
+            busy = sum(e >= 0 for e in slot_env)
+            slots, steps = slot_sampler.decode_chunk(actor, slots)
+            busy_steps += busy * steps
+            state.timing["decode_s"] += time.perf_counter() - t1
+            done = np.asarray(slots.done)
+        ready = [k for k, e in enumerate(slot_env) if e >= 0 and done[k]]
+        if not ready:
+            continue
+        tokens, lengths, logps, fps = slot_sampler.read(slots, ready)
+        envs = [slot_env[k] for k in ready]
+        for k in ready:
+            slot_env[k] = -1
+        out = SampleOutput(tokens, lengths, logps, fps)
+        t_env = state.timing["env_s"]
+        still = _step_and_book(
+            state,
+            envs,
+            [state.prompts[i] for i in envs],
+            out,
+            [state.labels[i] for i in envs],
+            sampler,
+            pool,
+            tokenizer,
+            rcfg,
+        )
+        t0 += state.timing["env_s"] - t_env  # env time is not sampling time
+        pending.extend(still)
+    state.timing["sampling_s"] += time.perf_counter() - t0
+    state.live = []
+    state.stats["turns"] = max((ep.length for ep in state.episodes), default=0)
+    c = slot_sampler.counters
+    state.slot_stats = dict(
+        slots=n_slots,
+        decode_steps=c["decode_steps"],
+        slot_use=busy_steps / max(c["decode_steps"] * n_slots, 1),
+    )
 
 
 def _advance(ep: Episode, res, net_reward: float, valid: bool, max_steps: int) -> bool:
@@ -722,6 +824,7 @@ def collect(
     key: jax.Array,
     progress: bool = True,
     labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
+    scheduler: str | None = None,
 ) -> RolloutResult:
     """Plays G rollouts of every task in lockstep and returns the step rows.
 
@@ -740,6 +843,9 @@ def collect(
       progress: show a tqdm bar over turns (live games, tokens/s).
       labeler: called each turn with the live env indices before they step; returns one label per env
         for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
+      scheduler: ``"lockstep"`` or ``"continuous"`` (``Scheduler``); None takes ``rcfg.scheduler``. Both
+        give the same ``RolloutResult`` (timing aside) for the same keys; continuous needs a real
+        ``Sampler`` (no mesh) and adds ``timing["decode_steps"]`` and ``stats["slot_use"]``.
 
     Returns:
       ``RolloutResult`` (see its docstring).
@@ -752,9 +858,14 @@ def collect(
     """
     t_start = time.perf_counter()
     games = _check_inputs(sampler, pool, games, rcfg)
+    scheduler = rcfg.scheduler if scheduler is None else scheduler
+    if scheduler not in tuple(Scheduler):
+        raise ValueError(f"collect: scheduler must be one of {tuple(map(str, Scheduler))}, got {scheduler!r}")
     state, reset_faults = _new_games(pool, rcfg, games, key)
+    if scheduler == Scheduler.CONTINUOUS and state.live:
+        _play_continuous(state, actor, sampler, pool, tokenizer, rcfg, labeler)
     bar = None
-    if progress:
+    if progress and state.live:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
@@ -778,6 +889,9 @@ def collect(
     timing["total_s"] = time.perf_counter() - t_start
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     stats = dict(state.stats, **_episode_stats(rows, state.episodes, len(state.rows), reset_faults))
+    if state.slot_stats:
+        timing["decode_steps"] = float(state.slot_stats["decode_steps"])
+        stats["slot_use"] = float(state.slot_stats["slot_use"])
     return RolloutResult(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,

@@ -305,6 +305,51 @@ def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, po
     assert not np.array_equal(both.response_ids[~rows], alone.response_ids)
 
 
+def _assert_same_result(a, b):
+    """Two RolloutResults equal, timing and the continuous scheduler's own counters aside."""
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_allclose(a.sample_logprobs, b.sample_logprobs, atol=1e-5)
+    for f in ("group_id", "traj_id", "step", "reward", "penalty", "obs_hash", "action_key", "mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(a.steps, f)), np.asarray(getattr(b.steps, f)), err_msg=f)
+    np.testing.assert_allclose(np.asarray(a.steps.fingerprint), np.asarray(b.steps.fingerprint), atol=1e-5)
+    assert a.episodes == b.episodes
+    assert (a.responses, a.actions, a.finish_reasons, a.labels) == (b.responses, b.actions, b.finish_reasons, b.labels)
+    assert {k: v for k, v in b.stats.items() if k != "slot_use"} == a.stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("greedy", [True, False])
+def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    # Every 5th id ends a response, so the random actor's responses have several lengths.
+    eos = tuple(range(3, len(tokenizer), 5))
+    scfg = SamplerConfig(
+        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=greedy, eos_token_ids=eos
+    )
+    sampler = Sampler(tokenizer, scfg)
+    # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
+    rcfg = RolloutConfig(
+        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
+    )
+    key = jax.random.key(2)
+    lock = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    cont = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False, scheduler="continuous")
+    assert lock.rows == cont.rows == 12
+    _assert_same_result(lock, cont)
+    assert cont.timing["decode_steps"] > 0 and 0 < cont.stats["slot_use"] <= 1
+    if not greedy:  # responses of several lengths: the slots really ran out of step
+        assert len(set(lock.response_mask.sum(1).tolist())) > 1
+
+
+def test_collect_rejects_an_unknown_scheduler(tokenizer, pool):
+    with pytest.raises(ValueError, match="RolloutConfig.scheduler"):
+        RolloutConfig(scheduler="eager")
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, rcfg, jax.random.key(0), scheduler="x")
+
+
 class FinishSampler(OracleSampler):
     """Env 0 answers its oracle action and EOS; env 1 its action, then filler up to the token budget (no
     EOS); env 2 filler only, cut by the budget. No stop strings, so a cut response can still parse."""
