@@ -92,7 +92,10 @@ def main(_):
     actor = Qwen2Actor(tiny_actor_config(len(tok)), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tok), FLAGS.eos_every))
     scfg = SamplerConfig(
-        max_new_tokens=FLAGS.new_tokens, length_buckets=(1024,), batch_buckets=(8, 16, 32, 64), eos_token_ids=eos
+        max_new_tokens=FLAGS.new_tokens,
+        length_buckets=(1024,),
+        batch_buckets=(1, 2, 4, 8, 16, 32, 64),
+        eos_token_ids=eos,
     )
     sampler = Sampler(tok, scfg)
     groups = [(k, k) for k in range(max(1, FLAGS.games // 8))]
