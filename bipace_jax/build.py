@@ -372,6 +372,9 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int) -> RolloutC
         system_prompt=system_prompt_of(r.system_prompt),
         template=resolve_template(r.template),
         fallback_action=r.fallback_action or None,  # "" = the game's own (GameSpec.fallback_action)
+        scheduler=r.scheduler,
+        num_slots=r.num_slots,
+        chunk_steps=r.chunk_steps,
     )
 
 

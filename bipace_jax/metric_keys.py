@@ -191,6 +191,7 @@ TABLE: tuple[Key, ...] = (
     Key("rollout/invalid_rate", "fraction", "rows with an invalid action"),
     Key("rollout/finish_<reason>_rate", "fraction", "rows that ended by eos, stop or length"),
     Key("rollout/success_rate", "fraction", "this host's training games won"),
+    Key("rollout/slot_use", "fraction", "busy slot decode steps over those offered (rollout.scheduler=continuous)"),
     Key("rollout/env_errors", "count", "this host's faulted games"),
     Key("rollout/env_errors_<fault>", "count", "faulted games of one fault kind (environments.pool.Fault)"),
     Key("rollout/env_error_rows", "count", "rows dropped with faulted games"),
@@ -198,6 +199,7 @@ TABLE: tuple[Key, ...] = (
     # time/*: wall seconds.
     Key("time/<stage>_s", "s", "a stage of the iteration: rollout, old_logprobs, ref_logprobs, estimator, update"),
     Key("time/rollout_<part>_s", "s", "rollout time split: sampling, env, prefill, decode, host, total"),
+    Key("time/rollout_decode_steps", "count", "decode steps the slot scheduler ran (rollout.scheduler=continuous)"),
     Key(ITERATION_SECONDS, "s", "sum of the stages"),
     Key(BIPACE_SHARE, "fraction", "estimator stage seconds / iteration seconds"),
     Key(VALIDATION_SECONDS, "s", "the validation after this iteration (x = i + 1)"),

@@ -2,7 +2,8 @@
 
 A ``ProgramSpec`` is one jitted program together with abstract arguments (``jax.ShapeDtypeStruct``
 carrying the ``NamedSharding`` the library places each argument on) for one set of sizes, and which
-arguments are static or donated. The sampler (``sampling.prefill_spec`` / ``decode_spec``) and the
+arguments are static or donated. The sampler (``sampling.prefill_spec`` / ``decode_spec``), the slot sampler
+(``slots.insert_spec`` / ``decode_chunk_spec``) and the
 learners (``learner.step_specs``, ``ppo.logprobs_spec``) build their specs with these functions and
 call ``spec(*args)``, and ``launch.aot`` lowers the same specs with ``spec.lower()``: what is compiled
 ahead of time is what runs.
@@ -24,7 +25,8 @@ class ProgramSpec:
     """One jitted program and its call signature at one set of sizes.
 
     Attributes:
-      name: the program's name (``"ppo_grad"``, ``"ppo_apply"``, ``"logprobs"``, ``"prefill"``, ``"decode"``).
+      name: the program's name (``"ppo_grad"``, ``"ppo_apply"``, ``"logprobs"``, ``"prefill"``, ``"decode"``,
+        ``"insert"``, ``"decode_chunk"``).
       fn: the ``jax.jit``-wrapped program; it takes every argument by position and reads the
         placement of each array argument from the argument itself.
       args: the positional arguments as ``jax.ShapeDtypeStruct`` pytrees with their shardings (the

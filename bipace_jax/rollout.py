@@ -31,18 +31,23 @@ no history raises ``PromptTooLongError`` naming the game, the env, the task and 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
 from bipace_jax.metrics import HostStats
-from bipace_jax.sampling import SampleOutput, Sampler, truncate_at_stop
+from bipace_jax.sampling import SampleOutput, Sampler, key_data, truncate_at_stop
+from bipace_jax.slots import SlotSampler
 from environments.pool import ENV_ERRORS, Fault
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 from environments.registry import GameSpec, game_spec
@@ -53,12 +58,15 @@ __all__ = [
     "PromptTooLongError",
     "RolloutConfig",
     "RolloutResult",
+    "Scheduler",
     "StepRecord",
     "TokenBatch",
     "chat_prompt_ids",
     "collect",
     "encode_prompt",
     "finish_reason",
+    "game_keys",
+    "turn_keys",
 ]
 
 #: Number of response tokens in the ``first_tokens`` PACE key (``docs/estimators.md``, "PACE keys").
@@ -68,6 +76,15 @@ _ACTION_KEYS = ("action_tag", "first_tokens")
 LENGTH_FINISH = ("parse", "invalid", "unpenalised")
 INVALID_ACTIONS = ("fallback", "projected")
 RESEED_STRIDE = 1_000_003  # retry k of a task group's reset uses seed + k * RESEED_STRIDE
+
+
+class Scheduler(enum.StrEnum):
+    """How ``collect`` batches the sampler: ``lockstep`` (one ``generate`` per turn over every live game,
+    then one pool step) or ``continuous`` (``slots.SlotSampler``: a finished response goes to its game
+    while the other slots keep decoding)."""
+
+    LOCKSTEP = "lockstep"
+    CONTINUOUS = "continuous"
 
 
 class PromptTooLongError(ValueError):
@@ -110,6 +127,11 @@ class RolloutConfig:
       show_inventory: show the inventory in the prompt (``build_prompt(show_inventory=...)``).
       system_prompt: system message; None leaves the chat template's default (Qwen2.5 inserts its own).
       template: None, or a mapping of ``PromptTemplate`` fields overriding the game's default.
+      scheduler: ``Scheduler`` value, ``"lockstep"`` or ``"continuous"`` (``collect(scheduler=...)``
+        overrides it).
+      num_slots: (>= 0) decode slots of the continuous scheduler; 0: one per game, capped at the
+        sampler's largest batch bucket.
+      chunk_steps: (>= 1) most decode steps per on-device chunk of the continuous scheduler.
 
     Raises:
       ValueError: naming the ``RolloutConfig`` field, on a value outside its range or set, or a game
@@ -135,13 +157,20 @@ class RolloutConfig:
     show_inventory: bool = False
     system_prompt: str | None = None
     template: Any = None
+    scheduler: str = "lockstep"
+    num_slots: int = 0
+    chunk_steps: int = 8
 
     def __post_init__(self):
         ints = (("group_size", 1), ("max_steps", 1), ("history_length", 0), ("max_prompt_length", 16))
-        for name, lo in (*ints, ("reset_retries", 0), ("projection_chars", 1)):
+        for name, lo in (*ints, ("reset_retries", 0), ("projection_chars", 1), ("num_slots", 0), ("chunk_steps", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= {lo}, got {v!r}")
+        if self.scheduler not in tuple(Scheduler):
+            raise ValueError(
+                f"RolloutConfig.scheduler must be one of {tuple(map(str, Scheduler))}, got {self.scheduler!r}"
+            )
         if self.invalid_action not in INVALID_ACTIONS:
             raise ValueError(
                 f"RolloutConfig.invalid_action must be one of {INVALID_ACTIONS}, got {self.invalid_action!r}"
@@ -379,6 +408,43 @@ def finish_reason(tokens: np.ndarray, text: str, eos: set[int], stop_strings: Se
     return "stop" if any(s in text for s in stop_strings) else "length"
 
 
+def game_keys(key: jax.Array, games: Sequence[tuple[int, int]], group_size: int) -> np.ndarray:
+    """uint32[len(games) * group_size, 2]: one key per game, from what the game is, not where it runs.
+
+    Env ``k * G + g`` (rollout g of task group k = ``games[k]``) gets ``key`` folded with the task id, the
+    seed (low and high 32 bits), g, and c, the count of earlier task groups with the same
+    ``(task_id, seed)``; so adding or removing other games never changes a game's key.
+    """
+    seen: dict[tuple[int, int], int] = {}
+    parts = []
+    for task, seed in games:
+        copy = seen.get((task, seed), 0)
+        seen[(task, seed)] = copy + 1
+        parts += [(task, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, g, copy) for g in range(group_size)]
+    data = jnp.asarray(np.asarray(parts, np.int64).astype(np.uint32).reshape(-1, 5))
+
+    def one(fields):
+        k = key_data(key)
+        for j in range(5):
+            k = jax.random.fold_in(k, fields[j])
+        return k
+
+    return np.asarray(jax.vmap(one)(data), np.uint32)
+
+
+def turn_keys(keys: np.ndarray, turns: Sequence[int]) -> np.ndarray:
+    """uint32[B, 2]: ``fold_in(keys[b], turns[b])``, the sampler key of each game's turn (``game_keys`` rows)."""
+    return np.asarray(jax.vmap(jax.random.fold_in)(jnp.asarray(keys), jnp.asarray(turns, jnp.uint32)), np.uint32)
+
+
+def _takes_row_keys(sampler) -> bool:
+    """Whether ``sampler.generate`` accepts per-prompt ``row_keys`` (test doubles may not)."""
+    try:
+        return "row_keys" in inspect.signature(sampler.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_inputs(sampler, pool, games, rcfg) -> list[tuple[int, int]]:
     if not isinstance(rcfg, RolloutConfig):
         raise TypeError(f"rcfg must be a RolloutConfig, got {type(rcfg).__name__}")
@@ -444,6 +510,10 @@ class _Games:
     history: list[list[tuple[str, str]]]  # each env's (observation text, action sent), oldest first
     episodes: list[Episode]
     live: list[int]  # envs still playing, ascending
+    keys: np.ndarray  # uint32[n_envs, 2] each game's key (``game_keys``)
+    prompts: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # continuous: each slot game's prompt
+    labels: dict[int, Any] = dataclasses.field(default_factory=dict)  # continuous: its label
+    slot_stats: dict[str, float] = dataclasses.field(default_factory=dict)  # continuous: slots, decode steps, use
     rows: list[StepRecord] = dataclasses.field(default_factory=list)
     stats: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(truncations=0, history_dropped=0, turns=0, response_tokens=0, budget_hits=0)
@@ -453,7 +523,7 @@ class _Games:
     )
 
 
-def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]]) -> tuple[_Games, int]:
+def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]], key) -> tuple[_Games, int]:
     """Resets the ``len(games) * G`` envs; returns their state and the count of reset faults."""
     g_size = rcfg.group_size
     env_task = [games[i // g_size][0] for i in range(len(games) * g_size)]
@@ -466,15 +536,16 @@ def _new_games(pool, rcfg: RolloutConfig, games: list[tuple[int, int]]) -> tuple
         for i, (t, s) in enumerate(zip(env_task, env_seed))
     ]
     live = [i for i, ep in enumerate(episodes) if ep.env_error is None and not obs[i].won]
-    state = _Games(obs=obs, history=[[] for _ in episodes], episodes=episodes, live=live)
+    keys = game_keys(key, games, g_size)
+    state = _Games(obs=obs, history=[[] for _ in episodes], episodes=episodes, live=live, keys=keys)
     state.timing["env_s"] += dt
     return state, reset_faults
 
 
-def _turn_prompts(state: _Games, tokenizer, rcfg: RolloutConfig) -> list[list[int]]:
-    """The prompt token ids of every live game, history shortened to fit (counted in ``stats``)."""
+def _turn_prompts(state: _Games, tokenizer, rcfg: RolloutConfig, envs: Sequence[int] | None = None) -> list[list[int]]:
+    """The prompt token ids of every live game (or of ``envs``), history shortened to fit (counted in ``stats``)."""
     prompts = []
-    for i in state.live:
+    for i in state.live if envs is None else envs:
         ep = state.episodes[i]
         where = f"env {i} (task {ep.task_id}, seed {ep.seed})"
         ids, dropped = encode_prompt(tokenizer, rcfg, state.obs[i], state.history[i], ep.length, where)
@@ -517,11 +588,22 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
     prompts = _turn_prompts(state, tokenizer, rcfg)
     labels = list(labeler(list(live))) if labeler is not None else [None] * len(live)
     t0 = time.perf_counter()
-    out = sampler.generate(actor, prompts, key)
+    if _takes_row_keys(sampler):
+        row_keys = turn_keys(state.keys[live], [state.episodes[i].length for i in live])
+        out = sampler.generate(actor, prompts, key, row_keys=row_keys)
+    else:
+        out = sampler.generate(actor, prompts, key)
     dt_sample = time.perf_counter() - t0
     state.timing["sampling_s"] += dt_sample
     for k in ("prefill_s", "decode_s"):
         state.timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
+    state.live = _step_and_book(state, live, prompts, out, labels, sampler, pool, tokenizer, rcfg)
+    state.stats["turns"] += 1
+    return float(np.asarray(out.lengths).sum()) / max(dt_sample, 1e-9)
+
+
+def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, sampler, pool, tokenizer, rcfg):
+    """Parses the responses of games ``live``, steps them in the pool, books their rows; returns those still playing."""
     texts, finish = _decode(out, sampler, tokenizer)
     actions, valid, penalised = _score(texts, finish, rcfg)
     t0 = time.perf_counter()
@@ -564,9 +646,77 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
         state.obs[i] = res.obs
         if not _advance(ep, res, reward - penalty, valid[r], rcfg.max_steps):
             still.append(i)
-    state.live = still
-    state.stats["turns"] += 1
-    return float(lengths.sum()) / max(dt_sample, 1e-9)
+    return still
+
+
+def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, labeler) -> None:
+    """Plays every live game to its end on a ``SlotSampler``: a game whose response is done steps in the
+    pool while the other slots keep decoding, and its next prompt goes into a free slot."""
+    n_slots = rcfg.num_slots or min(len(state.episodes), sampler.config.batch_buckets[-1])
+    slot_sampler = SlotSampler(sampler, n_slots, rcfg.max_prompt_length, rcfg.chunk_steps)
+    t0 = time.perf_counter()
+    slots = slot_sampler.empty(actor)
+    pending = collections.deque(state.live)  # games waiting for a slot, in order
+    slot_env = [-1] * n_slots
+    busy_steps = 0
+    while pending or any(e >= 0 for e in slot_env):
+        free = [k for k, e in enumerate(slot_env) if e < 0]
+        if pending and free:
+            envs = [pending.popleft() for _ in range(min(len(pending), len(free)))]
+            ids = free[: len(envs)]
+            prompts = _turn_prompts(state, tokenizer, rcfg, envs)
+            for k, i, p in zip(ids, envs, prompts):
+                slot_env[k] = i
+                state.prompts[i] = p
+                state.labels[i] = None
+            if labeler is not None:
+                for i, lab in zip(envs, labeler(list(envs))):
+                    state.labels[i] = lab
+            keys = turn_keys(state.keys[envs], [state.episodes[i].length for i in envs])
+            t1 = time.perf_counter()
+            slots = slot_sampler.insert(actor, slots, prompts, ids, keys)
+            slots.done.block_until_ready()
+            state.timing["prefill_s"] += time.perf_counter() - t1
+        done = np.asarray(slots.done)
+        if not any(e >= 0 and done[k] for k, e in enumerate(slot_env)):
+            t1 = time.perf_counter()
+            busy = sum(e >= 0 for e in slot_env)
+            slots, steps = slot_sampler.decode_chunk(actor, slots)
+            busy_steps += busy * steps
+            state.timing["decode_s"] += time.perf_counter() - t1
+            done = np.asarray(slots.done)
+        ready = [k for k, e in enumerate(slot_env) if e >= 0 and done[k]]
+        if not ready:
+            continue
+        tokens, lengths, logps, fps = slot_sampler.read(slots, ready)
+        envs = [slot_env[k] for k in ready]
+        for k in ready:
+            slot_env[k] = -1
+        out = SampleOutput(tokens, lengths, logps, fps)
+        t_env = state.timing["env_s"]
+        still = _step_and_book(
+            state,
+            envs,
+            [state.prompts[i] for i in envs],
+            out,
+            [state.labels[i] for i in envs],
+            sampler,
+            pool,
+            tokenizer,
+            rcfg,
+        )
+        t0 += state.timing["env_s"] - t_env  # env time is not sampling time
+        pending.extend(still)
+    state.timing["sampling_s"] += time.perf_counter() - t0
+    state.live = []
+    state.stats["turns"] = max((ep.length for ep in state.episodes), default=0)
+    c = slot_sampler.counters
+    state.slot_stats = dict(
+        slots=n_slots,
+        decode_steps=c["decode_steps"],
+        busy_steps=busy_steps,
+        slot_steps=c["decode_steps"] * n_slots,
+    )
 
 
 def _advance(ep: Episode, res, net_reward: float, valid: bool, max_steps: int) -> bool:
@@ -694,6 +844,7 @@ def collect(
     key: jax.Array,
     progress: bool = True,
     labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
+    scheduler: str | None = None,
 ) -> RolloutResult:
     """Plays G rollouts of every task in lockstep and returns the step rows.
 
@@ -706,10 +857,15 @@ def collect(
       tokenizer: the actor's tokenizer (chat template, encode, decode).
       games: one ``(task_id, seed)`` pair per task group.
       rcfg: ``RolloutConfig``.
-      key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
+      key: ``jax.random`` key; turn t of a game samples with ``turn_keys(game_keys(key, games, G), t)``,
+        its own (game, turn) key, so its tokens do not depend on the other games (a sampler whose
+        ``generate`` takes no ``row_keys`` gets ``fold_in(key, t)`` for the whole turn).
       progress: show a tqdm bar over turns (live games, tokens/s).
       labeler: called each turn with the live env indices before they step; returns one label per env
         for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
+      scheduler: ``"lockstep"`` or ``"continuous"`` (``Scheduler``); None takes ``rcfg.scheduler``. Both
+        give the same ``RolloutResult`` (timing aside) for the same keys; continuous needs a real
+        ``Sampler`` (no mesh) and adds ``timing["decode_steps"]`` and ``stats["slot_use"]``.
 
     Returns:
       ``RolloutResult`` (see its docstring).
@@ -722,9 +878,20 @@ def collect(
     """
     t_start = time.perf_counter()
     games = _check_inputs(sampler, pool, games, rcfg)
-    state, reset_faults = _new_games(pool, rcfg, games)
+    scheduler = rcfg.scheduler if scheduler is None else scheduler
+    if scheduler not in tuple(Scheduler):
+        raise ValueError(f"collect: scheduler must be one of {tuple(map(str, Scheduler))}, got {scheduler!r}")
+    state, reset_faults = _new_games(pool, rcfg, games, key)
+    if scheduler == Scheduler.CONTINUOUS and state.live:
+        _play_continuous(state, actor, sampler, pool, tokenizer, rcfg, labeler)
+    _play_lockstep(state, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress)
+    return _result(state, sampler, tokenizer, len(games), rcfg, reset_faults, t_start, labeled=labeler is not None)
+
+
+def _play_lockstep(state: _Games, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress: bool) -> None:
+    """Every live game one turn per sampler call until none is left or ``rcfg.max_steps`` turns."""
     bar = None
-    if progress:
+    if progress and state.live:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
@@ -740,14 +907,24 @@ def collect(
         if bar is not None:
             bar.close()
 
+
+def _result(
+    state: _Games, sampler, tokenizer, n_groups: int, rcfg, reset_faults: int, t_start: float, labeled: bool
+) -> RolloutResult:
+    """The played games' ``RolloutResult``: kept rows packed, timing closed, statistics counted."""
     rows = _kept_rows(state, rcfg.game)
     prompt_ids, prompt_mask, response_ids, response_mask, sample_logprobs, steps = _pack(
-        rows, sampler, tokenizer, len(games), rcfg
+        rows, sampler, tokenizer, n_groups, rcfg
     )
     timing = state.timing
     timing["total_s"] = time.perf_counter() - t_start
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     host_stats = _episode_stats(state.stats, rows, state.episodes, len(state.rows), reset_faults)
+    if state.slot_stats:
+        timing["decode_steps"] = float(state.slot_stats["decode_steps"])
+        # busy slot-steps over slot-steps offered: pools over hosts as a rate
+        use = (float(state.slot_stats["busy_steps"]), float(state.slot_stats["slot_steps"]))
+        host_stats = dataclasses.replace(host_stats, rates={**host_stats.rates, "slot_use": use})
     return RolloutResult(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -761,6 +938,6 @@ def collect(
         responses=[r.text for r in rows],
         actions=[r.action for r in rows],
         finish_reasons=[r.finish for r in rows],
-        labels=[r.label for r in rows] if labeler else None,
+        labels=[r.label for r in rows] if labeled else None,
         host_stats=host_stats,
     )

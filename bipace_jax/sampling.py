@@ -13,8 +13,10 @@ D hidden width, S stop strings, Q stop-string states.
 Sampling (per row, per step), in the order Hugging Face's logits processors apply them:
 ``logits / temperature`` -> keep the ``top_k`` largest -> keep the smallest set of most likely tokens
 whose probability mass reaches ``top_p`` -> draw with the Gumbel-max trick. Each row draws from its
-own key ``fold_in(fold_in(key, row), step)`` where ``row`` is the prompt's index in the call, so a
-row's tokens do not depend on the bucket it landed in, on the other rows, or on the device mesh.
+own key ``fold_in(row_key, step)``: ``row_key`` is the caller's per-prompt key (``generate(...,
+row_keys=...)``; the rollout gives each (game, turn) its own) or by default ``fold_in(key, row)`` with
+``row`` the prompt's index in the call, so a row's tokens do not depend on the bucket it landed in,
+on the other rows, or on the device mesh.
 
 Stop strings are matched on bytes of the decoded text, on the device: for each stop string a
 Knuth-Morris-Pratt automaton is run over the byte text of every token id once, on the host, giving a
@@ -50,6 +52,7 @@ __all__ = [
     "StaticSettings",
     "decode_spec",
     "prefill_spec",
+    "key_data",
     "filter_logits",
     "sample_tokens",
     "first_argmax",
@@ -239,7 +242,8 @@ def sample_tokens(
     Args:
       logits: float32[B, V] raw next-token logits.
       row_keys: [B] typed PRNG keys (or uint32[B, 2]), one per row.
-      step: the response position being drawn (folded into each row's key).
+      step: the response position being drawn (folded into each row's key): a scalar, or int32[B] one
+        per row (the slot scheduler's rows are at different positions).
       temperature: scalar > 0 (ignored when ``greedy``).
       greedy / top_k / top_p: static, see ``SamplerConfig``.
       support: static; ids at or above it (embedding rows the tokenizer has no token for, as in
@@ -256,7 +260,8 @@ def sample_tokens(
     else:
         scaled = logits / jnp.asarray(temperature, jnp.float32)
         filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+        steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), (logits.shape[0],))
+        step_keys = jax.vmap(jax.random.fold_in)(row_keys, steps)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(step_keys)
         tokens = first_argmax(filtered + gumbel)
     # log_softmax(scaled)[token] without materialising log_softmax over V: the same expression
@@ -408,8 +413,11 @@ class StaticSettings(NamedTuple):
         )
 
 
-def _row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+def key_data(key: jax.Array) -> jax.Array:
+    """uint32[..., 2]: the raw data of ``key`` (typed ``jax.random.key`` or raw ``PRNGKey``, any batch shape)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return jnp.asarray(key, jnp.uint32)
 
 
 def _padded_table(table: np.ndarray, vocab: int) -> np.ndarray:
@@ -445,20 +453,19 @@ def _prefill_program(
     state,
     input_ids,
     attention_mask,
-    row_ids,
+    row_keys,
     row_mask,
-    key,
     temperature,
     table,
     stop_lens,
     eos_ids,
 ):
-    """Prefill + the first token. Returns the first-step carry and the filled KV cache."""
+    """Prefill + the first token (row b draws from ``fold_in(row_keys[b], 0)``). Returns the first-step carry and the filled KV cache."""
     actor = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     cache = actor.init_cache(b, static.cache_length)
     out, cache = actor.prefill(input_ids, attention_mask, cache)
-    token, logp = _draw(static, out.logits, _row_keys(key, row_ids), 0, temperature)
+    token, logp = _draw(static, out.logits, row_keys, 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     token = jnp.where(row_mask, token, static.pad_id)
@@ -477,9 +484,8 @@ def _decode_program(
     first_logp,
     done,
     stop_state,
-    row_ids,
+    row_keys,
     row_mask,
-    key,
     temperature,
     table,
     stop_lens,
@@ -489,7 +495,7 @@ def _decode_program(
     actor = nnx.merge(graphdef, state)
     b = first_token.shape[0]
     m = static.max_new_tokens
-    keys = _row_keys(key, row_ids)
+    keys = row_keys
     tokens = jnp.full((b, m), static.pad_id, jnp.int32).at[:, 0].set(first_token)
     logps = jnp.zeros((b, m), jnp.float32).at[:, 0].set(first_logp)
     lengths = row_mask.astype(jnp.int32)
@@ -528,8 +534,9 @@ def batch_axes(mesh) -> tuple[str, ...]:
 def prefill_spec(
     graphdef, state, static: StaticSettings, mesh, *, batch: int, stop_table_shape: tuple[int, int, int], num_eos: int
 ) -> ProgramSpec:
-    """The prefill program ``(graphdef, static, state, input_ids, attention_mask, row_ids, row_mask, key,
-    temperature, stop_table, stop_lens, eos_ids) -> (token, logp, done, stop_state, fingerprint, cache)``.
+    """The prefill program ``(graphdef, static, state, input_ids, attention_mask, row_keys uint32[Bb, 2],
+    row_mask, temperature, stop_table, stop_lens, eos_ids) -> (token, logp, done, stop_state, fingerprint,
+    cache)``; row b draws from its own key ``row_keys[b]`` (raw key data).
 
     Args:
       graphdef, state: ``nnx.split(actor)`` (state: arrays or ``jax.ShapeDtypeStruct``s with shardings).
@@ -553,9 +560,8 @@ def prefill_spec(
         abstract(state),
         ids,
         ids,
-        sds((batch,), jnp.int32),
+        sds((batch, 2), jnp.uint32),
         sds((batch,), jnp.bool_),
-        sds((2,), jnp.uint32, rows=False),
         sds((), jnp.float32, rows=False),
         sds(tuple(stop_table_shape), jnp.int32, rows=False),
         sds((stop_table_shape[0],), jnp.int32, rows=False),
@@ -565,16 +571,16 @@ def prefill_spec(
 
 
 def decode_spec(prefill: ProgramSpec, first) -> ProgramSpec:
-    """The decode loop ``(graphdef, static, state, cache, first_token, first_logp, done, stop_state, row_ids,
-    row_mask, key, temperature, stop_table, stop_lens, eos_ids) -> (tokens int32[Bb, M], logprobs
+    """The decode loop ``(graphdef, static, state, cache, first_token, first_logp, done, stop_state, row_keys,
+    row_mask, temperature, stop_table, stop_lens, eos_ids) -> (tokens int32[Bb, M], logprobs
     float32[Bb, M], lengths int32[Bb], cache)``, the cache donated (updated in place).
 
     ``first``: the outputs of ``prefill`` (arrays, or ShapeDtypeStructs with the compiled prefill's
     output shardings); the other arguments are ``prefill``'s.
     """
     token, logp, done, stop_state, _, cache = abstract(first)
-    g, st, state, _, _, row_ids, row_mask, key, temp, table, stop_lens, eos = prefill.args
-    args = (g, st, state, cache, token, logp, done, stop_state, row_ids, row_mask, key, temp, table, stop_lens, eos)
+    g, st, state, _, _, row_keys, row_mask, temp, table, stop_lens, eos = prefill.args
+    args = (g, st, state, cache, token, logp, done, stop_state, row_keys, row_mask, temp, table, stop_lens, eos)
     return ProgramSpec("decode", _decode_program, args, static_argnums=(0, 1), donate_argnums=(3,))
 
 
@@ -691,25 +697,31 @@ class Sampler:
         return arrays
 
     # -- the call ---------------------------------------------------------------------------------
-    def generate(self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array) -> SampleOutput:
+    def generate(
+        self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array, row_keys: jax.Array | None = None
+    ) -> SampleOutput:
         """Samples one response per prompt.
 
         Args:
           actor: the current policy (a ``Qwen2Actor`` or any module with ``init_cache``, ``prefill``,
             ``decode_step`` of the same contract); passed each call because its parameters change.
           prompts: B token-id lists (any lengths up to the largest length bucket).
-          key: a ``jax.random`` key; row b draws from ``fold_in(fold_in(key, b), step)``.
+          key: a ``jax.random`` key; without ``row_keys``, row b draws from ``fold_in(fold_in(key, b), step)``.
+          row_keys: optional per-prompt keys, [B] typed keys or uint32[B, 2] key data; row b then draws
+            from ``fold_in(row_keys[b], step)`` (``key`` unused), so its tokens depend on its own key
+            and prompt only.
 
         Returns:
           ``SampleOutput`` of NumPy arrays with B rows in prompt order.
 
         Raises:
           TypeError / ValueError: malformed prompts (empty, not 1-D, ids outside the vocabulary),
-            a prompt longer than the largest length bucket.
+            a prompt longer than the largest length bucket, ``row_keys`` not of B keys.
         """
         temp = self.config.temperature
         vocab = self._actor_vocab(actor)
         arrays = self._validate(prompts, vocab)
+        keys = self.row_key_data(key, len(arrays), row_keys)
         t_bucket = self.length_bucket(max(a.size for a in arrays))
         chunk = self.config.batch_buckets[-1]
         graphdef, state = nnx.split(actor)
@@ -718,10 +730,26 @@ class Sampler:
         )
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             parts = [
-                self._generate_chunk(graphdef, state, arrays[s : s + chunk], s, t_bucket, key, temp, vocab)
+                self._generate_chunk(graphdef, state, arrays[s : s + chunk], keys[s : s + chunk], t_bucket, temp, vocab)
                 for s in range(0, len(arrays), chunk)
             ]
         return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
+
+    @staticmethod
+    def row_key_data(key: jax.Array, n: int, row_keys: jax.Array | None = None) -> np.ndarray:
+        """uint32[n, 2]: each row's key data, ``row_keys`` or by default ``fold_in(key, row)``.
+
+        Raises:
+          ValueError: ``row_keys`` is not n keys.
+        """
+        if row_keys is None:
+            return np.asarray(key_data(jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(n, dtype=jnp.int32))))
+        data = np.asarray(key_data(jnp.asarray(row_keys) if not hasattr(row_keys, "dtype") else row_keys))
+        if data.shape != (n, 2):
+            raise ValueError(
+                f"row_keys must be {n} keys (uint32[{n}, 2] key data or [{n}] typed keys), got shape {data.shape}"
+            )
+        return data.astype(np.uint32)
 
     @staticmethod
     def _actor_vocab(actor) -> int:
@@ -745,29 +773,30 @@ class Sampler:
         row_mask = np.arange(b_bucket) < n
         return ids, mask, row_mask
 
-    def _generate_chunk(self, graphdef, state, arrays, offset, t_bucket, key, temp, vocab):
+    def _generate_chunk(self, graphdef, state, arrays, keys, t_bucket, temp, vocab):
         cfg = self.config
         n = len(arrays)
         ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
         b_bucket = ids.shape[0]
-        row_ids = np.arange(offset, offset + b_bucket, dtype=np.int32)
+        row_keys = np.zeros((b_bucket, 2), np.uint32)
+        row_keys[:n] = keys
         static = StaticSettings.of(cfg, t_bucket, self.pad_id, min(self.vocab_size, vocab))
         consts = self._consts(vocab)
-        ids, mask, row_ids_d, row_mask_d = (
-            self._put(x, P(self.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, row_ids, row_mask)
+        ids, mask, row_keys_d, row_mask_d = (
+            self._put(x, P(self.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, row_keys, row_mask)
         )
         temp_d = jnp.float32(temp)
         pre = prefill_spec(
             graphdef, state, static, self.mesh, batch=b_bucket, stop_table_shape=consts[0].shape, num_eos=len(consts[2])
         )
         t0 = time.perf_counter()
-        first = pre(graphdef, static, state, ids, mask, row_ids_d, row_mask_d, key, temp_d, *consts)
+        first = pre(graphdef, static, state, ids, mask, row_keys_d, row_mask_d, temp_d, *consts)
         token, logp, done, stop_state, fingerprint, cache = first
         token.block_until_ready()
         t1 = time.perf_counter()
         if cfg.max_new_tokens > 1:
             dec = decode_spec(pre, first)
-            args = (token, logp, done, stop_state, row_ids_d, row_mask_d, key, temp_d, *consts)
+            args = (token, logp, done, stop_state, row_keys_d, row_mask_d, temp_d, *consts)
             tokens, logps, lengths, cache = dec(graphdef, static, state, cache, *args)
         else:
             tokens, logps, lengths = token[:, None], logp[:, None], row_mask_d.astype(jnp.int32)

@@ -83,6 +83,11 @@ def get_config() -> ml_collections.ConfigDict:
     # invalid (fallback action + invalid penalty) | unpenalised (fallback action, no penalty)
     c.rollout.reset_retries = 1  # a task group whose reset faulted is reset again on a fresh seed this often
     c.rollout.show_inventory = False
+    # lockstep (one sampler call per turn over all live games) | continuous (slot scheduler:
+    # rollout.num_slots slots, 0 = one per game; rollout.chunk_steps decode steps per device chunk)
+    c.rollout.scheduler = "lockstep"
+    c.rollout.num_slots = 0
+    c.rollout.chunk_steps = 8
     c.rollout.system_prompt = (
         "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)
     )

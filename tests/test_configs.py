@@ -168,6 +168,8 @@ def test_command_line_overrides_reach_nested_fields():
         ("rollout.reset_retries", -1, "config.rollout.reset_retries must be an int >= 0, got -1"),
         ("rollout.invalid_action", "skip", "config.rollout.invalid_action must be one of ('fallback', 'projected')"),
         ("rollout.projection_chars", 0, "config.rollout.projection_chars must be an int >= 1, got 0"),
+        ("rollout.scheduler", "eager", "config.rollout.scheduler must be one of ('lockstep', 'continuous')"),
+        ("rollout.chunk_steps", 0, "config.rollout.chunk_steps must be an int >= 1, got 0"),
         (
             "model.matmul_precision",
             "tf32",

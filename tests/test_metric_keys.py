@@ -50,10 +50,10 @@ def test_every_key_the_producers_name_is_documented():
     produced += [f"estimator/cluster_{k}" for k in diagnostics.SIZE_STATS]
     row = types.SimpleNamespace(prompt=[1, 2], valid=True, finish="eos")
     ep = types.SimpleNamespace(env_error=None, won=True)
-    counters = rollout._Games([], [], [], []).stats
+    counters = rollout._Games([], [], [], [], None).stats
     produced += [f"rollout/{k}" for k in rollout._episode_stats(counters, [row], [ep], 1, 0).keys()]
-    produced += [f"rollout/{k}" for k in rollout._Games([], [], [], []).stats]
-    produced += [f"time/rollout_{k}" for k in (*rollout._Games([], [], [], []).timing, "total_s", "host_s")]
+    produced += [f"rollout/{k}" for k in rollout._Games([], [], [], [], None).stats]
+    produced += [f"time/rollout_{k}" for k in (*rollout._Games([], [], [], [], None).timing, "total_s", "host_s")]
     a = np.array([1.0, 0.0])
     for panel in ("val", "val/holdout", "val_before", "val_before/holdout"):
         produced += list(panel_metrics(panel, a, a, a, a))

@@ -10,7 +10,15 @@ from flax import nnx
 
 import environments
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
-from bipace_jax.rollout import FIRST_TOKENS, PromptTooLongError, RolloutConfig, collect, encode_prompt
+from bipace_jax.rollout import (
+    FIRST_TOKENS,
+    PromptTooLongError,
+    RolloutConfig,
+    collect,
+    encode_prompt,
+    game_keys,
+    turn_keys,
+)
 from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
 from environments.base import Observation
 from environments.pool import EnvPool, Fault
@@ -257,12 +265,89 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     assert res.actions == ["inventory"] * 8 and res.stats["invalid_rate"] == 1.0
     assert res.timing["sampling_s"] > 0 and res.stats["response_tokens"] == lengths.sum()
     assert 0 < res.timing["prefill_s"] + res.timing["decode_s"] <= res.timing["sampling_s"]
-    # Turn 0 sampled all four games in one call: its fingerprints equal a direct sampler call.
+    # Turn 0 sampled all four games in one call: its rows equal a direct sampler call with each game's
+    # own (game, turn) key.
     rows0 = np.asarray(res.steps.step)[:n] == 0
     prompts = [list(p[m == 1]) for p, m in zip(res.prompt_ids[rows0], res.prompt_mask[rows0])]
-    direct = sampler.generate(actor, prompts, jax.random.fold_in(jax.random.key(1), 0))
+    keys0 = turn_keys(game_keys(jax.random.key(1), GAMES, 2), [0] * 4)
+    direct = sampler.generate(actor, prompts, jax.random.key(99), row_keys=keys0)
     np.testing.assert_array_equal(direct.tokens, res.response_ids[rows0])
     np.testing.assert_allclose(direct.fingerprints, fp[rows0], atol=1e-6)
+
+
+def test_game_keys_depend_on_the_game_only():
+    both = game_keys(jax.random.key(3), [(16, 3), (12, 4)], 2)
+    alone = game_keys(jax.random.key(3), [(12, 4)], 2)
+    twice = game_keys(jax.random.key(3), [(12, 4), (12, 4)], 2)
+    assert both.shape == (4, 2) and both.dtype == np.uint32
+    np.testing.assert_array_equal(both[2:], alone)
+    np.testing.assert_array_equal(twice[:2], alone)
+    assert len({tuple(k) for k in np.concatenate([both, twice[2:]])}) == 6  # rollouts and copies differ
+    k = turn_keys(both, [0, 1, 0, 1])
+    assert len({tuple(x) for x in k}) == 4 and not (k == both).all(axis=1).any()
+    big = game_keys(jax.random.key(3), [(12, 4 + (1 << 32))], 2)  # the seed's high bits count
+    assert not (big == alone).all()
+
+
+@pytest.mark.slow
+def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    sampler = Sampler(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    key = jax.random.key(5)
+    both = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    alone = collect(actor, sampler, pool, tokenizer, GAMES[1:], rcfg, key, progress=False)
+    rows = np.asarray(both.steps.group_id)[: both.rows] == 1  # group (12, 4): envs 2, 3 here, 0, 1 alone
+    assert rows.sum() == alone.rows == 4
+    np.testing.assert_array_equal(both.response_ids[rows], alone.response_ids)
+    np.testing.assert_allclose(both.sample_logprobs[rows], alone.sample_logprobs, atol=1e-5)
+    # Another game's tokens differ (the keys are its own): the check above can fail.
+    assert not np.array_equal(both.response_ids[~rows], alone.response_ids)
+
+
+def _assert_same_result(a, b):
+    """Two RolloutResults equal, timing and the continuous scheduler's own counters aside."""
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_allclose(a.sample_logprobs, b.sample_logprobs, atol=1e-5)
+    for f in ("group_id", "traj_id", "step", "reward", "penalty", "obs_hash", "action_key", "mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(a.steps, f)), np.asarray(getattr(b.steps, f)), err_msg=f)
+    np.testing.assert_allclose(np.asarray(a.steps.fingerprint), np.asarray(b.steps.fingerprint), atol=1e-5)
+    assert a.episodes == b.episodes
+    assert (a.responses, a.actions, a.finish_reasons, a.labels) == (b.responses, b.actions, b.finish_reasons, b.labels)
+    assert {k: v for k, v in b.stats.items() if k != "slot_use"} == a.stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("greedy", [True, False])
+def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    # Every 5th id ends a response, so the random actor's responses have several lengths.
+    eos = tuple(range(3, len(tokenizer), 5))
+    scfg = SamplerConfig(
+        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=greedy, eos_token_ids=eos
+    )
+    sampler = Sampler(tokenizer, scfg)
+    # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
+    rcfg = RolloutConfig(
+        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
+    )
+    key = jax.random.key(2)
+    lock = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    cont = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False, scheduler="continuous")
+    assert lock.rows == cont.rows == 12
+    _assert_same_result(lock, cont)
+    assert cont.timing["decode_steps"] > 0 and 0 < cont.stats["slot_use"] <= 1
+    if not greedy:  # responses of several lengths: the slots really ran out of step
+        assert len(set(lock.response_mask.sum(1).tolist())) > 1
+
+
+def test_collect_rejects_an_unknown_scheduler(tokenizer, pool):
+    with pytest.raises(ValueError, match="RolloutConfig.scheduler"):
+        RolloutConfig(scheduler="eager")
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, rcfg, jax.random.key(0), scheduler="x")
 
 
 class FinishSampler(OracleSampler):

@@ -537,3 +537,24 @@ def test_generate_rejects_bad_prompts_with_the_field_named(prompts, match):
 def test_sampler_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplerConfig(**kw)
+
+
+@pytest.mark.slow
+def test_row_keys_make_a_row_depend_on_its_own_key_and_prompt_only():
+    tok = small_tokenizer()
+    model = FakeLM(vocab=len(tok), dim=16, seed=5, scale=1.0)
+    sampler = Sampler(tok, _cfg(max_new_tokens=10, batch_buckets=(1, 4, 8)))
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, len(tok), size=n)) for n in (4, 15, 2)]
+    keys = jax.random.split(jax.random.key(11), 3)
+    together = sampler.generate(model, prompts, jax.random.key(0), row_keys=keys)
+    alone = sampler.generate(model, [prompts[2]], jax.random.key(1), row_keys=keys[2:])  # other row, bucket
+    np.testing.assert_array_equal(alone.tokens[0], together.tokens[2])
+    np.testing.assert_allclose(alone.logprobs[0], together.logprobs[2], atol=1e-5)
+    # The default keys are fold_in(key, row): the same draw as passing them explicitly.
+    default = sampler.generate(model, prompts, jax.random.key(0))
+    explicit = sampler.generate(model, prompts, jax.random.key(9), row_keys=Sampler.row_key_data(jax.random.key(0), 3))
+    np.testing.assert_array_equal(default.tokens, explicit.tokens)
+    assert not np.array_equal(default.tokens, together.tokens)
+    with pytest.raises(ValueError, match="row_keys must be 3 keys"):
+        sampler.generate(model, prompts, jax.random.key(0), row_keys=keys[:2])

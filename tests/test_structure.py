@@ -18,8 +18,9 @@ COVERED_ELSEWHERE = {
     "checkpointing": "test_trainer_state.py: round trips, half-written and truncated steps, async saves",
     "config": "test_configs.py (one-line field errors) and test_trainer_state.py (selectors, templates)",
     "distributed": "the two-process runs of test_mesh_placement.py, test_ppo_protocol.py and test_learner.py",
-    "metric_keys": "test_trainer_state.py (the before-training copy) with their producers and consumers",
+    "demo_stream": "test_demos.py reads the demonstration datasets through it (shards, shuffle, resumed state)",
     "metrics": "test_trainer_state.py and test_runfolder.py (logger, event files, plots)",
+    "slots": "test_rollout.py: the continuous scheduler's slot programs against the lockstep oracle",
     "programs": "test_ppo.py and test_aot.py compare the public program specs with what runs",
     "tasks": "test_trainer_state.py (selectors, schedule, panels) and test_tiny_tasks.py (the shipped set)",
 }

@@ -1,0 +1,314 @@
+"""Slot sampler (continuous batching): a fixed set of decode slots, each row at its own length.
+
+The lockstep sampler (``sampling.Sampler.generate``) answers one batch of prompts and waits for its
+longest response. Here a fixed number NS of slots (static shapes) share one dense KV cache of
+S = T_max + M columns per slot, and two jitted programs update the slot state in place (donated):
+
+* ``insert``: prefills I new prompts (left-padded to a prompt bucket T <= T_max) and writes them into
+  the given free slots: their first token, its log-prob, the stop-string state and the fingerprint.
+* ``decode_chunk``: runs up to ``chunk`` decode steps on every busy slot, leaving the loop as soon as a
+  slot finishes, so the host can hand that response to its game while the others keep decoding.
+
+Each slot keeps its own write index (``KVCache.index`` is int32[NS] here): the actor's
+``decode_step`` runs once per slot under ``jax.vmap`` on a one-row view of the cache, so the model
+is unchanged. A slot draws token j from ``fold_in(row_key, j)``, the lockstep sampler's rule, so
+with the same per-(game, turn) keys both schedulers draw the same tokens (up to float summation
+order over masked cache columns).
+
+Shape letters: NS slots, I inserted prompts, T prompt bucket, S cache columns, M new tokens,
+D hidden width, Q stop-string states per stop string (SS stop strings).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bipace_jax.programs import ProgramSpec, abstract
+from bipace_jax.sampling import Sampler, StaticSettings, _advance_stop, _draw
+
+__all__ = ["SlotState", "SlotSampler", "insert_spec", "decode_chunk_spec"]
+
+
+class SlotState(NamedTuple):
+    """The slots' device state (a pytree; donated to both programs).
+
+    Attributes:
+      cache: the actor's ``KVCache`` in per-layer form, B = NS rows, S = T_max + M columns, ``index``
+        int32[NS] (each slot's next column).
+      tokens: int32[NS, M] the response so far (pad id past ``pos``); logps: float32[NS, M].
+      pos: int32[NS] response tokens so far (the next position drawn).
+      done: bool[NS] the response ended (EOS, stop text, M tokens) or the slot is empty.
+      last: int32[NS] the last token drawn (the next decode input).
+      stop_state: int32[NS, SS] the stop-string automata states.
+      keys: uint32[NS, 2] each slot's row key; fingerprint: float32[NS, D] its prompt's fingerprint.
+    """
+
+    cache: Any
+    tokens: jax.Array
+    logps: jax.Array
+    pos: jax.Array
+    done: jax.Array
+    last: jax.Array
+    stop_state: jax.Array
+    keys: jax.Array
+    fingerprint: jax.Array
+
+
+def _empty_program(graphdef, static: StaticSettings, state, num_slots: int, num_stops: int):
+    actor = nnx.merge(graphdef, state)
+    cache = actor.init_cache(num_slots, static.cache_length, per_layer=True)
+    cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
+    m = static.max_new_tokens
+    d = actor.config.hidden_size
+    return SlotState(
+        cache=cache,
+        tokens=jnp.full((num_slots, m), static.pad_id, jnp.int32),
+        logps=jnp.zeros((num_slots, m), jnp.float32),
+        pos=jnp.zeros((num_slots,), jnp.int32),
+        done=jnp.ones((num_slots,), bool),
+        last=jnp.full((num_slots,), static.pad_id, jnp.int32),
+        stop_state=jnp.zeros((num_slots, num_stops), jnp.int32),
+        keys=jnp.zeros((num_slots, 2), jnp.uint32),
+        fingerprint=jnp.zeros((num_slots, d), jnp.float32),
+    )
+
+
+_empty = jax.jit(_empty_program, static_argnums=(0, 1, 3, 4))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _insert_program(
+    graphdef, static: StaticSettings, state, slots: SlotState, input_ids, attention_mask, slot_ids, row_keys,
+    temperature, table, stop_lens, eos_ids,
+):  # fmt: skip
+    """Prefills I prompts and writes them into slots ``slot_ids`` (an id >= NS is a padding row: dropped)."""
+    actor = nnx.merge(graphdef, state)
+    n, t = input_ids.shape
+    cache = actor.init_cache(n, t, per_layer=True)
+    out, cache = actor.prefill(input_ids, attention_mask, cache)
+    token, logp = _draw(static, out.logits, row_keys, 0, temperature)
+    stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((n, table.shape[0]), jnp.int32), token)
+    is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
+    done = is_eos | hit | (static.max_new_tokens == 1)
+    c = slots.cache
+    s_cols = c.slot_mask.shape[1]
+
+    def put(dst, src):
+        return dst.at[slot_ids].set(src.astype(dst.dtype), mode="drop")
+
+    # Prompt columns [0, T) of each new slot; columns >= T keep stale values that slot_mask hides and
+    # decode overwrites before unmasking.
+    k = tuple(a.at[slot_ids, :, :, :t].set(b.astype(a.dtype), mode="drop") for a, b in zip(c.k, cache.k))
+    v = tuple(a.at[slot_ids, :, :t, :].set(b.astype(a.dtype), mode="drop") for a, b in zip(c.v, cache.v))
+    mask = jnp.zeros((n, s_cols), bool).at[:, :t].set(cache.slot_mask[:, :t])
+    c = c.replace(
+        k=k,
+        v=v,
+        slot_mask=put(c.slot_mask, mask),
+        lengths=put(c.lengths, cache.lengths),
+        index=put(c.index, jnp.full((n,), t, jnp.int32)),
+    )
+    m = static.max_new_tokens
+    row_tokens = jnp.full((n, m), static.pad_id, jnp.int32).at[:, 0].set(token)
+    row_logps = jnp.zeros((n, m), jnp.float32).at[:, 0].set(logp)
+    return SlotState(
+        cache=c,
+        tokens=put(slots.tokens, row_tokens),
+        logps=put(slots.logps, row_logps),
+        pos=put(slots.pos, jnp.ones((n,), jnp.int32)),
+        done=put(slots.done, done),
+        last=put(slots.last, token),
+        stop_state=put(slots.stop_state, stop_state),
+        keys=put(slots.keys, row_keys),
+        fingerprint=put(slots.fingerprint, out.fingerprint.astype(jnp.float32)),
+    )
+
+
+def _slot_step(actor, tokens, cache):
+    """``actor.decode_step`` per slot (vmapped over one-row views): each slot writes at its own index."""
+
+    def one(token, row):
+        view = row.replace(
+            k=tuple(x[None] for x in row.k),
+            v=tuple(x[None] for x in row.v),
+            slot_mask=row.slot_mask[None],
+            lengths=row.lengths[None],
+        )
+        logits, new = actor.decode_step(token[None], view)
+        new = new.replace(
+            k=tuple(x[0] for x in new.k),
+            v=tuple(x[0] for x in new.v),
+            slot_mask=new.slot_mask[0],
+            lengths=new.lengths[0],
+        )
+        return logits[0], new
+
+    return jax.vmap(one)(tokens, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 4), donate_argnums=(3,))
+def _decode_chunk_program(
+    graphdef, static: StaticSettings, state, slots: SlotState, chunk: int, temperature, table, stop_lens, eos_ids
+):
+    """Up to ``chunk`` decode steps of every busy slot; leaves after the step in which a slot finishes.
+
+    Returns (slots, int32 [] steps run).
+    """
+    actor = nnx.merge(graphdef, state)
+    m = static.max_new_tokens
+    rows = jnp.arange(slots.pos.shape[0])
+
+    def cond(carry):
+        i, s, finished = carry
+        return (i < chunk) & ~finished & ~jnp.all(s.done)
+
+    def body(carry):
+        i, s, _ = carry
+        logits, cache = _slot_step(actor, s.last, s.cache)
+        # A finished or empty slot's cache is not read again before an insert rewrites it; keep its
+        # index in range anyway.
+        cache = cache.replace(index=jnp.where(s.done, s.cache.index, cache.index))
+        token, logp = _draw(static, logits, s.keys, s.pos, temperature)
+        live = ~s.done
+        token = jnp.where(live, token, static.pad_id)
+        col = jnp.minimum(s.pos, m - 1)
+        tokens = s.tokens.at[rows, col].set(jnp.where(live, token, s.tokens[rows, col]))
+        logps = s.logps.at[rows, col].set(jnp.where(live, logp, s.logps[rows, col]))
+        new_state, hit = _advance_stop(table, stop_lens, s.stop_state, token)
+        is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
+        pos = s.pos + live.astype(jnp.int32)
+        ends = live & (is_eos | hit | (pos >= m))
+        s = s._replace(
+            cache=cache,
+            tokens=tokens,
+            logps=logps,
+            pos=pos,
+            done=s.done | ends,
+            last=jnp.where(live, token, s.last),
+            stop_state=jnp.where(live[:, None], new_state, s.stop_state),
+        )
+        return i + 1, s, jnp.any(ends)
+
+    steps, slots, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), slots, jnp.bool_(False)))
+    return slots, steps
+
+
+def insert_spec(graphdef, state, static: StaticSettings, slots, *, batch: int, prompt_len: int, consts) -> ProgramSpec:
+    """The insert program ``(graphdef, static, state, slots, input_ids int32[I, T], attention_mask
+    int32[I, T], slot_ids int32[I], row_keys uint32[I, 2], temperature, stop_table, stop_lens, eos_ids)
+    -> slots``, the slots donated; ``batch`` = I, ``prompt_len`` = T (<= the slots' T_max)."""
+    ids = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    args = (
+        graphdef,
+        static,
+        abstract(state),
+        abstract(slots),
+        ids,
+        ids,
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, 2), jnp.uint32),
+        jax.ShapeDtypeStruct((), jnp.float32),
+        *abstract(tuple(consts)),
+    )
+    return ProgramSpec("insert", _insert_program, args, static_argnums=(0, 1), donate_argnums=(3,))
+
+
+def decode_chunk_spec(graphdef, state, static: StaticSettings, slots, *, chunk: int, consts) -> ProgramSpec:
+    """The chunk program ``(graphdef, static, state, slots, chunk, temperature, stop_table, stop_lens,
+    eos_ids) -> (slots, steps int32[])``, the slots donated; ``chunk`` (static) caps the steps."""
+    args = (graphdef, static, abstract(state), abstract(slots), chunk, jax.ShapeDtypeStruct((), jnp.float32))
+    args = args + tuple(abstract(tuple(consts)))
+    return ProgramSpec("decode_chunk", _decode_chunk_program, args, static_argnums=(0, 1, 4), donate_argnums=(3,))
+
+
+class SlotSampler:
+    """Host side of the slot programs, on top of a ``Sampler`` (its config, buckets, EOS and stop table).
+
+    Args:
+      sampler: a ``sampling.Sampler`` without a mesh (the slot programs place arrays by default).
+      num_slots: NS (>= 1), the decode slots.
+      max_prompt: the longest prompt in tokens; T_max = ``sampler.length_bucket(max_prompt)``.
+      chunk: (>= 1) most decode steps per ``decode_chunk`` call.
+
+    Raises:
+      ValueError: ``num_slots`` or ``chunk`` below 1, a sampler with a mesh, ``max_prompt`` over the
+        largest length bucket.
+    """
+
+    def __init__(self, sampler: Sampler, num_slots: int, max_prompt: int, chunk: int = 8):
+        for name, v in (("num_slots", num_slots), ("chunk", chunk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SlotSampler: {name} must be an int >= 1, got {v!r}")
+        if sampler.mesh is not None:
+            raise ValueError("SlotSampler: the sampler has a mesh; the slot programs run on the default device")
+        self.sampler, self.num_slots, self.chunk = sampler, num_slots, chunk
+        self.t_max = sampler.length_bucket(max_prompt)
+        #: decode steps run and busy-slot steps (for slot use), summed over calls
+        self.counters = dict(decode_steps=0, chunk_calls=0, insert_calls=0)
+
+    def _static(self, vocab: int) -> StaticSettings:
+        s = self.sampler
+        return StaticSettings.of(s.config, self.t_max, s.pad_id, min(s.vocab_size, vocab))
+
+    def empty(self, actor) -> SlotState:
+        """NS empty slots (all ``done``)."""
+        vocab = self.sampler._actor_vocab(actor)
+        graphdef, state = nnx.split(actor)
+        return _empty(graphdef, self._static(vocab), state, self.num_slots, len(self.sampler.config.stop_strings))
+
+    def insert(self, actor, slots: SlotState, prompts: Sequence[Sequence[int]], slot_ids: Sequence[int], row_keys):
+        """Prefills ``prompts`` into the free slots ``slot_ids`` (one each); ``row_keys`` uint32[I, 2].
+
+        Returns the new ``SlotState`` (``slots`` is donated: do not use it again).
+        """
+        s = self.sampler
+        vocab = s._actor_vocab(actor)
+        arrays = s._validate(list(prompts), vocab)
+        t = s.length_bucket(max(a.size for a in arrays))
+        ids, mask, _ = s.prepare_batch(arrays, t)
+        b = ids.shape[0]
+        sid = np.full((b,), self.num_slots, np.int32)
+        sid[: len(arrays)] = slot_ids
+        keys = np.zeros((b, 2), np.uint32)
+        keys[: len(arrays)] = row_keys
+        graphdef, state = nnx.split(actor)
+        consts = s._consts(vocab)
+        static = self._static(vocab)
+        spec = insert_spec(graphdef, state, static, slots, batch=b, prompt_len=t, consts=consts)
+        self.counters["insert_calls"] += 1
+        temp = jnp.float32(s.config.temperature)
+        return spec(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
+
+    def decode_chunk(self, actor, slots: SlotState) -> tuple[SlotState, int]:
+        """Up to ``chunk`` steps of every busy slot (leaving when one finishes); returns (slots, steps run)."""
+        s = self.sampler
+        vocab = s._actor_vocab(actor)
+        graphdef, state = nnx.split(actor)
+        consts = s._consts(vocab)
+        static = self._static(vocab)
+        spec = decode_chunk_spec(graphdef, state, static, slots, chunk=self.chunk, consts=consts)
+        slots, steps = spec(graphdef, static, state, slots, self.chunk, jnp.float32(s.config.temperature), *consts)
+        steps = int(steps)
+        self.counters["decode_steps"] += steps
+        self.counters["chunk_calls"] += 1
+        return slots, steps
+
+    @staticmethod
+    def read(slots: SlotState, slot_ids: Sequence[int]):
+        """(tokens int32[n, M], lengths int32[n], logprobs float32[n, M], fingerprints float32[n, D]) of
+        the slots ``slot_ids``, as NumPy arrays (the rows of a ``SampleOutput``)."""
+        idx = np.asarray(slot_ids, np.int32)
+        tokens, pos, logps, fp = jax.device_get((slots.tokens, slots.pos, slots.logps, slots.fingerprint))
+        return (
+            np.asarray(tokens[idx], np.int32),
+            np.asarray(pos[idx], np.int32),
+            np.asarray(logps[idx], np.float32),
+            np.asarray(fp[idx], np.float32),
+        )
