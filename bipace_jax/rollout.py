@@ -673,7 +673,7 @@ def collect(
     games: Sequence[tuple[int, int]],
     rcfg: RolloutConfig,
     key: jax.Array,
-    progress: bool = True,
+    progress: bool | str = True,
     labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
 ) -> RolloutResult:
     """Plays G rollouts of every task in lockstep and returns the step rows.
@@ -688,7 +688,8 @@ def collect(
       games: one ``(task_id, seed)`` pair per task group.
       rcfg: ``RolloutConfig``.
       key: ``jax.random`` key; turn t samples with ``fold_in(key, t)``.
-      progress: show a tqdm bar over turns (live games, tokens/s).
+      progress: show a tqdm bar over turns (live games, tokens/s); a string is the bar's label
+        (default ``"rollout <game>"``).
       labeler: called each turn with the live env indices before they step; returns one label per env
         for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
 
@@ -708,7 +709,8 @@ def collect(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
+        desc = progress if isinstance(progress, str) else f"rollout {rcfg.game}"
+        bar = tqdm(total=rcfg.max_steps, desc=desc, unit="turn", leave=False)
     try:
         for turn in range(rcfg.max_steps):
             if not state.live:

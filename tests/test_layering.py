@@ -36,6 +36,7 @@ LAYERS = (
             "bipace_jax.tasks",
             "bipace_jax.distributed",
             "bipace_jax.runfolder",
+            "bipace_jax.loglines",
             "bipace_jax.resume",
             "bipace_jax.checkpointing",
             "bipace_jax.metric_keys",
