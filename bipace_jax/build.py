@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +106,10 @@ def checked(section: str, cls: type, **fields):
 # The model section.
 
 
+#: A Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct"): owner/name, no other slash, no leading dot.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """``config.model``: the actor (loaded from ``checkpoint``, else a random ``preset`` init).
@@ -169,6 +174,15 @@ class ModelConfig:
         m = cls(**{f.name: get(c, f"model.{f.name}") for f in dataclasses.fields(cls)})
         if m.checkpoint and not abstract:
             if not os.path.isfile(os.path.join(resolve_path(m.checkpoint), "config.json")):
+                if _HUB_ID.fullmatch(m.checkpoint) and not os.path.exists(resolve_path(m.checkpoint)):
+                    # nothing downloads at run time: say how to fetch the folder once
+                    fail(
+                        "model.checkpoint",
+                        f"be a local or gs:// Hugging Face folder, not a hub id (download it once: "
+                        f"huggingface-cli download {m.checkpoint} --local-dir /ckpt/{m.checkpoint.split('/')[1]}, "
+                        f"then --config.model.checkpoint=/ckpt/{m.checkpoint.split('/')[1]})",
+                        m.checkpoint,
+                    )
                 fail(
                     "model.checkpoint",
                     "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "

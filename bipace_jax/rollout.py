@@ -842,7 +842,7 @@ def collect(
     games: Sequence[tuple[int, int]],
     rcfg: RolloutConfig,
     key: jax.Array,
-    progress: bool = True,
+    progress: bool | str = True,
     labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
     scheduler: str | None = None,
 ) -> RolloutResult:
@@ -860,7 +860,8 @@ def collect(
       key: ``jax.random`` key; turn t of a game samples with ``turn_keys(game_keys(key, games, G), t)``,
         its own (game, turn) key, so its tokens do not depend on the other games (a sampler whose
         ``generate`` takes no ``row_keys`` gets ``fold_in(key, t)`` for the whole turn).
-      progress: show a tqdm bar over turns (live games, tokens/s).
+      progress: show a tqdm bar over turns (live games, tokens/s); a string is the bar's label
+        (default ``"rollout <game>"``).
       labeler: called each turn with the live env indices before they step; returns one label per env
         for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
       scheduler: ``"lockstep"`` or ``"continuous"`` (``Scheduler``); None takes ``rcfg.scheduler``. Both
@@ -888,13 +889,14 @@ def collect(
     return _result(state, sampler, tokenizer, len(games), rcfg, reset_faults, t_start, labeled=labeler is not None)
 
 
-def _play_lockstep(state: _Games, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress: bool) -> None:
+def _play_lockstep(state: _Games, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress: bool | str) -> None:
     """Every live game one turn per sampler call until none is left or ``rcfg.max_steps`` turns."""
     bar = None
     if progress and state.live:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=rcfg.max_steps, desc=f"rollout {rcfg.game}", unit="turn", leave=False)
+        desc = progress if isinstance(progress, str) else f"rollout {rcfg.game}"
+        bar = tqdm(total=rcfg.max_steps, desc=desc, unit="turn", leave=False)
     try:
         for turn in range(rcfg.max_steps):
             if not state.live:

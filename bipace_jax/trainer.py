@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import environments
-from bipace_jax import build, distributed, runfolder, sharding, tasks
+from bipace_jax import build, distributed, loglines, runfolder, sharding, tasks
 from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
@@ -150,6 +150,13 @@ class Trainer:
         config = json.loads(s.config.to_json_best_effort())
         return dict(config=config, derived=derived, wandb_project=s.log.wandb_project if s.log.wandb else None)
 
+    _bar = None  # the run's tqdm bar while ``run`` is on (its description names the phase)
+
+    def _phase(self, name: str) -> None:
+        """Show the phase the iteration is in (rollout, validation seen/held-out, log-probs, update) on the bar."""
+        if self._bar is not None:
+            self._bar.set_description(f"RL iterations [{name}]")
+
     def _panel_options(self) -> dict[str, dict[str, Any]]:
         """Panel name -> its own game options (on top of ``env.options``; {} = the training game)."""
         return {keys.VAL: self.spec.val.options, keys.VAL_HOLDOUT: self.spec.val.holdout_options}
@@ -218,9 +225,10 @@ class Trainer:
         with runfolder.staged(path) as local:
             return build_game_tokenizer(self.spec.config, local)
 
-    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None):
-        """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by default)."""
-        progress = self.spec.log.progress and self.is_primary
+    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None, label="rollout"):
+        """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by
+        default); ``label`` names the phase in the progress bar."""
+        progress = (self.spec.log.progress and self.is_primary) and f"{label} {self.spec.env.name}"
         pool = self.pool if pool is None else pool
         return collect(self.actor, sampler, pool, self.tokenizer, games, rcfg, key, progress=progress)
 
@@ -242,11 +250,13 @@ class Trainer:
         k_roll = jax.random.split(jax.random.fold_in(key, jax.process_index()))[0]
         k_ppo = jax.random.split(jax.random.fold_in(key, 0))[1]  # the same on every host: one global shuffle
 
+        self._phase("rollout")
         with timer.stage("rollout"):  # 1. Collect.
             first = self.task_cursor + jax.process_index() * self.groups_per_host
             groups = [tasks.train_task(self.train_ids, s.seed, first + i) for i in range(self.groups_per_host)]
             res = self._play(self.sampler, self.rollout_cfg, groups, k_roll)
             batch = res.token_batch()
+        self._phase("log-probs")
         with timer.stage("old_logprobs"):  # 2. Old log-probs.
             sample_lp = np.asarray(res.sample_logprobs, np.float32)
             recompute = s.learner.old_logprobs is OldLogprobs.RECOMPUTE
@@ -256,6 +266,7 @@ class Trainer:
         with timer.stage("estimator"):  # 4. Advantages.
             calibrated = self._calibrate_epsilon(res.steps) if self.needs_calibration else None
             adv, diag = self._advantages(res)
+        self._phase("update")
         with timer.stage("update"):  # 5. Update.
             try:
                 batch = batch.with_(old_logprobs=old_lp, ref_logprobs=ref_lp, advantages=adv)
@@ -398,8 +409,10 @@ class Trainer:
             if mine:
                 # 1 + len(name): 4 for "val", 12 for "val/holdout" (kept: it fixes the panels' draws)
                 key = jax.random.fold_in(jax.random.PRNGKey(self.spec.val.seed), 1 + len(name))
+                label = "validation seen" if name == keys.VAL else "validation held-out"
+                self._phase(label)
                 res = self._play(
-                    self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key, self.val_pools[name]
+                    self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key, self.val_pools[name], label
                 )
                 for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order
                     played = [e for e in res.episodes[j * G : (j + 1) * G] if e.env_error is None]
@@ -445,6 +458,8 @@ class Trainer:
         pending_val, last_checkpoint_s = None, None
         if s.val.at_start and self.iteration == 0 and s.num_iterations > 0:
             pending_val = summary["first_val"] = self.validate()
+            if self.is_primary:
+                loglines.log_validation(0, pending_val, before=True)
         elif self.iteration > 0:  # resumed: the before-RL validation is in the kept metrics
             first = next((r for r in read_metrics(self.workdir) if r.get(keys.ITERATION) == 0), {})
             summary["first_val"] = {keys.after(k): v for k, v in first.items() if k.startswith(keys.VAL_BEFORE + "/")}
@@ -457,6 +472,7 @@ class Trainer:
             disable=not progress,
             dynamic_ncols=True,
         )
+        self._bar = bar if progress else None
         try:
             while self.iteration < s.num_iterations:
                 rec = self.train_iteration()
@@ -466,6 +482,8 @@ class Trainer:
                 last = self.iteration == s.num_iterations
                 if s.val.every and (self.iteration % s.val.every == 0 or last):
                     rec.update(v := self.validate())
+                    if self.is_primary:
+                        loglines.log_validation(self.iteration, v)
                     summary["last_val"] = v
                     summary["first_val"] = summary["first_val"] or v
                 if last_checkpoint_s is not None:
@@ -473,6 +491,8 @@ class Trainer:
                 # The line goes first: a kill between line and checkpoint re-runs the iteration, and
                 # the re-run replaces the line (MetricsLogger drops lines past the restored step).
                 self.metrics.write(self.iteration - 1, rec)
+                if self.is_primary:
+                    loglines.log_iteration(self.iteration, s.num_iterations, rec)
                 if self.iteration % s.checkpoint.every == 0 or last:
                     t0 = time.perf_counter()
                     self.save_checkpoint()
@@ -483,6 +503,7 @@ class Trainer:
                 bar.set_postfix(success=f"{rec[keys.TRAIN_SUCCESS]:.2f}", it_s=f"{rec[keys.ITERATION_SECONDS]:.1f}")
         finally:
             bar.close()
+            self._bar = None
         if self.is_primary and s.log.plots:
             temps = dict(train_temperature=s.sampler.temperature, val_temperature=s.val.temperature)
             grouping = s.estimator_at(self.epsilon).spec.grouping

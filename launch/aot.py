@@ -62,9 +62,10 @@ from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
 from bipace_jax.programs import ProgramSpec, abstract
+from launch import cli
 from launch._common import ROOT, write_json
 
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "Run config.")
+_CONFIG = cli.define_config_file("config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "Run config.")
 _TOPOLOGY = flags.DEFINE_string("topology", "cpu:8", "TPU topology (e.g. v5e:4x4, v5p:2x2x4) or cpu:N.")
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "aot"), "Folder of the JSON report.")
 _BUDGET = flags.DEFINE_float("budget", 0.9, "Largest fraction of a chip's HBM a program may use.")
@@ -479,4 +480,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -366,4 +366,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from launch import cli
+
+    cli.run(main)

@@ -8,10 +8,11 @@ Running the same command again resumes from the last finished round. See docs/wa
 
 from __future__ import annotations
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-config_flags.DEFINE_config_file("config", "configs/sft_textcraft_tiny.py", "SFT config file")
+from launch import cli
+
+cli.define_config_file("config", "configs/sft_textcraft_tiny.py", "SFT config file")
 flags.DEFINE_string("workdir", "runs/sft", "run folder (checkpoints, metrics, report)")
 flags.DEFINE_string("out", "", "HF checkpoint folder to write at the end ('' = none)")
 flags.DEFINE_bool("progress", True, "tqdm progress bars")
@@ -31,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -31,6 +31,7 @@ from absl import app, flags
 from etils import epath
 
 from bipace_jax import runfolder
+from launch import cli
 from launch._common import ROOT
 
 _CONFIG = flags.DEFINE_string("config", os.path.join("configs", "textcraft_tiny.py"), "Run config file.")
@@ -132,7 +133,10 @@ def check_cell(config: str, cell: list[tuple[str, str]], extra: list[str]) -> No
         build.build_spec(fv.config)
     except (config_lib.ConfigError, flags.Error, ValueError, KeyError, AttributeError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() is its repr
-        raise ValueError(f"cell {cell_name(cell)}: {msg}") from None
+        if isinstance(e, (KeyError, AttributeError)):  # a misspelt field: name it and the fields meant
+            fields = [a.split("=", 1)[0][len("--config.") :] for a in argv[2:]]
+            msg = cli.unknown_field_message(cli.load_config(config), "config", fields) or msg
+        raise ValueError(f"cell {cell_name(cell)}: {cli.one_line(msg)}") from None
 
 
 def cell_command(config: str, run_dir: str, cell: list[tuple[str, str]], extra: list[str]) -> list[str]:
@@ -268,4 +272,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    cli.run(main, flags_parser=_parse_flags)

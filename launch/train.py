@@ -17,23 +17,36 @@ environment variables, or ``BIPACE_DISTRIBUTED=auto`` on Cloud TPU (see ``launch
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from launch import cli
 from launch._common import ROOT
 
 _DEFAULT_CONFIG = os.path.join(ROOT, "configs", "textcraft_tiny.py")
 
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file (configs/*.py).")
+_CONFIG = cli.define_config_file("config", _DEFAULT_CONFIG, "Run config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run folder, local or gs://bucket/path (metrics, events, plots, checkpoints).", required=True
 )
 _RESUME = flags.DEFINE_bool(
     "resume", True, "Resume from the latest checkpoint in --workdir (--noresume: fail if one exists)."
+)
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print the resolved config and derived sizes (rows, micro-batches, mesh), then exit."
+)
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Check the config, devices, run folder, resume and games; compile nothing, then exit."
+)
+_ALLOW_CHANGE = flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "Resume although the config differs from the run folder's config.json in fields that change the run "
+    "(the old config is kept as config.before_<iteration>.json).",
 )
 _COORD = flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator host:port (multi-host).")
 _NPROC = flags.DEFINE_integer("num_processes", 0, "Number of processes (multi-host).")
@@ -92,6 +105,69 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def derived_sizes(spec, num_devices: int) -> dict:
+    """Sizes a config implies: games and most rows per iteration, micro-batches per optimizer step, mesh."""
+    games = spec.num_groups * spec.rollout.group_size
+    lr = spec.learner
+    return {
+        "games_per_iteration": games,
+        "rows_per_iteration_max": games * spec.rollout.max_steps,  # one row per (game, turn) played
+        "micro_batches_per_optimizer_step": -(-lr.mini_batch_rows // lr.micro_batch_rows),
+        "validation_games": (spec.val.num_tasks + spec.val.num_holdout_tasks) * spec.val.group_size,
+        "mesh": dict(zip(("data", "fsdp", "tensor"), spec.mesh.shape(num_devices))),
+        "devices": num_devices,
+    }
+
+
+def check_resume(spec, workdir: str, allow_change: bool) -> str | None:
+    """Refuse (one line, ``SystemExit``) a resume whose config differs in a field that changes the run;
+    with ``allow_change`` keep the old config beside the new one. Returns the finished-run line when
+    the folder's metrics already reach ``num_iterations``, else None."""
+    from bipace_jax import metric_keys, resume, runfolder
+    from bipace_jax.metrics import read_metrics
+
+    old = resume.stored_config(workdir)
+    if old is None:
+        return None
+    rows = read_metrics(workdir)
+    done = 1 + max((r.get(metric_keys.ITERATION, -1) for r in rows), default=-1)
+    changes = resume.changed_fields(old, spec.config.to_dict())
+    if changes and done > 0:
+        if not allow_change:
+            cli.fail(
+                f"--workdir={workdir} holds a run ({done} iterations) with another config: "
+                f"{resume.describe(changes)}; use a new --workdir, or --allow_config_change to continue it"
+            )
+        kept = runfolder.path(workdir) / f"config.before_{done}.json"
+        runfolder.write_text(kept, json.dumps(old, indent=2))
+        logging.warning("resuming with a changed config (%s); the old one is %s", resume.describe(changes), kept)
+    if done >= spec.num_iterations and done > 0:
+        return f"the run in {workdir} is finished ({done} of {spec.num_iterations} iterations); its report, from disk:"
+    return None
+
+
+def report_from_disk(workdir: str) -> dict:
+    """``format_report``'s summary rebuilt from a run folder's ``metrics.jsonl``."""
+    from bipace_jax import metric_keys
+    from bipace_jax.metrics import read_metrics
+
+    rows = read_metrics(workdir)
+    first = next((r for r in rows if r.get(metric_keys.ITERATION) == 0), {})
+    first_val = {metric_keys.after(k): v for k, v in first.items() if k.startswith(metric_keys.VAL_BEFORE + "/")}
+    last_val = next(
+        ({k: v for k, v in r.items() if k.startswith("val/")} for r in reversed(rows) if metric_keys.VAL_SUCCESS in r),
+        None,
+    )
+    return {
+        "workdir": workdir,
+        "start_iteration": 0,
+        "iterations_run": len(rows),
+        "first_val": first_val or None,
+        "last_val": last_val,
+        "last_train": rows[-1] if rows else None,
+    }
+
+
 def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     """The job behind ``main``: check the config, start JAX (multi-host from the flags), train, report.
 
@@ -115,6 +191,26 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
     import jax
 
+    if _PRINT_CONFIG.value:
+        print(spec.config.to_json_best_effort(indent=2))
+        print(json.dumps(derived_sizes(spec, jax.device_count()), indent=2), flush=True)
+        return
+    try:
+        spec.mesh.check_devices(jax.device_count())
+        config_lib.process_layout(spec.config, jax.process_count(), jax.device_count(), jax.local_device_count())
+        config_lib.check_workdir(spec.config, workdir, jax.process_count())
+        runfolder.path(workdir)
+    except (config_lib.ConfigError, runfolder.RunFolderError) as e:
+        sys.exit(f"error: {e}")
+    finished = check_resume(spec, workdir, _ALLOW_CHANGE.value) if resume else None
+    if finished is not None:
+        if jax.process_index() == 0:
+            print(finished + "\n" + format_report(report_from_disk(workdir)), flush=True)
+        return
+    if _DRY_RUN.value:
+        sizes = derived_sizes(spec, jax.device_count())
+        print(f"dry run: config, devices, run folder and resume checked, nothing compiled; {json.dumps(sizes)}")
+        return
     config_lib.enable_compile_cache(spec)  # before the first compile
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
     try:
@@ -137,4 +233,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

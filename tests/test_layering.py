@@ -36,6 +36,8 @@ LAYERS = (
             "bipace_jax.tasks",
             "bipace_jax.distributed",
             "bipace_jax.runfolder",
+            "bipace_jax.loglines",
+            "bipace_jax.resume",
             "bipace_jax.checkpointing",
             "bipace_jax.metric_keys",
             "bipace_jax.metrics",

@@ -47,7 +47,10 @@ def test_every_cell_config_is_checked_before_anything_runs():
     sweep.check_cell(config, [("estimator.name", "gigpo"), ("seed", "3")], ["--config.num_iterations=2"])
     with pytest.raises(ValueError, match=r"cell estimator.name=bogus,seed=0: config.estimator.name: expected one of"):
         sweep.check_cell(config, [("estimator.name", "bogus"), ("seed", "0")], [])
-    with pytest.raises(ValueError, match='Did you mean "name"'):
+    with pytest.raises(
+        ValueError,
+        match=r"cell estimator.nme=grpo,seed=0: --config.estimator.nme: .*did you mean --config.estimator.name",
+    ):
         sweep.check_cell(config, [("estimator.nme", "grpo"), ("seed", "0")], [])
 
 

@@ -1,0 +1,81 @@
+"""One-line command-line errors (launch/cli.py) and launch.train's resume rules (bipace_jax/resume.py).
+
+Each bad input runs the real command in a subprocess and asserts its stderr is exactly one
+``error: ...`` line naming the flag; these all fail before JAX starts or anything compiles.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bipace_jax import resume
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _one_error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "libtpu" not in ln and "TPU" not in ln]
+    assert proc.returncode != 0
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module,args,expected",
+    [
+        ("launch.train", ["--workdir=/tmp/x", "--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
+        ("launch.train", ["--workdir=/tmp/x", "--config=no_such.py"], "--config=no_such.py: no such config file"),
+        ("launch.train", ["--workdir=/tmp/x", "--config.seed=abc"], "--config.seed=abc"),
+        ("launch.train", ["--workdir=/tmp/x", "--bogus"], "Unknown command line flag 'bogus'"),
+        ("launch.sft", ["--config.optim.lr=1"], "config.optim has no field 'lr'"),
+        ("launch.sweep", ["--workdir=/tmp/x", "--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
+        ("launch.report", [], "give one or more run folders"),
+        ("launch.aot", ["--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
+    ],
+)
+def test_config_errors_are_one_line_naming_the_flag(module, args, expected):
+    assert expected in _one_error_line(_run(module, *args))
+
+
+@pytest.mark.slow
+def test_hub_id_checkpoint_says_how_to_download():
+    line = _one_error_line(
+        _run("launch.train", "--workdir=/tmp/x", "--config.model.checkpoint=Qwen/Qwen2.5-7B-Instruct", "--dry_run")
+    )
+    assert "huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir" in line
+
+
+@pytest.mark.slow
+def test_changed_config_resume_is_refused_naming_the_fields(tmp_path):
+    import configs.textcraft_tiny
+
+    c = configs.textcraft_tiny.get_config()
+    c.model.checkpoint = os.path.join(ROOT, c.model.checkpoint)  # resolved, as the trainer writes it
+    started = c.estimator.name
+    (tmp_path / "config.json").write_text(c.to_json_best_effort())  # what the trainer wrote at the start
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    line = _one_error_line(
+        _run("launch.train", f"--workdir={tmp_path}", "--config.estimator.name=grpo", "--dry_run", timeout=240)
+    )
+    assert f"config.estimator.name: {started!r} -> 'grpo'" in line and "--allow_config_change" in line
+    assert "more" not in line  # the one changed field only (log/checkpoint cadence changes are allowed)
+
+
+def test_changed_fields_ignores_what_does_not_change_the_run():
+    old = {"seed": 0, "estimator": {"name": "bipace_q"}, "log": {"progress": True}, "num_iterations": 10, "b": (1, 2)}
+    new = {"seed": 1, "estimator": {"name": "bipace_q"}, "log": {"progress": False}, "num_iterations": 20, "b": [1, 2]}
+    assert resume.changed_fields(old, new) == [("seed", 0, 1)]
+    assert resume.changed_fields(old, {**old, "x": 1}) == [("x", None, 1)]
+    assert resume.describe([("seed", 0, 1)]) == "config.seed: 0 -> 1"
