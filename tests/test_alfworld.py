@@ -139,6 +139,7 @@ def _downward_copies():
         return len({line.split()[-1] for line in f if "libdownward" in line})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_switching_games_reuses_one_engine_instead_of_loading_fast_downward_again():
     env = alf.AlfWorldEnv(data_path=alf.FIXTURES_DIR, expert_type=None, task_types=(1, 2))

@@ -138,6 +138,7 @@ def _partition(labels):
     return sorted(groups.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("near_duplicates", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gigpo_with_similarity_groups_matches_verl_agent_restatement(seed, near_duplicates):

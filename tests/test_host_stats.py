@@ -54,6 +54,7 @@ def _diag(arrays, rows):
     return diag
 
 
+@pytest.mark.slow
 def test_estimator_diagnostics_of_two_hosts_pool_to_those_of_the_whole_batch():
     arrays = rollout_like_arrays(4, group_size=4, steps=6, dim=32, seed=1)
     whole = {k: float(v) for k, v in _diag(arrays, np.arange(len(arrays["group_id"]))).items()}

@@ -168,6 +168,7 @@ def test_scores_move_as_their_definitions_imply():
     assert few["corr"] == pytest.approx(1) and few["sign"] == 1 and few["nmse"] == pytest.approx(2 / 10.5)
 
 
+@pytest.mark.slow
 def test_gigpo_equals_bigpo_exactly_with_one_form_and_noiseless_fingerprints_at_epsilon_0():
     view = LabView(paraphrases=1, sigma=0.0, dim=16)
     _, _, b = _batch(view)

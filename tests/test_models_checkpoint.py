@@ -62,6 +62,7 @@ def test_hf_folder_loads_and_saves_back_to_identical_tensors_and_hf_logits(tmp_p
     np.testing.assert_array_equal(hf_logits(a, ids, mask)[real], hf_logits(b, ids, mask)[real])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_actor_saved_loads_in_transformers_to_the_same_logits(tmp_path, tied):
     cfg = Qwen2Config.tiny(tie_word_embeddings=tied, num_key_value_heads=1, eos_token_id=2, bos_token_id=None)

@@ -229,6 +229,7 @@ def test_jitted_prefill_and_decode_loop_equal_full_forward():
     np.testing.assert_allclose(np.asarray(step_logits), np.asarray(full.logits[:, 5:9]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cache_entry_points_reject_bad_shapes_before_compiling():
     actor = Qwen2Actor(Qwen2Config.tiny(), rngs=nnx.Rngs(0))
     ids, mask = random_batch(2, 6, 512)

@@ -285,6 +285,7 @@ def test_fp32_master_weights_with_bf16_compute_change_every_weight_under_small_a
     assert min(changed) == 1.0, changed
 
 
+@pytest.mark.slow
 def test_program_specs_are_what_the_learner_runs():
     from bipace_jax.batch import abstract_micro_batch
     from bipace_jax.ppo import STAT_KEYS, logprobs_spec

@@ -116,6 +116,7 @@ def _spawn(nproc, tmp_path):
     return [json.load(open(o)) for o in outs]
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_make_the_same_optimizer_steps_from_the_same_rows(tmp_path):
     (one,) = _spawn(1, tmp_path)
     two = _spawn(2, tmp_path)

@@ -32,6 +32,7 @@ def _seven_b_on_v5e_8x8(**kw) -> step_time.RunShape:
     return step_time.RunShape(**{**args, **kw})
 
 
+@pytest.mark.slow
 def test_forward_flops_match_xla_count_of_an_unrolled_forward():
     # cost_analysis counts every op of a program without loops: the matmuls should be nearly all of it
     cfg = Qwen2Config(
