@@ -133,7 +133,25 @@ FAULT_KINDS = ("hang", "raise", "crash", "segv", "sigkill")
 _CALLS = ("reset", "step")
 
 
-class ChaosEnv(TextEnv):
+class _Wrapper(TextEnv):
+    """A registered game around another one (``inner``), whose tasks, task infos and oracle it keeps."""
+
+    def __init__(self, game: str, **options):
+        self.inner = make(game, **options)
+        super().__init__(self.inner.max_steps)
+
+    @property
+    def num_tasks(self) -> int:
+        return self.inner.num_tasks
+
+    def task_info(self, task_id: int) -> dict[str, Any]:
+        return self.inner.task_info(task_id)
+
+    def oracle_action(self):
+        return self.inner.oracle_action()
+
+
+class ChaosEnv(_Wrapper):
     """A registered game with faults injected on a schedule (for rollout tests and ``launch.chaos``).
 
     ``plan_dir/plan.json`` lists faults ``{"id": str, "call": "reset" | "step", "at": n, "kind": k}``:
@@ -145,21 +163,10 @@ class ChaosEnv(TextEnv):
     """
 
     def __init__(self, game: str, plan_dir: str, **options):
-        self.inner = make(game, **options)
-        super().__init__(self.inner.max_steps)
+        super().__init__(game, **options)
         self.plan_dir = plan_dir
         self._task: tuple[int, int] = (-1, -1)
         self._step_index = 0
-
-    @property
-    def num_tasks(self) -> int:
-        return self.inner.num_tasks
-
-    def task_info(self, task_id: int) -> dict[str, Any]:
-        return self.inner.task_info(task_id)
-
-    def oracle_action(self):
-        return self.inner.oracle_action()
 
     def _tick(self, call: str) -> None:
         plan_path = os.path.join(self.plan_dir, "plan.json")
@@ -207,26 +214,15 @@ class ChaosEnv(TextEnv):
         raise NotImplementedError
 
 
-class UnscorableEnv(TextEnv):
+class UnscorableEnv(_Wrapper):
     """A registered game whose scorer fails on one task (for tests of ``TextEnv.step``'s reward check):
     every step of task ``task_id`` scores ``reward`` (NaN by default; inf, or a non-number such as
     ``"high"``), every other task scores as the game does.
     """
 
     def __init__(self, game: str, task_id: int, reward: Any = float("nan"), **options):
-        self.inner = make(game, **options)
-        super().__init__(self.inner.max_steps)
+        super().__init__(game, **options)
         self.task_id, self.reward = int(task_id), reward
-
-    @property
-    def num_tasks(self) -> int:
-        return self.inner.num_tasks
-
-    def task_info(self, task_id: int) -> dict[str, Any]:
-        return self.inner.task_info(task_id)
-
-    def oracle_action(self):
-        return self.inner.oracle_action()
 
     def _reset(self, task_id: int, seed: int) -> Observation:
         return self.inner.reset(task_id, seed)
