@@ -38,9 +38,10 @@ WEBSHOP_REQUIRES = ["bm25s==0.3.16", "nltk==3.10.4", "regex==2026.11.19", "rapid
 EXTRAS_REQUIRE = {
     # ALFWorld's real text engine (compiles fast-downward with cmake, about 75 s).
     "alfworld": ALFWORLD_REQUIRES,
-    # WebShop on its data files; spaCy (+ en_core_web_sm) only to tag a new catalogue's title nouns.
+    # WebShop on its data files; spaCy only to tag a new catalogue's title nouns (the spaCy that recorded
+    # the sample's; its en_core_web_sm model is not on PyPI: `python -m spacy download en_core_web_sm`).
     "webshop": WEBSHOP_REQUIRES,
-    "webshop-nouns": ["spacy>=3.7"],
+    "webshop-nouns": ["spacy==3.8.18"],
     # Accelerators (the same jax version): TPU (libtpu from PyPI; also lets a CPU machine compile for
     # TPU topologies) and NVIDIA GPUs (CUDA 12 wheels).
     "tpu": ["jax[tpu]==0.10.2"],

@@ -11,7 +11,8 @@ goals, only for ``goals="human"``), which WebShop's ``./setup.sh -d small`` down
 github.com/princeton-nlp/WebShop). Point ``data_dir`` (or ``$WEBSHOP_DATA``) at that folder;
 ``data_dir="sample"`` plays the 10-product sample shipped in ``environments/data/webshop_sample``.
 The reward's title nouns come from ``title_nouns.json`` next to the data, written on first use
-with spaCy (``pip install spacy && python -m spacy download en_core_web_sm``).
+with spaCy (``pip install "bipace_jax[webshop-nouns]" && python -m spacy download en_core_web_sm``;
+the sample ships its file, recorded with spaCy 3.8.18 and en_core_web_sm 3.8.0).
 
 Options of ``WebShopEnv`` (``make("webshop", ...)``):
 
@@ -21,9 +22,11 @@ Options of ``WebShopEnv`` (``make("webshop", ...)``):
 * ``split``: ``"test"`` plays goals ``[0, num_test_goals)``, ``"train"`` the rest (verl-agent's
   split; ``num_test_goals`` is 500 there, smaller for the sample's 55 goals).
 * ``goal_seed`` (233): the seed of the ranged products' prices, the price caps and the goal order.
-  The default 233 is the seed WebShop's ``SimServer`` always shuffles its goals with, so the default
-  test split (goals ``[0, num_test_goals)``) is the original's; other seeds are ours (verl-agent
-  seeds them per worker; here one order serves every game, so task ids are stable).
+  The default 233 is the seed WebShop's ``SimServer`` always shuffles its goals with
+  (``random.seed(233); random.shuffle(goals)``), so the default test split (goals
+  ``[0, num_test_goals)``, WebShop's own test goals 0-499 on the full data) is the original's: the
+  same product and options at every position. Other seeds are ours (verl-agent seeds them per
+  worker; here one order serves every game, so task ids are stable).
 * ``reward``: ``"score"`` (the task score in [0, 1]) or ``"success"`` (1 only for a score of
   exactly 1, verl-agent's; the trainer's ``rollout.success_reward`` makes it 10).
 * ``max_steps`` (15, verl-agent's WebShop cap).
@@ -37,9 +40,28 @@ Buy Now); ``click[<option value>]`` chooses it (the page text does not show the 
 ``click[< prev]`` goes back one level, ``click[back to search]`` to the start page; ``click[buy
 now]`` ends the episode with the task score (``environments/webshop_reward.py``). Anything else
 (unknown action, a click on something the page does not list, ``click[search]``) changes nothing.
-Commands are parsed as WebShop's ``WebAgentTextEnv`` parses them: ``name[argument]`` from the first
-character, nothing stripped (" click[buy now]" or a leading tab does nothing), the argument
-lower-cased, the name matched as written ("Click[...]" does nothing).
+Commands are parsed as WebShop's ``WebAgentTextEnv`` parses them (``parse_action``): ``name[argument]``
+from the first character, nothing stripped (" click[buy now]", a leading tab or " search[dress]"
+does nothing), the name matched as written ("Click[...]" does nothing), the argument lower-cased
+and running to the last "]" of the first line, anything after it ignored. ``engine="original"``
+hands every command to WebShop as written.
+
+Differences from WebShop's own code (``web_agent_site`` at 64fa2a5) that are left, and why:
+
+* Prices and price caps: WebShop draws the prices of ranged products and each goal's price cap
+  from Python's unseeded ``random`` before it seeds the shuffle, so they change between its runs;
+  here they come from ``random.Random(goal_seed)`` (verl-agent's order of draws), so a goal's
+  instruction ("price lower than ...") is fixed. The products and options of the goals are not
+  affected.
+* Search: the analyzer gives Lucene's terms on every recorded string and the ranking Anserini's on
+  every recorded query (``environments/webshop_search.py``, which names the three corner cases
+  left: Unicode version of the word-break classes, UTF-16 length of the 255-character cut,
+  float32 score sums).
+* Title nouns: tagged with spaCy 3.8 and en_core_web_sm 3.8.0 (the model on offer today; WebShop
+  pins spaCy 3.3.0), so a title may get other nouns than under WebShop's pinned model.
+* ``search[<a> ...]`` (attribute search) shows an empty results page; WebShop's text environment
+  raises a TypeError there (its ``SimServer`` passes the search no attribute index), and a model's
+  command must not end the game with an error.
 
 What the agent sees (verl-agent's formatting, used by both engines):
 
@@ -78,7 +100,10 @@ GOAL_SEED = 233
 INSTRUCTION_MARK = "Instruction:"
 SEARCH_TEMPLATE = "search[<your query>]"
 TEST_GOALS = 500  # goals [0, 500) are the test split; the rest train (verl-agent)
-_ACTION_RE = re.compile(r"^(search|click)\[(.+)\]$", re.DOTALL)
+# WebShop's action grammar (engine.parse_action): re.match of "name[arg]", both greedy, from the
+# first character, "." not matching a newline; WebAgentTextEnv compares the name as written.
+_ACTION_RE = re.compile(r"(.+)\[(.+)\]")
+ACTION_NAMES = ("search", "click")
 
 INSTALL_HINT = (
     "WebShop is not installed: the `web_agent_site` package was not found. Install WebShop from "
@@ -132,23 +157,27 @@ def format_available_actions(available: Mapping[str, Any]) -> list[str]:
 
 
 def parse_action(action: str) -> tuple[str, str] | None:
-    """("search", query) or ("click", target) for a WebShop command, None if malformed.
+    r"""("search", words) or ("click", target) as WebShop's ``WebAgentTextEnv.step`` reads ``action``;
+    None for a command it does nothing with. Never raises (a non-str is None).
 
-    A command is exactly ``search[...]`` or ``click[...]`` with a non-blank argument (whitespace
-    around the command and the argument is ignored; anything else, e.g. text after the closing
-    bracket, makes it malformed, where the engine's own looser parser would guess); never raises.
+    The original's rule (``web_agent_site`` at 64fa2a5: ``engine.parse_action`` and ``step``):
+    ``re.match(r"(.+)\[(.+)\]", action)``, so the match starts at the first character, ends at the
+    last "]" it can reach and "." does not cross a newline; nothing is stripped; the name must be
+    exactly "search" or "click" and the argument is lower-cased. Hence ``" click[buy now]"``,
+    ``"\tsearch[dress]"`` and ``"Click[buy now]"`` are None; ``"click[Buy Now] please"`` and
+    ``"click[buy now]\n"`` are ("click", "buy now"); ``"search[a] and click[b]"`` is None (the
+    name is "search[a] and click"); ``"search[ ]"`` is ("search", " ").
     """
-    m = _ACTION_RE.match(str(action).strip())
-    if m is None or not m.group(2).strip():
+    m = _ACTION_RE.match(action) if isinstance(action, str) else None
+    if m is None or m.group(1) not in ACTION_NAMES:
         return None
-    return m.group(1), m.group(2).strip()
+    return m.group(1), m.group(2).lower()
 
 
 def is_available(action: str, available: Mapping[str, Any]) -> bool:
-    """Whether ``action`` is one of the actions the page lists (``format_available_actions``).
-
-    A search needs the page's search bar; a click needs its target among the clickables,
-    compared lower-cased (the engine lower-cases click and search arguments before matching).
+    """Whether the engine acts on ``action`` (``parse_action``) as one of the actions the page lists
+    (``format_available_actions``): a search needs the page's search bar, a click its lower-cased
+    target among the clickables. A command the engine ignores (" click[buy now]") is not available.
     """
     parsed = parse_action(action)
     if parsed is None:
@@ -156,7 +185,7 @@ def is_available(action: str, available: Mapping[str, Any]) -> bool:
     kind, arg = parsed
     if kind == "search":
         return bool(available["has_search_bar"])
-    return arg.lower() in available["clickables"]
+    return arg in available["clickables"]
 
 
 REWARDS = ("score", "success")
@@ -176,8 +205,6 @@ def score_outcome(score: float, done: bool, reward: str = "score") -> tuple[floa
 PRODUCTS_PER_PAGE = 10
 SUB_PAGES = ("description", "features", "reviews")
 ENGINES = ("native", "original")
-# WebShop's own action grammar (greedy, matched at the start): "name[arg]".
-_ENGINE_ACTION_RE = re.compile(r"(.+)\[(.+)\]")
 _HTML_SPACE = " \t\n\r\f"
 
 
@@ -395,7 +422,7 @@ class WebShopEnv(TextEnv):
 
         First keywords with special meaning, as in WebShop: ``<r>`` 50 random products (this
         episode's seed), ``<c> <category>``, ``<q> <query...>`` (equality); ``<a>`` returns nothing
-        (WebShop's text environment cannot serve it).
+        (WebShop's text environment raises a TypeError there: see the module docstring).
         """
         products = self.catalogue.products
         head = keywords[0] if keywords else ""
@@ -479,12 +506,12 @@ class WebShopEnv(TextEnv):
             raise TypeError(f"action must be a str, got {type(action).__name__}")
         admissible = is_available(action, self._page.available())
         score, done = 0.0, False
-        m = _ENGINE_ACTION_RE.match(action)  # as WebAgentTextEnv: no strip, " click[buy now]" does nothing
-        if m is not None:
-            name, arg = m.group(1), m.group(2).lower()
+        parsed = parse_action(action)  # as WebAgentTextEnv: no strip, " click[buy now]" does nothing
+        if parsed is not None:
+            name, arg = parsed
             if name == "search":
                 self._results(arg.split(" "), 1)
-            elif name == "click" and arg in self._page.clickables and arg != "search":
+            elif arg in self._page.clickables and arg != "search":
                 score, done = self._click(arg)
         reward, won = score_outcome(score, done, self.reward_mode)
         info = {"won": won, "task_score": float(score), "admissible": admissible}
@@ -608,14 +635,11 @@ class OriginalWebShopEnv(TextEnv):
         return self._observation(page)
 
     def _step(self, action: str):
-        action = str(action).strip()
+        if not isinstance(action, str):
+            raise TypeError(f"action must be a str, got {type(action).__name__}")
         valid = is_available(action, self._available)
-        if parse_action(action) is None:
-            # Malformed commands never reach the engine (its parser may raise on them); the page
-            # stays as it was, as the engine leaves it for commands it cannot act on.
-            page, score, done = self._engine.observation, 0.0, False
-        else:
-            page, score, done, _ = self._engine.step(action)
+        # Every command reaches the engine as written (WebShop's parser never raises on a str).
+        page, score, done, _ = self._engine.step(action)
         reward, won = score_outcome(score, done, self.reward_mode)
         # info["admissible"]: the command was among the page's listed actions (is_available).
         info = {"won": won, "task_score": float(score or 0.0), "admissible": valid}

@@ -54,9 +54,11 @@ DATA_HINT = (
     "items_human_ins.json in its data/ folder), then pass data_dir=<that folder> or set $WEBSHOP_DATA; "
     "data_dir='sample' plays the 10-product sample shipped with this package"
 )
+#: The spaCy pipeline WebShop tags title nouns with (``spacy.load("en_core_web_sm")`` in its goal.py).
+NOUNS_MODEL = "en_core_web_sm"
 SPACY_HINT = (
-    "title nouns need spaCy's small English model once per catalogue: pip install 'spacy>=3.7' && "
-    "python -m spacy download en_core_web_sm (or bring a title_nouns.json cache into the data folder)"
+    'title nouns need spaCy\'s small English model once per catalogue: pip install "bipace_jax[webshop-nouns]" '
+    "&& python -m spacy download en_core_web_sm (or bring a title_nouns.json cache into the data folder)"
 )
 
 
@@ -352,20 +354,18 @@ def build_goals(data_dir: str, kind: str, seed: int) -> tuple[dict[str, float], 
     return prices, tuple(goals)
 
 
-def spacy_title_nouns(titles: Sequence[str]) -> dict[str, list[str]]:
-    """WebShop's title nouns: the lower-cased text of every token spaCy's ``en_core_web_sm`` tags
-    NOUN or PROPN, in order, duplicates kept. Raises ImportError (what to install) without spaCy
-    or the model."""
+def spacy_title_nouns(titles: Sequence[str], model: str = NOUNS_MODEL) -> dict[str, list[str]]:
+    """WebShop's title nouns (``engine/goal.py``'s ``get_type_reward``): ``nlp(title)`` with spaCy's
+    ``model`` pipeline, then the lower-cased text of every token tagged NOUN or PROPN (WebShop's list
+    also names "PNOUN", which spaCy never gives), in order, duplicates kept. Raises ImportError
+    (what to install) without spaCy or the model."""
     try:
         import spacy  # optional: only to fill the noun cache of a new catalogue
 
-        nlp = spacy.load("en_core_web_sm")
+        nlp = spacy.load(model)
     except (ImportError, OSError) as e:
         raise ImportError(f"{SPACY_HINT} ({type(e).__name__}: {e})") from e
-    return {
-        t: [tok.text.lower() for tok in doc if tok.pos_ in ("NOUN", "PROPN")]
-        for t, doc in zip(titles, nlp.pipe(titles))
-    }
+    return {t: [tok.text.lower() for tok in nlp(t) if tok.pos_ in ("NOUN", "PROPN")] for t in titles}
 
 
 @functools.lru_cache(maxsize=4)

@@ -61,22 +61,37 @@ def test_available_actions_list_search_then_clicks_in_engine_order():
         ws.format_available_actions({"clickables": []})
 
 
+# Hand-computed from the original's rule (web_agent_site @ 64fa2a5, engine.parse_action and
+# WebAgentTextEnv.step): re.match(r"(.+)\[(.+)\]", action), no strip, name == "search"/"click"
+# exactly, argument lower-cased. No recording of the original holds these whitespace cases.
 @pytest.mark.parametrize(
     "action, parsed",
     [
         ("search[gluten free vanilla cake mix]", ("search", "gluten free vanilla cake mix")),
-        ("  click[buy now]\n", ("click", "buy now")),
         ("click[< prev]", ("click", "< prev")),
         ("click[next >]", ("click", "next >")),
-        ("search[ ]", None),
+        ("click[Buy Now]", ("click", "buy now")),  # the argument is lower-cased
+        ("  click[buy now]\n", None),  # the name is "  click": nothing is stripped
+        (" click[buy now]", None),
+        ("\tsearch[dress]", None),
+        (" search[dress]", None),
+        ("\nclick[buy now]", None),  # "." does not match the newline, so nothing matches
+        ("click[buy now]\n", ("click", "buy now")),  # re.match need not reach the end
+        ("search[cake] please", ("search", "cake")),
+        ("search[dress]\nclick[buy now]", ("search", "dress")),
+        ("click[ buy now ]", ("click", " buy now ")),  # the argument is not stripped either
+        ("search[ ]", ("search", " ")),
+        ("search[a] and click[b]", None),  # greedy: the name is "search[a] and click"
+        ("click[a[b]c]", None),  # the name is "click[a"
+        ("click[buy\nnow]", None),
+        ("click []", None),
         ("click[]", None),
+        ("Click[buy now]", None),  # the name is compared as written
         ("buy now", None),
-        ("Click[buy now]", None),  # the engine's action names are lower-case
-        ("search[cake] please", None),
         ("", None),
     ],
 )
-def test_parse_action_accepts_only_search_and_click_with_an_argument(action, parsed):
+def test_parse_action_reads_commands_as_webagenttextenv(action, parsed):
     assert ws.parse_action(action) == parsed
 
 
@@ -89,6 +104,9 @@ def test_is_available_follows_the_pages_search_bar_and_clickables():
     assert not ws.is_available("click[b08kbvj4xm]", results)
     assert ws.is_available("click[16 ounce]", item) and not ws.is_available("click[3 pound]", item)
     assert not ws.is_available("purchase", item)
+    assert ws.is_available("click[16 ounce] now", item)  # the engine clicks it
+    for ignored in (" click[16 ounce]", "\tclick[16 ounce]", "Click[16 ounce]", " search[cake mix]"):
+        assert not ws.is_available(ignored, item | {"has_search_bar": True}), ignored
 
 
 @pytest.mark.parametrize(
@@ -197,17 +215,19 @@ def test_adapter_plays_a_recorded_session_with_verl_agent_conventions(replay_eng
     assert env.oracle_action() is None
 
 
-def test_adapter_keeps_malformed_commands_from_the_engine(replay_engine):
-    env = ws.OriginalWebShopEnv(split="test", max_steps=4)
+def test_adapter_sends_every_command_to_the_engine_as_written(replay_engine):
+    env = ws.OriginalWebShopEnv(split="test", max_steps=6)
     engine = replay_engine.instances[-1]
     assert env.num_tasks == 500 and env.task_info(3) == {"goal_index": 3}
     first = env.reset(3, seed=0)
-    obs, reward, done, info = env.step("buy the cake mix")
-    assert ("step", "buy the cake mix") not in engine.calls
-    assert (obs, reward, done) == (first, 0.0, False) and info["admissible"] is False
-    obs, reward, done, info = env.step("click[b08kbvj4xn]")  # well formed but not on this page
-    assert engine.calls[-1] == ("step", "click[b08kbvj4xn]")
-    assert obs == first and info["admissible"] is False and not done
+    for action in ("buy the cake mix", " search[gluten free vanilla cake mix]", "click[b08kbvj4xn]"):
+        obs, reward, done, info = env.step(action)
+        assert engine.calls[-1] == ("step", action)  # not stripped, not filtered: WebShop decides
+        assert (obs, reward, done) == (first, 0.0, False) and info["admissible"] is False
+    obs, reward, done, info = env.step("search[gluten free vanilla cake mix]")
+    assert engine.calls[-1] == ("step", "search[gluten free vanilla cake mix]") and info["admissible"] is True
+    with pytest.raises(TypeError, match="str"):
+        env.step(None)
     with pytest.raises(ValueError, match="split"):
         ws.OriginalWebShopEnv(split="eval")
 
