@@ -15,7 +15,8 @@ step reward: success part minus the invalid-action penalty), ``penalty``, ``retu
 discounted return-to-go of the net rewards at ``gamma``), ``won``, ``episode_return``, ``episode_length``
 and, for training rollouts (else null): ``advantage``, ``step_group`` (the estimator's step group /
 cluster label, -1 = none) and ``pace_kind`` (``"pace"``, ``"loo"`` (leave-one-out), ``"singleton"``,
-``"group"`` (a plain step-group baseline), ``"none"`` (no step level: grpo) or ``"invalid"``).
+``"group"`` (a plain step-group baseline), ``"none"`` (no step level: grpo) or ``"excluded"`` (a
+row the estimator left out: its trajectory failed the estimator's checks)).
 
 Files are written whole through ``runfolder`` (local or ``gs://``) by process 0, with the rows of
 every process (``gather``); each process offers its first ``ceil(max_games / processes)`` games.
@@ -60,7 +61,7 @@ def _pace_kinds(labels: np.ndarray, kinds: np.ndarray) -> list[str]:
     out = []
     for lab, kind in zip(labels, kinds):
         if kind < 0:
-            out.append("invalid")
+            out.append("excluded")
         elif kind in _KINDS:
             out.append(_KINDS[int(kind)])
         elif lab < 0:
