@@ -27,7 +27,7 @@ from bipace_jax.metrics import panel_metrics
 from bipace_jax.rollout import RolloutResult, collect
 from environments.pool import EnvPool
 
-__all__ = ["PANELS", "Panels", "make_pool", "panel_key", "panel_record", "select", "start_pools", "validate"]
+__all__ = ["PANELS", "Panels", "make_pool", "panel_key", "panel_record", "probe", "select", "start_pools", "validate"]
 
 #: The panels, in the order they are played: seen goals (unseen game seeds), then held-out goals.
 PANELS = (keys.VAL, keys.VAL_HOLDOUT)
