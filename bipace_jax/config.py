@@ -515,11 +515,13 @@ class CheckpointConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig(Section):
-    """``config.log``: tqdm progress bars; PNG plots at the end; optional wandb tracking.
+    """``config.log``: tqdm progress bars; PNG plots at the end; optional wandb tracking; episode transcripts.
 
     ``wandb``: also log every record to wandb (project ``wandb_project``; the ``wandb`` extra;
     ``WANDB_MODE=offline`` needs no network). Raises ConfigError when it is True and wandb is not
-    importable.
+    importable. ``transcripts_every``: write ``episodes/<i>.jsonl`` (``bipace_jax.transcripts``) for
+    the training rollouts of every iteration ``i`` divisible by it and for every validation (0 = off);
+    ``transcripts_max_games``: the most games each of those phases writes per iteration (>= 1).
     """
 
     SECTION: ClassVar[str] = "log"
@@ -527,10 +529,14 @@ class LogConfig(Section):
     plots: bool = True
     wandb: bool = False
     wandb_project: str = "bipace_jax"
+    transcripts_every: int = 0
+    transcripts_max_games: int = 8
 
     def __post_init__(self):
         check_bool(self._name("progress"), self.progress)
         check_bool(self._name("plots"), self.plots)
+        check_int(self._name("transcripts_every"), self.transcripts_every, 0)
+        check_int(self._name("transcripts_max_games"), self.transcripts_max_games, 1)
         check_bool(self._name("wandb"), self.wandb)
         if not check_str(self._name("wandb_project"), self.wandb_project):
             fail(self._name("wandb_project"), "be a non-empty wandb project name", self.wandb_project)

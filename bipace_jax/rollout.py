@@ -261,6 +261,7 @@ class StepRecord:
     valid: bool
     finish: str  # why the response ended: "eos", "stop" (a stop string) or "length" (the token budget)
     label: str | None = None
+    observation: str = ""  # the observation text the prompt ends with (transcripts)
 
 
 @dataclasses.dataclass
@@ -293,6 +294,8 @@ class RolloutResult:
         ``turns`` and ``prompt_tokens_max`` as maxima, the rest counts), for ``distributed.pooled``.
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
       finish_reasons: N of ``"eos"``, ``"stop"`` or ``"length"``: why each response ended.
+      observations: N observation texts, the game's text each prompt ends with (``bipace_jax.transcripts``).
+      valid: N bools, whether each response parsed into a valid command (False: the invalid-action path).
       labels: N labels from ``collect``'s ``labeler`` (e.g. the oracle's action from the state the
         prompt showed, for DAgger), or None without a labeler.
     """
@@ -310,6 +313,8 @@ class RolloutResult:
     actions: list[str]
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     labels: list[str | None] | None = None
+    observations: list[str] = dataclasses.field(default_factory=list)
+    valid: list[bool] = dataclasses.field(default_factory=list)
     host_stats: HostStats = dataclasses.field(default_factory=HostStats)
 
     @property
@@ -640,6 +645,7 @@ def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, samp
                 valid=valid[r],
                 finish=finish[r],
                 label=labels[r],
+                observation=state.obs[i].text,
             )
         )
         state.history[i].append((state.obs[i].text, actions[r]))
@@ -941,5 +947,7 @@ def _result(
         actions=[r.action for r in rows],
         finish_reasons=[r.finish for r in rows],
         labels=[r.label for r in rows] if labeled else None,
+        observations=[r.observation for r in rows],
+        valid=[r.valid for r in rows],
         host_stats=host_stats,
     )

@@ -34,21 +34,19 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-import environments
-from bipace_jax import build, distributed, loglines, runfolder, sharding, tasks
+from bipace_jax import build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
 from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import OldLogprobs
-from bipace_jax.estimators import calibrate_epsilon, compute_advantages
+from bipace_jax.estimators import calibrate_epsilon, compute_advantages, step_details
 from bipace_jax.estimators.diagnostics import SIZE_STATS, host_stats
-from bipace_jax.metrics import HostStats, MetricsLogger, StageTimer, make_plots, panel_metrics, read_metrics
+from bipace_jax.metrics import HostStats, MetricsLogger, StageTimer, make_plots, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
 from bipace_jax.sampling import Sampler
 from bipace_jax.tiny import build_game_tokenizer
-from environments.pool import EnvPool
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +100,9 @@ class Trainer:
         )
         self.local_mesh = distributed.local_mesh(self.mesh, sampler_tensor)  # this host's chips
         self.game = env_factory if env_factory is not None else spec.env.name
-        self._select_tasks()  # missing game data fails before the model loads
+        self.panels = validation.select(spec, self.game)  # missing game data fails before the model loads
+        self.train_ids, self.holdout_ids = self.panels.train_ids, self.panels.holdout_ids
+        self.val_panel, self.holdout_panel = (self.panels.games[k] for k in validation.PANELS)
 
         # Model and learner.
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
@@ -157,54 +157,14 @@ class Trainer:
         if self._bar is not None:
             self._bar.set_description(f"RL iterations [{name}]")
 
-    def _panel_options(self) -> dict[str, dict[str, Any]]:
-        """Panel name -> its own game options (on top of ``env.options``; {} = the training game)."""
-        return {keys.VAL: self.spec.val.options, keys.VAL_HOLDOUT: self.spec.val.holdout_options}
-
-    def _select_tasks(self) -> None:
-        """Training and held-out goals, and the validation panels (from the training goals, or from the
-        games of val.options / val.holdout_options, e.g. ALFWorld's valid splits)."""
-        s = self.spec
-        opts = {"max_steps": s.env.max_steps, **s.env.options}
-        own = self._panel_options()
-        probe = self._probe(opts, "env.options")
-        field = {keys.VAL: "val.options", keys.VAL_HOLDOUT: "val.holdout_options"}
-        probes = {k: self._probe({**opts, **o}, field[k]) if o else probe for k, o in own.items()}
-        self._task_infos = {name: p.task_info for name, p in probes.items()}
-        self.train_ids, self.holdout_ids = tasks.split_holdout(
-            tasks.select_tasks(s.tasks.train, probe.num_tasks, probe.task_info),
-            tasks.select_tasks(s.tasks.holdout, probe.num_tasks, probe.task_info),
-            s.tasks.holdout_every,
-        )
-        if not self.train_ids:
-            raise config_lib.ConfigError(
-                f"config.tasks.train selects no task outside the held-out goals, got {s.tasks.train!r}"
-            )
-        v = s.val
-        seen = list(range(probes[keys.VAL].num_tasks)) if own[keys.VAL] else self.train_ids
-        held = list(range(probes[keys.VAL_HOLDOUT].num_tasks)) if own[keys.VAL_HOLDOUT] else self.holdout_ids
-        panel_options = (v.num_tasks, v.num_holdout_tasks, v.seed, v.panel, v.seeds_per_goal)
-        self.val_panel, self.holdout_panel = tasks.validation_panel(seen, held, *panel_options)
-
     def _start_rollout(self) -> None:
-        """One env pool for training and the panels of the training game, one per other panel game;
-        a sampler per temperature, with the checkpoint's and tokenizer's stop ids."""
+        """The env pools (``validation.start_pools``: one for training and the panels of the training
+        game, one per other panel game) and a sampler per temperature, with the checkpoint's and
+        tokenizer's stop ids."""
         s = self.spec
         self.groups_per_host = s.num_groups // self.num_hosts
-        own = self._panel_options()
-        rows = {
-            name: math.ceil(len(panel) * s.val.group_size / self.num_hosts) if s.val.validating else 0
-            for name, panel in ((keys.VAL, self.val_panel), (keys.VAL_HOLDOUT, self.holdout_panel))
-        }
-        opts = {"max_steps": s.env.max_steps, **s.env.options}
-        pool_kw = {"num_workers": s.env.num_workers} if s.env.num_workers else {}
-
-        def pool(options, n):
-            return EnvPool(self.game, n, env_options=options, timeout_s=s.env.timeout_s, **pool_kw)
-
-        shared = [n for name, n in rows.items() if not own[name]]
-        self.pool = pool(opts, max([self.groups_per_host * s.rollout.group_size, *shared]))
-        self.val_pools = {k: pool({**opts, **own[k]}, n) if own[k] and n else self.pool for k, n in rows.items()}
+        train_games = self.groups_per_host * s.rollout.group_size
+        self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)
         vcfg = dataclasses.replace(s.val_sampler, eos_token_ids=eos)
@@ -232,16 +192,6 @@ class Trainer:
         pool = self.pool if pool is None else pool
         return collect(self.actor, sampler, pool, self.tokenizer, games, rcfg, key, progress=progress)
 
-    def _probe(self, options: dict[str, Any], field: str):
-        """One game built in this process with ``options`` (task count, task infos); bad options -> ConfigError."""
-        game = self.game
-        try:
-            return game(**options) if callable(game) else environments.make(game, **options)
-        except (TypeError, ValueError, FileNotFoundError, ImportError) as e:
-            raise config_lib.ConfigError(
-                f"config.{field}: the game {self.spec.env.name!r} refused {options}: {e}"
-            ) from None
-
     # ------------------------------------------------------------------------------------------
     def train_iteration(self) -> dict[str, Any]:
         """Run iteration ``self.iteration`` and advance the run state (not the checkpoint)."""
@@ -266,6 +216,7 @@ class Trainer:
         with timer.stage("estimator"):  # 4. Advantages.
             calibrated = self._calibrate_epsilon(res.steps) if self.needs_calibration else None
             adv, diag = self._advantages(res)
+        self._transcribe_rollout(res, adv)
         self._phase("update")
         with timer.stage("update"):  # 5. Update.
             try:
@@ -389,55 +340,45 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def validate(self) -> dict[str, Any]:
-        """Play the fixed validation panel(s) at ``val.temperature``; success overall and per category.
+        """Play the fixed validation panel(s) at ``val.temperature`` (``validation.validate``); success
+        overall and per category, and their transcripts when ``log.transcripts_every`` is on.
 
         Categories: the game's ``GameSpec.categories`` (``task_info`` keys, e.g. TextCraft's ``depth``:
         ``val/success_rate/depth_2``). Held-out goals go under ``val/holdout/``. A game whose
         ``task_info`` has ``best_score`` (WebShop) adds ``val/unwinnable_goals``: the panel tasks (of
         ``val/tasks``) that no purchase can win, so the success rate reads against its ceiling.
         """
-        out: dict[str, Any] = {}
-        t0 = time.perf_counter()
-        G = self.spec.val.group_size
-        for name, panel in ((keys.VAL, self.val_panel), (keys.VAL_HOLDOUT, self.holdout_panel)):
-            if not panel:
-                continue
-            mine = list(range(jax.process_index(), len(panel), self.num_hosts))
-            # zeros on the tasks of other hosts (each task has one owner: the gather sums); NaN on a
-            # task whose games all faulted (left out of the means, counted in env_errors)
-            won, length, errors, score = (np.zeros((len(panel),)) for _ in range(4))
-            if mine:
-                # 1 + len(name): 4 for "val", 12 for "val/holdout" (kept: it fixes the panels' draws)
-                key = jax.random.fold_in(jax.random.PRNGKey(self.spec.val.seed), 1 + len(name))
-                label = "validation seen" if name == keys.VAL else "validation held-out"
-                self._phase(label)
-                res = self._play(
-                    self.val_sampler, self.val_rollout_cfg, [panel[i] for i in mine], key, self.val_pools[name], label
-                )
-                for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order
-                    played = [e for e in res.episodes[j * G : (j + 1) * G] if e.env_error is None]
-                    won[i] = np.mean([e.won for e in played]) if played else np.nan
-                    length[i] = np.mean([e.length for e in played]) if played else np.nan
-                    errors[i] = G - len(played)
-                    scores = [e.score for e in played if e.score is not None]
-                    score[i] = np.mean(scores) if scores else np.nan
-            won, length, errors, score = (distributed.allgather(a).sum(0) for a in (won, length, errors, score))
-            out.update(panel_metrics(name, won, length, errors, score))
-            # WebShop: panel tasks whose goal the expert's purchase cannot win under the active scorer
-            best = [self._task_infos[name](tid).get("best_score") for tid, _ in panel]
-            if any(b is not None for b in best):
-                out[f"{name}/unwinnable_goals"] = sum(b is not None and b < 1.0 for b in best)
-            for key_name in self.rollout_cfg.spec.categories:
-                cats: dict[str, list] = {}
-                for (tid, _), w in zip(panel, won):
-                    v = self._task_infos[name](tid).get(key_name)
-                    if v is not None and not np.isnan(w):
-                        cats.setdefault(str(v), []).append(w)
-                for v, ws in sorted(cats.items()):
-                    out[f"{name}/success_rate/{key_name}_{v}"] = float(np.mean(ws))
-                    out[f"{name}/tasks/{key_name}_{v}"] = len(ws)
-        out[keys.VALIDATION_SECONDS] = time.perf_counter() - t0
-        return out
+        progress = self.spec.log.progress and self.is_primary
+        args = (self.actor, self.val_sampler, self.val_pools, self.tokenizer, self.spec, self.panels)
+        rec, results = validation.validate(*args, progress=progress, on_panel=self._phase)
+        if self.spec.log.transcripts_every:
+            for name, res in results.items():
+                self._transcribe(res, name)
+        return rec
+
+    def _transcribe_rollout(self, res, adv: np.ndarray) -> None:
+        """The training rollout's transcript, on iterations divisible by ``log.transcripts_every``."""
+        every = self.spec.log.transcripts_every
+        if every and self.iteration % every == 0:
+            self._transcribe(res, transcripts.ROLLOUT, adv)
+
+    def _transcribe(self, res, phase: str, advantages: np.ndarray | None = None) -> None:
+        """Write ``phase``'s lines of ``episodes/<self.iteration>.jsonl`` (``transcripts``): every process
+        offers its rows (None: it played none), process 0 writes them all. With ``advantages``
+        (training) the lines carry the estimator's step groups and row kinds at ``self.epsilon``."""
+        s = self.spec
+        rows = []
+        if res is not None:
+            labels = kinds = None
+            if advantages is not None:
+                details = step_details(res.steps, s.estimator_at(self.epsilon))
+                labels, kinds = (res.row_values(x).astype(np.int32) for x in details)
+            what = dict(iteration=self.iteration, phase=phase, gamma=s.estimator.gamma)
+            limits = dict(max_games=s.log.transcripts_max_games, advantages=advantages, labels=labels, kinds=kinds)
+            rows = transcripts.step_rows(res, self.tokenizer, **what, **limits)
+        rows = transcripts.gather(rows, s.log.transcripts_max_games)
+        if self.is_primary:
+            transcripts.write(self.workdir, self.iteration, phase, rows)
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -197,6 +197,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.log.plots = True  # PNG plots at the end
     c.log.wandb = False  # also log to wandb (pip install -e '.[wandb]'; WANDB_MODE=offline needs no network)
     c.log.wandb_project = "bipace_jax"
+    # episode transcripts (prompt hash + observation, response, action, reward, return, advantage, step
+    # group, PACE kind per step): episodes/<i>.jsonl for the training rollouts of every k-th iteration
+    # and for every validation (python -m launch.transcripts renders them); 0 = off
+    c.log.transcripts_every = 0
+    c.log.transcripts_max_games = 8  # the most games per phase (rollout, each panel) an iteration writes
 
     # --- devices ---------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()

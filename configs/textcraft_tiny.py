@@ -68,4 +68,5 @@ def get_config():
     c.val.seed = tasks.VAL_SEED_BASE
     c.val.temperature = tasks.VAL_TEMPERATURE
     c.checkpoint.every = 1
+    c.log.transcripts_every = 5  # episodes/0.jsonl and 5.jsonl (rollouts), 0 and 10 (validation)
     return c

@@ -206,6 +206,8 @@ def test_command_line_overrides_reach_nested_fields():
         ("sampler.top_p", 0.0, "config.sampler.top_p must lie in (0, 1], got 0.0"),
         ("env.max_steps", 0, "config.env.max_steps must be an int >= 1, got 0"),
         ("log.wandb_project", "", "config.log.wandb_project must be a non-empty wandb project name"),
+        ("log.transcripts_every", -1, "config.log.transcripts_every must be an int >= 0, got -1"),
+        ("log.transcripts_max_games", 0, "config.log.transcripts_max_games must be an int >= 1, got 0"),
         (
             "sampler.length_buckets",
             (512, 256),
@@ -405,7 +407,7 @@ def test_webshop_paper_config_trains_the_tiny_actor_one_iteration_on_the_sample(
     tok = build_game_tokenizer(tc, str(tmp_path / "tok"), num_tasks=4)
     tr = Trainer(c, str(tmp_path / "run"), tokenizer=tok)
     try:
-        assert len(tr.train_ids) == 15 and tr._task_infos["val"](0)["goal_index"] == 0  # validation: test split
+        assert len(tr.train_ids) == 15 and tr.panels.task_infos["val"](0)["goal_index"] == 0  # validation: test split
         rec = tr.train_iteration()
     finally:
         tr.close()

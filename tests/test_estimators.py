@@ -20,6 +20,7 @@ from bipace_jax.estimators import (
     calibrate_epsilon,
     compute_advantages,
     reference,
+    step_details,
     step_group_labels,
 )
 from bipace_jax.estimators.synthetic import random_step_arrays
@@ -145,6 +146,16 @@ def test_bipace_q_hand_computed_pace_loo_and_singleton_rows():
     assert diag["loo_row_rate"] == pytest.approx(2 / 7)
     assert diag["singleton_row_rate"] == pytest.approx(2 / 7)
     assert diag["pace_row_rate"] + diag["loo_row_rate"] + diag["singleton_row_rate"] == pytest.approx(1.0)
+
+
+def test_step_details_names_the_branch_of_every_row():
+    # the hand case above: cluster A (rows 0, 2, 3) PACE, cluster B (rows 1, 4) leave-one-out, the rest singletons
+    labels, kinds = (np.asarray(x) for x in step_details(_batch(), EstimatorConfig(name="bipace_q", gamma=GAMMA)))
+    np.testing.assert_array_equal(kinds[:7], [2, 1, 2, 2, 1, 0, 0])
+    assert (kinds[7:] == -1).all() and (labels[7:] == -1).all()  # padding
+    assert labels[0] == labels[2] == labels[3] and labels[1] == labels[4] and len(set(labels[[0, 1, 5, 6]])) == 4
+    _, grpo_kinds = step_details(_batch(), EstimatorConfig(name="grpo", gamma=GAMMA))
+    np.testing.assert_array_equal(np.asarray(grpo_kinds)[:7], 0)  # no step level: no branch
 
 
 def test_bipace_diff_hand_computed_diff_peer_baselines():

@@ -268,6 +268,7 @@ def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
             "--config.checkpoint.export_hf=False",
             "--config.log.plots=False",
             "--config.checkpoint.shared_workdir=True",  # both processes on this machine see tmp_path
+            "--config.log.transcripts_every=1",
             f"--coordinator_address=localhost:{port}",
             "--num_processes=2",
             f"--process_id={pid}",
@@ -302,3 +303,10 @@ def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
     from bipace_jax.checkpointing import Checkpointer
 
     assert Checkpointer(str(w)).latest_step() == 1
+    # transcripts: process 0 wrote every process's games, numbered over both (host 0's first)
+    lines = [json.loads(ln) for ln in open(w / "episodes" / "0.jsonl")]
+    roll = [ln for ln in lines if ln["phase"] == "rollout"]
+    assert {(ln["host"], ln["game"]) for ln in roll} == {(0, 0), (0, 1), (1, 2), (1, 3)}
+    assert len(roll) == r["train/rows"] and all(isinstance(ln["advantage"], float) for ln in roll)
+    seen = {(ln["host"], ln["task_id"]) for ln in lines if ln["phase"] == "val"}  # one panel task per host
+    assert len(seen) == 2 and {h for h, _ in seen} == {0, 1}

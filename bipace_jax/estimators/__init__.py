@@ -13,7 +13,7 @@
 from bipace_jax.estimators import registry
 from bipace_jax.estimators.batch import StepBatch, assign_ids
 from bipace_jax.estimators.config import EstimatorConfig
-from bipace_jax.estimators.core import compute_advantages, step_group_labels
+from bipace_jax.estimators.core import compute_advantages, step_details, step_group_labels
 from bipace_jax.estimators.diagnostics import DIAGNOSTIC_KEYS
 from bipace_jax.estimators.epsilon import EpsilonController, calibrate_epsilon
 from bipace_jax.estimators.registry import EstimatorSpec
@@ -30,5 +30,6 @@ __all__ = [
     "compute_advantages",
     "registry",
     "similarity_groups",
+    "step_details",
     "step_group_labels",
 ]

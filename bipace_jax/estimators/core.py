@@ -18,6 +18,10 @@ from bipace_jax.estimators.batch import StepBatch
 from bipace_jax.estimators.config import EstimatorConfig
 from bipace_jax.estimators.episodes import canonical_rows, discounted_returns, episode_advantage, hash_labels
 
+#: ``step_details`` row kinds: a valid row whose step term took neither PACE branch, the leave-one-out
+#: fallback, the PACE value; -1 marks padding and invalid rows.
+OTHER_ROW, LOO_ROW, PACE_ROW = 0, 1, 2
+
 
 def _advantages(
     batch: StepBatch,
@@ -79,7 +83,11 @@ def _advantages(
     a = jnp.where(include, a_ep + jnp.asarray(omega, jnp.float32) * out.advantage, 0.0)
     adv = jnp.zeros((n,), jnp.float32).at[rows.perm].set(a)
     labels = jnp.zeros((n,), jnp.int32).at[rows.perm].set(jnp.where(include, step_label, -1))
-    return adv, {k: diag[k] for k in diagnostics.DIAGNOSTIC_KEYS}, labels
+    kind = jnp.zeros((n,), jnp.int32)
+    for flagged, value in ((out.loo_rows, LOO_ROW), (out.pace_rows, PACE_ROW)):
+        kind = kind if flagged is None else jnp.where(flagged, value, kind)
+    kinds = jnp.zeros((n,), jnp.int32).at[rows.perm].set(jnp.where(include, kind, -1))
+    return adv, {k: diag[k] for k in diagnostics.DIAGNOSTIC_KEYS}, labels, kinds
 
 
 @functools.cache
@@ -101,8 +109,8 @@ def _protocol(cfg: EstimatorConfig) -> tuple[str, str, str, str]:
 def jitted_advantages(cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
     """(jitted fn, its traced scalar arguments) behind `compute_advantages(batch, cfg)`.
 
-    `fn(batch, *scalars)` returns (advantages, diagnostics, step-group labels); for benchmarks that
-    lower and compile it themselves.
+    `fn(batch, *scalars)` returns (advantages, diagnostics, step-group labels, row kinds as in
+    `step_details`); for benchmarks that lower and compile it themselves.
     """
     spec = registry.get(cfg.name)
     fn = _jitted(spec, cfg.norm, cfg.centroid, cfg.capacity, _protocol(cfg), mesh if spec.clusters else None, data_axis)
@@ -134,6 +142,18 @@ def step_group_labels(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data
     return _run(batch, cfg, mesh, data_axis)[2]
 
 
+def step_details(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
+    """(step-group labels int32[N] as in `step_group_labels`, row kinds int32[N]) in batch order.
+
+    A row's kind says which step-level branch set its A_step: `PACE_ROW` (bipace_q/bipace_diff's PACE
+    value), `LOO_ROW` (their leave-one-out fallback), `OTHER_ROW` (any other valid row: a singleton,
+    a plain group baseline, or grpo's none), -1 for padding and invalid rows. Shares the compiled
+    function of `compute_advantages` (same arguments, same raises).
+    """
+    _, _, labels, kinds = _run(batch, cfg, mesh, data_axis)
+    return labels, kinds
+
+
 def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data"):
     """Advantages of every row and the batch diagnostics, jitted (`docs/estimators.md`).
 
@@ -155,5 +175,5 @@ def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, dat
       ValueError: when a clustering estimator gets a batch without capacities, or `mesh` lacks
         `data_axis`.
     """
-    adv, diag, _ = _run(batch, cfg, mesh, data_axis)
+    adv, diag, _, _ = _run(batch, cfg, mesh, data_axis)
     return adv, diag

@@ -26,7 +26,7 @@ def estimate(batch: LabBatch, cfg: EstimatorConfig):
     """(advantages float64[N], batch diagnostics dict[str, float], step-group labels int32[N]) of the
     batch's real rows under `cfg` (labels -1 for grpo)."""
     fn, scalars = jitted_advantages(cfg)
-    adv, diag, labels = fn(batch.steps, *scalars)
+    adv, diag, labels, _ = fn(batch.steps, *scalars)
     n = batch.rollouts.num_rows
     return (
         np.asarray(adv, np.float64)[:n],
