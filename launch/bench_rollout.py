@@ -119,7 +119,7 @@ def main(_):
 
     corpus = [f"Crafting commands: craft {k} oak planks using 1 oak log. Goal: craft item {k}." for k in range(50)]
     tok = train_tokenizer(corpus * 4, vocab_size=400)
-    actor = Qwen2Actor(tiny_actor_config(len(tok)), rngs=nnx.Rngs(0))
+    actor = Qwen2Actor(tiny_actor_config(len(tok), eos_token_id=None), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tok), FLAGS.eos_every))
     scfg = SamplerConfig(
         max_new_tokens=FLAGS.new_tokens,
