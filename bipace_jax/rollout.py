@@ -48,7 +48,7 @@ from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
 from bipace_jax.metrics import HostStats
 from bipace_jax.sampling import SampleOutput, Sampler, key_data, truncate_at_stop
 from bipace_jax.slots import SlotSampler
-from environments.pool import ENV_ERRORS, Fault
+from environments.pool import ENV_ERRORS, Fault, StepJob
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 from environments.registry import GameSpec, game_spec
 
@@ -281,7 +281,8 @@ class RolloutResult:
         its shape, and the estimator's compiled program, is the same every call.
       episodes: one ``Episode`` per trajectory, in traj order.
       timing: seconds spent in ``sampling_s`` (sampler calls; of which ``prefill_s`` and ``decode_s`` as the
-        sampler reports them), ``env_s`` (pool reset/step) and ``host_s`` (prompts, tokenization, parsing,
+        sampler reports them), ``env_s`` (pool reset/step; continuous: the host's time
+        in submit/poll, env steps overlapping decode not counted) and ``host_s`` (prompts, tokenization, parsing,
         assembling), and ``total_s``.
       stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
         ``turns``, ``rows``, ``response_tokens``, ``prompt_tokens_max``, ``finish_eos_rate``, ``finish_stop_rate``, ``finish_length_rate`` (why responses ended), ``budget_hits`` (responses that
@@ -437,9 +438,13 @@ def game_keys(key: jax.Array, games: Sequence[tuple[int, int]], group_size: int)
     return np.asarray(jax.vmap(one)(data), np.uint32)
 
 
+# jitted: the continuous scheduler calls it per insert, and op-by-op dispatch cost ~10 ms a call on CPU
+_fold_rows = jax.jit(jax.vmap(jax.random.fold_in))
+
+
 def turn_keys(keys: np.ndarray, turns: Sequence[int]) -> np.ndarray:
     """uint32[B, 2]: ``fold_in(keys[b], turns[b])``, the sampler key of each game's turn (``game_keys`` rows)."""
-    return np.asarray(jax.vmap(jax.random.fold_in)(jnp.asarray(keys), jnp.asarray(turns, jnp.uint32)), np.uint32)
+    return np.asarray(_fold_rows(jnp.asarray(keys), jnp.asarray(turns, jnp.uint32)), np.uint32)
 
 
 def _takes_row_keys(sampler) -> bool:
@@ -607,65 +612,117 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
     return float(np.asarray(out.lengths).sum()) / max(dt_sample, 1e-9)
 
 
-def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, sampler, pool, tokenizer, rcfg):
-    """Parses the responses of games ``live``, steps them in the pool, books their rows; returns those still playing."""
+@dataclasses.dataclass
+class _Reply:
+    """One game's sampled response, parsed, waiting for its env step."""
+
+    prompt: list[int]
+    tokens: np.ndarray  # int32[M]
+    logprobs: np.ndarray  # float32[M]
+    fingerprint: np.ndarray  # float32[D]
+    length: int
+    text: str
+    finish: str
+    action: str
+    valid: bool
+    penalised: bool
+    label: Any
+
+
+def _replies(out: SampleOutput, prompts, labels, sampler, tokenizer, rcfg: RolloutConfig) -> list[_Reply]:
+    """The rows of one sampler output, decoded and scored (``_decode``, ``_score``)."""
     texts, finish = _decode(out, sampler, tokenizer)
     actions, valid, penalised = _score(texts, finish, rcfg)
-    t0 = time.perf_counter()
-    results = pool.step(live, actions)
-    state.timing["env_s"] += time.perf_counter() - t0
     lengths = np.asarray(out.lengths)
-    max_new = int(sampler.config.max_new_tokens)
-    still = []
-    for r, (i, res) in enumerate(zip(live, results)):
-        n_tok = int(lengths[r])
-        toks = out.tokens[r, :n_tok]
-        state.stats["response_tokens"] += n_tok
-        state.stats["budget_hits"] += finish[r] == "length" and n_tok == max_new
-        pace = action_tag(texts[r]) if rcfg.action_key == "action_tag" else tuple(int(t) for t in toks[:FIRST_TOKENS])
-        reward = rcfg.success_reward * float(res.reward)
-        penalty = rcfg.invalid_penalty * penalised[r]
-        ep = state.episodes[i]
-        state.rows.append(
-            StepRecord(
-                traj=i,
-                group=ep.group_id,
-                step=ep.length,
-                reward=reward,
-                penalty=penalty,
-                anchor=state.obs[i].anchor,
-                fingerprint=np.asarray(out.fingerprints[r], np.float32),
-                pace=pace,
-                prompt=prompts[r],
-                tokens=np.asarray(out.tokens[r]),
-                logprobs=np.asarray(out.logprobs[r]),
-                length=n_tok,
-                text=texts[r],
-                action=actions[r],
-                valid=valid[r],
-                finish=finish[r],
-                label=labels[r],
-                observation=state.obs[i].text,
-            )
+    return [
+        _Reply(
+            prompt=prompts[r],
+            tokens=np.asarray(out.tokens[r]),
+            logprobs=np.asarray(out.logprobs[r]),
+            fingerprint=np.asarray(out.fingerprints[r], np.float32),
+            length=int(lengths[r]),
+            text=texts[r],
+            finish=finish[r],
+            action=actions[r],
+            valid=valid[r],
+            penalised=penalised[r],
+            label=labels[r],
         )
-        state.history[i].append((state.obs[i].text, actions[r]))
-        state.obs[i] = res.obs
-        if not _advance(ep, res, reward - penalty, valid[r], rcfg.max_steps):
-            still.append(i)
-    return still
+        for r in range(len(texts))
+    ]
+
+
+def _book(state: _Games, i: int, rep: _Reply, res, rcfg: RolloutConfig, max_new: int) -> bool:
+    """Books game ``i``'s step (its reply and the pool's result) as a row; returns whether it plays on."""
+    state.stats["response_tokens"] += rep.length
+    state.stats["budget_hits"] += rep.finish == "length" and rep.length == max_new
+    if rcfg.action_key == "action_tag":
+        pace = action_tag(rep.text)
+    else:
+        pace = tuple(int(t) for t in rep.tokens[: min(rep.length, FIRST_TOKENS)])
+    reward = rcfg.success_reward * float(res.reward)
+    penalty = rcfg.invalid_penalty * rep.penalised
+    ep = state.episodes[i]
+    state.rows.append(
+        StepRecord(
+            traj=i,
+            group=ep.group_id,
+            step=ep.length,
+            reward=reward,
+            penalty=penalty,
+            anchor=state.obs[i].anchor,
+            fingerprint=rep.fingerprint,
+            pace=pace,
+            prompt=rep.prompt,
+            tokens=rep.tokens,
+            logprobs=rep.logprobs,
+            length=rep.length,
+            text=rep.text,
+            action=rep.action,
+            valid=rep.valid,
+            finish=rep.finish,
+            label=rep.label,
+            observation=state.obs[i].text,
+        )
+    )
+    state.history[i].append((state.obs[i].text, rep.action))
+    state.obs[i] = res.obs
+    return not _advance(ep, res, reward - penalty, rep.valid, rcfg.max_steps)
+
+
+def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, sampler, pool, tokenizer, rcfg):
+    """Parses the responses of games ``live``, steps them in the pool, books their rows; returns those still playing."""
+    replies = _replies(out, prompts, labels, sampler, tokenizer, rcfg)
+    t0 = time.perf_counter()
+    results = pool.step(live, [rep.action for rep in replies])
+    state.timing["env_s"] += time.perf_counter() - t0
+    max_new = int(sampler.config.max_new_tokens)
+    return [i for i, rep, res in zip(live, replies, results) if _book(state, i, rep, res, rcfg, max_new)]
 
 
 def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, labeler) -> None:
-    """Plays every live game to its end on a ``SlotSampler``: a game whose response is done steps in the
-    pool while the other slots keep decoding, and its next prompt goes into a free slot."""
+    """Plays every live game to its end on a ``SlotSampler``: a game whose response is done is submitted to
+    the pool (``EnvPool.submit``) and its slot freed while the other slots keep decoding; answered games
+    (``EnvPool.poll``, between decode chunks) wait for a free slot, where their next prompt goes."""
     n_slots = rcfg.num_slots or min(len(state.episodes), sampler.config.batch_buckets[-1])
     slot_sampler = SlotSampler(sampler, n_slots, rcfg.max_prompt_length, rcfg.chunk_steps)
-    t0 = time.perf_counter()
+    max_new = int(sampler.config.max_new_tokens)
+    t0, env_s0 = time.perf_counter(), state.timing["env_s"]
     slots = slot_sampler.empty(actor)
     pending = collections.deque(state.live)  # games waiting for a slot, in order
     slot_env = [-1] * n_slots
+    stepping: dict[int, tuple[int, _Reply]] = {}  # pool ticket -> (env, its reply)
     busy_steps = 0
-    while pending or any(e >= 0 for e in slot_env):
+    while pending or stepping or any(e >= 0 for e in slot_env):
+        if stepping:  # take the answered games; wait for one only when no slot has work
+            idle = not pending and all(e < 0 for e in slot_env)
+            t1 = time.perf_counter()
+            answered = pool.poll(timeout=None if idle else 0.0)
+            state.timing["env_s"] += time.perf_counter() - t1
+            for ticket, res in answered:
+                i, rep = stepping.pop(ticket)
+                if _book(state, i, rep, res, rcfg, max_new):
+                    pending.append(i)
         free = [k for k, e in enumerate(slot_env) if e < 0]
         if pending and free:
             envs = [pending.popleft() for _ in range(min(len(pending), len(free)))]
@@ -683,6 +740,8 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
             slots = slot_sampler.insert(actor, slots, prompts, ids, keys)
             slots.done.block_until_ready()
             state.timing["prefill_s"] += time.perf_counter() - t1
+        if all(e < 0 for e in slot_env):
+            continue
         done = np.asarray(slots.done)
         if not any(e >= 0 and done[k] for k, e in enumerate(slot_env)):
             t1 = time.perf_counter()
@@ -699,21 +758,14 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
         for k in ready:
             slot_env[k] = -1
         out = SampleOutput(tokens, lengths, logps, fps)
-        t_env = state.timing["env_s"]
-        still = _step_and_book(
-            state,
-            envs,
-            [state.prompts[i] for i in envs],
-            out,
-            [state.labels[i] for i in envs],
-            sampler,
-            pool,
-            tokenizer,
-            rcfg,
-        )
-        t0 += state.timing["env_s"] - t_env  # env time is not sampling time
-        pending.extend(still)
-    state.timing["sampling_s"] += time.perf_counter() - t0
+        prompts, labels = [state.prompts[i] for i in envs], [state.labels[i] for i in envs]
+        replies = _replies(out, prompts, labels, sampler, tokenizer, rcfg)
+        t1 = time.perf_counter()
+        tickets = pool.submit([StepJob(i, rep.action) for i, rep in zip(envs, replies)])
+        state.timing["env_s"] += time.perf_counter() - t1
+        stepping.update(zip(tickets, zip(envs, replies)))
+    # env time (submit, poll, waits with no slot busy) is not sampling time
+    state.timing["sampling_s"] += time.perf_counter() - t0 - (state.timing["env_s"] - env_s0)
     state.live = []
     state.stats["turns"] = max((ep.length for ep in state.episodes), default=0)
     c = slot_sampler.counters
@@ -859,7 +911,8 @@ def collect(
       sampler: a ``Sampler`` (or any object with ``generate(actor, prompts, key) -> SampleOutput`` and
         ``config``).
       pool: an ``environments.pool.EnvPool`` with at least ``len(games) * group_size`` envs; envs
-        ``0 .. n-1`` are used, env ``k * G + g`` plays rollout g of task group k.
+        ``0 .. n-1`` are used, env ``k * G + g`` plays rollout g of task group k. Lockstep calls its
+        ``reset`` / ``step``; continuous also its ``submit`` / ``poll`` (a game steps while others decode).
       tokenizer: the actor's tokenizer (chat template, encode, decode).
       games: one ``(task_id, seed)`` pair per task group.
       rcfg: ``RolloutConfig``.
@@ -878,8 +931,8 @@ def collect(
       ``RolloutResult`` (see its docstring).
 
     Raises:
-      ValueError: no or malformed ``games``, a pool too small or of another game, ``max_prompt_length``
-        above the sampler's largest bucket.
+      ValueError: no or malformed ``games``, a pool too small or of another game (or without
+        ``submit`` / ``poll`` for continuous), ``max_prompt_length`` above the sampler's largest bucket.
       PromptTooLongError: a prompt does not fit even with no history (names game, env, task, step).
       RuntimeError: every game faulted or was over at reset (no row to train on).
     """
@@ -888,6 +941,8 @@ def collect(
     scheduler = rcfg.scheduler if scheduler is None else scheduler
     if scheduler not in tuple(Scheduler):
         raise ValueError(f"collect: scheduler must be one of {tuple(map(str, Scheduler))}, got {scheduler!r}")
+    if scheduler == Scheduler.CONTINUOUS and not (hasattr(pool, "submit") and hasattr(pool, "poll")):
+        raise ValueError("collect: scheduler='continuous' needs a pool with submit/poll (environments.pool.EnvPool)")
     state, reset_faults = _new_games(pool, rcfg, games, key)
     if scheduler == Scheduler.CONTINUOUS and state.live:
         _play_continuous(state, actor, sampler, pool, tokenizer, rcfg, labeler)

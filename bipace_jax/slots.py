@@ -63,7 +63,7 @@ class SlotState(NamedTuple):
 
 def _empty_program(graphdef, static: StaticSettings, state, num_slots: int, num_stops: int):
     actor = nnx.merge(graphdef, state)
-    cache = actor.init_cache(num_slots, static.cache_length, per_layer=True)
+    cache = actor.init_cache(num_slots, static.cache_length)
     cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
     m = static.max_new_tokens
     d = actor.config.hidden_size
@@ -91,7 +91,7 @@ def _insert_program(
     """Prefills I prompts and writes them into slots ``slot_ids`` (an id >= NS is a padding row: dropped)."""
     actor = nnx.merge(graphdef, state)
     n, t = input_ids.shape
-    cache = actor.init_cache(n, t, per_layer=True)
+    cache = actor.init_cache(n, t)
     out, cache = actor.prefill(input_ids, attention_mask, cache)
     token, logp = _draw(static, out.logits, row_keys, 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((n, table.shape[0]), jnp.int32), token)

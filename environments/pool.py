@@ -1,4 +1,4 @@
-"""EnvPool: N text environments in worker processes, stepped in batches, surviving faults.
+"""EnvPool: N text environments in worker processes, stepped asynchronously, surviving faults.
 
 Workers are fresh Python interpreters (like multiprocessing's ``spawn``; never ``fork``, which
 is unsafe in a process running JAX threads), started with ``subprocess`` so that
@@ -11,13 +11,16 @@ is unsafe in a process running JAX threads), started with ``subprocess`` so that
   anything it started.
 
 They talk to the parent over a socket pair with ``multiprocessing.connection.Connection``
-(pickled messages). Environment ``i`` lives on worker ``i % num_workers``. One call sends one
-message per involved worker; each worker answers env by env, and must answer each within
-``timeout_s``.
+(pickled messages). Environment ``i`` lives on worker ``i % num_workers``. ``submit`` sends one
+message per involved worker and returns a ticket per job at once; each worker answers its jobs one
+by one, in the order submitted; ``poll`` hands back whatever has been answered (or has faulted).
+``step`` / ``reset`` are ``submit`` followed by waiting for their own tickets. A job must be answered
+within ``timeout_s`` of the moment its worker could start it: its submit, or the answer to the job
+queued ahead of it on the same worker, whichever is later.
 
-Faults never raise: every requested env gets a result, and the result's typed ``fault`` field (a
-``Fault``, None when the env answered) names the kind of each faulted one, ``detail`` says what
-happened; the game's own ``info`` never carries pool keys:
+Faults never raise: every submitted job gets exactly one result, and the result's typed ``fault``
+field (a ``Fault``, None when the env answered) names the kind of each faulted one, ``detail`` says
+what happened; the game's own ``info`` never carries pool keys:
 
 * ``Fault.TIMEOUT``: the env gave no answer within ``timeout_s`` (a hang);
 * ``Fault.CRASH``: its worker died while serving it (exception outside Python, segfault, OOM or
@@ -26,14 +29,16 @@ happened; the game's own ``info`` never carries pool keys:
 * ``Fault.LOST``: the env's episode lived in a worker that was replaced because of another env.
 
 A hung or dead worker is killed (its whole process group) and replaced by a fresh one, so the
-episodes of all its envs end: those in the call get a ``"lost"`` result at once (a reset is
-simply redone on the fresh worker), the others on their next ``step``.
+episodes of all its envs end: its jobs queued behind the culprit get a ``"lost"`` result at once
+(the blocking ``reset`` simply redoes those resets on the fresh worker), the other envs report the
+loss on their next ``step``. Jobs on other workers are unaffected and are not held up.
 
 Not thread-safe: use one pool from one thread.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import os
@@ -52,7 +57,17 @@ from typing import Any, NamedTuple
 from environments.base import Observation, TextEnv
 from environments.registry import game_spec, registered
 
-__all__ = ["ENV_ERRORS", "EnvPool", "EnvPoolError", "Fault", "ResetResult", "StepResult", "TaskInfoResult"]
+__all__ = [
+    "ENV_ERRORS",
+    "EnvPool",
+    "EnvPoolError",
+    "Fault",
+    "ResetJob",
+    "ResetResult",
+    "StepJob",
+    "StepResult",
+    "TaskInfoResult",
+]
 
 
 class Fault(enum.StrEnum):
@@ -104,6 +119,42 @@ class TaskInfoResult(NamedTuple):
     detail: str = ""
 
 
+class StepJob(NamedTuple):
+    """``submit`` job: step env ``env`` with ``action`` (its result is a ``StepResult``)."""
+
+    env: int
+    action: str
+
+
+class ResetJob(NamedTuple):
+    """``submit`` job: reset env ``env`` to task ``task_id`` with ``seed`` (its result is a ``ResetResult``)."""
+
+    env: int
+    task_id: int
+    seed: int
+
+
+class _OracleJob(NamedTuple):
+    env: int
+
+
+class _TaskInfoJob(NamedTuple):
+    env: int
+    task_id: int
+
+
+_COMMANDS = {StepJob: "step", ResetJob: "reset", _OracleJob: "oracle", _TaskInfoJob: "task_info"}
+
+
+@dataclasses.dataclass
+class _Ticket:
+    """A submitted job waiting for its worker's answer."""
+
+    ticket: int
+    job: tuple
+    cmd: str
+
+
 class EnvPoolError(RuntimeError):
     """A pool-level failure: a worker cannot start (or restart), or a task group's envs disagree."""
 
@@ -145,12 +196,12 @@ def _worker_main() -> None:
     conn.send(("ready", os.getpid(), hash("bipace")))
     while True:
         try:
-            cmd, payload = conn.recv()
+            msg = conn.recv()  # "close" or a list of (command, job fields), answered one by one
         except (EOFError, OSError):
             return  # the parent is gone
-        if cmd == "close":
+        if msg == "close":
             return
-        for item in payload:
+        for cmd, item in msg:
             try:
                 if cmd == "step":
                     i, action = item
@@ -160,7 +211,8 @@ def _worker_main() -> None:
                     i, task_id, seed = item
                     reply = ("ok", envs[i].reset(task_id, seed))
                 elif cmd == "oracle":
-                    reply = ("ok", envs[item].oracle_action())
+                    (i,) = item
+                    reply = ("ok", envs[i].oracle_action())
                 elif cmd == "task_info":
                     i, task_id = item
                     reply = ("ok", envs[i].task_info(task_id))
@@ -191,7 +243,7 @@ def _shutdown(workers: list[_Worker | None], grace_s: float) -> None:
     live = [w for w in workers if w is not None and w.proc.poll() is None]
     for w in live:
         try:
-            w.conn.send(("close", None))
+            w.conn.send("close")
         except (OSError, ValueError):
             pass
     deadline = time.monotonic() + grace_s
@@ -217,8 +269,10 @@ class EnvPool:
       env_options: keyword options for every environment (e.g. ``{"max_steps": 50}``).
       num_workers: worker processes (1..num_envs); default ``min(num_envs, os.cpu_count())``.
       timeout_s: the longest one environment operation (a reset, a step, an oracle call) may
-        take, in seconds: a worker that gives no answer for ``timeout_s`` is declared hung (so a
-        call over k envs of one worker may last up to k * timeout_s when each is slow).
+        take, in seconds, counted from when its worker could start it (its submit, or the answer to
+        the job ahead of it on that worker): a worker that gives no answer for ``timeout_s`` is
+        declared hung (so a call over k envs of one worker may last up to k * timeout_s when each
+        is slow).
       start_timeout_s: deadline for a worker to build its environments, in seconds.
       hash_seed: ``PYTHONHASHSEED`` of every worker (an int in [0, 4294967295]).
 
@@ -272,6 +326,11 @@ class EnvPool:
         self._last_obs: list[Observation | None] = [None] * num_envs
         self._running = [False] * num_envs
         self._lost: dict[int, str] = {}  # env -> why its episode was lost
+        self._queue: list[collections.deque[_Ticket]] = [collections.deque() for _ in range(num_workers)]
+        self._head_since = [0.0] * num_workers  # when each worker could start its first queued job
+        self._busy: dict[int, int] = {}  # env -> the ticket of its job in flight
+        self._done: dict[int, tuple[Any, BaseException | None]] = {}  # ticket -> (result, the game's exception)
+        self._next_ticket = 0
         try:
             pending = [self._launch(w) for w in range(num_workers)]
             for w, worker in enumerate(pending):
@@ -332,92 +391,138 @@ class EnvPool:
             self._running[i] = False
         self._await_ready(w, self._launch(w))
 
-    # -- the call protocol -------------------------------------------------------------------
-    def _call(self, cmd: str, items: dict[int, list]) -> tuple[dict[int, list], dict[int, tuple[Fault, str]]]:
-        """Send ``items`` (worker -> payload list) and collect one reply per payload entry.
-
-        Workers answer entry by entry; a worker is declared hung when ``timeout_s`` passes
-        without its next answer, dead when its connection closes. Returns (replies, faults):
-        ``replies[w]`` holds the answers received (all of them unless ``w`` is in ``faults``,
-        then the answers before the fault); ``faults[w]`` is (kind, detail), kind ``Fault.TIMEOUT`` or
-        ``Fault.CRASH``. Faulted workers are replaced before this returns.
-        """
+    # -- the job protocol --------------------------------------------------------------------
+    def _submit(self, jobs: Sequence[tuple]) -> list[int]:
+        """Checks ``jobs`` (step/reset/oracle/task_info), queues them on their workers, returns their tickets."""
         self._check_open()
-        replies: dict[int, list] = {w: [] for w in items}
-        faults: dict[int, tuple[Fault, str]] = {}
-        pending: dict[Connection, int] = {}
-        deadline: dict[int, float] = {}
-        for w, payload in items.items():
-            worker = self._workers[w]
-            try:
-                worker.conn.send((cmd, payload))
-            except (OSError, ValueError) as e:
-                faults[w] = (Fault.CRASH, f"worker {w} unreachable ({_describe(e)})")
-                continue
-            if payload:
-                pending[worker.conn] = w
-                deadline[w] = time.monotonic() + self.timeout_s
-        while pending:
-            now = time.monotonic()
-            for conn, w in list(pending.items()):
-                if deadline[w] <= now:
-                    del pending[conn]
-                    faults[w] = (Fault.TIMEOUT, f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
-            if not pending:
-                break
-            wake = min(deadline[w] for w in pending.values()) - now
-            for conn in wait(list(pending), timeout=max(wake, 0.0)):
-                w = pending[conn]
-                try:
-                    while True:  # drain what is already there
-                        replies[w].append(conn.recv())
-                        if len(replies[w]) == len(items[w]) or not conn.poll():
-                            break
-                except (EOFError, OSError):
-                    faults[w] = (Fault.CRASH, f"worker {w} died during {cmd} (exit code {self._exit_code(w)})")
-                    del pending[conn]
-                    continue
-                deadline[w] = time.monotonic() + self.timeout_s
-                if len(replies[w]) == len(items[w]):
-                    del pending[conn]
-        for w, (_, detail) in faults.items():
-            self._replace(w, detail)
-        return replies, faults
-
-    def _by_worker(self, jobs: Sequence) -> dict[int, list]:
-        """Jobs (env index first, or the index itself) grouped by the worker that serves them, in order."""
-        out: dict[int, list] = {}
+        self._replace_exited()
+        seen: set[int] = set()
         for job in jobs:
-            i = job[0] if isinstance(job, tuple) else job
-            out.setdefault(i % self.num_workers, []).append(job)
-        return out
+            if type(job) not in _COMMANDS:
+                raise ValueError(f"submit: a job must be a StepJob or ResetJob, got {job!r}")
+            i = job.env
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_envs:
+                raise ValueError(f"submit: env index {i!r} out of range [0, {self.num_envs})")
+            if i in seen:
+                raise ValueError(f"submit: env {i} appears twice in one submit")
+            seen.add(i)
+            if i in self._busy:
+                raise RuntimeError(f"submit: env {i} already has a job in flight (ticket {self._busy[i]})")
+            if isinstance(job, StepJob):
+                if not isinstance(job.action, str):
+                    raise ValueError(f"step: action for env {i} must be a str, got {type(job.action).__name__}")
+                if not self._running[i] and i not in self._lost:
+                    raise RuntimeError(f"step: env {i} has no running episode (reset it first)")
+            elif isinstance(job, ResetJob):
+                if any(isinstance(v, bool) or not isinstance(v, int) for v in (job.task_id, job.seed)):
+                    raise ValueError(
+                        f"reset: task_id and seed of env {i} must be ints, got {job.task_id!r}, {job.seed!r}"
+                    )
+        tickets, by_worker = [], {}
+        for job in jobs:
+            t = _Ticket(self._next_ticket, job, _COMMANDS[type(job)])
+            self._next_ticket += 1
+            tickets.append(t.ticket)
+            self._busy[job.env] = t.ticket
+            if isinstance(job, ResetJob):  # until this reset succeeds, the env has no episode
+                self._running[job.env] = False
+                self._lost.pop(job.env, None)
+            elif isinstance(job, StepJob) and job.env in self._lost:  # its episode is already over
+                self._finish(t, Fault.LOST, self._lost.pop(job.env))
+                continue
+            by_worker.setdefault(job.env % self.num_workers, []).append(t)
+        now = time.monotonic()
+        for w, queued in by_worker.items():
+            if not self._queue[w]:
+                self._head_since[w] = now
+            self._queue[w].extend(queued)
+            try:
+                self._workers[w].conn.send([(t.cmd, tuple(t.job)) for t in queued])
+            except (OSError, ValueError) as e:
+                self._fault(w, Fault.CRASH, f"worker {w} unreachable ({_describe(e)})")
+        return tickets
 
-    def _outcomes(self, cmd: str, jobs: Sequence, keep_answered: bool = True) -> dict[int, tuple]:
-        """Run ``cmd`` on ``jobs``; env index -> ("ok", value) | (Fault, detail[, exception]) for every job.
+    def _pump(self, wait_s: float | None, enough: Callable[[], bool]) -> None:
+        """Takes in the workers' answers and declares hung or dead workers, until ``enough()``, no job
+        is in flight, or ``wait_s`` seconds pass (None: no limit; 0: only what is already there)."""
+        end = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            now = time.monotonic()
+            for w, queue in enumerate(self._queue):
+                if queue and self._head_since[w] + self.timeout_s <= now:
+                    cmd = queue[0].cmd
+                    self._fault(w, Fault.TIMEOUT, f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
+            conns = {self._workers[w].conn: w for w, queue in enumerate(self._queue) if queue}
+            for conn in wait(list(conns), timeout=0) if conns else ():
+                self._drain(conns[conn], conn)
+            if enough() or not any(self._queue):
+                return
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return
+            wake = min(self._head_since[w] + self.timeout_s for w, queue in enumerate(self._queue) if queue) - now
+            if end is not None:
+                wake = min(wake, end - now)
+            wait([self._workers[w].conn for w, queue in enumerate(self._queue) if queue], timeout=max(wake, 0.0))
 
-        On a faulted worker the first unanswered job is the culprit (timeout/crash) and the
-        jobs queued after it are lost; those answered before it keep their answers unless
-        ``keep_answered`` is False (then they are lost too: their state died with the worker).
-        """
-        by_worker = self._by_worker(jobs)
-        replies, faults = self._call(cmd, by_worker)
-        out: dict[int, tuple] = {}
-        for w, payload in by_worker.items():
-            answered = replies[w]
-            for job, (status, value, *_tb) in zip(payload, answered):
-                i = job[0] if isinstance(job, tuple) else job
-                ok = status == "ok"
-                out[i] = ("ok", value) if ok else (Fault.EXCEPTION, f"env {i} raised {_describe(value)}", value)
-            if w in faults:
-                kind, detail = faults[w]
-                first = len(answered)
-                for k, job in enumerate(payload):
-                    i = job[0] if isinstance(job, tuple) else job
-                    if k == first:
-                        out[i] = (kind, detail)
-                    elif k > first or (not keep_answered and out[i][0] == "ok"):
-                        out[i] = (Fault.LOST, f"lost with worker {w}: {detail}")
-        return out
+    def _drain(self, w: int, conn: Connection) -> None:
+        """Reads the answers already sent by worker ``w`` (each settles its oldest queued job)."""
+        queue = self._queue[w]
+        try:
+            while queue:
+                status, value, *_tb = conn.recv()
+                t = queue.popleft()
+                self._head_since[w] = time.monotonic()
+                if status == "ok":
+                    self._finish(t, "ok", value)
+                else:
+                    self._finish(t, Fault.EXCEPTION, f"env {t.job.env} raised {_describe(value)}", value)
+                if not conn.poll():
+                    break
+        except (EOFError, OSError):
+            cmd = queue[0].cmd
+            self._fault(w, Fault.CRASH, f"worker {w} died during {cmd} (exit code {self._exit_code(w)})")
+
+    def _fault(self, w: int, kind: Fault, detail: str) -> None:
+        """Worker ``w`` hung or died serving its oldest queued job: that job gets ``kind``, the jobs
+        queued behind it are lost, and the worker is replaced (its other episodes end)."""
+        queued = list(self._queue[w])
+        self._queue[w].clear()
+        for k, t in enumerate(queued):
+            self._finish(t, kind, detail) if k == 0 else self._finish(t, Fault.LOST, f"lost with worker {w}: {detail}")
+        self._replace(w, detail)
+
+    def _finish(self, t: _Ticket, status, value, exc: BaseException | None = None) -> None:
+        """Books job ``t``'s outcome (("ok", answer) or (fault, detail)) as its typed result."""
+        i = t.job.env
+        del self._busy[i]
+        ok = status == "ok"
+        if t.cmd == "step":
+            if ok:
+                obs, reward, done, info = value
+                self._last_obs[i] = obs
+                self._running[i] = not done
+                result = StepResult(obs, reward, done, info)
+            else:
+                self._lost.pop(i, None)  # reported now, not again
+                result = self._error_result(i, status, value)
+        elif t.cmd == "reset":
+            if ok:
+                self._task[i], self._last_obs[i], self._running[i] = (t.job.task_id, t.job.seed), value, True
+                result = ResetResult(value, {})
+            else:
+                result = self._error_result(i, status, value, reset=True)
+        elif t.cmd == "task_info":
+            result = TaskInfoResult(value) if ok else TaskInfoResult({}, Fault(status), value)
+        else:
+            result = value if ok else None
+        self._done[t.ticket] = (result, exc)
+
+    def _run(self, jobs: Sequence[tuple]) -> list[tuple[Any, BaseException | None]]:
+        """Submits ``jobs`` and waits for their own results, in order (other tickets stay for ``poll``)."""
+        tickets = self._submit(jobs)
+        self._pump(None, lambda: all(t in self._done for t in tickets))
+        return [self._done.pop(t) for t in tickets]
 
     def _group(self, env_indices: Sequence[int], what: str) -> list[int]:
         idx = [int(i) for i in env_indices]
@@ -439,14 +544,57 @@ class EnvPool:
             return None
 
     def _replace_exited(self) -> None:
-        """Replace workers that died between calls (killed, OOM): no env of the next call is to blame."""
+        """Replace idle workers that died between jobs (killed, OOM): no env's job is to blame."""
         self._check_open()
         for w, worker in enumerate(self._workers):
             code = worker.proc.poll()
-            if code is not None:
+            if code is not None and not self._queue[w]:
                 self._replace(w, f"worker {w} had exited (exit code {code})")
 
     # -- public API --------------------------------------------------------------------------
+    def submit(self, jobs: Sequence[StepJob | ResetJob]) -> list[int]:
+        """Starts ``jobs`` and returns one ticket (an int, never reused) per job, without waiting.
+
+        Each job's result comes back once, from ``poll`` (a ``StepResult`` for a ``StepJob``, a
+        ``ResetResult`` for a ``ResetJob``, with the same fault fields as ``step`` / ``reset``; a
+        reset's task-group check and its retry of lost resets are ``reset``'s, not ``submit``'s). A step
+        of an env whose episode was lost with a replaced worker is answered at once (``Fault.LOST``).
+
+        Raises (before anything is sent):
+          ValueError: a job of another type, an env index out of range or repeated, a non-str action,
+            a non-int task id or seed.
+          RuntimeError: an env already has a job in flight, a ``StepJob``'s env has no running
+            episode, or the pool is closed.
+        """
+        for job in jobs:
+            if not isinstance(job, (StepJob, ResetJob)):
+                raise ValueError(f"submit: a job must be a StepJob or ResetJob, got {job!r}")
+        return self._submit(list(jobs))
+
+    def poll(self, timeout: float | None = 0.0) -> list[tuple[int, StepResult | ResetResult]]:
+        """The ``(ticket, result)`` of every submitted job settled since the last ``poll``, by ticket.
+
+        ``timeout``: seconds to wait for at least one result when none is ready (0: do not wait;
+        None: until one is, unless nothing is in flight). A worker past its job's ``timeout_s`` is
+        declared hung here (its jobs settle as faults), so call ``poll`` while jobs are in flight.
+
+        Raises:
+          ValueError: a negative ``timeout``.
+          EnvPoolError: a faulted worker cannot be restarted.
+        """
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"poll: timeout must be None or a number >= 0 (seconds), got {timeout!r}")
+        self._check_open()
+        self._pump(timeout, lambda: bool(self._done))
+        out = [(t, self._done[t][0]) for t in sorted(self._done)]
+        self._done.clear()
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted whose results ``poll`` has not returned yet."""
+        return len(self._busy) + len(self._done)
+
     def reset(self, env_indices: Sequence[int], task_ids: Sequence[int], seeds: Sequence[int]) -> list[ResetResult]:
         """Reset env ``env_indices[k]`` to task ``task_ids[k]`` with seed ``seeds[k]``; results in order.
 
@@ -458,6 +606,7 @@ class EnvPool:
         Raises:
           ValueError: on mismatched lengths, bad or repeated indices, or the game's own
             ValueError (e.g. a task id out of range), re-raised with the env index.
+          RuntimeError: an env has a job in flight (from ``submit``).
           EnvPoolError: when envs of one task group (same task id and seed) show different
             initial observations (the game is not deterministic), or a worker cannot restart.
         """
@@ -467,31 +616,16 @@ class EnvPool:
                 f"reset: env_indices, task_ids and seeds must have equal lengths, got "
                 f"{len(idx)}, {len(task_ids)}, {len(seeds)}"
             )
-        jobs = {i: (i, int(t), int(s)) for i, t, s in zip(idx, task_ids, seeds)}
-        self._replace_exited()
-        for i in idx:  # until this reset succeeds, these envs have no episode
-            self._running[i] = False
-            self._lost.pop(i, None)
+        jobs = {i: ResetJob(i, int(t), int(s)) for i, t, s in zip(idx, task_ids, seeds)}
         results: dict[int, ResetResult] = {}
         todo = list(idx)
         while todo:  # each round settles at least one env per faulted worker (its culprit)
-            outcomes = self._outcomes("reset", [jobs[i] for i in todo], keep_answered=False)
-            todo = []
-            for i, (status, value, *exc) in outcomes.items():
-                if status == "ok":
-                    results[i] = ResetResult(value, {})
-                    self._task[i], self._last_obs[i], self._running[i] = jobs[i][1:], value, True
-                elif status == Fault.LOST:
-                    self._running[i] = False
-                    todo.append(i)  # an innocent bystander: reset again on the fresh worker
-                elif status == Fault.EXCEPTION and isinstance(exc[0], ValueError):
-                    raise ValueError(f"reset of env {i}: {exc[0]}") from exc[0]
-                else:
-                    results[i] = self._error_result(i, status, value, reset=True)
-            todo = [i for i in idx if i in todo]
-        for i in idx:  # a later round's fault on the same worker ended this episode again
-            if results[i].ok and not self._running[i]:
-                results[i] = self._error_result(i, Fault.LOST, self._lost.pop(i, "worker replaced"), reset=True)
+            for i, (res, exc) in zip(todo, self._run([jobs[i] for i in todo])):
+                if res.fault is Fault.EXCEPTION and isinstance(exc, ValueError):
+                    raise ValueError(f"reset of env {i}: {exc}") from exc
+                results[i] = res
+            # an innocent bystander (lost, or reset before its worker was replaced): reset again
+            todo = [i for i in idx if results[i].fault is Fault.LOST or (results[i].ok and not self._running[i])]
         groups: dict[tuple[int, int], list[int]] = {}
         for i in idx:
             if results[i].ok:
@@ -514,36 +648,13 @@ class EnvPool:
 
         Raises:
           ValueError: on mismatched lengths, bad or repeated indices, or a non-str action.
-          RuntimeError: when an env has no running episode (never reset, or already done).
+          RuntimeError: when an env has no running episode (never reset, or already done), or has a
+            job in flight (from ``submit``).
         """
         idx = self._group(env_indices, "step")
         if len(actions) != len(idx):
             raise ValueError(f"step: env_indices and actions must have equal lengths, got {len(idx)}, {len(actions)}")
-        for i, a in zip(idx, actions):
-            if not isinstance(a, str):
-                raise ValueError(f"step: action for env {i} must be a str, got {type(a).__name__}")
-        self._replace_exited()
-        for i in idx:
-            if not self._running[i] and i not in self._lost:
-                raise RuntimeError(f"step: env {i} has no running episode (reset it first)")
-        out: dict[int, StepResult] = {}
-        for i in idx:
-            if i in self._lost:
-                out[i] = self._error_result(i, Fault.LOST, self._lost.pop(i))
-        outcomes = self._outcomes("step", [(i, a) for i, a in zip(idx, actions) if i not in out])
-        for i, (status, value, *_exc) in outcomes.items():
-            if status != "ok":
-                self._lost.pop(i, None)  # reported now, not again
-                out[i] = self._error_result(i, status, value)
-                continue
-            obs, reward, done, info = value
-            self._last_obs[i] = obs
-            # answered before a fault on its worker: the result stands, the next step reports the loss
-            self._running[i] = not done and i not in self._lost
-            if done:
-                self._lost.pop(i, None)
-            out[i] = StepResult(obs, reward, done, info)
-        return [out[i] for i in idx]
+        return [res for res, _ in self._run([StepJob(i, a) for i, a in zip(idx, actions)])]
 
     def _error_result(self, i: int, kind: Fault, detail: str, reset: bool = False):
         self._running[i] = False
@@ -558,8 +669,9 @@ class EnvPool:
         """The expert's next action of each env from its current state (None without one or on a fault)."""
         idx = self._group(env_indices, "oracle_actions")
         self._replace_exited()
-        outcomes = self._outcomes("oracle", [i for i in idx if self._running[i]])
-        return [outcomes[i][1] if outcomes.get(i, ("none",))[0] == "ok" else None for i in idx]
+        asked = [i for i in idx if self._running[i]]
+        answers = dict(zip(asked, (res for res, _ in self._run([_OracleJob(i) for i in asked]))))
+        return [answers.get(i) for i in idx]
 
     def task_info(self, env_indices: Sequence[int]) -> list[TaskInfoResult]:
         """``task_info`` of each env's current task (from its last reset), as ``TaskInfoResult``s.
@@ -573,16 +685,7 @@ class EnvPool:
         for i in idx:
             if self._task[i] is None:
                 raise RuntimeError(f"task_info: env {i} was never reset")
-        self._replace_exited()
-        outcomes = self._outcomes("task_info", [(i, self._task[i][0]) for i in idx])
-        out = []
-        for i in idx:
-            status, value, *_ = outcomes[i]
-            if status == "ok":
-                out.append(TaskInfoResult(value))
-            else:
-                out.append(TaskInfoResult({}, Fault(status), value))
-        return out
+        return [res for res, _ in self._run([_TaskInfoJob(i, self._task[i][0]) for i in idx])]
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (they change when a worker is replaced)."""

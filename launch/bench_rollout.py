@@ -4,7 +4,8 @@
     python -m launch.bench_rollout --games=32 --slots=16 --eos_every=12 --latency_s=0.02
 
 A fake paced game (``PacedPool``: TextCraft prompts, every game lasts ``--turns`` steps, each pool
-``step`` call sleeps ``--latency_s``, as a pool stepping its games in parallel would) is driven by a
+``step`` call sleeps ``--latency_s``, as a pool stepping its games in parallel would; a submitted step
+is answered ``--latency_s`` after its submit, while the continuous scheduler decodes) is driven by a
 random tiny Qwen2 actor doing real compute. Response lengths are set by the EOS set: every
 ``--eos_every``-th token id ends a response, so lengths are roughly geometric with mean
 ``eos_every`` (capped at ``--new_tokens``); a larger value widens the spread. Both schedulers play the
@@ -37,13 +38,42 @@ flags.DEFINE_string("out", "benchmarks/rollout.json", "result file")
 
 
 class PacedPool:
-    """A pool of fake games with TextCraft prompts: each lasts ``turns`` steps; ``step`` sleeps ``latency_s``."""
+    """A pool of fake games with TextCraft prompts: each lasts ``turns`` steps; ``step`` sleeps ``latency_s``
+    (games step in parallel); a ``submit``-ted step is answered by ``poll`` ``latency_s`` after its submit."""
 
     env = "textcraft"
 
     def __init__(self, n: int, turns: int, latency_s: float):
         self.n, self.turns, self.latency_s = n, turns, latency_s
         self.t = [0] * n
+        self._due: dict[int, tuple[float, int]] = {}  # ticket -> (when it is answered, env)
+        self._ticket = 0
+
+    def submit(self, jobs):
+        now, tickets = time.monotonic(), []
+        for job in jobs:
+            self._due[self._ticket] = (now + self.latency_s, job.env)
+            tickets.append(self._ticket)
+            self._ticket += 1
+        return tickets
+
+    def poll(self, timeout=0.0):
+        from environments.pool import StepResult
+
+        if not self._due:
+            return []
+        first = min(due for due, _ in self._due.values())
+        wait = first - time.monotonic()
+        if wait > 0:
+            time.sleep(wait if timeout is None else min(wait, timeout))
+        now, out = time.monotonic(), []
+        for ticket in sorted(self._due):
+            due, i = self._due[ticket]
+            if due <= now:
+                del self._due[ticket]
+                self.t[i] += 1
+                out.append((ticket, StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})))
+        return out
 
     def __len__(self):
         return self.n
@@ -89,7 +119,7 @@ def main(_):
 
     corpus = [f"Crafting commands: craft {k} oak planks using 1 oak log. Goal: craft item {k}." for k in range(50)]
     tok = train_tokenizer(corpus * 4, vocab_size=400)
-    actor = Qwen2Actor(tiny_actor_config(len(tok)), rngs=nnx.Rngs(0))
+    actor = Qwen2Actor(tiny_actor_config(len(tok), eos_token_id=None), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tok), FLAGS.eos_every))
     scfg = SamplerConfig(
         max_new_tokens=FLAGS.new_tokens,

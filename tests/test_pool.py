@@ -11,7 +11,17 @@ import time
 import pytest
 
 import environments
-from environments.pool import ENV_ERRORS, EnvPool, EnvPoolError, Fault, ResetResult, StepResult, TaskInfoResult
+from environments.pool import (
+    ENV_ERRORS,
+    EnvPool,
+    EnvPoolError,
+    Fault,
+    ResetJob,
+    ResetResult,
+    StepJob,
+    StepResult,
+    TaskInfoResult,
+)
 from environments.testing import FaultyEnv
 
 LADDER, CHEST = 272, 183
@@ -259,8 +269,8 @@ def test_close_stops_every_worker_even_a_hung_one():
     pool = EnvPool(FaultyEnv, 2, num_workers=2, timeout_s=60.0)
     pool.reset([0, 1], [0, 0], [0, 0])
     pids = pool.worker_pids()
-    # leave worker 1 busy in a hang that no call waits for: send the command directly
-    pool._workers[1].conn.send(("step", [(1, "hang")]))
+    # leave worker 1 busy in a hang that no call waits for
+    pool.submit([StepJob(1, "hang")])
     pool.close(grace_s=0.5)
     assert not any(_alive(p) for p in pids)
     pool.close()  # idempotent
@@ -335,3 +345,154 @@ def test_text_env_step_accepts_real_numbers_only():
         env.step("nan")
     with pytest.raises(RuntimeError, match="finished episode"):  # the unscorable step ended the episode
         env.step("a")
+
+
+# -- asynchronous submit / poll ------------------------------------------------------------------
+def _poll_all(pool, tickets):
+    """Polls until every ticket is back; returns the polls' (ticket, result) lists, in order."""
+    batches = []
+    while pool.in_flight:
+        got = pool.poll(timeout=None)
+        assert got, "poll(None) returned nothing while jobs were in flight"
+        batches.append(got)
+    back = [t for batch in batches for t, _ in batch]
+    assert sorted(back) == sorted(tickets) and len(set(back)) == len(back)  # each ticket exactly once
+    assert pool.poll() == [] and pool.in_flight == 0
+    return batches
+
+
+def test_submit_returns_tickets_at_once_and_poll_gives_each_result_once():
+    with EnvPool(FaultyEnv, 4, num_workers=2, timeout_s=20.0) as pool:
+        assert pool.poll() == [] and pool.poll(timeout=None) == []  # nothing in flight: no wait
+        first = pool.submit([ResetJob(i, 10 + i, 0) for i in range(4)])
+        assert first == [0, 1, 2, 3] and pool.in_flight == 4
+        batches = _poll_all(pool, first)
+        results = dict(t for batch in batches for t in batch)
+        assert [results[t].obs.text for t in first] == [f"task {10 + i} seed 0 step 0" for i in range(4)]
+        assert all(isinstance(r, ResetResult) and r.ok for r in results.values())
+        # env 1 naps 0.8 s on worker 1 (with env 3 queued behind it); worker 0's envs answer first
+        second = pool.submit([StepJob(1, "nap"), StepJob(3, "x"), StepJob(0, "x"), StepJob(2, "y")])
+        assert second == [4, 5, 6, 7]
+        with pytest.raises(RuntimeError, match=r"env 1 already has a job in flight \(ticket 4\)"):
+            pool.submit([StepJob(1, "x")])
+        with pytest.raises(RuntimeError, match="env 3 already has a job in flight"):
+            pool.step([3], ["x"])
+        batches = _poll_all(pool, second)
+        order = [t for batch in batches for t, _ in batch]
+        assert set(order[:2]) == {6, 7} and order[2:] == [4, 5]  # the slow game did not hold worker 0 up
+        results = dict(t for batch in batches for t in batch)
+        assert [results[t].obs.text for t in second] == [
+            "task 11 seed 0 step 1: nap",
+            "task 13 seed 0 step 1: x",
+            "task 10 seed 0 step 1: x",
+            "task 12 seed 0 step 1: y",
+        ]
+        assert all(isinstance(r, StepResult) and r.fault is None and not r.done for r in results.values())
+
+
+def test_a_blocking_call_leaves_the_submitted_jobs_results_for_poll():
+    with EnvPool(FaultyEnv, 4, num_workers=2, timeout_s=20.0) as pool:
+        pool.reset([0, 1, 2, 3], [0, 1, 2, 3], [0, 0, 0, 0])
+        (t,) = pool.submit([StepJob(1, "nap")])
+        # env 0 (worker 0) and env 3 (queued behind env 1's nap on worker 1) step while env 1 is in flight
+        r0, r3 = pool.step([0, 3], ["a", "b"])
+        assert (r0.obs.text, r3.obs.text) == ("task 0 seed 0 step 1: a", "task 3 seed 0 step 1: b")
+        assert pool.task_info([2])[0] == TaskInfoResult({"task": 2, "parity": 0})
+        assert pool.in_flight == 1
+        ((back, res),) = pool.poll(timeout=None)
+        assert back == t and res.obs.text == "task 1 seed 0 step 1: nap" and pool.in_flight == 0
+        (again,) = pool.submit([StepJob(0, "c")])
+        assert again > t  # tickets are never reused (the blocking calls took some too)
+        assert pool.poll(timeout=None)[0][1].obs.text == "task 0 seed 0 step 2: c"
+
+
+# Env 1 and env 3 share worker 1 (env 3 queued behind env 1); envs 0 and 2 are worker 0's.
+_STEP_FAULTS = {"hang": ("hang", Fault.TIMEOUT), "crash": ("crash", Fault.CRASH), "segfault": ("segv", Fault.CRASH),
+                "raise": ("raise", Fault.EXCEPTION)}  # fmt: skip
+_RESET_FAULTS = {"hang": (-1, Fault.TIMEOUT), "crash": (-2, Fault.CRASH), "segfault": (-7, Fault.CRASH),
+                 "raise": (-6, Fault.EXCEPTION)}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["step", "reset"])
+@pytest.mark.parametrize("kind", ["hang", "crash", "segfault", "raise", "lost"])
+def test_every_fault_kind_gives_each_submitted_job_exactly_one_outcome(op, kind):
+    with EnvPool(FaultyEnv, 4, num_workers=2, timeout_s=2.0) as pool:
+        pool.reset([0, 1, 2, 3], [0, 1, 2, 3], [0, 0, 0, 0])
+        old = pool.worker_pids()
+        if kind == "lost":  # worker 1 dies between calls: envs 1 and 3 lost their episodes with it
+            os.kill(old[1], signal.SIGKILL)
+            time.sleep(0.5)
+        if op == "step":
+            bad = _STEP_FAULTS[kind][0] if kind != "lost" else "x"
+            jobs = [StepJob(1, bad), StepJob(3, "x"), StepJob(0, "x"), StepJob(2, "x")]
+        else:
+            bad = _RESET_FAULTS[kind][0] if kind != "lost" else 0
+            jobs = [ResetJob(1, 21, bad), ResetJob(3, 23, 0), ResetJob(0, 20, 0), ResetJob(2, 22, 0)]
+        tickets = pool.submit(jobs)
+        assert len(set(tickets)) == 4
+        batches = _poll_all(pool, tickets)
+        results = dict(t for batch in batches for t in batch)
+        r1, r3, r0, r2 = (results[t] for t in tickets)
+        good = {"step": ("task 0 seed 0 step 1: x", "task 2 seed 0 step 1: x"), "reset": ("task 20 seed 0 step 0",
+                "task 22 seed 0 step 0")}[op]  # fmt: skip
+        assert (r0.obs.text, r2.obs.text) == good and r0.fault is None and r2.fault is None
+        if kind == "lost":
+            if op == "step":  # answered at submit, without blame: the worker died idle
+                assert r1.fault is r3.fault is Fault.LOST and "had exited (exit code -9)" in r1.detail
+            else:  # a reset starts a new episode on the fresh worker
+                assert (r1.obs.text, r3.obs.text) == ("task 21 seed 0 step 0", "task 23 seed 0 step 0")
+            assert pool.fault_count == 1
+            return
+        expected = _STEP_FAULTS[kind][1] if op == "step" else _RESET_FAULTS[kind][1]
+        assert r1.fault is expected
+        if expected is Fault.EXCEPTION:  # the worker stays and serves env 3
+            assert r3.fault is None and pool.worker_pids() == old
+        else:  # env 3 was queued behind the culprit on the replaced worker
+            assert r3.fault is Fault.LOST and f"lost with worker 1: {r1.detail}" == r3.detail
+            assert pool.worker_pids()[0] == old[0] and not _alive(old[1]) and pool.fault_count == 1
+        if kind == "hang":  # worker 0's games came back in a poll before the hung one's timeout
+            hung_poll = next(k for k, batch in enumerate(batches) if tickets[0] in dict(batch))
+            assert hung_poll > 0 and {t for t, _ in batches[hung_poll]} == {tickets[0], tickets[1]}
+            assert "did not answer" in r1.detail and "timeout_s=2.0" in r1.detail
+        if kind == "segfault":
+            assert "exit code -11" in r1.detail
+        # the pool plays on: every env can be reset and stepped again
+        assert [r.ok for r in pool.reset([0, 1, 2, 3], [5, 5, 6, 6], [1, 1, 1, 1])] == [True] * 4
+        assert [r.obs.text for r in pool.step([1, 3], ["z", "z"])] == [
+            "task 5 seed 1 step 1: z",
+            "task 6 seed 1 step 1: z",
+        ]
+
+
+def test_a_worker_killed_while_serving_submitted_jobs_blames_its_current_job():
+    with EnvPool(FaultyEnv, 2, num_workers=1, timeout_s=20.0) as pool:
+        pool.reset([0, 1], [0, 1], [0, 0])
+        tickets = pool.submit([StepJob(0, "nap"), StepJob(1, "x")])
+        time.sleep(0.2)  # worker 0 is inside env 0's nap
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        results = dict(t for batch in _poll_all(pool, tickets) for t in batch)
+        assert results[tickets[0]].fault is Fault.CRASH and "exit code -9" in results[tickets[0]].detail
+        assert results[tickets[1]].fault is Fault.LOST
+
+
+def test_bad_submits_raise_before_anything_is_sent(faulty_pool):
+    pool = faulty_pool
+    pool.reset([0, 1, 3], [1, 1, 1], [1, 1, 1])
+    assert pool.step([3], ["win"])[0].done  # env 3's episode is over
+    n = pool.in_flight
+    with pytest.raises(ValueError, match="a job must be a StepJob or ResetJob"):
+        pool.submit([(0, "x")])
+    with pytest.raises(ValueError, match="env 0 appears twice"):
+        pool.submit([StepJob(0, "a"), ResetJob(0, 1, 1)])
+    with pytest.raises(ValueError, match=r"env index 9 out of range \[0, 4\)"):
+        pool.submit([StepJob(0, "a"), StepJob(9, "a")])
+    with pytest.raises(ValueError, match="action for env 1 must be a str"):
+        pool.submit([StepJob(0, "a"), StepJob(1, 3)])
+    with pytest.raises(ValueError, match="task_id and seed of env 2 must be ints"):
+        pool.submit([ResetJob(2, "1", 0)])
+    with pytest.raises(RuntimeError, match="env 3 has no running episode"):
+        pool.submit([StepJob(0, "a"), StepJob(3, "a")])
+    with pytest.raises(ValueError, match="poll: timeout must be None or a number >= 0"):
+        pool.poll(timeout=-1)
+    assert pool.in_flight == n == 0 and pool.poll() == []
+    assert pool.step([0], ["a"])[0].obs.text == "task 1 seed 1 step 1: a"  # nothing was queued for env 0

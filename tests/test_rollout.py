@@ -3,6 +3,8 @@ sampler, and with a scripted sampler that plays the games' oracle (so wins and r
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -340,6 +342,86 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
     assert cont.timing["decode_steps"] > 0 and 0 < cont.stats["slot_use"] <= 1
     if not greedy:  # responses of several lengths: the slots really ran out of step
         assert len(set(lock.response_mask.sum(1).tolist())) > 1
+
+
+class _SlowRecordingPool:
+    """An EnvPool whose games answer no sooner than ``hold_s`` after their submit (a slow game on top of the
+    real pool and its faults); submits, answers and the slot sampler's decode chunks are logged in order."""
+
+    def __init__(self, pool, events, hold_s=0.05):
+        self.pool, self.events, self.hold_s = pool, events, hold_s
+        self.sent, self.held = {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def __len__(self):
+        return len(self.pool)
+
+    def submit(self, jobs):
+        tickets = self.pool.submit(jobs)
+        self.sent.update(dict.fromkeys(tickets, time.monotonic()))
+        self.events.append(("submit", tickets))
+        return tickets
+
+    def poll(self, timeout=0.0):
+        while True:
+            self.held.update(self.pool.poll(0.0))
+            now = time.monotonic()
+            due = sorted(t for t in self.held if self.sent[t] + self.hold_s <= now)
+            if due or timeout == 0.0 or not (self.held or self.pool.in_flight):
+                break
+            time.sleep(0.005)
+        if due:
+            self.events.append(("poll", due))
+        return [(t, self.held.pop(t)) for t in due]
+
+
+@pytest.mark.slow
+def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulting_game(tokenizer, monkeypatch):
+    import functools
+
+    from bipace_jax.slots import SlotSampler
+    from environments.testing import UnscorableEnv
+
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    eos = tuple(range(3, len(tokenizer), 5))
+    scfg = SamplerConfig(
+        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=False, eos_token_ids=eos
+    )
+    sampler = Sampler(tokenizer, scfg)
+    rcfg = RolloutConfig(
+        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
+    )
+    events = []
+    chunk = SlotSampler.decode_chunk
+
+    def logged_chunk(self, *a):
+        events.append(("chunk", None))
+        return chunk(self, *a)
+
+    monkeypatch.setattr(SlotSampler, "decode_chunk", logged_chunk)
+    factory = functools.partial(UnscorableEnv, "textcraft", task_id=12)  # task group 1's steps score NaN
+    key = jax.random.key(2)
+    with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=2, timeout_s=20.0) as pool:
+        lock = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
+        cont = collect(
+            actor, sampler, _SlowRecordingPool(pool, events), tokenizer, GAMES, rcfg, key, progress=False,
+            scheduler="continuous",
+        )  # fmt: skip
+        assert pool.in_flight == 0
+    assert [e.env_error for e in cont.episodes] == [None, None, Fault.EXCEPTION, Fault.EXCEPTION]
+    assert [e.length for e in cont.episodes] == [3, 3, 1, 1] and cont.rows == 6
+    _assert_same_result(lock, cont)
+    # every submitted step came back exactly once, and some decode chunk ran while a step was in flight
+    submitted = [t for kind, ts in events if kind == "submit" for t in ts]
+    polled = [t for kind, ts in events if kind == "poll" for t in ts]
+    assert len(submitted) == 8 and sorted(polled) == sorted(submitted) and len(set(polled)) == 8
+    back_at = {t: k for k, (kind, ts) in enumerate(events) if kind == "poll" for t in ts}
+    sent_at = {t: k for k, (kind, ts) in enumerate(events) if kind == "submit" for t in ts}
+    assert any(any(kind == "chunk" for kind, _ in events[sent_at[t] : back_at[t]]) for t in submitted), (
+        "no decode chunk overlapped an env step"
+    )
 
 
 def test_collect_rejects_an_unknown_scheduler(tokenizer, pool):
