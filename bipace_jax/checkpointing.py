@@ -42,6 +42,8 @@ class CheckpointMeta:
       controller: RL: ``EpsilonController.state_dict()``, or None without a controller.
       estimator: RL: the estimator's registered name ("" = not recorded).
       seed: the run's seed.
+      data_stream: warm start, a checkpoint inside a round: the round's updates done, its examples and
+        its ``demo_stream.BucketStream.get_state()`` (``sft.py``); None at a round's end (and in RL).
     """
 
     iteration: int = 0
@@ -51,6 +53,7 @@ class CheckpointMeta:
     controller: dict[str, Any] | None = None
     estimator: str = ""
     seed: int = 0
+    data_stream: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -64,12 +64,14 @@ from environments.pool import EnvPool
 
 @dataclasses.dataclass
 class Example:
-    """One behaviour-cloning example: the chat-formatted prompt's token ids and the target response's."""
+    """One behaviour-cloning example: the chat-formatted prompt's token ids and the target response's;
+    ``key`` names it (``<task>_<seed>_<turn>``: the dataset's record key; ``dagger<round>_<row>``)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     depth: int = 0
     source: str = "expert"
+    key: str = ""
 
 
 def encode_response(tokenizer, action: str) -> list[int]:
@@ -90,7 +92,8 @@ def expert_examples(env, rcfg: RolloutConfig, tokenizer, pairs: Sequence[tuple[i
             raise RuntimeError(f"oracle has no action for task {s.task_id} seed {s.seed} at step {s.step}")
         ids, _ = encode_prompt(tokenizer, rcfg, s.obs, list(s.history), s.step, f"task {s.task_id} seed {s.seed}")
         depth = int(env.task_info(s.task_id).get("depth", 0))
-        examples.append(Example(ids, encode_response(tokenizer, s.action), depth, "expert"))
+        key = f"{s.task_id}_{s.seed}_{s.step}"
+        examples.append(Example(ids, encode_response(tokenizer, s.action), depth, "expert", key))
         wins += bool(s.next_obs.won)
     n = max(len(pairs), 1)
     return examples, {"oracle_win_rate": wins / n, "oracle_mean_length": len(examples) / n}
@@ -109,7 +112,8 @@ def demo_examples(records, rcfg: RolloutConfig, tokenizer) -> tuple[list[Example
             tokenizer, rcfg, demos.observation_of(r), demos.history_of(r), turn, f"task {task} seed {seed}"
         )
         action = r["action"].decode() if isinstance(r["action"], bytes) else str(r["action"])
-        examples.append(Example(ids, encode_response(tokenizer, action), int(r["depth"]), "expert"))
+        key = f"{task}_{seed}_{turn}"
+        examples.append(Example(ids, encode_response(tokenizer, action), int(r["depth"]), "expert", key))
         won[(task, seed)] = bool(r["won"])
     n = max(len(won), 1)
     return examples, {"oracle_win_rate": sum(won.values()) / n, "oracle_mean_length": len(examples) / n}
@@ -128,16 +132,16 @@ def expert_dataset(spec, data_dir: str, progress: bool = False) -> demos.DemosBu
     return demos.build(cfg, data_dir, progress=progress)
 
 
-def dagger_examples(res: RolloutResult, tokenizer) -> list[Example]:
-    """The rows of a labelled ``collect`` as examples: each row's prompt tokens and its oracle label
-    (rows whose state the oracle has no action for are left out)."""
+def dagger_examples(res: RolloutResult, tokenizer, rnd: int = 0) -> list[Example]:
+    """The rows of a labelled ``collect`` (DAgger round ``rnd``) as examples: each row's prompt tokens and
+    its oracle label, keyed ``dagger<rnd>_<row>`` (rows whose state the oracle has no action for are left out)."""
     traj = np.asarray(res.steps.traj_id)[: res.rows]
     out = []
     for r, label in enumerate(res.labels):
         if label is not None:
             prompt = res.prompt_ids[r][res.prompt_mask[r].astype(bool)].tolist()
             depth = int(res.episodes[traj[r]].task_info.get("depth", 0))
-            out.append(Example(prompt, encode_response(tokenizer, label), depth, "dagger"))
+            out.append(Example(prompt, encode_response(tokenizer, label), depth, "dagger", f"dagger{rnd}_{r}"))
     return out
 
 
@@ -303,12 +307,36 @@ def sft_step_specs(graphdef, tx, mesh, params, rest, opt_state, rows: int, lengt
 
 
 def _save_examples(path: epath.Path, examples: Sequence[Example]) -> None:
-    rows = [{"p": e.prompt_ids, "r": e.response_ids, "d": e.depth, "s": e.source} for e in examples]
+    rows = [{"p": e.prompt_ids, "r": e.response_ids, "d": e.depth, "s": e.source, "k": e.key} for e in examples]
     runfolder.write_text(path, json.dumps(rows))
 
 
 def _load_examples(path: epath.Path) -> list[Example]:
-    return [Example(r["p"], r["r"], r["d"], r["s"]) for r in json.loads(path.read_text())]
+    return [Example(r["p"], r["r"], r["d"], r["s"], r.get("k", "")) for r in json.loads(path.read_text())]
+
+
+#: ``config.train.log_examples``' file in the run folder: one JSON line per update.
+EXAMPLES_FILE = "examples.jsonl"
+
+
+class _ExampleLog:
+    """``examples.jsonl``: ``{"update", "round", "examples": [Example.key, ...]}`` per update, in order.
+
+    Lines past ``start_update`` (updates a resumed run does again) are dropped when it opens, so the
+    file names exactly the examples the weights were trained on. Rewritten whole by ``flush`` (runfolder).
+    """
+
+    def __init__(self, path: epath.Path, start_update: int):
+        self.path = path
+        lines = (runfolder.read_text(path) or "").splitlines()
+        self.lines = [x for x in lines if x.strip() and json.loads(x)["update"] <= start_update]
+        self.flush()
+
+    def add(self, update: int, rnd: int, keys: list[str]) -> None:
+        self.lines.append(json.dumps({"update": update, "round": rnd, "examples": keys}))
+
+    def flush(self) -> None:
+        runfolder.write_text(self.path, "".join(x + "\n" for x in self.lines))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -339,7 +367,9 @@ class DataConfig(Section):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Section):
     """``config.train``: batch rows (split in ``micro_batch_rows``, 0 = one), updates before and after
-    each DAgger round, metrics every ``log_every`` updates."""
+    each DAgger round, metrics every ``log_every`` updates, a checkpoint every ``checkpoint_every``
+    updates inside a round (0 = at round ends only; a multiple of ``log_every``), and with
+    ``log_examples`` the keys of every update's examples in ``<workdir>/examples.jsonl``."""
 
     SECTION: ClassVar[str] = "train"
     batch_size: int = 32
@@ -347,6 +377,8 @@ class TrainConfig(Section):
     bc_steps: int = 600
     steps_per_round: int = 100
     log_every: int = 25
+    checkpoint_every: int = 0
+    log_examples: bool = False
 
     def __post_init__(self):
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -357,6 +389,15 @@ class TrainConfig(Section):
         check_int(self._name("bc_steps"), self.bc_steps, 0)
         check_int(self._name("steps_per_round"), self.steps_per_round, 0)
         check_int(self._name("log_every"), self.log_every, 1)
+        check_int(self._name("checkpoint_every"), self.checkpoint_every, 0)
+        if self.checkpoint_every % self.log_every:
+            # a resume then starts a fresh metrics window exactly where the uninterrupted run did
+            fail(
+                self._name("checkpoint_every"),
+                f"be 0 or a multiple of train.log_every={self.log_every}",
+                self.checkpoint_every,
+            )
+        check_bool(self._name("log_examples"), self.log_examples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,18 +604,22 @@ class _WarmStart:
         actor = Qwen2Actor(cfg, rngs=nnx.Rngs(spec.seed))
         self.learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), make_optimizer(spec))
         self.checkpointer = Checkpointer(os.fspath(run_dir))
-        self.start_round, self.step = 0, 0
+        # checkpoint steps count the saves; ``resume``: the position inside ``start_round`` (None: its start)
+        self.start_round, self.step, self.next_save, self.resume = 0, 0, 0, None
         restored = self.checkpointer.restore_latest(self.learner.params, self.learner.opt_state)
         if restored is not None:
-            latest, (self.learner.params, self.learner.opt_state, _, meta) = restored
+            latest, (self.learner.params, self.learner.opt_state, _, raw) = restored
             self.learner.sync_local()
-            self.start_round, self.step = latest + 1, CheckpointMeta.from_dict(meta).updates
+            meta = CheckpointMeta.from_dict(raw)
+            self.step, self.next_save, self.resume = meta.updates, latest + 1, meta.data_stream
+            self.start_round = meta.iteration + (meta.data_stream is None)
         for r in range(self.start_round):  # DAgger data of the finished rounds
             path = run_dir / f"dagger_{r}.json"
             if path.exists():
                 self.examples += _load_examples(path)
         start = self.step + 1 if restored is not None else 0
         self.metrics = MetricsLogger(os.fspath(run_dir), start_iteration=start)
+        self.example_log = _ExampleLog(run_dir / EXAMPLES_FILE, self.step) if spec.train.log_examples else None
         temps = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
         self.samplers = {k: Sampler(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
         self.pool = None
@@ -599,24 +644,61 @@ class _WarmStart:
             labeler=labeler,
         )
 
-    def train(self, n_steps: int, rnd: int, rng: np.random.Generator, t_start: float) -> None:
-        """``n_steps`` updates on epochs of the examples (batches from ``rng``), metrics every ``log_every``."""
+    def save(self, rnd: int, key, data_stream: dict[str, Any] | None = None) -> None:
+        """Checkpoint the learner after round ``rnd`` (``data_stream`` None) or inside it."""
+        meta = CheckpointMeta(iteration=rnd, updates=self.step, seed=self.spec.seed, data_stream=data_stream)
+        self.checkpointer.save(self.next_save, self.learner.params, self.learner.opt_state, key, meta)
+        self.next_save += 1
+
+    def _stream(self, n_steps: int, rnd: int, rng: np.random.Generator) -> tuple[BucketStream | None, int]:
+        """The round's batch stream (its seed drawn from ``rng`` either way) and the updates already done:
+        at a resumed round's saved position (``self.resume``), else at its start.
+
+        Raises:
+          ValueError: the saved position is over another number of examples (the data changed).
+        """
+        if not n_steps:
+            return None, 0
         t, d = self.spec.train, self.spec.data
-        bar = tqdm(total=n_steps, desc=f"round {rnd} train", disable=not self.progress)
-        done, window = 0, []
-        stream = batches(self.examples, t.batch_size, d.length_buckets, rng) if n_steps else iter(())
+        stream = batches(self.examples, t.batch_size, d.length_buckets, rng)
+        saved, self.resume = self.resume, None
+        if saved is None:
+            return stream, 0
+        if saved["examples"] != len(self.examples):
+            raise ValueError(
+                f"round {rnd} was checkpointed over {saved['examples']} examples, this run has {len(self.examples)}: "
+                "the demonstrations or config.data changed; resume with the run's config or start a new --workdir"
+            )
+        stream.set_state(saved["stream"])
+        return stream, int(saved["round_updates"])
+
+    def train(self, n_steps: int, rnd: int, rng: np.random.Generator, key, t_start: float) -> None:
+        """``n_steps`` updates on epochs of the examples (batches from ``rng``), metrics every ``log_every``,
+        a checkpoint (``key``, the stream's position) every ``checkpoint_every`` inside the round."""
+        t, d = self.spec.train, self.spec.data
+        stream, done = self._stream(n_steps, rnd, rng)
+        bar = tqdm(total=n_steps, initial=done, desc=f"round {rnd} train", disable=not self.progress)
+        window = []
+        self.learner.release_local()  # the steps do not run the actor: its copy's memory goes to them
         while done < n_steps:
             length, exs = next(stream)
             batch = make_batch(exs, length, self.tokenizer.pad_token_id, d.response_length)
             window.append(train_step(self.learner, batch, t.micro_batch_rows, f"SFT update {self.step}"))
             self.step, done = self.step + 1, done + 1
             bar.update(1)
+            if self.example_log is not None:
+                self.example_log.add(self.step, rnd, [e.key for e in exs])
             if self.step % t.log_every == 0 or done == n_steps:
                 rec = {f"train/{k}": float(np.mean([w[k] for w in window])) for k in window[0]}
                 bar.set_postfix(loss=f"{rec['train/loss']:.3f}", acc=f"{rec['train/token_accuracy']:.3f}")
                 rec.update({"train/examples": len(self.examples), "time_s": time.time() - t_start})
                 self.metrics.write(self.step, {"round": rnd, **rec})
+                if self.example_log is not None:
+                    self.example_log.flush()
                 window = []
+            if t.checkpoint_every and self.step % t.checkpoint_every == 0 and done < n_steps:
+                pos = {"round_updates": done, "examples": len(self.examples), "stream": stream.get_state()}
+                self.save(rnd, key, pos)
         bar.close()
         self.learner.sync_local()
 
@@ -627,7 +709,7 @@ class _WarmStart:
         pairs = [(t, d.seed_base + rnd * 10_000 + k) for k, t in enumerate(goals)]
         res = self.play("dagger", pairs, key, label=True)
         # States far off the expert's path can outgrow the longest bucket: left out, counted.
-        new = dagger_examples(res, self.tokenizer)
+        new = dagger_examples(res, self.tokenizer, rnd)
         fit = [e for e in new if self.fits(e)]
         _save_examples(self.run_dir / f"dagger_{rnd}.json", fit)
         self.examples.extend(fit)
@@ -648,7 +730,7 @@ class _WarmStart:
             # Every round draws from (seed, round) only, so a resumed run repeats an uninterrupted one.
             rng, key = np.random.default_rng([spec.seed, rnd]), jax.random.fold_in(base_key, rnd)
             t0 = time.time()
-            self.train(spec.train.bc_steps if rnd == 0 else spec.train.steps_per_round, rnd, rng, t_start)
+            self.train(spec.train.bc_steps if rnd == 0 else spec.train.steps_per_round, rnd, rng, key, t_start)
             rec = {"round": rnd, "train_s": time.time() - t0}
             if rnd < spec.dagger.rounds:
                 rec.update(self.dagger(rnd, rng, jax.random.fold_in(key, 0), train_ids))
@@ -659,8 +741,7 @@ class _WarmStart:
             history.append(rec)
             if self.progress:
                 print(json.dumps(rec), flush=True)
-            meta = CheckpointMeta(iteration=rnd, updates=self.step, seed=spec.seed)
-            self.checkpointer.save(rnd, self.learner.params, self.learner.opt_state, key, meta)
+            self.save(rnd, key)
         return history
 
 

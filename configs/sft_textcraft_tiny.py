@@ -81,6 +81,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.bc_steps = 600  # updates before the first DAgger round
     c.train.steps_per_round = 100  # updates after each DAgger round
     c.train.log_every = 25
+    # a checkpoint every n updates inside a round too, with the data stream's position (0 = round ends only)
+    c.train.checkpoint_every = 100
+    c.train.log_examples = False  # <workdir>/examples.jsonl: the keys of every update's examples
 
     c.dagger = ml_collections.ConfigDict()
     c.dagger.rounds = 4

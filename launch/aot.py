@@ -25,6 +25,12 @@ Programs (the ones a run compiles, at their largest shapes):
   sync_gather  the sampler copy's all-gather of the largest array to every chip, when the host's
              sampler mesh has another tensor size than training (``mesh.sampler_tensor``)
 
+The warm start's step (behaviour cloning on demonstrations, ``sft.sft_step_specs``) on request only
+(``--programs=sft_grad,sft_apply``), at the run's model, mesh, optimizer and micro-batch rows, each row
+``prompt + response`` tokens with ``response`` targets; its report is ``<config>__<topology>__sft.json``:
+  sft_grad   the micro-batch gradient (forward, response-token NLL, backward)
+  sft_apply  the optimizer update
+
 Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
 (the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
 accumulator beside every long-lived array). ``placement`` records each device's host and the mesh
@@ -56,7 +62,7 @@ from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from bipace_jax import build, learner, ppo, sampling, sharding, step_time
+from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
 from bipace_jax import config as config_lib
 from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.estimators import StepBatch
@@ -85,6 +91,8 @@ PROGRAMS = (
     "estimator",
     "sync_gather",
 )
+#: The warm start's programs: compiled only when ``--programs`` names them.
+SFT_PROGRAMS = ("sft_grad", "sft_apply")
 GiB = 1 << 30
 # HBM per chip by `device_kind` substring (Cloud TPU data sheets); first match wins.
 HBM_BYTES = (
@@ -297,6 +305,11 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     # `PPOLearner.update` frees the sampler copy for its steps (`Learner.release_local`)
     run("ppo_grad", mesh, step["accumulate"], other=("opt_state", "reference"))
     run("ppo_apply", mesh, step["apply"], other=("reference",))
+    if set(SFT_PROGRAMS) & set(programs):
+        # the warm start keeps no reference and frees its sampler copy for its steps (`sft._WarmStart.train`)
+        sft_step = sft.sft_step_specs(graphdef, tx, mesh, master, rest, opt_state, rows, prompt + response, response)
+        run("sft_grad", mesh, sft_step["accumulate"], other=("opt_state",))
+        run("sft_apply", mesh, sft_step["apply"])
 
     lrows = -(-c.ppo.micro_batch_rows // dp_local) * dp_local
     lmb = abstract_micro_batch(local_mesh, lrows, prompt, response, logprobs=False)
@@ -366,12 +379,13 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     # accumulator's zeros exist beside every long-lived array.
     r = resident
     sync_extra = whole + whole // t_local if replica else 0
+    ref = r["reference"] if set(programs) & set(PROGRAMS) else 0  # the warm start keeps no reference
     report["transients"] = dict(
-        sync_local=r["params"] + r["opt_state"] + r["reference"] + r["sampler_params"] + sync_extra,
-        grad_init=2 * r["params"] + r["opt_state"] + r["reference"],  # the sampler copy is released
+        sync_local=r["params"] + r["opt_state"] + ref + r["sampler_params"] + sync_extra,
+        grad_init=2 * r["params"] + r["opt_state"] + ref,  # the sampler copy is released
     )
     report["sync_route"] = "replica" if replica else ("host_wide" if separate else "shared")
-    if devices[0].platform != "cpu":
+    if devices[0].platform != "cpu" and set(programs) & set(PROGRAMS):  # the model of an RL iteration
         shape = step_time.RunShape(
             chips=len(devices),
             hosts=len(hosts),
@@ -415,9 +429,9 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
     programs = tuple(_PROGRAMS.value) or PROGRAMS
-    unknown = sorted(set(programs) - set(PROGRAMS))
+    unknown = sorted(set(programs) - set(PROGRAMS) - set(SFT_PROGRAMS))
     if unknown:
-        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {PROGRAMS}")
+        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {PROGRAMS + SFT_PROGRAMS}")
 
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
@@ -435,12 +449,11 @@ def main(argv):
     }
     peaks = [*report["programs"].values(), *report["transients"].values()]
     report["fits"] = all(p["fraction_of_hbm"] <= _BUDGET.value for p in peaks)
-    if "ppo_apply" in report["programs"]:
-        mesh = report["mesh"]  # parameters split over fsdp x tensor, replicated over data (slices)
-        share = report["model"]["params"] / (mesh["fsdp"] * mesh["tensor"])
-        report["ppo_apply_argument_bytes_per_param"] = round(
-            report["programs"]["ppo_apply"]["argument_bytes"] / share, 2
-        )
+    for apply in ("ppo_apply", "sft_apply"):
+        if apply in report["programs"]:
+            mesh = report["mesh"]  # parameters split over fsdp x tensor, replicated over data (slices)
+            share = report["model"]["params"] / (mesh["fsdp"] * mesh["tensor"])
+            report[f"{apply}_argument_bytes_per_param"] = round(report["programs"][apply]["argument_bytes"] / share, 2)
 
     report["jax_version"] = jax.__version__
     setting = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
@@ -474,7 +487,8 @@ def main(argv):
         print(f"{st['iterations']} iterations: {st['run_hours']:.1f} h, {st['chip_hours']:.0f} chip-hours")
     print(f"fits: {report['fits']}")
     slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
-    write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}.json"), report, indent=1)
+    warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else ""  # beside, not over, the run's report
+    write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}{warm}.json"), report, indent=1)
     if not report["fits"]:
         sys.exit(1)
 

@@ -19,7 +19,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = {"ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "val_prefill", "val_decode", "estimator"}
 PROGRAM_KEYS = {"peak_bytes_per_chip", "argument_bytes", "temp_bytes", "output_bytes", "flops", "compile_s"}
-COMMITTED = sorted(p for p in glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*.json")) if "__cpu" not in p)
+REPORTS = sorted(p for p in glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*.json")) if "__cpu" not in p)
+COMMITTED = [p for p in REPORTS if not p.endswith("__sft.json")]  # an RL run's programs
+COMMITTED_SFT = [p for p in REPORTS if p.endswith("__sft.json")]  # the warm start's step at the run's sizes
+SFT = {"sft_grad", "sft_apply"}
 
 
 def _aot(tmp_path, *args, env=None):
@@ -47,6 +50,35 @@ def test_cpu8_compiles_every_program_with_fsdp_sharded_fp32_master_weights_and_m
     # the gradient accumulator (fp32, the parameters' shardings) is donated: its buffer is the output's
     assert r["programs"]["ppo_grad"]["alias_bytes"] == r["resident_bytes_per_chip"]["params"] > 0
     assert "fits: True" in proc.stdout and "ppo_grad" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_warm_starts_step_compiles_on_request_into_its_own_report(tmp_path):
+    proc = _aot(
+        tmp_path, "--topology=cpu:8", "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--programs=sft_apply,sft_grad"
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["textcraft_tiny__cpu-8__sft.json"]  # beside the run's report, not over it
+    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8__sft.json"))
+    assert set(r["programs"]) == SFT and r["fits"] is True and "step_time" not in r
+    res = r["resident_bytes_per_chip"]
+    # fp32 parameters, gradients and both AdamW moments, 8 ways, as the RL update
+    assert 16.0 <= r["sft_apply_argument_bytes_per_param"] < 17.0
+    g = r["programs"]["sft_grad"]
+    assert g["alias_bytes"] == res["params"] > 0  # the donated fp32 gradient accumulator
+    assert g["other_resident_bytes"] == res["opt_state"] and r["programs"]["sft_apply"]["other_resident_bytes"] == 0
+    assert g["flops"] > 0 and r["transients"]["grad_init"]["bytes_per_chip"] == 2 * res["params"] + res["opt_state"]
+
+
+@pytest.mark.parametrize("path", COMMITTED_SFT, ids=[os.path.basename(p) for p in COMMITTED_SFT])
+def test_committed_warm_start_reports_fit_with_fp32_master_weights(path):
+    r = json.load(open(path))
+    assert set(r["programs"]) == SFT and r["fits"] is True and "step_time" not in r
+    assert r["param_dtype"] == "float32" and r["compute_dtype"] == "bfloat16"
+    assert r["shapes"]["prompt_tokens"] == (4096 if r["config"].startswith("webshop") else 2048)
+    for name, p in r["programs"].items():
+        assert p["total_bytes_per_chip"] <= r["budget_fraction"] * r["hbm_bytes_per_chip"], name
+    assert 15.5 <= r["sft_apply_argument_bytes_per_param"] <= 17.0
 
 
 @pytest.mark.slow
@@ -128,6 +160,19 @@ def test_a_tiny_run_compiles_for_a_multi_host_slice_with_the_placement_checks(tm
     assert r["programs"]["val_prefill"]["same_as"] == "prefill"
     st = r["step_time"]
     assert st["counts"]["optimizer_steps"] >= 1 and st["programs"]["decode_step"]["bound"] == "memory"
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_the_warm_starts_step_compiles_for_a_multi_host_slice(tmp_path):
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=-1", "--config.mesh.tensor=4"]
+    proc = _aot(tmp_path, "--topology=v5e:4x4", "--programs=sft_grad,sft_apply", *mesh, env=LIBTPU_ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__v5e-4x4__sft.json"))
+    assert (r["hosts"], r["chips"], r["mesh"]) == (4, 16, {"data": 2, "fsdp": 2, "tensor": 4})
+    assert set(r["programs"]) == SFT and r["fits"] is True and "step_time" not in r
+    # the gradient's reductions cross the slice: the micro-batch rows are split over data x fsdp
+    assert r["programs"]["sft_grad"]["collectives"]["all-reduce"] >= 1
 
 
 @pytest.mark.slow

@@ -206,7 +206,7 @@ def test_dataset_examples_equal_the_in_memory_oracle_examples(tmp_path):
     got, gstats = demo_examples(demos.read_split(demos.build(cfg, str(tmp_path), progress=False), "train"), rcfg, tok)
     env = environments.make("textcraft", max_steps=15)
     want, wstats = expert_examples(env, rcfg, tok, [(t, s) for s in range(2) for t in sorted(tasks)])
-    key = lambda e: (tuple(e.prompt_ids), tuple(e.response_ids), e.depth)  # noqa: E731
+    key = lambda e: (tuple(e.prompt_ids), tuple(e.response_ids), e.depth, e.key)  # noqa: E731
     assert sorted(map(key, got)) == sorted(map(key, want)) and len(got) == len(want) > 6
     assert gstats == pytest.approx(wstats)
 
@@ -222,3 +222,44 @@ def test_default_configs_of_the_other_games_build_split_by_task(game, tmp_path):
     rec = train[0]
     assert rec["game"].decode() == game and rec["response"].decode() == f"<action>{rec['action'].decode()}</action>"
     assert demos.observation_of(rec).text
+
+
+SHARD_READER = textwrap.dedent(
+    """
+    import json, sys
+    from bipace_jax import demo_stream, demos, distributed
+    coord, pid, data_dir, cfg_json = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    distributed.initialize(coord, 2, pid)
+    import jax
+    b = demos.DemosBuilder(config=demos.demos_config(**json.loads(cfg_json)), data_dir=data_dir)
+    src = demos.read_split(b, "train")
+    key = lambda r: f"{int(r['task_id'])}_{int(r['seed'])}_{int(r['turn'])}"
+    s = demo_stream.BucketStream(src, key, lambda k: 1, 3, (8,), 11)  # the default shard: ShardByJaxProcess
+    epoch = [k for _ in range(len(s.indices) // 3) for k in next(s)[1]]
+    print(json.dumps({"process": jax.process_index(), "count": jax.process_count(),
+                      "indices": [int(i) for i in s.indices], "epoch": epoch}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_two_jax_processes_read_disjoint_shards_whose_union_is_the_split(built):
+    from tests.devices import run_processes
+
+    d, _, b = built
+    src = demos.read_split(b, "train")
+    keys = [f"{int(r['task_id'])}_{int(r['seed'])}_{int(r['turn'])}" for r in src]
+    cfg_json = json.dumps({"game": "textcraft", "tasks": TASKS, "holdout_every": 4, "seeds": 2, "max_steps": 30})
+    outs = run_processes(SHARD_READER, [[str(p), d, cfg_json] for p in (0, 1)], devices=1, timeout=300)
+    got = sorted((json.loads(o.strip().splitlines()[-1]) for o in outs), key=lambda x: x["process"])
+    assert [(g["process"], g["count"]) for g in got] == [(0, 2), (1, 2)]
+    a, c = set(got[0]["indices"]), set(got[1]["indices"])
+    n = len(keys)
+    assert not a & c and len(a) == len(c) == n // 2  # equal shares, the odd record (if any) dropped
+    assert a | c == set(range(n)) - ({n - 1} if n % 2 else set())
+    for g in got:  # an epoch of a process reads each record of its own shard once, none of the other's
+        per = len(g["indices"]) // 3 * 3
+        assert len(g["epoch"]) == len(set(g["epoch"])) == per
+        assert set(g["epoch"]) <= {keys[i] for i in g["indices"]}
+    assert len(set(got[0]["epoch"]) | set(got[1]["epoch"])) == 2 * (n // 2 // 3 * 3)

@@ -63,6 +63,7 @@ def test_expert_examples_are_the_rl_prompt_and_the_oracle_action_in_tags(tok):
     env = environments.make("textcraft", max_steps=15)
     examples, stats = expert_examples(env, RCFG, tok, [(300, 0)])
     assert stats["oracle_win_rate"] == 1.0 and stats["oracle_mean_length"] == len(examples)
+    assert [e.key for e in examples] == [f"300_0_{t}" for t in range(len(examples))]  # as the dataset's record keys
     env = environments.make("textcraft", max_steps=15)
     obs, history = env.reset(300, 0), []
     for step, ex in enumerate(examples):  # replay: each example is (chat(build_prompt(state)), oracle action)
@@ -189,8 +190,9 @@ def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_stat
     )
     ep = res.episodes[0]
     assert ep.won and ep.invalid_count == 0 and ep.length == res.rows == len(res.labels)
-    examples = dagger_examples(res, tok)
+    examples = dagger_examples(res, tok, rnd=2)
     assert len(examples) == res.rows and all(e.source == "dagger" and e.depth == 2 for e in examples)
+    assert [e.key for e in examples] == [f"dagger2_{r}" for r in range(res.rows)]
     # replay the actions sent: every label is the oracle's action from that state, every prompt the RL one
     env = environments.make("textcraft", max_steps=15)
     obs, history = env.reset(300, 7), []
@@ -244,6 +246,12 @@ def test_bad_config_fails_with_one_line_naming_the_field():
     c = get_config()
     c.train.micro_batch_rows = 5
     with pytest.raises(ValueError, match=r"config\.train\.micro_batch_rows must be >= 0 and divide"):
+        validate_config(c)
+    c = get_config()
+    c.train.checkpoint_every = 30  # log_every 25: a resume would start a metrics window mid-way
+    with pytest.raises(
+        ValueError, match=r"config\.train\.checkpoint_every must be 0 or a multiple of train\.log_every=25, got 30"
+    ):
         validate_config(c)
 
 

@@ -150,3 +150,108 @@ def test_a_run_killed_in_its_last_round_resumes_to_the_same_weights(runs, tmp_pa
     # a finished run resumes past its last round: nothing is retrained
     report = run(small_config(), str(work / "w"), None, progress=False)
     assert report["rounds"] == [] and report["updates"] == 5
+
+
+def _launch_args(work, out, tokenizer=""):
+    """``python -m launch.sft`` at CI size: 24 BC updates of 4 examples inside the first epoch (~200
+    examples), a checkpoint every 4 updates, one DAgger round of 4 games and 4 more updates."""
+    import sys
+
+    over = dict(
+        model_hidden_size=32,
+        model_num_layers=1,
+        model_num_heads=2,
+        model_num_kv_heads=1,
+        model_intermediate_size=64,
+        model_tokenizer=tokenizer,
+        env_max_steps=3,
+        env_num_workers=1,
+        data_expert_seeds=1,
+        data_length_buckets="(384,)",
+        sampler_length_buckets="(384,)",
+        sampler_batch_buckets="(8,)",
+        sampler_max_new_tokens=24,
+        train_batch_size=4,
+        train_bc_steps=24,
+        train_steps_per_round=4,
+        train_log_every=1,
+        train_checkpoint_every=4,
+        train_log_examples=True,
+        optim_warmup_steps=1,
+        dagger_rounds=1,
+        dagger_episodes=4,
+        val_num_tasks=3,
+        val_num_holdout_tasks=1,
+        val_seeds_per_goal=1,
+    )
+    flags_ = [f"--config.{k.replace('_', '.', 1)}={v}" for k, v in over.items()]
+    return [
+        sys.executable,
+        "-m",
+        "launch.sft",
+        "--config=configs/sft_textcraft_tiny.py",
+        f"--workdir={work}",
+        f"--out={out}",
+        "--progress=False",
+        *flags_,
+    ]
+
+
+def _examples_seen(work):
+    return [json.loads(x) for x in open(os.path.join(work, "examples.jsonl"))]
+
+
+def test_a_warm_start_killed_mid_epoch_resumes_on_the_next_example(tmp_path):
+    """`python -m launch.sft` SIGKILLed inside its first epoch of BC (after a checkpoint inside the round),
+    then the same command again: the examples of every update, in order, are an uninterrupted run's (none
+    repeated, none skipped), and so are the final weights."""
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.numpy import load_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+
+    def launch(work, out, tokenizer=""):
+        err = open(f"{work}.stderr", "a")  # a file, not a pipe nobody reads while the run is watched
+        return subprocess.Popen(_launch_args(work, out, tokenizer), cwd=root, env=env, stdout=err, stderr=err)
+
+    def tail(work):
+        return open(f"{work}.stderr").read()[-3000:]
+
+    whole = launch(tmp_path / "a", tmp_path / "a_hf")
+    assert whole.wait(timeout=900) == 0, tail(tmp_path / "a")
+    ref = _examples_seen(tmp_path / "a")
+    tok = str(tmp_path / "a" / "tokenizer")  # the killed run reuses it (the tokenizer build is not under test)
+
+    killed, log = launch(tmp_path / "b", tmp_path / "b_hf", tok), tmp_path / "b" / "examples.jsonl"
+    deadline = time.time() + 600
+    while killed.poll() is None and time.time() < deadline:  # past update 6: a checkpoint at 4, updates after it
+        if log.exists() and len(log.read_text().splitlines()) >= 6:
+            killed.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert killed.wait(timeout=60) == -signal.SIGKILL, tail(tmp_path / "b")
+    cut = _examples_seen(tmp_path / "b")
+    assert 6 <= len(cut) < 24 and cut == ref[: len(cut)]  # killed inside round 0 (BC), mid-epoch
+    ckpts = tmp_path / "b" / "checkpoints"
+    latest = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+    meta = json.loads((ckpts / str(latest) / "meta" / "metadata").read_text())
+    pos = meta["data_stream"]  # the resume starts inside round 0, from the stream's saved position
+    assert meta["iteration"] == 0 and pos["round_updates"] == meta["updates"] >= 4 and pos["examples"] == 210
+
+    resumed = launch(tmp_path / "b", tmp_path / "b_hf", tok)
+    assert resumed.wait(timeout=900) == 0, tail(tmp_path / "b")
+    got = _examples_seen(tmp_path / "b")
+    assert [x["update"] for x in got] == list(range(1, 29))  # each update once: none repeated, none skipped
+    assert got == ref
+    bc = [k for x in got if x["round"] == 0 for k in x["examples"]]
+    assert len(bc) == 24 * 4 == len(set(bc))  # BC stays inside the first epoch: no example twice
+    a, b = (
+        load_file(str(tmp_path / "a_hf" / "model.safetensors")),
+        load_file(str(tmp_path / "b_hf" / "model.safetensors")),
+    )
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
