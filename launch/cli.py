@@ -134,23 +134,38 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def interrupt_hint() -> str:
-    """The line printed on Ctrl-C."""
+    """The line printed on Ctrl-C when the command gives none (``KeyboardInterrupt("<line>")`` gives one)."""
     return "stopped by Ctrl-C; run the same command again to resume from the last checkpoint"
 
 
-def run(main: Callable[[list[str]], object], interrupt: str | None = None, flags_parser=None) -> None:
+def _stop(line: str, hard_exit: bool) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if hard_exit:  # interpreter teardown after interrupted XLA work can segfault (rc -11 instead of 130)
+        os._exit(INTERRUPT_EXIT)
+    raise SystemExit(INTERRUPT_EXIT)
+
+
+def run(
+    main: Callable[[list[str]], object], interrupt: str | None = None, flags_parser=None, hard_exit: bool = False
+) -> None:
     """``absl.app.run(main)`` with one-line errors: flag errors, ``app.UsageError`` (no help text),
-    and Ctrl-C (``interrupt``, default ``interrupt_hint()``)."""
+    and Ctrl-C: one line (a ``KeyboardInterrupt``'s message, else ``interrupt``, else
+    ``interrupt_hint()``) and exit status 130. ``hard_exit``: on Ctrl-C leave with ``os._exit`` (no
+    atexit handlers): for commands whose ``main`` closes its own files, pools and checkpointers first.
+    """
 
     def wrapped(argv):
+        line = None
         try:
             return main(argv)
         except app.UsageError as e:
             fail(str(e))
-        except KeyboardInterrupt:
-            sys.stderr.write((interrupt or interrupt_hint()) + "\n")
-            sys.stderr.flush()
-            raise SystemExit(INTERRUPT_EXIT) from None
+        except KeyboardInterrupt as e:
+            line = str(e) or interrupt or interrupt_hint()
+        if line is not None:
+            _stop(line, hard_exit)
 
     def parser(argv):
         if flags_parser is None:
@@ -160,8 +175,10 @@ def run(main: Callable[[list[str]], object], interrupt: str | None = None, flags
         except flags.Error as e:
             fail(str(e))
 
+    line = None
     try:
         app.run(wrapped, flags_parser=parser)
-    except KeyboardInterrupt:  # during start-up, before main
-        sys.stderr.write((interrupt or interrupt_hint()) + "\n")
-        raise SystemExit(INTERRUPT_EXIT) from None
+    except KeyboardInterrupt as e:  # during start-up, before main
+        line = str(e) or interrupt or interrupt_hint()
+    if line is not None:
+        _stop(line, False)
