@@ -93,6 +93,22 @@ def load_config(path: str):
     return get(arg) if arg else get()
 
 
+_HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull"}
+
+
+def field_list(path: str, name: str = "config") -> str:
+    """The fields of config file ``path`` for ``--help``: ``"Fields (--<name>.<field>=<value>): a.b=1, ..."``
+    (one sentence), or a note naming the file when it does not load."""
+    from bipace_jax.resume import flatten
+
+    try:
+        fields = flatten(load_config(path).to_dict())
+    except Exception as e:  # help still prints; the run itself reports the error in one line
+        return f"(the fields of {path} are not listed: it does not load: {one_line(e)})"
+    shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    return f"Fields of {path} (override as --{name}.<field>=<value>): {shown}."
+
+
 def define_config_file(name: str, default: str | None, help_string: str, argv: list[str] | None = None):
     """``config_flags.DEFINE_config_file`` whose failures are one line (``fail``) instead of a traceback:
     an unknown ``--<name>.<field>`` names the field and the closest existing ones; a config file that
@@ -100,6 +116,10 @@ def define_config_file(name: str, default: str | None, help_string: str, argv: l
     """
     argv = sys.argv if argv is None else argv
     path = _config_file(name, argv, default)
+    if path is not None and _HELP_FLAGS & set(argv[1:]):  # absl's --help prints __main__'s docstring
+        main = sys.modules.get("__main__")
+        if main is not None:
+            main.__doc__ = f"{main.__doc__ or ''}\n{field_list(path, name)}\n"
     try:
         holder = config_flags.DEFINE_config_file(name, default, help_string)
     except Exception as e:  # ml_collections raises AttributeError/KeyError/ValueError from inside absl
