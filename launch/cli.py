@@ -93,6 +93,22 @@ def load_config(path: str):
     return get(arg) if arg else get()
 
 
+_HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull"}
+
+
+def field_list(path: str, name: str = "config") -> str:
+    """The fields of config file ``path`` for ``--help``: ``"Fields (--<name>.<field>=<value>): a.b=1, ..."``
+    (one sentence), or a note naming the file when it does not load."""
+    from bipace_jax.resume import flatten
+
+    try:
+        fields = flatten(load_config(path).to_dict())
+    except Exception as e:  # help still prints; the run itself reports the error in one line
+        return f"(the fields of {path} are not listed: it does not load: {one_line(e)})"
+    shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    return f"Fields of {path} (override as --{name}.<field>=<value>): {shown}."
+
+
 def define_config_file(name: str, default: str | None, help_string: str, argv: list[str] | None = None):
     """``config_flags.DEFINE_config_file`` whose failures are one line (``fail``) instead of a traceback:
     an unknown ``--<name>.<field>`` names the field and the closest existing ones; a config file that
@@ -100,6 +116,10 @@ def define_config_file(name: str, default: str | None, help_string: str, argv: l
     """
     argv = sys.argv if argv is None else argv
     path = _config_file(name, argv, default)
+    if path is not None and _HELP_FLAGS & set(argv[1:]):  # absl's --help prints __main__'s docstring
+        main = sys.modules.get("__main__")
+        if main is not None:
+            main.__doc__ = f"{main.__doc__ or ''}\n{field_list(path, name)}\n"
     try:
         holder = config_flags.DEFINE_config_file(name, default, help_string)
     except Exception as e:  # ml_collections raises AttributeError/KeyError/ValueError from inside absl
@@ -134,23 +154,38 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def interrupt_hint() -> str:
-    """The line printed on Ctrl-C."""
+    """The line printed on Ctrl-C when the command gives none (``KeyboardInterrupt("<line>")`` gives one)."""
     return "stopped by Ctrl-C; run the same command again to resume from the last checkpoint"
 
 
-def run(main: Callable[[list[str]], object], interrupt: str | None = None, flags_parser=None) -> None:
+def _stop(line: str, hard_exit: bool) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if hard_exit:  # interpreter teardown after interrupted XLA work can segfault (rc -11 instead of 130)
+        os._exit(INTERRUPT_EXIT)
+    raise SystemExit(INTERRUPT_EXIT)
+
+
+def run(
+    main: Callable[[list[str]], object], interrupt: str | None = None, flags_parser=None, hard_exit: bool = False
+) -> None:
     """``absl.app.run(main)`` with one-line errors: flag errors, ``app.UsageError`` (no help text),
-    and Ctrl-C (``interrupt``, default ``interrupt_hint()``)."""
+    and Ctrl-C: one line (a ``KeyboardInterrupt``'s message, else ``interrupt``, else
+    ``interrupt_hint()``) and exit status 130. ``hard_exit``: on Ctrl-C leave with ``os._exit`` (no
+    atexit handlers): for commands whose ``main`` closes its own files, pools and checkpointers first.
+    """
 
     def wrapped(argv):
+        line = None
         try:
             return main(argv)
         except app.UsageError as e:
             fail(str(e))
-        except KeyboardInterrupt:
-            sys.stderr.write((interrupt or interrupt_hint()) + "\n")
-            sys.stderr.flush()
-            raise SystemExit(INTERRUPT_EXIT) from None
+        except KeyboardInterrupt as e:
+            line = str(e) or interrupt or interrupt_hint()
+        if line is not None:
+            _stop(line, hard_exit)
 
     def parser(argv):
         if flags_parser is None:
@@ -160,8 +195,10 @@ def run(main: Callable[[list[str]], object], interrupt: str | None = None, flags
         except flags.Error as e:
             fail(str(e))
 
+    line = None
     try:
         app.run(wrapped, flags_parser=parser)
-    except KeyboardInterrupt:  # during start-up, before main
-        sys.stderr.write((interrupt or interrupt_hint()) + "\n")
-        raise SystemExit(INTERRUPT_EXIT) from None
+    except KeyboardInterrupt as e:  # during start-up, before main
+        line = str(e) or interrupt or interrupt_hint()
+    if line is not None:
+        _stop(line, False)

@@ -32,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, interrupt="stopped by Ctrl-C; run the same command again to resume from the last finished round")
