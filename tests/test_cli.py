@@ -92,17 +92,13 @@ def test_interrupted_line_names_the_iteration_and_the_resume_point():
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.xfail(
-    strict=False,
-    reason="known: a Ctrl-C during an orbax checkpoint save also prints an asyncio traceback from orbax's thread",
-)
 def test_ctrl_c_during_training_prints_one_line_and_exits_130(tmp_path):
     import signal
     import time
 
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     tiny = ["--config.rollout.num_groups=2", "--config.rollout.group_size=2", "--config.val.num_tasks=2"]
-    tiny += ["--config.val.num_holdout_tasks=2", "--config.num_iterations=50", "--config.env.max_steps=4"]
+    tiny += ["--config.val.num_holdout_tasks=2", "--config.num_iterations=50", "--config.env.max_steps=8"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}", "--config.log.progress=False", *tiny],
         cwd=ROOT,
@@ -114,10 +110,12 @@ def test_ctrl_c_during_training_prints_one_line_and_exits_130(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 400
-    metrics = tmp_path / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().strip()):  # iteration 1 is recorded: training is under way
+    saved = tmp_path / "checkpoints" / "1" / "commit_success.txt"
+    # the save of iteration 1 committed: the interrupt lands in iteration 2's rollout, not inside an orbax
+    # save (whose own thread also prints an asyncio traceback then: a known limit, see docs/pod.md)
+    while not saved.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
-        time.sleep(0.5)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     lines = [ln for ln in (out + err).splitlines() if ln.strip()]
