@@ -153,6 +153,20 @@ def _parse(argv: list[str]) -> list[str]:
     return rest
 
 
+def interrupted_line(done: int, total: int, checkpoint: int | None) -> str:
+    """The one line of a Ctrl-C during training: ``done`` of ``total`` iterations completed, the latest
+    checkpoint's iteration (None: none yet) that the same command resumes from."""
+    if not checkpoint:
+        return (
+            f"stopped by Ctrl-C at iteration {done} of {total}, before the first checkpoint; "
+            "the same command starts the run again from iteration 0"
+        )
+    return (
+        f"stopped by Ctrl-C at iteration {done} of {total}; the same command resumes from the "
+        f"checkpoint of iteration {checkpoint}"
+    )
+
+
 def interrupt_hint() -> str:
     """The line printed on Ctrl-C when the command gives none (``KeyboardInterrupt("<line>")`` gives one)."""
     return "stopped by Ctrl-C; run the same command again to resume from the last checkpoint"

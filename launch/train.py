@@ -168,20 +168,6 @@ def report_from_disk(workdir: str) -> dict:
     }
 
 
-def interrupted_line(done: int, total: int, checkpoint: int | None) -> str:
-    """The one line of a Ctrl-C during training: ``done`` of ``total`` iterations completed, the latest
-    checkpoint's iteration (None: none yet) that the same command resumes from."""
-    if not checkpoint:
-        return (
-            f"stopped by Ctrl-C at iteration {done} of {total}, before the first checkpoint; "
-            "the same command starts the run again from iteration 0"
-        )
-    return (
-        f"stopped by Ctrl-C at iteration {done} of {total}; the same command resumes from the "
-        f"checkpoint of iteration {checkpoint}"
-    )
-
-
 def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     """The job behind ``main``: check the config, start JAX (multi-host from the flags), train, report.
 
@@ -189,7 +175,7 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     Exits with a one-line error on a bad config, a run folder that cannot be written (checked before
     the model loads), an existing run with ``resume=False`` or a non-finite update. A Ctrl-C during
     training closes the trainer (pending checkpoint writes finish) and raises ``KeyboardInterrupt``
-    with ``interrupted_line``'s message (``cli.run`` prints it and exits with 130).
+    with ``cli.interrupted_line``'s message (``cli.run`` prints it and exits with 130).
     """
     t_start = time.perf_counter()
     from bipace_jax import build
@@ -239,7 +225,7 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     except trainer_lib.NonFiniteError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        stopped = interrupted_line(tr.iteration, spec.num_iterations, tr.checkpointer.latest_step())
+        stopped = cli.interrupted_line(tr.iteration, spec.num_iterations, tr.checkpointer.latest_step())
     finally:
         tr.close()
     if stopped is not None:  # raised after close (checkpoint writes finished), caught by cli.run: one line, exit 130

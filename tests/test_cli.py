@@ -82,12 +82,12 @@ def test_changed_fields_ignores_what_does_not_change_the_run():
 
 
 def test_interrupted_line_names_the_iteration_and_the_resume_point():
-    from launch import train
+    from launch import cli
 
-    assert train.interrupted_line(3, 50, 3) == (
+    assert cli.interrupted_line(3, 50, 3) == (
         "stopped by Ctrl-C at iteration 3 of 50; the same command resumes from the checkpoint of iteration 3"
     )
-    assert "before the first checkpoint" in train.interrupted_line(0, 50, None)
+    assert "before the first checkpoint" in cli.interrupted_line(0, 50, None)
 
 
 @pytest.mark.slow

@@ -174,7 +174,13 @@ def test_sft_step_specs_compile_and_match_the_learners_step():
     from bipace_jax.tiny import tiny_actor_config
 
     cfg = tiny_actor_config(
-        64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32
+        64,
+        eos_token_id=None,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
     )
     tx = optax.sgd(0.1)
     L = Learner(Qwen2Actor(cfg, rngs=nnx.Rngs(0)), make_mesh(1, 1, 1, devices=jax.devices()[:1]), tx)

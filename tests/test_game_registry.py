@@ -109,11 +109,12 @@ def test_a_game_spec_names_the_bad_field_and_a_name_registers_once():
 
 
 @pytest.mark.e2e
-def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tmp_path):
+def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tmp_path, monkeypatch):
     import jax
     import numpy as np
 
     import configs.textcraft_tiny
+    from bipace_jax import metric_keys, validation
     from bipace_jax.tiny import build_game_tokenizer
     from bipace_jax.trainer import Trainer
 
@@ -137,6 +138,14 @@ def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tm
     tr = Trainer(c, str(tmp_path / "run"), tokenizer=tokenizer)
     plays, play = [], tr._play
     tr._play = lambda *a, **k: plays.append(play(*a, **k)) or plays[-1]  # keeps every collect's result
+    panels, validate = [], validation.validate
+
+    def keep_panels(*a, **k):  # the trainer validates through validation.validate; keep its per-panel results
+        rec, results = validate(*a, **k)
+        panels.append(results)
+        return rec, results
+
+    monkeypatch.setattr(validation, "validate", keep_panels)
     before = jax.tree.map(np.asarray, tr.learner.params)
     try:
         rec = tr.train_iteration()
@@ -154,7 +163,8 @@ def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tm
         assert action == (command if valid else "guess 1")
     assert all(ep.task_info["size"] in ("small", "big") for ep in res.episodes)
     # validation splits success by the spec's categories: 3 small and 3 big tasks
-    assert len(plays) == 2 and len(plays[1].episodes) == 6 and val["val/env_errors"] == 0
+    assert len(plays) == 1 and len(panels) == 1 and val["val/env_errors"] == 0
+    assert len(panels[0][metric_keys.VAL].episodes) == 6
     assert val["val/tasks"] == 6 and val["val/tasks/size_small"] == val["val/tasks/size_big"] == 3
     assert val["val/unwinnable_goals"] == 1  # task 5's best_score 0.5
     want = [val["val/success_rate/size_small"], val["val/success_rate/size_big"]]
