@@ -127,8 +127,18 @@ def test_ctrl_c_during_training_prints_one_line_and_exits_130(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module,field", [("launch.train", "estimator.name='"), ("launch.sft", "dagger.rounds=")])
+@pytest.mark.parametrize(
+    "module,field",
+    [
+        ("launch.train", "estimator.name='"),
+        ("launch.sft", "dagger.rounds="),
+        ("launch.aot", "ppo.micro_batch_rows="),
+        ("launch.eval", "val.num_tasks="),
+        ("launch.sweep", "estimator.name='"),
+    ],
+)
 def test_help_lists_the_config_fields_with_their_defaults(module, field):
     proc = _run(module, "--help")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Fields of "))
     assert "(override as --config.<field>=<value>)" in line and f" {field}" in line
+    assert line.endswith(".") and line.count("=") > 50  # every field of the config file, on one line
