@@ -185,6 +185,9 @@ def _stop(line: str, hard_exit: bool) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     if hard_exit:  # interpreter teardown after interrupted XLA work can segfault (rc -11 instead of 130)
+        from bipace_jax import runfolder
+
+        runfolder.drop_local_folders()  # os._exit skips atexit: a gs:// model's local copy would stay in $TMPDIR
         os._exit(INTERRUPT_EXIT)
     raise SystemExit(INTERRUPT_EXIT)
 
