@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 
 import environments
-from bipace_jax import losses
+from bipace_jax import losses, runfolder
 from bipace_jax.config import (
     CalibrationConfig,
     CheckpointConfig,
@@ -66,7 +66,7 @@ from bipace_jax.config import (
     system_prompt_of,
 )
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
-from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint
+from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer
 from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
@@ -81,6 +81,7 @@ __all__ = [
     "checked",
     "estimator_config",
     "init_actor",
+    "load_model_tokenizer",
     "loss_config",
     "make_optimizer",
     "ppo_learner",
@@ -110,13 +111,38 @@ def checked(section: str, cls: type, **fields):
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
+def _folder_has(field: str, folder: str, name: str = "") -> bool:
+    """Whether ``folder`` (a local path or a ``gs://`` URL) is a folder, or holds the file ``name``.
+
+    Raises:
+      ConfigError: naming ``field``: a URL of another scheme than gs://, a gs:// folder without the
+        ``[gcp]`` packages (naming the extra), or a gs:// folder that cannot be read (the cause's first line).
+    """
+    if not runfolder.is_remote(folder):
+        return os.path.isfile(os.path.join(folder, name)) if name else os.path.isdir(folder)
+    expected = "a local or gs:// folder"
+    try:
+        p = runfolder.path(folder, f"config.{field}")
+    except runfolder.RunFolderError:
+        fail(field, f"be {expected} (unsupported scheme)", folder)
+    if message := runfolder.missing_extra(folder, f"config.{field}", expected):
+        raise ConfigError(message)
+    try:
+        return (p / name).is_file() if name else p.is_dir()
+    except Exception as e:  # noqa: BLE001 (auth, permission and network errors differ by backend)
+        detail = str(e).splitlines()[0][:300] if str(e) else ""
+        fail(field, f"be a readable {expected} ({type(e).__name__}: {detail})", folder)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """``config.model``: the actor (loaded from ``checkpoint``, else a random ``preset`` init).
 
     Attributes:
-      checkpoint: Hugging Face folder (resolved, ``config.resolve_path``); "" = random init.
-      tokenizer: tokenizer folder (resolved); "" = the checkpoint's (or the project's game BPE).
+      checkpoint: Hugging Face folder (resolved, ``config.resolve_path``), local or ``gs://`` (read from
+        a local copy made once per process, ``runfolder.local_folder``); "" = random init.
+      tokenizer: tokenizer folder (resolved), local or ``gs://``; "" = the checkpoint's (or the
+        project's game BPE).
       preset: a ``Qwen2Config.preset`` name; "tiny" takes the sizes below.
       hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the tiny preset's sizes.
       vocab_size: size of the BPE the project trains when no tokenizer is given (>= 300).
@@ -164,7 +190,7 @@ class ModelConfig:
         object.__setattr__(self, "matmul_precision", precision)
         object.__setattr__(self, "remat", decode("model.remat", Remat, self.remat))
         check_choice("model.scan_layers", self.scan_layers, (True, False))
-        if self.tokenizer and not os.path.isdir(resolve_path(self.tokenizer)):
+        if self.tokenizer and not _folder_has("model.tokenizer", resolve_path(self.tokenizer)):
             fail("model.tokenizer", "be an existing tokenizer folder", self.tokenizer)
 
     @classmethod
@@ -173,7 +199,7 @@ class ModelConfig:
         ``launch.aot``), the checkpoint must be an HF folder, and non-tiny presets need one."""
         m = cls(**{f.name: get(c, f"model.{f.name}") for f in dataclasses.fields(cls)})
         if m.checkpoint and not abstract:
-            if not os.path.isfile(os.path.join(resolve_path(m.checkpoint), "config.json")):
+            if not _folder_has("model.checkpoint", resolve_path(m.checkpoint), "config.json"):
                 if _HUB_ID.fullmatch(m.checkpoint) and not os.path.exists(resolve_path(m.checkpoint)):
                     # nothing downloads at run time: say how to fetch the folder once
                     fail(
@@ -451,16 +477,18 @@ def make_optimizer(optim: OptimConfig) -> optax.GradientTransformation:
 def stop_token_ids(eos_token_ids: Sequence[int], tokenizer: Any, checkpoint: str = "") -> tuple[int, ...]:
     """The ids a response stops on: the union, in first-seen order, of the model config's
     ``eos_token_ids`` (config.json), the checkpoint folder's ``generation_config.json`` ``eos_token_id``
-    (when ``checkpoint`` is a folder holding one) and the tokenizer's EOS token.
+    (when ``checkpoint`` is a folder holding one; a ``gs://`` folder is read from its local copy,
+    ``runfolder.local_folder``) and the tokenizer's EOS token.
 
     Qwen2.5-Instruct's config.json names ``<|endoftext|>`` (151643) while the chat turn ends with
     ``<|im_end|>`` (151645), which generation_config.json and the tokenizer add.
     """
     ids = [int(i) for i in eos_token_ids]
-    if checkpoint and os.path.isfile(os.path.join(checkpoint, "generation_config.json")):
+    local = runfolder.local_folder(checkpoint) if checkpoint else ""
+    if local and os.path.isfile(os.path.join(local, "generation_config.json")):
         from transformers import GenerationConfig
 
-        gen = GenerationConfig.from_pretrained(checkpoint).eos_token_id
+        gen = GenerationConfig.from_pretrained(local).eos_token_id
         ids += [int(i) for i in (gen if isinstance(gen, (list, tuple)) else [gen]) if i is not None]
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
@@ -473,13 +501,14 @@ def build_actor(model: ModelConfig, tokenizer: Any, mesh: Any = None, *, seed: i
     A random tiny init takes its sizes from ``model`` and its vocabulary and EOS from the tokenizer;
     parameters are drawn from ``nnx.Rngs(seed)``. ``mesh``: a checkpoint's tensors load straight into
     their ``NamedSharding`` on it (each device reads only its shard; see ``load_hf_checkpoint``);
-    None: onto the default device.
+    None: onto the default device. A ``gs://`` checkpoint is read from its local copy, made once per
+    process (``runfolder.local_folder``).
     """
     m = model
     if m.checkpoint:
         # param_dtype too: bf16 parameters would make AdamW's small updates round away
         actor = load_hf_checkpoint(
-            resolve_path(m.checkpoint),
+            runfolder.local_folder(resolve_path(m.checkpoint)),
             mesh=mesh,
             dtype=DType(m.dtype).jnp,
             param_dtype=DType(m.param_dtype).jnp,
@@ -489,6 +518,19 @@ def build_actor(model: ModelConfig, tokenizer: Any, mesh: Any = None, *, seed: i
         return actor
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if m.preset == "tiny" else None
     return init_actor(m, actor_architecture(m, len(tokenizer), eos), seed=seed)
+
+
+def load_model_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer of ``model`` (``RunSpec.model``): its ``tokenizer`` folder, else its ``checkpoint``'s
+    (``models.load_tokenizer``; a ``gs://`` folder is read from its local copy, ``runfolder.local_folder``).
+
+    Raises:
+      ValueError: ``model`` names neither folder, or the folder holds no loadable tokenizer.
+    """
+    folder = model.tokenizer or model.checkpoint
+    if not folder:
+        raise ValueError("load_model_tokenizer: model.tokenizer and model.checkpoint are both ''")
+    return load_tokenizer(runfolder.local_folder(resolve_path(folder)))
 
 
 def actor_architecture(model: ModelConfig, vocab_size: int, eos_token_id: int | None = None) -> Qwen2Config:

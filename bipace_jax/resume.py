@@ -5,17 +5,25 @@ resumes; a config that differs in a field that changes what is trained or measur
 the learning rate, the games, the seed...) would silently mix two runs in one curve, so
 ``changed_fields`` names those fields and the command refuses unless told otherwise. Fields that only
 change how the run is carried out (logging, checkpoint cadence, worker counts, the iteration budget)
-may change freely.
+may change freely. ``check_resume`` applies the rule for ``launch.train`` (and says when a run is
+finished; ``report_from_disk`` rebuilds its report), ``check_config_change`` for any command
+(``bipace_jax.sft.run`` with the warm start's ``SFT_NEUTRAL``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Sequence
 from typing import Any
 
-from bipace_jax import runfolder
+from bipace_jax import metric_keys, runfolder
+from bipace_jax.metrics import read_metrics
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+ALLOW_FLAG = "--allow_config_change"
 
 #: Field prefixes (dotted, ``config.`` left off) a resume may change without changing the run.
 NEUTRAL = (
@@ -31,6 +39,15 @@ NEUTRAL = (
     "compile_cache_dir",
 )
 
+#: The warm start's (``bipace_jax.sft``) fields a resume may change: how often it logs and saves, its
+#: worker count, its example log. Any other change (a round count, a learning rate, the data) alters
+#: the updates a resumed run makes (the LR schedule spans all rounds).
+SFT_NEUTRAL = ("env.num_workers", "train.log_every", "train.checkpoint_every", "train.log_examples")
+
+
+class ConfigChangeError(ValueError):
+    """A resume whose config differs from the run folder's ``config.json`` in a field that changes the run."""
+
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a.b": leaf}`` of a nested dict (a config's ``to_dict()`` or its JSON)."""
@@ -42,19 +59,24 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _neutral(field: str) -> bool:
-    return any(field == p.rstrip(".") or field.startswith(p if p.endswith(".") else p + ".") for p in NEUTRAL)
+def _neutral(field: str, neutral: Sequence[str] = NEUTRAL) -> bool:
+    return any(field == p.rstrip(".") or field.startswith(p if p.endswith(".") else p + ".") for p in neutral)
 
 
 def _canonical(v: Any) -> Any:
     return json.loads(json.dumps(v, default=str))  # tuples -> lists, enums/paths -> str, as config.json holds them
 
 
-def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(field, old value, new value)`` for every field outside ``NEUTRAL`` that differs between two
-    configs (nested dicts); a field present in one only counts as changed (its other value None)."""
+def changed_fields(
+    old: dict[str, Any], new: dict[str, Any], neutral: Sequence[str] = NEUTRAL
+) -> list[tuple[str, Any, Any]]:
+    """``(field, old value, new value)`` for every field outside ``neutral`` (dotted prefixes; a trailing
+    "." covers a section) that differs between two configs (nested dicts); a field present in one only
+    counts as changed (its other value None)."""
     a, b = flatten(_canonical(old)), flatten(_canonical(new))
-    return [(f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not _neutral(f) and a.get(f) != b.get(f)]
+    return [
+        (f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not _neutral(f, neutral) and a.get(f) != b.get(f)
+    ]
 
 
 def stored_config(workdir: str) -> dict[str, Any] | None:
@@ -73,3 +95,82 @@ def describe(changes: list[tuple[str, Any, Any]], limit: int = 6) -> str:
     shown = [f"config.{f}: {o!r} -> {n!r}" for f, o, n in changes[:limit]]
     more = f" and {len(changes) - limit} more" if len(changes) > limit else ""
     return ", ".join(shown) + more
+
+
+def logged(workdir: str) -> int:
+    """1 + the highest ``iteration`` in the run folder's ``metrics.jsonl`` (0 when it has none): the
+    iterations a training run completed, the updates a warm start logged."""
+    return 1 + max((r.get(metric_keys.ITERATION, -1) for r in read_metrics(workdir)), default=-1)
+
+
+def check_config_change(
+    workdir: str,
+    old: dict[str, Any] | None,
+    new: dict[str, Any],
+    done: int,
+    allow: bool,
+    *,
+    neutral: Sequence[str] = NEUTRAL,
+    unit: str = "iterations",
+) -> list[tuple[str, Any, Any]]:
+    """Refuse to resume the run in ``workdir`` (config ``old``, its ``config.json``; ``done`` ``unit``
+    logged) with config ``new`` when they differ outside ``neutral``; with ``allow`` keep ``old`` as
+    ``config.before_<done>.json`` and go on. A folder with no stored config or nothing done holds no
+    run to mix with. Returns the changes (``changed_fields``; empty when there is nothing to check).
+
+    Raises:
+      ConfigChangeError: one line naming ``workdir``, ``done``, the changed fields (old -> new) and
+        ``ALLOW_FLAG``.
+    """
+    if old is None or done <= 0:
+        return []
+    changes = changed_fields(old, new, neutral)
+    if changes and not allow:
+        raise ConfigChangeError(
+            f"--workdir={workdir} holds a run ({done} {unit}) with another config: "
+            f"{describe(changes)}; use a new --workdir, or {ALLOW_FLAG} to continue it"
+        )
+    if changes:
+        kept = runfolder.path(workdir) / f"config.before_{done}.json"
+        runfolder.write_text(kept, json.dumps(old, indent=2))
+        log.warning("resuming with a changed config (%s); the old one is %s", describe(changes), kept)
+    return changes
+
+
+def check_resume(workdir: str, config: dict[str, Any], num_iterations: int, allow_change: bool) -> str | None:
+    """``launch.train``'s resume rule for a run of ``config`` (a ``to_dict()``) and ``num_iterations``
+    in ``workdir``: ``check_config_change`` against its ``config.json``. Returns the finished-run line
+    when the folder's metrics already reach ``num_iterations``, else None.
+
+    Raises:
+      ConfigChangeError: the folder holds a run of another config and not ``allow_change``.
+    """
+    old = stored_config(workdir)
+    if old is None:
+        return None
+    done = logged(workdir)
+    check_config_change(workdir, old, config, done, allow_change)
+    if done >= num_iterations and done > 0:
+        return f"the run in {workdir} is finished ({done} of {num_iterations} iterations); its report, from disk:"
+    return None
+
+
+def report_from_disk(workdir: str) -> dict[str, Any]:
+    """``launch.train.format_report``'s summary rebuilt from a run folder's ``metrics.jsonl``:
+    ``first_val`` (the validation before RL, ``val/...`` keys), ``last_val`` (the last validation
+    record), ``last_train`` (the last row), ``iterations_run``, ``start_iteration`` 0, ``workdir``."""
+    rows = read_metrics(workdir)
+    first = next((r for r in rows if r.get(metric_keys.ITERATION) == 0), {})
+    first_val = {metric_keys.after(k): v for k, v in first.items() if k.startswith(metric_keys.VAL_BEFORE + "/")}
+    last_val = next(
+        ({k: v for k, v in r.items() if k.startswith("val/")} for r in reversed(rows) if metric_keys.VAL_SUCCESS in r),
+        None,
+    )
+    return {
+        "workdir": workdir,
+        "start_iteration": 0,
+        "iterations_run": len(rows),
+        "first_val": first_val or None,
+        "last_val": last_val,
+        "last_train": rows[-1] if rows else None,
+    }

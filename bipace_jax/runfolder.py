@@ -4,7 +4,8 @@ A run folder is a local folder (made absolute) or a ``gs://bucket/path`` URL. GC
 no atomic rename of a folder, so files here are written whole (one object write each, and locally a
 temporary file renamed over the old one). Writers that only take a local folder (``save_pretrained``,
 ``save_hf_checkpoint``, TensorBoard's event writer) write into a local staging folder (``staged``) that
-is copied up and removed; readers that need one read a local copy (``local_copy``).
+is copied up and removed; readers that need one read a local copy (``local_copy``; ``local_folder`` for
+a model folder: copied once per process, kept until it exits).
 
 ``gs://`` needs the ``[gcp]`` extra (``pip install -e '.[gcp]'``: gcsfs for etils.epath,
 google-cloud-storage for orbax) and credentials (``gcloud auth application-default login`` or the VM's
@@ -13,10 +14,12 @@ service account).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -66,6 +69,17 @@ def _missing_gcp_packages() -> list[str]:
     return missing
 
 
+def missing_extra(folder: str | os.PathLike, flag: str, expected: str = EXPECTED) -> str:
+    """The one-line error for a ``gs://`` ``folder`` when the ``[gcp]`` extra's packages do not import
+    ("" for a local folder or when they do); names ``flag``, the missing packages and ``expected``."""
+    if not is_remote(folder) or not (missing := _missing_gcp_packages()):
+        return ""
+    return (
+        f"{flag}={os.fspath(folder)}: a gs:// folder needs {', '.join(missing)} "
+        f"(pip install -e '.[gcp]'); expected {expected}"
+    )
+
+
 def prepare(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
     """Create the run folder and check that this process can write to it; returns ``path(folder)``.
 
@@ -78,11 +92,8 @@ def prepare(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
         the expected value.
     """
     p = path(folder, flag)
-    if is_remote(p) and (missing := _missing_gcp_packages()):
-        raise RunFolderError(
-            f"{flag}={os.fspath(folder)}: a gs:// run folder needs {', '.join(missing)} "
-            f"(pip install -e '.[gcp]'); expected {EXPECTED}"
-        )
+    if message := missing_extra(folder, flag):
+        raise RunFolderError(message)
     probe = p / f".write_probe.{uuid.uuid4().hex}"
     try:
         if not is_remote(p):  # GCS has no folders, and gcsfs's mkdir would create a misspelt bucket
@@ -177,3 +188,51 @@ def local_copy(src: str | os.PathLike) -> Iterator[str]:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_staged_lock = threading.Lock()
+_staged: dict[str, str] = {}  # remote folder URL -> its local copy (local_folder)
+
+
+def local_folder(src: str | os.PathLike) -> str:
+    """A local folder holding the files of ``src``, for readers that only open local files
+    (safetensors, tokenizers, transformers' configs).
+
+    A local ``src`` is returned as given (no copy). A remote one is copied (``download``, every file
+    and subfolder) into a temporary folder on the first call; later calls of this process with the
+    same URL return that copy, and it is removed when the process exits (``drop_local_folders``).
+    The copy needs the folder's size free under ``tempfile.gettempdir()`` (``$TMPDIR``).
+
+    Raises:
+      FileNotFoundError: ``src`` is a remote folder that holds no file (nothing is cached).
+      Any error of the filesystem backend (auth, network): nothing is cached, the partial copy is removed.
+    """
+    s = os.fspath(src)
+    if not is_remote(s):
+        return s
+    key = s.rstrip("/")
+    with _staged_lock:
+        local = _staged.get(key)
+        if local is not None and os.path.isdir(local):
+            return local
+        tmp = tempfile.mkdtemp(prefix="bipace_fetch_")
+        try:
+            if not epath.Path(key).is_dir():
+                raise FileNotFoundError(f"local_folder: {key} is not a folder")
+            download(key, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _staged[key] = tmp
+        return tmp
+
+
+def drop_local_folders() -> None:
+    """Remove every copy ``local_folder`` made in this process (also run when the process exits)."""
+    with _staged_lock:
+        for local in _staged.values():
+            shutil.rmtree(local, ignore_errors=True)
+        _staged.clear()
+
+
+atexit.register(drop_local_folders)

@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import environments
-from bipace_jax import demos, losses, runfolder, tasks
+from bipace_jax import demos, losses, metric_keys, resume, runfolder, tasks
 from bipace_jax.build import checked
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import (
@@ -50,7 +50,7 @@ from bipace_jax.config import (
 )
 from bipace_jax.demo_stream import BucketStream
 from bipace_jax.learner import Learner, shard_rows, step_specs
-from bipace_jax.metrics import MetricsLogger
+from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
 from bipace_jax.sampling import Sampler, SamplerConfig
@@ -745,20 +745,43 @@ class _WarmStart:
         return history
 
 
-def run(c, workdir: str, out: str | None = None, *, progress: bool = True) -> dict[str, Any]:
+def check_resume(spec: WarmStartSpec, run_dir: str | epath.Path, allow_change: bool = False) -> None:
+    """Refuse to resume the warm start in ``run_dir`` with a config that differs from its ``config.json``
+    outside ``resume.SFT_NEUTRAL`` (``resume.check_config_change``; ``allow_change`` keeps the old one as
+    ``config.before_<updates>.json``), then write ``spec``'s config there. Reads two small files.
+
+    Raises:
+      ConfigChangeError: (a ``ValueError``) naming the folder, its logged updates and the changed fields.
+    """
+    workdir = os.fspath(run_dir)
+    updates = max((r[metric_keys.ITERATION] for r in read_metrics(workdir) if "train/loss" in r), default=0)
+    new = spec.config.to_dict()
+    old = resume.stored_config(workdir)
+    resume.check_config_change(workdir, old, new, updates, allow_change, neutral=resume.SFT_NEUTRAL, unit="updates")
+    runfolder.write_text(runfolder.path(workdir) / resume.CONFIG_FILE, spec.config.to_json_best_effort(indent=2))
+
+
+def run(
+    c, workdir: str, out: str | None = None, *, progress: bool = True, allow_config_change: bool = False
+) -> dict[str, Any]:
     """Runs the whole warm start; returns the report dict (also written to ``workdir/report.json``).
 
     ``c``: a warm-start config (``configs/sft_textcraft_tiny.py``) or its ``WarmStartSpec``.
-    ``workdir`` and ``out`` may be local folders or ``gs://`` URLs (``bipace_jax.runfolder``).
+    ``workdir`` and ``out`` may be local folders or ``gs://`` URLs (``bipace_jax.runfolder``). The
+    config goes to ``workdir/config.json``; a resume (the same ``workdir`` again) with a config that
+    changes the run is refused unless ``allow_config_change`` (``check_resume``).
 
     Raises:
       ConfigError: (a ``ValueError``) a bad config field (``build_warm_start``).
       RunFolderError: ``workdir`` or ``out`` cannot be created or written (checked before anything loads).
+      ConfigChangeError: (a ``ValueError``) ``workdir`` holds a warm start of another config (checked
+        before anything loads).
     """
     spec = c if isinstance(c, WarmStartSpec) else build_warm_start(c)
     t_start = time.time()
     run_dir = runfolder.prepare(workdir, "--workdir")
     out_dir = runfolder.prepare(out, "--out") if out else None
+    check_resume(spec, run_dir, allow_config_change)
     tokenizer = _tokenizer(spec, run_dir)
     t_tok = time.time() - t_start
 

@@ -175,7 +175,7 @@ class Trainer:
     def _load_tokenizer(self):
         m = self.spec.model
         if m.tokenizer or m.checkpoint:
-            return load_tokenizer(m.tokenizer or m.checkpoint)
+            return build.load_model_tokenizer(m)
         path = runfolder.path(self.workdir) / "tokenizer"
         if (path / "tokenizer.json").exists():
             with runfolder.local_copy(path) as local:

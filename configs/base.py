@@ -23,8 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- the actor -------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
-    c.model.checkpoint = ""  # HF folder (config.json + model.safetensors [+ tokenizer]); "" = random init
-    c.model.tokenizer = ""  # tokenizer folder; "" = the checkpoint's (or, for a random init, one the
+    # HF folder, local or gs:// (config.json + model.safetensors [+ tokenizer]); "" = random init
+    c.model.checkpoint = ""  # a gs:// folder is copied to local disk ($TMPDIR) once per process
+    c.model.tokenizer = ""  # tokenizer folder, local or gs://; "" = the checkpoint's (or, for a random init, one the
     # project builds with `tokenizers` on the game's text, saved in the workdir)
     c.model.preset = (
         "tiny"  # architecture of a random init: tiny | qwen2_5_0_5b | qwen2_5_1_5b | qwen2_5_3b | qwen2_5_7b

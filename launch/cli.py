@@ -109,6 +109,17 @@ def field_list(path: str, name: str = "config") -> str:
     return f"Fields of {path} (override as --{name}.<field>=<value>): {shown}."
 
 
+def help_lists_fields(name: str, default: str | None, argv: list[str] | None = None) -> None:
+    """On ``--help`` (any of absl's help flags in ``argv``), append ``field_list`` of the config file
+    that ``--<name>`` names (else ``default``) to ``__main__``'s docstring, which absl prints."""
+    argv = sys.argv if argv is None else argv
+    path = _config_file(name, argv, default)
+    if path is not None and _HELP_FLAGS & set(argv[1:]):
+        main = sys.modules.get("__main__")
+        if main is not None:
+            main.__doc__ = f"{main.__doc__ or ''}\n{field_list(path, name)}\n"
+
+
 def define_config_file(name: str, default: str | None, help_string: str, argv: list[str] | None = None):
     """``config_flags.DEFINE_config_file`` whose failures are one line (``fail``) instead of a traceback:
     an unknown ``--<name>.<field>`` names the field and the closest existing ones; a config file that
@@ -116,10 +127,7 @@ def define_config_file(name: str, default: str | None, help_string: str, argv: l
     """
     argv = sys.argv if argv is None else argv
     path = _config_file(name, argv, default)
-    if path is not None and _HELP_FLAGS & set(argv[1:]):  # absl's --help prints __main__'s docstring
-        main = sys.modules.get("__main__")
-        if main is not None:
-            main.__doc__ = f"{main.__doc__ or ''}\n{field_list(path, name)}\n"
+    help_lists_fields(name, default, argv)
     try:
         holder = config_flags.DEFINE_config_file(name, default, help_string)
     except Exception as e:  # ml_collections raises AttributeError/KeyError/ValueError from inside absl
@@ -177,6 +185,9 @@ def _stop(line: str, hard_exit: bool) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     if hard_exit:  # interpreter teardown after interrupted XLA work can segfault (rc -11 instead of 130)
+        from bipace_jax import runfolder
+
+        runfolder.drop_local_folders()  # os._exit skips atexit: a gs:// model's local copy would stay in $TMPDIR
         os._exit(INTERRUPT_EXIT)
     raise SystemExit(INTERRUPT_EXIT)
 

@@ -27,7 +27,9 @@ from launch._common import ROOT
 
 _CONFIG = cli.define_config_file("config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "Run config file.")
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", "", "Hugging Face folder to score (a run's hf_final/); '' = the config's model.checkpoint."
+    "checkpoint",
+    "",
+    "Hugging Face folder to score, local or gs:// (a run's hf_final/); '' = the config's model.checkpoint.",
 )
 _OUT = flags.DEFINE_string("out", "", "Result folder, local or gs:// ('' = runs/eval/<checkpoint folder name>).")
 _TRANSCRIPTS = flags.DEFINE_bool("transcripts", True, "Write the panels' transcripts (episodes/0.jsonl).")
@@ -84,14 +86,13 @@ def _policy(spec):
 
     from bipace_jax import build, distributed, sharding
     from bipace_jax import config as config_lib
-    from bipace_jax.models import load_tokenizer
     from bipace_jax.sampling import Sampler
 
     c = spec.config
     layout = config_lib.process_layout(c, 1, jax.device_count(), jax.local_device_count())
     mesh = sharding.make_mesh(*layout)
     local = distributed.local_mesh(mesh, config_lib.sampler_tensor(c, 1, jax.device_count(), jax.local_device_count()))
-    tokenizer = load_tokenizer(spec.model.tokenizer or spec.model.checkpoint)
+    tokenizer = build.load_model_tokenizer(spec.model)
     model = dataclasses.replace(spec.model, param_dtype=spec.model.dtype)
     actor = build.build_actor(model, tokenizer, local, seed=spec.seed)
     eos = build.stop_token_ids(actor.config.eos_token_ids, tokenizer, spec.model.checkpoint) or None

@@ -3,7 +3,9 @@ r"""Warm start by behaviour cloning and DAgger on TextCraft's oracle (`bipace_ja
     python -m launch.sft --config=configs/sft_textcraft_tiny.py --workdir=runs/sft \
         --out=runs/warm_start  # a new folder: never over the shipped bipace_jax/data/textcraft_tiny
 
-Running the same command again resumes from the last finished round. See docs/warm_start.md.
+Running the same command again resumes from the last finished round; with a config that changes the
+run (``bipace_jax.resume.SFT_NEUTRAL`` lists what may change) it is refused, naming the fields, unless
+``--allow_config_change``. See docs/warm_start.md.
 """
 
 from __future__ import annotations
@@ -16,14 +18,25 @@ cli.define_config_file("config", "configs/sft_textcraft_tiny.py", "SFT config fi
 flags.DEFINE_string("workdir", "runs/sft", "run folder (checkpoints, metrics, report)")
 flags.DEFINE_string("out", "", "HF checkpoint folder to write at the end ('' = none)")
 flags.DEFINE_bool("progress", True, "tqdm progress bars")
+flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "Resume although the config differs from the run folder's config.json in fields that change the run "
+    "(the old config is kept as config.before_<updates>.json).",
+)
 
 
 def main(argv):
     del argv
+    from bipace_jax import config as config_lib
+    from bipace_jax import resume, runfolder
     from bipace_jax.sft import run
 
     f = flags.FLAGS
-    report = run(f.config, f.workdir, f.out or None, progress=f.progress)
+    try:
+        report = run(f.config, f.workdir, f.out or None, progress=f.progress, allow_config_change=f.allow_config_change)
+    except (config_lib.ConfigError, runfolder.RunFolderError, resume.ConfigChangeError) as e:
+        cli.fail(str(e))
     v = report["final_val"]
     print(
         f"validation success {v['success']:.3f} (seen {v['success_seen']:.3f}, held-out "

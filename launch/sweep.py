@@ -40,6 +40,7 @@ _GRID = flags.DEFINE_multi_string("grid", [], "'field=v1,v2,...' (repeatable; th
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds of every grid point (config.seed).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Cells run at the same time (processes).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the cells' commands and exit.")
+cli.help_lists_fields("config", _CONFIG.default)  # the cells' config is parsed per cell (check_cell)
 
 
 def split_values(text: str) -> list[str]:

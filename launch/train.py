@@ -120,52 +120,23 @@ def derived_sizes(spec, num_devices: int) -> dict:
 
 
 def check_resume(spec, workdir: str, allow_change: bool) -> str | None:
-    """Refuse (one line, ``SystemExit``) a resume whose config differs in a field that changes the run;
-    with ``allow_change`` keep the old config beside the new one. Returns the finished-run line when
-    the folder's metrics already reach ``num_iterations``, else None."""
-    from bipace_jax import metric_keys, resume, runfolder
-    from bipace_jax.metrics import read_metrics
+    """``resume.check_resume`` for ``spec`` (a ``RunSpec``): refuse (one line, ``SystemExit``) a resume
+    whose config differs in a field that changes the run; with ``allow_change`` keep the old config
+    beside the new one. Returns the finished-run line when the folder's metrics already reach
+    ``num_iterations``, else None."""
+    from bipace_jax import resume
 
-    old = resume.stored_config(workdir)
-    if old is None:
-        return None
-    rows = read_metrics(workdir)
-    done = 1 + max((r.get(metric_keys.ITERATION, -1) for r in rows), default=-1)
-    changes = resume.changed_fields(old, spec.config.to_dict())
-    if changes and done > 0:
-        if not allow_change:
-            cli.fail(
-                f"--workdir={workdir} holds a run ({done} iterations) with another config: "
-                f"{resume.describe(changes)}; use a new --workdir, or --allow_config_change to continue it"
-            )
-        kept = runfolder.path(workdir) / f"config.before_{done}.json"
-        runfolder.write_text(kept, json.dumps(old, indent=2))
-        logging.warning("resuming with a changed config (%s); the old one is %s", resume.describe(changes), kept)
-    if done >= spec.num_iterations and done > 0:
-        return f"the run in {workdir} is finished ({done} of {spec.num_iterations} iterations); its report, from disk:"
-    return None
+    try:
+        return resume.check_resume(workdir, spec.config.to_dict(), spec.num_iterations, allow_change)
+    except resume.ConfigChangeError as e:
+        cli.fail(str(e))
 
 
 def report_from_disk(workdir: str) -> dict:
-    """``format_report``'s summary rebuilt from a run folder's ``metrics.jsonl``."""
-    from bipace_jax import metric_keys
-    from bipace_jax.metrics import read_metrics
+    """``format_report``'s summary rebuilt from a run folder's ``metrics.jsonl`` (``resume.report_from_disk``)."""
+    from bipace_jax import resume
 
-    rows = read_metrics(workdir)
-    first = next((r for r in rows if r.get(metric_keys.ITERATION) == 0), {})
-    first_val = {metric_keys.after(k): v for k, v in first.items() if k.startswith(metric_keys.VAL_BEFORE + "/")}
-    last_val = next(
-        ({k: v for k, v in r.items() if k.startswith("val/")} for r in reversed(rows) if metric_keys.VAL_SUCCESS in r),
-        None,
-    )
-    return {
-        "workdir": workdir,
-        "start_iteration": 0,
-        "iterations_run": len(rows),
-        "first_val": first_val or None,
-        "last_val": last_val,
-        "last_train": rows[-1] if rows else None,
-    }
+    return resume.report_from_disk(workdir)
 
 
 def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:

@@ -81,6 +81,59 @@ def test_changed_fields_ignores_what_does_not_change_the_run():
     assert resume.describe([("seed", 0, 1)]) == "config.seed: 0 -> 1"
 
 
+def _sft_run_folder(folder, updates=25):
+    """A warm-start folder as ``bipace_jax.sft.run`` leaves it after ``updates`` logged updates: the
+    default config's ``config.json`` and its metrics (only what the resume check reads)."""
+    import configs.sft_textcraft_tiny
+
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(configs.sft_textcraft_tiny.get_config().to_json_best_effort(indent=2))
+    rows = [{"iteration": u, "round": 0, "train/loss": 1.0} for u in range(5, updates + 1, 5)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_sft_resume_check_refuses_a_changed_config_keeps_the_old_one_when_allowed(tmp_path):
+    from bipace_jax import sft
+    from configs.sft_textcraft_tiny import get_config
+
+    run = _sft_run_folder(tmp_path / "run")
+    c = get_config()
+    c.optim.learning_rate, c.dagger.rounds = 1e-3, 2
+    with pytest.raises(resume.ConfigChangeError) as e:
+        sft.check_resume(sft.build_warm_start(c), run)
+    assert str(e.value) == (
+        f"--workdir={run} holds a run (25 updates) with another config: config.dagger.rounds: 4 -> 2, "
+        "config.optim.learning_rate: 0.003 -> 0.001; use a new --workdir, or --allow_config_change to continue it"
+    )
+    assert json.loads((run / "config.json").read_text())["optim"]["learning_rate"] == 0.003  # left as it was
+
+    neutral = get_config()  # how often it logs and saves, and its workers, may change
+    neutral.train.log_every, neutral.train.checkpoint_every, neutral.env.num_workers = 5, 50, 1
+    sft.check_resume(sft.build_warm_start(neutral), run)
+    assert json.loads((run / "config.json").read_text())["train"]["checkpoint_every"] == 50
+
+    sft.check_resume(sft.build_warm_start(c), run, allow_change=True)
+    assert json.loads((run / "config.before_25.json").read_text())["train"]["checkpoint_every"] == 50
+    assert json.loads((run / "config.json").read_text())["optim"]["learning_rate"] == 0.001
+
+    fresh = tmp_path / "fresh"  # no metrics: nothing to mix with, the config is written
+    fresh.mkdir()
+    sft.check_resume(sft.build_warm_start(c), fresh)
+    assert sorted(os.listdir(fresh)) == ["config.json"]
+
+
+@pytest.mark.slow
+def test_sft_command_refuses_a_changed_config_resume_before_anything_loads(tmp_path):
+    run = _sft_run_folder(tmp_path)
+    line = _one_error_line(_run("launch.sft", f"--workdir={run}", "--config.optim.learning_rate=0.001"))
+    assert line == (
+        f"error: --workdir={run} holds a run (25 updates) with another config: "
+        "config.optim.learning_rate: 0.003 -> 0.001; use a new --workdir, or --allow_config_change to continue it"
+    )
+    assert sorted(os.listdir(run)) == ["config.json", "metrics.jsonl"]  # no tokenizer, data or checkpoint made
+
+
 def test_interrupted_line_names_the_iteration_and_the_resume_point():
     from launch import cli
 
@@ -127,8 +180,18 @@ def test_ctrl_c_during_training_prints_one_line_and_exits_130(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module,field", [("launch.train", "estimator.name='"), ("launch.sft", "dagger.rounds=")])
+@pytest.mark.parametrize(
+    "module,field",
+    [
+        ("launch.train", "estimator.name='"),
+        ("launch.sft", "dagger.rounds="),
+        ("launch.aot", "ppo.micro_batch_rows="),
+        ("launch.eval", "val.num_tasks="),
+        ("launch.sweep", "estimator.name='"),
+    ],
+)
 def test_help_lists_the_config_fields_with_their_defaults(module, field):
     proc = _run(module, "--help")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Fields of "))
     assert "(override as --config.<field>=<value>)" in line and f" {field}" in line
+    assert line.endswith(".") and line.count("=") > 50  # every field of the config file, on one line

@@ -73,6 +73,7 @@ def fake_gcs(tmp_path, monkeypatch):
     monkeypatch.chdir(cwd)
     yield root, cwd, tmp
     epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    runfolder.drop_local_folders()  # a model folder's copy is kept until the process exits
     assert _files(cwd) == [] and os.listdir(cwd) == [], "written outside the bucket (working directory)"
     assert os.listdir(tmp) == [], "a staging folder was left behind"
 
@@ -264,3 +265,103 @@ def test_a_sweep_cell_log_on_gcs_is_copied_up_and_appended_whole(fake_gcs):
         log.write(attempt)
         sweep._close_log(log, run_dir)
     assert (root / "fake-bucket" / "study" / "seed=0" / "train.log").read_text() == "first\nsecond\n"
+
+
+SHIPPED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bipace_jax", "data", "textcraft_tiny"
+)
+MODEL = "gs://fake-bucket/models/textcraft_tiny"
+
+
+def _with_checkpoint(checkpoint):
+    import configs.textcraft_tiny
+
+    c = configs.textcraft_tiny.get_config()
+    c.model.checkpoint = checkpoint
+    return c
+
+
+@pytest.mark.slow  # 6 s on 2 cores, 3 s of it importing transformers
+def test_a_gs_checkpoint_loads_the_weights_tokenizer_and_stop_ids_of_the_same_local_folder(fake_gcs):
+    import shutil
+
+    from flax import nnx
+
+    from bipace_jax import build
+
+    root, _, tmp = fake_gcs
+    shutil.copytree(SHIPPED, root / "fake-bucket" / "models" / "textcraft_tiny")
+    remote, local = (build.build_spec(_with_checkpoint(ck)).model for ck in (MODEL, SHIPPED))
+    assert remote.checkpoint == MODEL and local.checkpoint == SHIPPED
+    assert os.listdir(tmp) == []  # the spec only checks the folder: nothing is copied yet
+
+    loaded = {}
+    for name, m in (("remote", remote), ("local", local)):
+        tok = build.load_model_tokenizer(m)
+        actor = build.build_actor(m, tok)
+        stops = build.stop_token_ids(actor.config.eos_token_ids, tok, m.checkpoint)
+        loaded[name] = (tok, nnx.to_flat_state(nnx.state(actor, nnx.Param)), stops)
+    (tok_r, params_r, stops_r), (tok_l, params_l, stops_l) = loaded["remote"], loaded["local"]
+
+    text = "<|im_start|>user\ncraft 1 oak planks<|im_end|>"
+    assert tok_r.get_vocab() == tok_l.get_vocab() and len(tok_r) == 1624
+    assert tok_r(text)["input_ids"] == tok_l(text)["input_ids"] and tok_r.chat_template == tok_l.chat_template
+    assert tok_r.convert_tokens_to_ids("<|im_end|>") == tok_r.eos_token_id == 2
+    assert stops_r == stops_l == (2,)  # config.json, generation_config.json and the tokenizer's <|im_end|>
+    assert [k for k, _ in params_r] == [k for k, _ in params_l] and len(params_l) > 10
+    for (key, a), (_, b) in zip(params_r, params_l):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(key))
+
+    # one copy for the whole process (tokenizer, weights, stop ids); a local folder is never copied
+    (staged,) = os.listdir(tmp)
+    assert runfolder.local_folder(MODEL) == runfolder.local_folder(MODEL + "/") == os.path.join(tmp, staged)
+    assert _files(os.path.join(tmp, staged)) == _files(SHIPPED)
+    assert runfolder.local_folder(SHIPPED) == SHIPPED
+    runfolder.drop_local_folders()
+    assert os.listdir(tmp) == []
+
+
+@pytest.mark.parametrize(
+    "url", ["gs://fake-bucket/models/none", "gs://fake-bucket/models/no_config", "gs://no-such-bucket/models/q"]
+)
+def test_a_gs_checkpoint_without_config_json_fails_naming_the_field(fake_gcs, url):
+    from bipace_jax import build
+    from bipace_jax.config import ConfigError
+
+    root, _, tmp = fake_gcs
+    (root / "fake-bucket" / "models" / "no_config").mkdir(parents=True)
+    (root / "fake-bucket" / "models" / "no_config" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        build.build_spec(_with_checkpoint(url))
+    assert str(e.value) == (
+        "config.model.checkpoint must be a Hugging Face folder holding config.json (a warm start from "
+        f"launch/sft.py; --config.model.checkpoint= for a random tiny init), got '{url}'"
+    )
+    assert os.listdir(tmp) == []
+
+
+@pytest.mark.parametrize("field", ["checkpoint", "tokenizer"])
+def test_a_gs_model_folder_without_the_gcp_packages_names_the_extra(monkeypatch, field):
+    from bipace_jax import build
+    from bipace_jax.config import ConfigError
+
+    monkeypatch.setattr(runfolder, "_missing_gcp_packages", lambda: ["gcsfs", "google-cloud-storage"])
+    c = _with_checkpoint("gs://b/qwen" if field == "checkpoint" else SHIPPED)
+    c.model.tokenizer = "gs://b/qwen" if field == "tokenizer" else ""
+    with pytest.raises(ConfigError) as e:
+        build.build_spec(c)
+    assert str(e.value) == (
+        f"config.model.{field}=gs://b/qwen: a gs:// folder needs gcsfs, google-cloud-storage "
+        "(pip install -e '.[gcp]'); expected a local or gs:// folder"
+    )
+
+
+def test_a_model_folder_of_another_scheme_is_refused_naming_the_field():
+    from bipace_jax import build
+    from bipace_jax.config import ConfigError
+
+    with pytest.raises(
+        ConfigError,
+        match=r"^config\.model\.checkpoint must be a local or gs:// folder \(unsupported scheme\), got 's3://b/q'$",
+    ):
+        build.build_spec(_with_checkpoint("s3://b/q"))

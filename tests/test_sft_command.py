@@ -62,6 +62,22 @@ def runs(tmp_path_factory):
     return out
 
 
+def test_a_finished_warm_start_keeps_its_config_and_refuses_a_changed_one(runs):
+    from bipace_jax import resume
+    from bipace_jax.sft import run
+
+    work, report = runs[0]
+    assert json.loads((work / "w" / "config.json").read_text()) == json.loads(small_config().to_json_best_effort())
+    c = small_config()
+    c.train.bc_steps = 4
+    with pytest.raises(resume.ConfigChangeError) as e:
+        run(c, str(work / "w"), progress=False)
+    assert str(e.value) == (
+        f"--workdir={work / 'w'} holds a run ({report['updates']} updates) with another config: "
+        "config.train.bc_steps: 3 -> 4; use a new --workdir, or --allow_config_change to continue it"
+    )
+
+
 def test_same_seed_gives_bitwise_identical_weights(runs):
     from safetensors.numpy import load_file
 

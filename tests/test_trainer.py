@@ -207,6 +207,36 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     assert max(diffs) > 0
 
 
+def test_a_finished_run_says_so_and_reprints_its_report_from_disk(two_iterations, shared):
+    from bipace_jax import resume
+
+    w, first = two_iterations
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = _metrics(w)
+    stored = json.loads((w / "config.json").read_text())
+    line = resume.check_resume(str(w), stored, 2, allow_change=False)
+    assert line == f"the run in {w} is finished (2 of 2 iterations); its report, from disk:"
+    assert resume.check_resume(str(w), stored, 3, allow_change=False) is None  # a longer budget resumes it
+    summary = resume.report_from_disk(str(w))
+    assert summary["iterations_run"] == 2 and summary["last_train"] == rows[1]
+    assert summary["first_val"]["val/success_rate"] == rows[0]["val_before/success_rate"]
+    assert summary["last_val"]["val/holdout/success_rate"] == rows[1]["val/holdout/success_rate"]
+
+    # The same command again: that line, then the run's own report (less the plots, HF folder and wall
+    # time only the live run printed), and nothing trained or written.
+    before = [(w / "metrics.jsonl").read_bytes(), os.listdir(w / "checkpoints"), os.listdir(w / "tb")]
+    again = subprocess.run(
+        _cmd(w, shared, "--config.num_iterations=2"), cwd=ROOT, env=_env(shared), capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    live = first.stdout.splitlines()
+    live = live[next(i for i, ln in enumerate(live) if ln.startswith("Run folder: ")) :]
+    live = [ln for ln in live if not ln.startswith(("Plots: ", "Policy (HF folder", "Wall time: "))]
+    assert again.stdout.splitlines() == [line, *live]
+    assert "Validation success" in live[1] and len(live) > 5
+    assert [(w / "metrics.jsonl").read_bytes(), os.listdir(w / "checkpoints"), os.listdir(w / "tb")] == before
+
+
 def test_sigkill_mid_iteration_resumes_with_no_lost_or_repeated_iteration(tmp_path, shared, two_iterations):
     w = tmp_path / "run"
     cmd = _cmd(
