@@ -5,7 +5,9 @@ the agent saw (observation and earlier history, as JSON), the oracle's action, t
 start learns (``<action>{action}</action>``) and whether the episode was won. Splits are by task: the
 config's task selector, every ``holdout_every``-th goal to ``validation`` (never in ``train``), as the
 warm start's ``tasks.split_holdout`` does. ``build`` prepares it (a no-op when that version exists);
-``read_split`` opens a split with ``tfds.data_source``. Schema, versions, provenance: docs/demos.md.
+``read_split`` opens a split with ``tfds.data_source``. The warm start's DAgger states are records of the
+same schema (plus ``round`` and ``row``), written per round as JSON lines (``write_records`` /
+``read_records``). Schema, versions, provenance: docs/demos.md.
 """
 
 from __future__ import annotations
@@ -23,12 +25,29 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 import environments
-from bipace_jax import tasks
+from bipace_jax import runfolder, tasks
 from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps
 from environments import alfworld
 from environments.base import Observation
 
 NAME = "bipace_demos"
+#: The fields of every record (the TFDS features; DAgger records add ``DAGGER_FIELDS``).
+FIELDS = (
+    "game",
+    "task_id",
+    "seed",
+    "turn",
+    "depth",
+    "observation",
+    "history",
+    "action",
+    "response",
+    "won",
+    "oracle",
+)
+#: A DAgger record's extra fields: its round and its row in that round's ``rollout.collect`` (its example
+#: key is ``dagger<round>_<row>``).
+DAGGER_FIELDS = ("round", "row")
 #: The builder's version: bump it when the schema or the recording changes (re-running builds anew).
 VERSION = "1.0.0"
 #: Each game's oracle, named with the package version that supplies it (recorded in every example).
@@ -190,21 +209,9 @@ class DemosBuilder(tfds.core.GeneratorBasedBuilder):
         for s in oracle_steps(env, pairs, cfg.max_steps):
             if s.action is None:
                 raise RuntimeError(f"oracle has no action for task {s.task_id} seed {s.seed} at step {s.step}")
-            episode.append(
-                {
-                    "won": bool(s.next_obs.won),
-                    "game": cfg.game,
-                    "task_id": s.task_id,
-                    "seed": s.seed,
-                    "turn": s.step,
-                    "depth": int(env.task_info(s.task_id).get("depth", 0)),
-                    "observation": json.dumps(dataclasses.asdict(s.obs)),
-                    "history": json.dumps([list(h) for h in s.history]),
-                    "action": s.action,
-                    "response": ACTION_RESPONSE.format(action=s.action),
-                    "oracle": oracle,
-                }
-            )
+            depth = int(env.task_info(s.task_id).get("depth", 0))
+            won = bool(s.next_obs.won)  # this step's; the episode's is set below
+            episode.append(record(cfg.game, s.task_id, s.seed, s.step, depth, s.obs, s.history, s.action, won, oracle))
         for key, steps in itertools.groupby(episode, key=lambda e: (e["task_id"], e["seed"])):
             steps = list(steps)
             won = any(e["won"] for e in steps)  # the episode ends at its first win
@@ -236,6 +243,64 @@ def read_split(builder: DemosBuilder, split: str):
     if split not in builder.info.splits:
         raise ValueError(f"split must be one of {sorted(builder.info.splits)}, got {split!r}")
     return builder.as_data_source(split=split)
+
+
+def record(
+    game: str,
+    task_id: int,
+    seed: int,
+    turn: int,
+    depth: int,
+    obs: Observation,
+    history,
+    action: str,
+    won: bool,
+    oracle: str,
+    **extra,
+) -> dict[str, Any]:
+    """One record of the schema (``FIELDS``, then ``extra``) as plain str/int/bool values: ``obs`` as the
+    JSON of its fields, ``history`` (earlier (observation text, action) pairs, oldest first) as JSON, the
+    response ``<action>{action}</action>``."""
+    return {
+        "game": game,
+        "task_id": int(task_id),
+        "seed": int(seed),
+        "turn": int(turn),
+        "depth": int(depth),
+        "observation": json.dumps(dataclasses.asdict(obs)),
+        "history": json.dumps([list(h) for h in history]),
+        "action": action,
+        "response": ACTION_RESPONSE.format(action=action),
+        "won": bool(won),
+        "oracle": oracle,
+        **extra,
+    }
+
+
+def write_records(path, records) -> None:
+    """Write ``records`` (dicts of JSON values) to ``path`` (local or ``gs://``), one JSON object a line,
+    whole (``runfolder.write_text``)."""
+    runfolder.write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_records(path, required: tuple[str, ...] = FIELDS) -> list[dict[str, Any]]:
+    """The records of a ``write_records`` file, in order.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: a line is not a JSON object holding every field of ``required`` (names the line and field).
+    """
+    text = runfolder.read_text(path)
+    if text is None:
+        raise FileNotFoundError(f"no records file {path}")
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        r = json.loads(line)
+        missing = [f for f in required if not isinstance(r, dict) or f not in r]
+        if missing:
+            raise ValueError(f"{path} line {n}: a record needs the fields {list(required)}, missing {missing}")
+        out.append(r)
+    return out
 
 
 def observation_of(record: dict[str, Any]):

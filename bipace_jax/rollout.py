@@ -262,6 +262,7 @@ class StepRecord:
     finish: str  # why the response ended: "eos", "stop" (a stop string) or "length" (the token budget)
     label: str | None = None
     observation: str = ""  # the observation text the prompt ends with (transcripts)
+    state: Any = None  # the Observation the prompt showed (DAgger records, sft.dagger_records)
 
 
 @dataclasses.dataclass
@@ -296,6 +297,9 @@ class RolloutResult:
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
       finish_reasons: N of ``"eos"``, ``"stop"`` or ``"length"``: why each response ended.
       observations: N observation texts, the game's text each prompt ends with (``bipace_jax.transcripts``).
+      states: N ``environments.base.Observation``s, the whole game state each prompt showed (its ``text``
+        is ``observations[r]``; with the earlier rows' ``observations`` and ``actions`` of the same
+        trajectory, the prompt's history, it re-encodes the prompt: ``sft.dagger_records``).
       valid: N bools, whether each response parsed into a valid command (False: the invalid-action path).
       labels: N labels from ``collect``'s ``labeler`` (e.g. the oracle's action from the state the
         prompt showed, for DAgger), or None without a labeler.
@@ -315,6 +319,7 @@ class RolloutResult:
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     labels: list[str | None] | None = None
     observations: list[str] = dataclasses.field(default_factory=list)
+    states: list[Any] = dataclasses.field(default_factory=list)
     valid: list[bool] = dataclasses.field(default_factory=list)
     host_stats: HostStats = dataclasses.field(default_factory=HostStats)
 
@@ -683,6 +688,7 @@ def _book(state: _Games, i: int, rep: _Reply, res, rcfg: RolloutConfig, max_new:
             finish=rep.finish,
             label=rep.label,
             observation=state.obs[i].text,
+            state=state.obs[i],
         )
     )
     state.history[i].append((state.obs[i].text, rep.action))
@@ -1003,6 +1009,7 @@ def _result(
         finish_reasons=[r.finish for r in rows],
         labels=[r.label for r in rows] if labeled else None,
         observations=[r.observation for r in rows],
+        states=[r.state for r in rows],
         valid=[r.valid for r in rows],
         host_stats=host_stats,
     )

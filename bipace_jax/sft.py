@@ -2,12 +2,13 @@
 
 ``run(config, workdir, out)`` decodes the config (``build_warm_start``: the sections shared with RL
 carry RL's names), builds the tokenizer (``tiny.warm_start_tokenizer``, unless ``config.model.tokenizer``
-names one); records one ``Example`` per oracle step on the training goals
-(the prompt as ``rollout.encode_prompt`` encodes it, the response ``<action>{action}</action>`` +
-``<|im_end|>``); trains a fresh tiny Qwen2 with ``learner.Learner`` and ``ResponseNLL`` (token-mean
-NLL of the response tokens); runs DAgger rounds (the policy plays through ``rollout.collect`` with the
-oracle as ``labeler``, every visited state joins the data); validates on ``tasks.validation_panel``
-and writes the Hugging Face folder ``out``. Run folder, resumption and determinism: docs/warm_start.md.
+names one); encodes one ``Example`` per record of the oracle's demonstrations (``bipace_demos``) on the
+training goals (``record_example``: the prompt as ``rollout.encode_prompt`` encodes it, the response
+``<action>{action}</action>`` + ``<|im_end|>``); trains a fresh tiny Qwen2 with ``learner.Learner`` and
+``ResponseNLL`` (token-mean NLL of the response tokens); runs DAgger rounds (the policy plays through
+``rollout.collect`` with the oracle as ``labeler``; every visited state becomes a record of the same
+schema in ``<workdir>/dagger_<round>.jsonl``, encoded by the same ``record_example``); validates on
+``tasks.validation_panel`` and writes the Hugging Face folder ``out``. Run folder, resumption and determinism: docs/warm_start.md.
 """
 
 from __future__ import annotations
@@ -99,22 +100,35 @@ def expert_examples(env, rcfg: RolloutConfig, tokenizer, pairs: Sequence[tuple[i
     return examples, {"oracle_win_rate": wins / n, "oracle_mean_length": len(examples) / n}
 
 
-def demo_examples(records, rcfg: RolloutConfig, tokenizer) -> tuple[list[Example], dict[str, float]]:
-    """Examples of a ``demos.read_split`` source (record order); returns (examples, oracle stats).
+def record_example(r, rcfg: RolloutConfig, tokenizer) -> Example:
+    """The example of one demonstration record: a ``bipace_demos`` record (a ``demos.read_split`` row,
+    key ``<task>_<seed>_<turn>``, source ``"expert"``) or a DAgger record (``dagger_records``, key
+    ``dagger<round>_<row>``, source ``"dagger"``). The one record -> example encoding of the warm start:
+    the prompt as ``rollout.encode_prompt`` encodes the record's observation, history and turn (what the
+    RL loop feeds the sampler), the response ``encode_response`` of its oracle action.
 
-    Each record's prompt is encoded as ``expert_examples`` does (``rollout.encode_prompt`` of its
-    observation and history), its response by ``encode_response`` of its oracle action.
+    Raises:
+      PromptTooLongError: the prompt exceeds ``rcfg.max_prompt_length`` even with no history.
     """
+    task, seed, turn = int(r["task_id"]), int(r["seed"]), int(r["turn"])
+    ids, _ = encode_prompt(
+        tokenizer, rcfg, demos.observation_of(r), demos.history_of(r), turn, f"task {task} seed {seed}"
+    )
+    action = r["action"].decode() if isinstance(r["action"], bytes) else str(r["action"])
+    if "round" in r:
+        source, key = "dagger", f"dagger{int(r['round'])}_{int(r['row'])}"
+    else:
+        source, key = "expert", f"{task}_{seed}_{turn}"
+    return Example(ids, encode_response(tokenizer, action), int(r["depth"]), source, key)
+
+
+def demo_examples(records, rcfg: RolloutConfig, tokenizer) -> tuple[list[Example], dict[str, float]]:
+    """Examples of a ``demos.read_split`` source (record order, ``record_example``); returns (examples,
+    oracle stats: the share of its episodes won and their mean length in records)."""
     examples, won = [], {}
     for r in records:
-        task, seed, turn = int(r["task_id"]), int(r["seed"]), int(r["turn"])
-        ids, _ = encode_prompt(
-            tokenizer, rcfg, demos.observation_of(r), demos.history_of(r), turn, f"task {task} seed {seed}"
-        )
-        action = r["action"].decode() if isinstance(r["action"], bytes) else str(r["action"])
-        key = f"{task}_{seed}_{turn}"
-        examples.append(Example(ids, encode_response(tokenizer, action), int(r["depth"]), "expert", key))
-        won[(task, seed)] = bool(r["won"])
+        examples.append(record_example(r, rcfg, tokenizer))
+        won[(int(r["task_id"]), int(r["seed"]))] = bool(r["won"])
     n = max(len(won), 1)
     return examples, {"oracle_win_rate": sum(won.values()) / n, "oracle_mean_length": len(examples) / n}
 
@@ -132,16 +146,49 @@ def expert_dataset(spec, data_dir: str, progress: bool = False) -> demos.DemosBu
     return demos.build(cfg, data_dir, progress=progress)
 
 
-def dagger_examples(res: RolloutResult, tokenizer, rnd: int = 0) -> list[Example]:
-    """The rows of a labelled ``collect`` (DAgger round ``rnd``) as examples: each row's prompt tokens and
-    its oracle label, keyed ``dagger<rnd>_<row>`` (rows whose state the oracle has no action for are left out)."""
-    traj = np.asarray(res.steps.traj_id)[: res.rows]
-    out = []
+def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, Any]]:
+    """The labelled rows of a ``collect`` (DAgger round ``rnd`` of ``game``) as demonstration records
+    (``demos.FIELDS`` + ``round``, ``row``), in row order; rows the oracle has no action for are left out.
+
+    Each record holds the state the row's prompt showed (``res.states[row]``), its history (the earlier
+    rows of its trajectory: observation text and the action sent, as ``collect`` built the prompt), its
+    turn, and the oracle's label as ``action``; ``won`` is whether the policy's game was won, ``oracle``
+    ``demos.oracle_version(game)``. ``record_example`` of a record gives the row's prompt tokens exactly.
+
+    Raises:
+      ValueError: ``res`` has no labels or states (not a labelled ``collect``), or a trajectory's rows are
+        not its steps 0, 1, ... in order.
+    """
+    if res.labels is None or len(res.states) != res.rows:
+        raise ValueError("dagger_records needs a RolloutResult of collect(..., labeler=...) with its states")
+    traj, step = np.asarray(res.steps.traj_id)[: res.rows], np.asarray(res.steps.step)[: res.rows]
+    oracle, out = demos.oracle_version(game), []
+    history: dict[int, list[tuple[str, str]]] = {}
     for r, label in enumerate(res.labels):
+        t = int(traj[r])
+        past = history.setdefault(t, [])
+        if int(step[r]) != len(past):
+            raise ValueError(f"row {r}: trajectory {t} step {int(step[r])} follows {len(past)} earlier rows")
         if label is not None:
-            prompt = res.prompt_ids[r][res.prompt_mask[r].astype(bool)].tolist()
-            depth = int(res.episodes[traj[r]].task_info.get("depth", 0))
-            out.append(Example(prompt, encode_response(tokenizer, label), depth, "dagger", f"dagger{rnd}_{r}"))
+            ep = res.episodes[t]
+            depth = int(ep.task_info.get("depth", 0))
+            out.append(
+                demos.record(
+                    game,
+                    ep.task_id,
+                    ep.seed,
+                    step[r],
+                    depth,
+                    res.states[r],
+                    past,
+                    label,
+                    ep.won,
+                    oracle,
+                    round=rnd,
+                    row=r,
+                )
+            )
+        past.append((res.observations[r], res.actions[r]))
     return out
 
 
@@ -306,13 +353,30 @@ def sft_step_specs(graphdef, tx, mesh, params, rest, opt_state, rows: int, lengt
 # The run.
 
 
-def _save_examples(path: epath.Path, examples: Sequence[Example]) -> None:
-    rows = [{"p": e.prompt_ids, "r": e.response_ids, "d": e.depth, "s": e.source, "k": e.key} for e in examples]
-    runfolder.write_text(path, json.dumps(rows))
+def dagger_file(run_dir: epath.Path, rnd: int) -> epath.Path:
+    """Round ``rnd``'s DAgger records in the run folder (``demos.write_records``' JSON lines)."""
+    return run_dir / f"dagger_{rnd}.jsonl"
 
 
-def _load_examples(path: epath.Path) -> list[Example]:
-    return [Example(r["p"], r["r"], r["d"], r["s"], r.get("k", "")) for r in json.loads(path.read_text())]
+def read_dagger_examples(run_dir: epath.Path, rnd: int, rcfg: RolloutConfig, tokenizer) -> list[Example]:
+    """``record_example`` of each of round ``rnd``'s DAgger records in the run folder, in record order.
+
+    Raises:
+      ValueError: the round's file (``dagger_file``) does not exist (the message says when the folder holds
+        ``dagger_<round>.json`` instead, the token-id format of older versions, which is not read), or a
+        record lacks a field.
+    """
+    path = dagger_file(run_dir, rnd)
+    if not path.exists():
+        old = run_dir / f"dagger_{rnd}.json"
+        why = (
+            f"the folder holds {old.name}, the token-id format of an older version, which is not read"
+            if old.exists()
+            else "the run folder lost it"
+        )
+        raise ValueError(f"DAgger round {rnd} is finished but {path} does not exist ({why}): start a new --workdir")
+    records = demos.read_records(path, demos.FIELDS + demos.DAGGER_FIELDS)
+    return [record_example(r, rcfg, tokenizer) for r in records]
 
 
 #: ``config.train.log_examples``' file in the run folder: one JSON line per update.
@@ -613,10 +677,8 @@ class _WarmStart:
             meta = CheckpointMeta.from_dict(raw)
             self.step, self.next_save, self.resume = meta.updates, latest + 1, meta.data_stream
             self.start_round = meta.iteration + (meta.data_stream is None)
-        for r in range(self.start_round):  # DAgger data of the finished rounds
-            path = run_dir / f"dagger_{r}.json"
-            if path.exists():
-                self.examples += _load_examples(path)
+        for r in range(min(self.start_round, spec.dagger.rounds)):  # DAgger data of the finished rounds
+            self.examples += [e for e in read_dagger_examples(run_dir, r, spec.rollout, tokenizer) if self.fits(e)]
         start = self.step + 1 if restored is not None else 0
         self.metrics = MetricsLogger(os.fspath(run_dir), start_iteration=start)
         self.example_log = _ExampleLog(run_dir / EXAMPLES_FILE, self.step) if spec.train.log_examples else None
@@ -708,17 +770,17 @@ class _WarmStart:
         goals = [train_ids[i] for i in rng.integers(0, len(train_ids), d.episodes)]
         pairs = [(t, d.seed_base + rnd * 10_000 + k) for k, t in enumerate(goals)]
         res = self.play("dagger", pairs, key, label=True)
+        records = dagger_records(res, rnd, self.spec.env.name)
+        demos.write_records(dagger_file(self.run_dir, rnd), records)
         # States far off the expert's path can outgrow the longest bucket: left out, counted.
-        new = dagger_examples(res, self.tokenizer, rnd)
-        fit = [e for e in new if self.fits(e)]
-        _save_examples(self.run_dir / f"dagger_{rnd}.json", fit)
+        fit = [e for e in (record_example(r, self.spec.rollout, self.tokenizer) for r in records) if self.fits(e)]
         self.examples.extend(fit)
         s = summarize(res.episodes)
         return {
             "dagger/success": s["success"],
             "dagger/invalid_rate": s["invalid_rate"],
             "dagger/new_examples": len(fit),
-            "dagger/too_long": len(new) - len(fit),
+            "dagger/too_long": len(records) - len(fit),
             "dagger_s": time.time() - t1,
         }
 

@@ -317,6 +317,7 @@ def _assert_same_result(a, b):
     np.testing.assert_allclose(np.asarray(a.steps.fingerprint), np.asarray(b.steps.fingerprint), atol=1e-5)
     assert a.episodes == b.episodes
     assert (a.responses, a.actions, a.finish_reasons, a.labels) == (b.responses, b.actions, b.finish_reasons, b.labels)
+    assert (a.observations, a.states) == (b.observations, b.states) and len(a.states) == a.rows
     assert {k: v for k, v in b.stats.items() if k != "slot_use"} == a.stats
 
 

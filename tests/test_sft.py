@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import environments
+from bipace_jax import demos
 from bipace_jax.learner import Learner
 from bipace_jax.models import Qwen2Actor, Qwen2Config
 from bipace_jax.rollout import Episode, RolloutConfig, collect
@@ -18,9 +19,13 @@ from bipace_jax.sampling import SampleOutput, SamplerConfig
 from bipace_jax.sft import (
     Example,
     ResponseNLL,
-    dagger_examples,
+    dagger_file,
+    dagger_records,
+    encode_response,
     expert_examples,
     make_batch,
+    read_dagger_examples,
+    record_example,
     summarize,
     token_nll,
     train_step,
@@ -190,7 +195,7 @@ def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_stat
     )
     ep = res.episodes[0]
     assert ep.won and ep.invalid_count == 0 and ep.length == res.rows == len(res.labels)
-    examples = dagger_examples(res, tok, rnd=2)
+    examples = [record_example(r, RCFG, tok) for r in dagger_records(res, 2, "textcraft")]
     assert len(examples) == res.rows and all(e.source == "dagger" and e.depth == 2 for e in examples)
     assert [e.key for e in examples] == [f"dagger2_{r}" for r in range(res.rows)]
     # replay the actions sent: every label is the oracle's action from that state, every prompt the RL one
@@ -205,6 +210,86 @@ def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_stat
         history.append((obs.text, action))
         obs, _, _, _ = env.step(action)
     assert res.actions[0] == "get 1 dirt" and res.labels[0] != "get 1 dirt"
+
+
+@pytest.fixture(scope="module")
+def dagger_run(tok, pool):
+    """A labelled collect with history: env 0 (task 300) wastes its first step on a wrong `get`, then follows
+    the oracle and wins; env 1 (task 301) never answers in tags (the fallback every turn) and loses. History
+    2 and a 320-token prompt cap, so late prompts of env 1 drop history entries to fit."""
+    rcfg = dataclasses.replace(RCFG, history_length=2, max_prompt_length=320)
+
+    def script(turn, n):  # live envs ascending: env 0 first while it plays
+        first = "<action>get 1 dirt</action>" if turn == 0 else f"<action>{pool.oracle_actions([0])[0]}</action>"
+        return [first, "no tags"] if n == 2 else ["no tags"]
+
+    res = collect(
+        None,
+        ScriptedSampler(tok, script),
+        pool,
+        tok,
+        [(300, 7), (301, 2)],
+        rcfg,
+        jax.random.key(0),
+        progress=False,
+        labeler=pool.oracle_actions,
+    )
+    assert [(e.won, e.length) for e in res.episodes] == [(True, res.episodes[0].length), (False, 15)]
+    assert res.stats["truncations"] > 0 and res.rows == res.episodes[0].length + 15
+    return rcfg, res
+
+
+def test_dagger_records_encode_to_exactly_the_token_ids_collect_fed_the_sampler(tok, dagger_run, tmp_path):
+    """The examples the old path saved (each row's prompt ids as collect fed them to the sampler, its oracle
+    label as the response, key dagger<round>_<row>) are record_example of the records written and read back:
+    same order, keys, prompt and response ids, with history shown and history dropped to fit."""
+    rcfg, res = dagger_run
+    want = [
+        Example(
+            res.prompt_ids[r][res.prompt_mask[r] == 1].tolist(), encode_response(tok, lab), 2, "dagger", f"dagger3_{r}"
+        )
+        for r, lab in enumerate(res.labels)
+    ]
+    demos.write_records(dagger_file(tmp_path, 3), dagger_records(res, 3, "textcraft"))
+    got = read_dagger_examples(tmp_path, 3, rcfg, tok)
+    assert len(got) == res.rows == 22 and got == want
+    assert max(len(demos.history_of(r)) for r in demos.read_records(dagger_file(tmp_path, 3))) == 14
+
+
+def test_dagger_records_hold_the_state_the_history_and_the_oracle_label(dagger_run, tmp_path):
+    """Every field of a DAgger record, read back from its file, against a replay of the actions sent."""
+    rcfg, res = dagger_run
+    records = dagger_records(res, 3, "textcraft")
+    demos.write_records(tmp_path / "r.jsonl", records)
+    back = demos.read_records(tmp_path / "r.jsonl", demos.FIELDS + demos.DAGGER_FIELDS)
+    assert back == records and list(back[0]) == [*demos.FIELDS, *demos.DAGGER_FIELDS]
+    oracle = demos.oracle_version("textcraft")
+    assert oracle.startswith("textcraft planner (environments.textcraft) textcraft==")
+    row = 0
+    for (task, seed), won in (((300, 7), True), ((301, 2), False)):
+        env = environments.make("textcraft", max_steps=15)
+        obs, history = env.reset(task, seed), []
+        for turn in range(res.episodes[task - 300].length):
+            r, label = back[row], env.oracle_action()
+            assert (r["game"], r["task_id"], r["seed"], r["turn"], r["depth"]) == ("textcraft", task, seed, turn, 2)
+            assert demos.observation_of(r) == obs and demos.history_of(r) == history
+            assert r["action"] == label == res.labels[row] and r["response"] == f"<action>{label}</action>"
+            assert (r["won"], r["oracle"], r["round"], r["row"]) == (won, oracle, 3, row)
+            history.append((obs.text, res.actions[row]))
+            obs = env.step(res.actions[row])[0]
+            row += 1
+    assert row == len(back) and history[0][1] == "inventory"  # env 1 sent the fallback
+
+
+def test_a_finished_round_without_its_records_is_refused_naming_the_old_format(tok, tmp_path):
+    with pytest.raises(ValueError, match=r"DAgger round 0 is finished but .*dagger_0\.jsonl does not exist \(the run"):
+        read_dagger_examples(tmp_path, 0, RCFG, tok)
+    (tmp_path / "dagger_0.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"holds dagger_0\.json, the token-id format of an older version"):
+        read_dagger_examples(tmp_path, 0, RCFG, tok)
+    (tmp_path / "dagger_0.jsonl").write_text('{"game": "textcraft"}\n')
+    with pytest.raises(ValueError, match=r"line 1: a record needs the fields .* missing \['task_id'"):
+        read_dagger_examples(tmp_path, 0, RCFG, tok)
 
 
 def test_unparsable_responses_count_as_invalid_and_send_the_fallback(tok, pool):

@@ -94,6 +94,16 @@ def test_report_has_validation_by_depth_and_heldout_and_metrics_are_logged(runs)
     assert f["n"] == 4 and 0.0 <= f["success"] <= 1.0
     assert "success_depth2" in f and "success_heldout" in f
     assert report["expert_examples"] > 0 and report["dagger_examples"] > 0
+    # the DAgger round's states are records in the run folder: the examples and the too-long ones
+    from bipace_jax import demos
+
+    records = demos.read_records(work / "w" / "dagger_0.jsonl", demos.FIELDS + demos.DAGGER_FIELDS)
+    r0 = report["rounds"][0]
+    assert (
+        len(records) == r0["dagger/new_examples"] + r0["dagger/too_long"]
+        and r0["dagger/new_examples"] == report["dagger_examples"]
+    )
+    assert {r["round"] for r in records} == {0} and not (work / "w" / "dagger_0.json").exists()
     lines = [json.loads(x) for x in open(work / "w" / "metrics.jsonl")]
     losses = [x["train/loss"] for x in lines if "train/loss" in x]
     assert len(losses) == 5 and all(np.isfinite(losses))
