@@ -170,8 +170,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- validation ------------------------------------------------------------------------
     c.val = ml_collections.ConfigDict()
-    c.val.every = 10  # validate every k iterations (and before the first, after the last); 0 = never
-    c.val.at_start = True
+    c.val.every = 10  # validate every k iterations and after the last; 0 = never after training starts
+    c.val.at_start = True  # also validate before the first iteration (val_before/*), whatever val.every is
     c.val.num_tasks = 64  # panel goals from the training goals (with unseen game seeds)
     c.val.num_holdout_tasks = 64  # panel goals from the held-out goals (all when fewer)
     c.val.panel = "spread"  # spread: goals evenly spaced over the sets, seeds val.seed + k; random: drawn with val.seed
