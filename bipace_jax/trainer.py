@@ -39,7 +39,7 @@ from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import OldLogprobs
-from bipace_jax.estimators import calibrate_epsilon, compute_advantages, step_details
+from bipace_jax.estimators import EstimatorConfig, calibrate_epsilon, compute_advantages, step_details
 from bipace_jax.estimators.diagnostics import SIZE_STATS, host_stats
 from bipace_jax.metrics import HostStats, MetricsLogger, StageTimer, make_plots, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
@@ -50,7 +50,15 @@ from bipace_jax.tiny import build_game_tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "Trainer"]
+__all__ = ["NonFiniteError", "Trainer", "cluster_view"]
+
+
+def cluster_view(ecfg: EstimatorConfig) -> EstimatorConfig:
+    """The config whose diagnostics give a non-clustering run's ``cluster_*`` metrics: BiGPO's greedy
+    fingerprint clusters at ``ecfg``'s epsilon on the same batch. ``similarity_thresh`` is reset to 0:
+    it shapes ``obs_hash`` (the hash_* partition), which fingerprint clusters do not read, and
+    ``EstimatorConfig`` refuses it for an estimator that does not group by observation."""
+    return dataclasses.replace(ecfg, name="bigpo", similarity_thresh=0.0)
 
 
 class Trainer:
@@ -284,7 +292,7 @@ class Trainer:
         ecfg = self.spec.estimator_at(self.epsilon)
         adv, diag = compute_advantages(res.steps, ecfg)
         adv = res.row_values(jax.block_until_ready(adv))
-        other = diag if ecfg.clusters else compute_advantages(res.steps, dataclasses.replace(ecfg, name="bigpo"))[1]
+        other = diag if ecfg.clusters else compute_advantages(res.steps, cluster_view(ecfg))[1]
         diag = dict(diag, **{f"cluster_{k}": other[k] for k in SIZE_STATS})
         if not np.all(np.isfinite(adv)):
             raise NonFiniteError(

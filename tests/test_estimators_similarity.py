@@ -228,3 +228,32 @@ def test_config_field_checks_and_plumbing():
     c.estimator.similarity_thresh = 1.0
     with pytest.raises(ConfigError, match=r"config\.estimator\.similarity_thresh"):
         validate(c, abstract=True)
+
+
+def test_a_similarity_run_records_the_fingerprint_clusters_beside_its_groups():
+    """The trainer's cluster_* metrics of a GiGPO run on similarity groups: BiGPO's clusters at the same
+    epsilon (similarity_thresh shapes obs_hash only; BiGPO refuses it, which crashed iteration 1)."""
+    from bipace_jax.trainer import cluster_view
+
+    rows = _batch(3, near_duplicates=True)
+    n = len(rows["reward"])
+    fp = np.random.default_rng(4).normal(size=(n, 4)).astype(np.float32)
+    batch = StepBatch.from_numpy(
+        group_id=np.asarray(rows["group_id"], np.int32),
+        traj_id=np.asarray(rows["traj_id"], np.int32),
+        step=np.asarray(rows["step"], np.int32),
+        reward=np.asarray(rows["reward"], np.float32),
+        obs_hash=similarity_groups(rows["obs"], np.asarray(rows["group_id"]), 0.9),
+        fingerprint=fp / np.linalg.norm(fp, axis=1, keepdims=True),
+        action_key=np.zeros(n, np.int32),
+        mask=np.ones(n, bool),
+    )
+    view = cluster_view(EstimatorConfig(name="gigpo", epsilon=0.3, similarity_thresh=0.9))
+    bigpo = EstimatorConfig(name="bigpo", epsilon=0.3)
+    assert view == bigpo
+    labels = np.asarray(step_group_labels(batch, view))
+    assert 1 < len(set(labels.tolist())) < n  # real clusters: neither one group nor all singletons
+    assert (
+        compute_advantages(batch, view)[1]["singleton_group_rate"]
+        == compute_advantages(batch, bigpo)[1]["singleton_group_rate"]
+    )
