@@ -192,6 +192,9 @@ class Learner:
         self.param_shardings = sharding.param_shardings(params, mesh)
         self.params = distributed.to_global(params, self.param_shardings)
         del params  # the caller's arrays may be the learner's now (donated by the first update)
+        with mesh_context(mesh):
+            # typed under the mesh as the updates' outputs are: else every program compiles again after the first
+            self.params = jax.jit(lambda p: p, out_shardings=self.param_shardings)(self.params)
         opt_shardings = opt_state_shardings(tx, self.params, self.param_shardings, mesh)
         with mesh_context(mesh):
             self.opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(self.params)

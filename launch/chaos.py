@@ -1,6 +1,11 @@
 """Chaos test: train a tiny TextCraft agent while faults are injected, and show that nothing is lost.
 
     python -m launch.chaos --workdir=runs/chaos        # ~3.5 min on 2 cores; writes benchmarks/chaos.json
+    python -m launch.chaos --workdir=runs/chaos --nowarmup --config.sampler.length_buckets='(448,)'
+
+``--config.<field>=<value>`` flags are given to every run after the tiny settings (``TINY``);
+``--nowarmup`` skips the warm-up run (the reference run fills the compilation cache then, so no
+wall time lost is reported).
 
 After a warm-up run (it fills the compilation cache, so wall times compare like with like), three
 runs of one config and seed, each ``launch.train``'s job with the game wrapped in
@@ -39,6 +44,9 @@ from launch._common import ROOT, write_json
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 4, "RL iterations of each run (>= 3; 4 resumes mid-run).")
 _OUT = flags.DEFINE_string("out", "benchmarks/chaos.json", "Where to write the JSON summary.")
+_WARMUP = flags.DEFINE_bool(
+    "warmup", True, "Fill the compilation cache with a run of its own first, so the runs' wall times compare."
+)
 _CHILD_PLAN = flags.DEFINE_string("chaos_plan_dir", "", "Internal: run as the trainer child with this fault plan.")
 
 # A run small enough for CI (a few seconds an iteration) that still trains, validates and checkpoints.
@@ -93,7 +101,13 @@ def _command(run_dir: str, plan_dir: str, tokenizer: str) -> list[str]:
         f"--config.model.tokenizer={tokenizer}",
         f"--config.num_iterations={_ITERATIONS.value}",
         *TINY,
+        *_overrides(),
     ]
+
+
+def _overrides() -> list[str]:
+    """This command's own ``--config.<field>=<value>`` flags, for every run (after ``TINY``)."""
+    return [a for a in sys.argv[1:] if a.startswith("--config.")]
 
 
 def _environ(cache: str) -> dict[str, str]:
@@ -213,10 +227,13 @@ def main(argv):
         return run_dir, plan_dir, _command(run_dir, plan_dir, tokenizer)
 
     # 0. warm-up: the same run fills the compilation cache, so the timed runs below compare like with like
-    run_dir, _, cmd = prepare("warmup", [])
-    rc, _ = _run(cmd, env, os.path.join(base, "warmup.log"))
-    if rc != 0:
-        raise RuntimeError(f"warm-up run failed (exit code {rc}); see {base}/warmup.log")
+    if _WARMUP.value:
+        run_dir, _, cmd = prepare("warmup", [])
+        rc, _ = _run(cmd, env, os.path.join(base, "warmup.log"))
+        if rc != 0:
+            raise RuntimeError(f"warm-up run failed (exit code {rc}); see {base}/warmup.log")
+    # without the warm-up the reference's wall time includes compiling: a difference would mean nothing
+    lost = (lambda wall: wall - runs["reference"]["wall_s"]) if _WARMUP.value else (lambda wall: None)
 
     # 1. reference (an empty plan still counts the game calls)
     run_dir, plan_dir, cmd = prepare("reference", [])
@@ -262,7 +279,7 @@ def main(argv):
         final_params_max_abs_diff_vs_reference=diff,
         final_params_equal_reference=diff == 0.0,
         wall_s=wall,
-        wall_time_lost_s=wall - runs["reference"]["wall_s"],
+        wall_time_lost_s=lost(wall),
     )
 
     # 3. game faults on a call-count schedule inside the run
@@ -293,14 +310,15 @@ def main(argv):
         final_params_max_abs_diff_vs_reference=diff,
         final_params_differ_because="the fired faults' games were dropped or re-seeded (listed in fired)",
         wall_s=wall,
-        wall_time_lost_s=wall - runs["reference"]["wall_s"],
+        wall_time_lost_s=lost(wall),
     )
 
     injected = len(runs["process"]["faults"]) + runs["games"]["faults_fired"]
     survived = runs["process"]["faults_survived"] + runs["games"]["faults_survived"]
     summary = {
         "iterations": n_iter,
-        "config": ["configs/textcraft_tiny.py", *TINY],
+        "config": ["configs/textcraft_tiny.py", *TINY, *_overrides()],
+        "warmup": _WARMUP.value,
         "faults_injected": injected,
         "faults_survived": survived,
         "iterations_lost": runs["process"]["iterations_lost"] + runs["games"]["iterations_lost"],

@@ -166,10 +166,13 @@ def test_a_tiny_run_compiles_for_a_multi_host_slice_with_the_placement_checks(tm
 @needs_libtpu
 def test_the_warm_starts_step_compiles_for_a_multi_host_slice(tmp_path):
     mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=-1", "--config.mesh.tensor=4"]
-    proc = _aot(tmp_path, "--topology=v5e:4x4", "--programs=sft_grad,sft_apply", *mesh, env=LIBTPU_ENV)
+    # one row per host: 4 rows, one per data x fsdp shard (the config's 32 a host, 128 rows: 150 s of libtpu compile)
+    rows = "--config.ppo.micro_batch_rows=1"
+    proc = _aot(tmp_path, "--topology=v5e:4x4", "--programs=sft_grad,sft_apply", *mesh, rows, env=LIBTPU_ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.load(open(tmp_path / "textcraft_tiny__v5e-4x4__sft.json"))
     assert (r["hosts"], r["chips"], r["mesh"]) == (4, 16, {"data": 2, "fsdp": 2, "tensor": 4})
+    assert r["shapes"]["micro_batch_rows"] == 4 and r["shapes"]["prompt_tokens"] + r["shapes"]["response_tokens"] == 480
     assert set(r["programs"]) == SFT and r["fits"] is True and "step_time" not in r
     # the gradient's reductions cross the slice: the micro-batch rows are split over data x fsdp
     assert r["programs"]["sft_grad"]["collectives"]["all-reduce"] >= 1

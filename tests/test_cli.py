@@ -152,6 +152,8 @@ def test_ctrl_c_during_training_prints_one_line_and_exits_130(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     tiny = ["--config.rollout.num_groups=2", "--config.rollout.group_size=2", "--config.val.num_tasks=2"]
     tiny += ["--config.val.num_holdout_tasks=2", "--config.num_iterations=50", "--config.env.max_steps=8"]
+    # no validation before RL and one prompt length (fewer programs to compile): the interrupt is what is tested
+    tiny += ["--config.val.at_start=False", "--config.sampler.length_buckets=(448,)"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}", "--config.log.progress=False", *tiny],
         cwd=ROOT,

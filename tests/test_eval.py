@@ -31,7 +31,16 @@ OVERRIDES = {
 
 
 def _run(*args, timeout=600):
+    import jax
+
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    # this pytest process's compilation cache (tests/conftest.py): the trainer's validation here then
+    # loads the eval's programs instead of compiling them again
+    if jax.config.jax_compilation_cache_dir:
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        )
     cmd = [sys.executable, "-m", "launch.eval", "--config=configs/textcraft_tiny.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
