@@ -50,6 +50,12 @@ def _update(L, b, old, ref, adv, key):
     return L.update(b.with_(old_logprobs=old, ref_logprobs=ref, advantages=adv), key)
 
 
+@nnx.jit
+def _row_logits(actor, seq):
+    """Logits float32[T, V] of one unpadded row int32[1, T] (jitted: one compile per length, not per op)."""
+    return actor(seq, jnp.ones_like(seq)).logits[0]
+
+
 def _learner(tx, micro, kl=0.0, mini=0, actor=None):
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     cfg = losses.PPOLossConfig(kl_coef=kl, entropy_coef=0.001)
@@ -66,7 +72,7 @@ def test_logprobs_match_a_per_row_forward_over_the_real_tokens():
         prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] > 0]
         resp = b.response_ids[i][b.response_mask[i]]
         seq = np.concatenate([prompt, resp])[None]
-        logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0]
+        logits = _row_logits(actor, jnp.asarray(seq))
         want = jax.nn.log_softmax(logits[len(prompt) - 1 : -1], -1)[np.arange(len(resp)), resp]
         np.testing.assert_allclose(lp[i, : len(resp)], want, atol=2e-5)
 
@@ -226,7 +232,7 @@ def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
         prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] > 0]
         resp = b.response_ids[i][b.response_mask[i]]
         seq = np.concatenate([prompt, resp])[None]
-        logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0, len(prompt) - 1 : -1]
+        logits = _row_logits(actor, jnp.asarray(seq))[len(prompt) - 1 : -1]
         want = jax.nn.log_softmax(logits[:, :40], -1)[np.arange(len(resp)), resp]
         np.testing.assert_allclose(lp[i, : len(resp)], want, atol=2e-5)
     assert (lp[b.response_mask] > full[b.response_mask]).all()  # less mass to share: every log-prob rises
@@ -242,7 +248,7 @@ def test_logprobs_and_the_ppo_objective_use_only_the_tokenizers_ids():
         prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] > 0]
         resp = b.response_ids[i][b.response_mask[i]]
         seq = np.concatenate([prompt, resp])[None]
-        logits = actor(jnp.asarray(seq), jnp.ones_like(jnp.asarray(seq))).logits[0, len(prompt) - 1 : -1, :40]
+        logits = _row_logits(actor, jnp.asarray(seq))[len(prompt) - 1 : -1, :40]
         p = jax.nn.softmax(logits, -1)
         ents += list(np.asarray(-(p * jnp.log(p)).sum(-1)))
     np.testing.assert_allclose(float(stats["entropy"]), np.mean(ents), rtol=1e-4)
