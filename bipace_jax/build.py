@@ -382,6 +382,7 @@ def sampler_config(
         batch_buckets=tuple(s.batch_buckets),
         length_buckets=tuple(s.length_buckets),
         eos_token_ids=eos_token_ids,
+        shared_head_tokens=s.shared_head_tokens,
     )
 
 

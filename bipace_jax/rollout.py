@@ -452,10 +452,10 @@ def turn_keys(keys: np.ndarray, turns: Sequence[int]) -> np.ndarray:
     return np.asarray(_fold_rows(jnp.asarray(keys), jnp.asarray(turns, jnp.uint32)), np.uint32)
 
 
-def _takes_row_keys(sampler) -> bool:
-    """Whether ``sampler.generate`` accepts per-prompt ``row_keys`` (test doubles may not)."""
+def _takes(sampler, name: str) -> bool:
+    """Whether ``sampler.generate`` accepts the keyword ``name`` (``row_keys``, ``groups``; test doubles may not)."""
     try:
-        return "row_keys" in inspect.signature(sampler.generate).parameters
+        return name in inspect.signature(sampler.generate).parameters
     except (TypeError, ValueError):
         return False
 
@@ -603,9 +603,11 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
     prompts = _turn_prompts(state, tokenizer, rcfg)
     labels = list(labeler(list(live))) if labeler is not None else [None] * len(live)
     t0 = time.perf_counter()
-    if _takes_row_keys(sampler):
+    if _takes(sampler, "row_keys"):
         row_keys = turn_keys(state.keys[live], [state.episodes[i].length for i in live])
-        out = sampler.generate(actor, prompts, key, row_keys=row_keys)
+        # a task group's games share their prompt head (the sampler prefills it once if configured to)
+        kw = dict(groups=[state.episodes[i].group_id for i in live]) if _takes(sampler, "groups") else {}
+        out = sampler.generate(actor, prompts, key, row_keys=row_keys, **kw)
     else:
         out = sampler.generate(actor, prompts, key)
     dt_sample = time.perf_counter() - t0

@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bipace_jax import prompt_heads
 from bipace_jax.programs import ProgramSpec, abstract
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "StaticSettings",
     "decode_spec",
     "prefill_spec",
+    "shared_prefill_spec",
     "key_data",
     "filter_logits",
     "sample_tokens",
@@ -80,6 +82,9 @@ class SamplerConfig:
       eos_token_ids: token ids that end a response (the EOS token is kept in the response); ``None``
         takes the tokenizer's ``eos_token_id`` plus ``<|im_end|>`` and ``<|endoftext|>`` when the
         tokenizer has them.
+      shared_head_tokens: 0 (off) or the shortest prompt head that rows of one group (``generate(...,
+        groups=...)``: the rollout's task groups) prefill once and share (``prompt_heads``); the
+        tokens equal the plain prefill's up to float summation order. Not with a batch-sharded mesh.
     """
 
     max_new_tokens: int = 64
@@ -91,6 +96,7 @@ class SamplerConfig:
     batch_buckets: tuple[int, ...] = (8, 16, 32, 64, 128)
     length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     eos_token_ids: tuple[int, ...] | None = None
+    shared_head_tokens: int = 0
 
     def __post_init__(self):
         # Accept lists from ml_collections configs; store tuples so the config stays hashable.
@@ -98,7 +104,7 @@ class SamplerConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
-        for name, lo in (("max_new_tokens", 1), ("top_k", 0)):
+        for name, lo in (("max_new_tokens", 1), ("top_k", 0), ("shared_head_tokens", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, int) and v >= lo):
                 raise ValueError(f"SamplerConfig.{name} must be an int >= {lo}, got {v!r}")
@@ -465,13 +471,58 @@ def _prefill_program(
     b = input_ids.shape[0]
     cache = actor.init_cache(b, static.cache_length)
     out, cache = actor.prefill(input_ids, attention_mask, cache)
+    return (*_first_token(static, out, row_keys, row_mask, temperature, table, stop_lens, eos_ids), cache)
+
+
+def _first_token(static: StaticSettings, out, row_keys, row_mask, temperature, table, stop_lens, eos_ids):
+    """The first response token from the prefill's ``ActorOutput``: (token, logp, done, stop_state, fingerprint)."""
+    b = row_keys.shape[0]
     token, logp = _draw(static, out.logits, row_keys, 0, temperature)
     stop_state, hit = _advance_stop(table, stop_lens, jnp.zeros((b, table.shape[0]), jnp.int32), token)
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     token = jnp.where(row_mask, token, static.pad_id)
     logp = jnp.where(row_mask, logp, 0.0)
     done = is_eos | hit | ~row_mask
-    return token, logp, done, stop_state, out.fingerprint.astype(jnp.float32), cache
+    return token, logp, done, stop_state, out.fingerprint.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _shared_prefill_program(
+    graphdef,
+    static: StaticSettings,
+    state,
+    head_ids,
+    head_mask,
+    row_head,
+    input_ids,
+    attention_mask,
+    row_keys,
+    row_mask,
+    temperature,
+    table,
+    stop_lens,
+    eos_ids,
+):
+    """``_prefill_program`` with shared heads (``prompt_heads``): prefills the H heads [H, Th] once,
+    copies head ``row_head[b]``'s KV into row b, then ``extend``s each row by its suffix [Bb, Ts]. The
+    cache has the plain path's S = Th + Ts + M columns and index Th + Ts, so decoding is unchanged."""
+    actor = nnx.merge(graphdef, state)
+    th = head_ids.shape[1]
+    _, heads = actor.prefill(head_ids, head_mask, actor.init_cache(head_ids.shape[0], th))
+    wide = static.cache_length - th
+
+    def rows(a, axis):  # head KV per row, widened to the S cache columns
+        a = jnp.take(a, row_head, axis=0)
+        return jnp.pad(a, [(0, wide) if d == axis else (0, 0) for d in range(a.ndim)])
+
+    cache = heads.replace(
+        k=tuple(rows(a, 3) for a in heads.k),
+        v=tuple(rows(a, 2) for a in heads.v),
+        slot_mask=rows(heads.slot_mask, 1),
+        lengths=jnp.take(heads.lengths, row_head, axis=0),
+    )
+    out, cache = actor.extend(input_ids, attention_mask, cache)
+    return (*_first_token(static, out, row_keys, row_mask, temperature, table, stop_lens, eos_ids), cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
@@ -546,28 +597,54 @@ def prefill_spec(
       stop_table_shape: (S, Q, V) of the stop-string table; num_eos: the EOS ids' count.
     """
     t = static.cache_length - static.max_new_tokens
-
-    def sds(shape, dtype, rows=True):
-        if mesh is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        spec = P(batch_axes(mesh) or None, *[None] * (len(shape) - 1)) if rows else P()
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-    ids = sds((batch, t), jnp.int32)
-    args = (
-        graphdef,
-        static,
-        abstract(state),
-        ids,
-        ids,
-        sds((batch, 2), jnp.uint32),
-        sds((batch,), jnp.bool_),
-        sds((), jnp.float32, rows=False),
-        sds(tuple(stop_table_shape), jnp.int32, rows=False),
-        sds((stop_table_shape[0],), jnp.int32, rows=False),
-        sds((num_eos,), jnp.int32, rows=False),
-    )
+    ids = _sds(mesh, (batch, t), jnp.int32)
+    args = (graphdef, static, abstract(state), ids, ids, *_row_args(mesh, batch, stop_table_shape, num_eos))
     return ProgramSpec("prefill", _prefill_program, args, static_argnums=(0, 1))
+
+
+def shared_prefill_spec(
+    graphdef,
+    state,
+    static: StaticSettings,
+    mesh,
+    *,
+    batch: int,
+    heads: int,
+    head_width: int,
+    stop_table_shape: tuple[int, int, int],
+    num_eos: int,
+) -> ProgramSpec:
+    """The shared-head prefill ``(graphdef, static, state, head_ids int32[H, Th], head_mask, row_head
+    int32[Bb], input_ids int32[Bb, Ts], attention_mask, row_keys, row_mask, temperature, stop_table,
+    stop_lens, eos_ids)`` with ``prefill_spec``'s outputs; Ts = T - ``head_width`` (T the prompt
+    bucket of ``static``), ``heads`` = H. Head arrays are replicated (the mesh's batch axes must be 1)."""
+    t = static.cache_length - static.max_new_tokens
+    head_ids = _sds(mesh, (heads, head_width), jnp.int32, rows=False)
+    ids = _sds(mesh, (batch, t - head_width), jnp.int32)
+    row_head = _sds(mesh, (batch,), jnp.int32)
+    args = (graphdef, static, abstract(state), head_ids, head_ids, row_head, ids, ids)
+    args += _row_args(mesh, batch, stop_table_shape, num_eos)
+    return ProgramSpec("prefill", _shared_prefill_program, args, static_argnums=(0, 1))
+
+
+def _sds(mesh, shape, dtype, rows=True):
+    """An abstract argument: rows split over the mesh's batch axes (or replicated), none without a mesh."""
+    if mesh is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    spec = P(batch_axes(mesh) or None, *[None] * (len(shape) - 1)) if rows else P()
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _row_args(mesh, batch: int, stop_table_shape, num_eos: int) -> tuple:
+    """Both prefill programs' trailing arguments: row keys, row mask, temperature and the stop/EOS constants."""
+    return (
+        _sds(mesh, (batch, 2), jnp.uint32),
+        _sds(mesh, (batch,), jnp.bool_),
+        _sds(mesh, (), jnp.float32, rows=False),
+        _sds(mesh, tuple(stop_table_shape), jnp.int32, rows=False),
+        _sds(mesh, (stop_table_shape[0],), jnp.int32, rows=False),
+        _sds(mesh, (num_eos,), jnp.int32, rows=False),
+    )
 
 
 def decode_spec(prefill: ProgramSpec, first) -> ProgramSpec:
@@ -579,7 +656,8 @@ def decode_spec(prefill: ProgramSpec, first) -> ProgramSpec:
     output shardings); the other arguments are ``prefill``'s.
     """
     token, logp, done, stop_state, _, cache = abstract(first)
-    g, st, state, _, _, row_keys, row_mask, temp, table, stop_lens, eos = prefill.args
+    g, st, state = prefill.args[:3]
+    row_keys, row_mask, temp, table, stop_lens, eos = prefill.args[-6:]  # both prefill programs end so
     args = (g, st, state, cache, token, logp, done, stop_state, row_keys, row_mask, temp, table, stop_lens, eos)
     return ProgramSpec("decode", _decode_program, args, static_argnums=(0, 1), donate_argnums=(3,))
 
@@ -698,7 +776,12 @@ class Sampler:
 
     # -- the call ---------------------------------------------------------------------------------
     def generate(
-        self, actor: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array, row_keys: jax.Array | None = None
+        self,
+        actor: nnx.Module,
+        prompts: Sequence[Sequence[int]],
+        key: jax.Array,
+        row_keys: jax.Array | None = None,
+        groups: Sequence[int] | None = None,
     ) -> SampleOutput:
         """Samples one response per prompt.
 
@@ -710,13 +793,16 @@ class Sampler:
           row_keys: optional per-prompt keys, [B] typed keys or uint32[B, 2] key data; row b then draws
             from ``fold_in(row_keys[b], step)`` (``key`` unused), so its tokens depend on its own key
             and prompt only.
+          groups: optional B ints; with ``config.shared_head_tokens`` > 0, rows of one group prefill
+            their common prompt head once (``prompt_heads.plan_heads``; the rollout passes task groups).
 
         Returns:
           ``SampleOutput`` of NumPy arrays with B rows in prompt order.
 
         Raises:
           TypeError / ValueError: malformed prompts (empty, not 1-D, ids outside the vocabulary),
-            a prompt longer than the largest length bucket, ``row_keys`` not of B keys.
+            a prompt longer than the largest length bucket, ``row_keys`` not of B keys, ``groups``
+            not of B ints.
         """
         temp = self.config.temperature
         vocab = self._actor_vocab(actor)
@@ -725,12 +811,23 @@ class Sampler:
         t_bucket = self.length_bucket(max(a.size for a in arrays))
         chunk = self.config.batch_buckets[-1]
         graphdef, state = nnx.split(actor)
-        self.last_timing = dict(
-            prefill_s=0.0, decode_s=0.0, prompt_tokens=float(sum(a.size for a in arrays)), new_tokens=0.0
-        )
+        if groups is not None and len(groups) != len(arrays):
+            raise ValueError(f"groups must hold one int per prompt ({len(arrays)}), got {len(groups)}")
+        tokens = float(sum(a.size for a in arrays))
+        # prefill_tokens: real tokens prefilled (below prompt_tokens when heads are shared)
+        self.last_timing = dict(prefill_s=0.0, decode_s=0.0, prompt_tokens=tokens, prefill_tokens=0.0, new_tokens=0.0)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             parts = [
-                self._generate_chunk(graphdef, state, arrays[s : s + chunk], keys[s : s + chunk], t_bucket, temp, vocab)
+                self._generate_chunk(
+                    graphdef,
+                    state,
+                    arrays[s : s + chunk],
+                    keys[s : s + chunk],
+                    t_bucket,
+                    temp,
+                    vocab,
+                    None if groups is None else groups[s : s + chunk],
+                )
                 for s in range(0, len(arrays), chunk)
             ]
         return SampleOutput(*(np.concatenate(f, axis=0) for f in zip(*parts)))
@@ -759,6 +856,19 @@ class Sampler:
             raise ValueError(f"actor.config.vocab_size must be a positive int (the logits width), got {vocab!r}")
         return int(vocab)
 
+    def _head_batch(self, plan, b_bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        """The plan's heads left-padded into (head_ids, head_mask) int32[H_bucket, Th]; H_bucket is the
+        power of two >= H (at most the batch bucket); padding heads hold one pad token."""
+        h = len(plan.heads)
+        rows = min(1 << max(0, (h - 1).bit_length()), b_bucket)
+        ids = np.full((rows, plan.head_width), self.pad_id, np.int32)
+        mask = np.zeros((rows, plan.head_width), np.int32)
+        for i, a in enumerate(plan.heads):
+            ids[i, plan.head_width - a.size :] = a
+            mask[i, plan.head_width - a.size :] = 1
+        mask[h:, -1] = 1
+        return ids, mask
+
     def prepare_batch(self, arrays: Sequence[np.ndarray], t_bucket: int):
         """Left-pads prompts into the bucket: (input_ids int32[Bb, T], attention_mask int32[Bb, T],
         row_mask bool[Bb]). Padding rows hold one pad token so no attention row is empty."""
@@ -773,10 +883,26 @@ class Sampler:
         row_mask = np.arange(b_bucket) < n
         return ids, mask, row_mask
 
-    def _generate_chunk(self, graphdef, state, arrays, keys, t_bucket, temp, vocab):
+    def head_plan(self, arrays: Sequence[np.ndarray], groups: Sequence[int] | None, t_bucket: int):
+        """The shared-head plan of one batch chunk (``prompt_heads.plan_heads``), or None for a plain prefill:
+        sharing off, no groups, or a batch-sharded mesh (a head's rows would sit on other devices)."""
+        if not self.config.shared_head_tokens or groups is None or self._dp != 1:
+            return None
+        b_bucket = self.batch_bucket(len(arrays))
+        return prompt_heads.plan_heads(arrays, groups, t_bucket, b_bucket, min_tokens=self.config.shared_head_tokens)
+
+    def _generate_chunk(self, graphdef, state, arrays, keys, t_bucket, temp, vocab, groups=None):
         cfg = self.config
         n = len(arrays)
-        ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
+        plan = self.head_plan(arrays, groups, t_bucket)
+        if plan is None:
+            ids, mask, row_mask = self.prepare_batch(arrays, t_bucket)
+            self.last_timing["prefill_tokens"] += float(sum(a.size for a in arrays))
+        else:
+            suffixes = [a[h:] for a, h in zip(arrays, plan.split)]
+            ids, mask, row_mask = self.prepare_batch(suffixes, plan.suffix_width)
+            run = sum(a.size for a in suffixes) + sum(h.size for h in plan.heads)
+            self.last_timing["prefill_tokens"] += float(run)
         b_bucket = ids.shape[0]
         row_keys = np.zeros((b_bucket, 2), np.uint32)
         row_keys[:n] = keys
@@ -786,11 +912,20 @@ class Sampler:
             self._put(x, P(self.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, row_keys, row_mask)
         )
         temp_d = jnp.float32(temp)
-        pre = prefill_spec(
-            graphdef, state, static, self.mesh, batch=b_bucket, stop_table_shape=consts[0].shape, num_eos=len(consts[2])
-        )
+        kw = dict(batch=b_bucket, stop_table_shape=consts[0].shape, num_eos=len(consts[2]))
+        if plan is None:
+            pre = prefill_spec(graphdef, state, static, self.mesh, **kw)
+            head_args = ()
+        else:
+            head_ids, head_mask = self._head_batch(plan, b_bucket)
+            row_head = np.zeros((b_bucket,), np.int32)
+            row_head[:n] = plan.row_head
+            heads = head_ids.shape[0]
+            pre = shared_prefill_spec(graphdef, state, static, self.mesh, heads=heads, head_width=plan.head_width, **kw)
+            rows = P(self.batch_axes or None)
+            head_args = (self._put(head_ids, P()), self._put(head_mask, P()), self._put(row_head, rows))
         t0 = time.perf_counter()
-        first = pre(graphdef, static, state, ids, mask, row_keys_d, row_mask_d, temp_d, *consts)
+        first = pre(graphdef, static, state, *head_args, ids, mask, row_keys_d, row_mask_d, temp_d, *consts)
         token, logp, done, stop_state, fingerprint, cache = first
         token.block_until_ready()
         t1 = time.perf_counter()

@@ -104,6 +104,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampler.stop_strings = ("</action>",)
     c.sampler.batch_buckets = (8, 16, 32, 64, 128)
     c.sampler.length_buckets = (128, 256, 512, 1024, 2048, 4096)
+    # 0 = off, else the shortest prompt head a task group's games prefill once and share (lockstep;
+    # not with a batch-sharded sampler mesh): docs/performance.md "Shared prompt heads"
+    c.sampler.shared_head_tokens = 0
 
     # --- advantages (EstimatorConfig) ------------------------------------------------------
     c.estimator = ml_collections.ConfigDict()

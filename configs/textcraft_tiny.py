@@ -49,6 +49,8 @@ def get_config():
     c.sampler.temperature = 0.6
     c.sampler.batch_buckets = (16, 64)
     c.sampler.length_buckets = (160, 224, 288, 384, 448)
+    # A task group's 8 games prefill their ~110-150-token head (system prompt, goal, recipes) once.
+    c.sampler.shared_head_tokens = 64
 
     # The tiny actor's fingerprints all lie within cosine 0.99 of each other (one prompt format, one
     # last token): the paper's epsilon 0.05 merges every state of a task group into one cluster.

@@ -48,7 +48,7 @@ LAYERS = (
     ),
     ("models", ("bipace_jax.models",)),
     ("estimators", ("bipace_jax.estimators",)),
-    ("sampling", ("bipace_jax.sampling", "bipace_jax.slots")),
+    ("sampling", ("bipace_jax.prompt_heads", "bipace_jax.sampling", "bipace_jax.slots")),
     ("batch", ("bipace_jax.batch",)),
     ("rollout", ("bipace_jax.rollout",)),
     ("learning", ("bipace_jax.losses", "bipace_jax.learner", "bipace_jax.ppo")),

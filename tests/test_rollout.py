@@ -345,6 +345,31 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
         assert len(set(lock.response_mask.sum(1).tolist())) > 1
 
 
+@pytest.mark.slow
+def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    eos = tuple(range(3, len(tokenizer), 5))
+    base = dict(max_new_tokens=8, batch_buckets=(4,), length_buckets=(512, 1024), eos_token_ids=eos)
+    plain = Sampler(tokenizer, SamplerConfig(**base))
+    shared = Sampler(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
+    calls = []
+    generate = shared.generate
+
+    def spy(actor, prompts, key, row_keys=None, groups=None):  # the groups it is given, what it prefilled
+        out = generate(actor, prompts, key, row_keys=row_keys, groups=groups)
+        calls.append((list(groups), shared.last_timing["prefill_tokens"], shared.last_timing["prompt_tokens"]))
+        return out
+
+    shared.generate = spy
+    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024)
+    key = jax.random.key(4)
+    a = collect(actor, plain, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    b = collect(actor, shared, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    _assert_same_result(a, b)
+    assert calls[0][0] == [0, 0, 1, 1]  # env i plays in task group i // G
+    assert all(run < prompt for _, run, prompt in calls)  # every turn prefilled the groups' heads once
+
+
 class _SlowRecordingPool:
     """An EnvPool whose games answer no sooner than ``hold_s`` after their submit (a slow game on top of the
     real pool and its faults); submits, answers and the slot sampler's decode chunks are logged in order."""

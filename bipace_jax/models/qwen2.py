@@ -524,6 +524,81 @@ class Qwen2Actor(nnx.Module):
         new_cache = KVCache(k=k_new, v=v_new, slot_mask=slot_mask, lengths=cache.lengths + 1, index=index + 1)
         return logits, new_cache
 
+    @_with_precision
+    def extend(self, input_ids: Array, attention_mask: Array, cache: KVCache) -> tuple[ActorOutput, KVCache]:
+        """Prefills T more prompt tokens per row on top of a filled cache (a shared prompt head).
+
+        The chunk goes to slots [index, index + T) for all rows. Real token j of row b (mask 1) gets
+        position `lengths[b]` + (real chunk tokens before it) and attends to the row's cached slots
+        (`slot_mask`) and to the chunk's real tokens up to itself: the same attention sets and RoPE
+        positions as a `prefill` of the row's whole prompt, so logits and fingerprint agree with it
+        up to float summation order. Used by the sampler's shared-prefix prefill
+        (docs/performance.md, "Shared prompt heads").
+
+        Args:
+          input_ids: int32 [B, T] the chunk (left padding keeps every row's last real token at
+            column T - 1, where decoding continues from).
+          attention_mask: int32/bool [B, T]; every row needs a real token.
+          cache: a `KVCache` of B rows whose slots from `index` on are empty, with index + T <= S.
+
+        Returns:
+          (ActorOutput(logits float32 [B, V] and fingerprint float32 [B, D] at each row's last
+          real chunk token), the KVCache with the chunk written, `lengths` + real chunk tokens,
+          `index` + T).
+
+        Raises:
+          ValueError: shape mismatch with the cache, or T > S.
+        """
+        self._check_tokens(input_ids, attention_mask, "Qwen2Actor.extend")
+        b, t = np.shape(input_ids)
+        s = cache.max_length
+        if cache.batch_size != b:
+            raise ValueError(f"Qwen2Actor.extend: cache batch {cache.batch_size} != input batch {b}")
+        if t > s:
+            raise ValueError(f"Qwen2Actor.extend: chunk length T={t} exceeds cache max_length S={s}")
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        mask = jnp.asarray(attention_mask).astype(bool)
+        index = cache.index
+        positions = cache.lengths[:, None] + positions_from_mask(mask)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, num_positions=s)
+        slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, mask, (0, index))
+        # Query j sees the cached slots before the chunk and the chunk's slots up to index + j.
+        col = jnp.arange(s)[None, :]
+        seen = (col < index) | (col <= index + jnp.arange(t)[:, None])  # [T, S]
+        attn_mask = slot_mask[:, None, :] & seen[None]
+        last = last_real_index(mask)
+        fp_at = self.fingerprint_hidden_index
+        n_layers = self.config.num_hidden_layers
+        x = self._embed(jnp.where(mask, input_ids, 0))
+        fingerprint = self._fingerprint(x, last) if fp_at == 0 else None
+        k_all, v_all = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):
+
+            def kv_update(k, v, i=i):
+                # The chunk's [B, T, K, Hd] keys/values -> k [B, K, Hd, T], v [B, K, T, Hd] at slot index.
+                k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
+                k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
+                v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
+                return k_all[i], v_all[i]
+
+            # The last layer runs its attention output and MLP at the last real column only (as prefill).
+            query_index = last if i == n_layers - 1 else None
+            x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update, query_index=query_index)
+            if 0 < i + 1 == fp_at < n_layers:
+                fingerprint = self._fingerprint(x, last)
+        h = self.final_norm(x)
+        if fp_at == n_layers:
+            fingerprint = self._fingerprint(h, jnp.zeros_like(last))
+        logits = constrain(self.lm_logits(h[:, 0]), "last_logits")
+        new_cache = KVCache(
+            k=tuple(constrain(a, "cache_k") for a in k_all),
+            v=tuple(constrain(a, "cache_v") for a in v_all),
+            slot_mask=slot_mask,
+            lengths=cache.lengths + jnp.sum(mask, axis=1).astype(jnp.int32),
+            index=index + t,
+        )
+        return ActorOutput(logits=logits, fingerprint=fingerprint), new_cache
+
 
 @functools.lru_cache(maxsize=64)
 def _layer_fn(graphdef, policy: Remat, keep_kv: bool) -> Callable:
