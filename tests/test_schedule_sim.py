@@ -211,3 +211,116 @@ def test_the_design_notes_regime_is_reproduced():
         assert np.mean([r["ideal_steps"]["ratio"] for r in runs]) == pytest.approx(steps, rel=0.04)
         assert np.mean([r["speedup_wall"] for r in runs]) == pytest.approx(wall, rel=0.03)
         assert np.mean([r["lockstep"]["wall_s"] for r in runs]) == pytest.approx(lock_s, rel=0.03)
+
+
+class _InstantPool:
+    """Fake games that answer a submitted step at once (zero latency: the event order is deterministic);
+    each game lasts ``turns`` steps."""
+
+    env = "textcraft"
+
+    def __init__(self, n, turns):
+        self.n, self.turns, self.t, self.done, self.ticket = n, turns, [0] * n, [], 0
+
+    def __len__(self):
+        return self.n
+
+    def _obs(self, i):
+        from environments.base import Observation
+
+        text = f"Crafting commands: craft 4 oak planks using 1 oak log. Goal: craft item {i % 5}. Step {self.t[i]}."
+        return Observation(text=text, anchor=text, task=text)
+
+    def reset(self, envs, tasks, seeds):
+        from environments.pool import ResetResult
+
+        for i in envs:
+            self.t[i] = 0
+        return [ResetResult(self._obs(i), {}) for i in envs]
+
+    def task_info(self, envs):
+        from environments.pool import TaskInfoResult
+
+        return [TaskInfoResult({"goal": "item"}) for _ in envs]
+
+    def _answer(self, i):
+        from environments.pool import StepResult
+
+        self.t[i] += 1
+        return StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})
+
+    def step(self, envs, actions):
+        return [self._answer(i) for i in envs]
+
+    def submit(self, jobs):
+        tickets = list(range(self.ticket, self.ticket + len(jobs)))
+        self.ticket += len(jobs)
+        self.done += [(t, job.env) for t, job in zip(tickets, jobs)]
+        return tickets
+
+    def poll(self, timeout=0.0):
+        out, self.done = [(t, self._answer(i)) for t, i in self.done], []
+        return out
+
+
+@pytest.mark.slow
+def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts(monkeypatch):
+    # The real collect (tiny random actor, 8 games, 3 slots, chunks of 3) against the simulation fed
+    # the real response lengths: with zero env latency both orders are deterministic and must agree.
+    import jax
+    from flax import nnx
+
+    from bipace_jax.models import Qwen2Actor
+    from bipace_jax.rollout import RolloutConfig, collect
+    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.slots import SlotSampler
+    from bipace_jax.tiny import tiny_actor_config, train_tokenizer
+
+    corpus = [f"Crafting commands: craft {k} oak planks using 1 oak log. Goal: craft item {k}." for k in range(30)]
+    tok = train_tokenizer(corpus * 2, vocab_size=300)
+    actor = Qwen2Actor(tiny_actor_config(len(tok), eos_token_id=None), rngs=nnx.Rngs(0))
+    eos = tuple(range(3, len(tok), 4))  # every 4th id ends a response: lengths of 1 to 12 tokens
+    scfg = SamplerConfig(max_new_tokens=12, length_buckets=(1024,), batch_buckets=(4,), eos_token_ids=eos)
+    sampler = Sampler(tok, scfg)
+    rcfg = RolloutConfig(
+        game="textcraft", group_size=8, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
+    )
+    inserts = []
+    real_insert = SlotSampler.insert
+
+    def counted(self, actor, slots, prompts, slot_ids, row_keys):
+        inserts.append(len(prompts))
+        return real_insert(self, actor, slots, prompts, slot_ids, row_keys)
+
+    monkeypatch.setattr(SlotSampler, "insert", counted)
+    res = collect(
+        actor,
+        sampler,
+        _InstantPool(8, 3),
+        tok,
+        [(0, 0)],
+        rcfg,
+        jax.random.key(0),
+        progress=False,
+        scheduler="continuous",
+    )
+    lengths = res.response_mask.sum(1)
+    traj = np.asarray(res.steps.traj_id)[: res.rows]
+    table = [lengths[traj == g].tolist() for g in range(8)]
+    assert all(len(x) == 3 for x in table) and len({x for row in table for x in row}) > 2
+    sim = simulate(
+        SimConfig(
+            games=8,
+            slots=3,
+            turns=3,
+            max_new_tokens=12,
+            response_lengths=table,
+            env_step_s=0.0,
+            decode_step_s=0.001,
+            chunk_steps=3,
+        )
+    )
+    assert sim["continuous"]["decode_steps"] == res.timing["decode_steps"]
+    assert sim["continuous"]["prefill_calls"] == len(inserts) and sum(inserts) == 24
+    busy, offered = res.host_stats.rates["slot_use"]
+    assert sim["continuous"]["slot_use"] == pytest.approx(busy / offered)
