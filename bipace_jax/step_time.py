@@ -21,6 +21,8 @@ volume ``(n - 1) / n`` (all-gather, reduce-scatter) or ``2 (n - 1) / n`` (all-re
 One iteration at the config's bounds: every game plays ``turns`` turns and every response is
 ``response_tokens`` long (the lockstep rollout waits for the longest row), so the rollout figure is a
 ceiling of the work and the roofline a floor of its time; real runs land between (see README's table).
+`rollout_model` prices the rollout with drawn response lengths instead, under the lockstep and the
+continuous scheduler (`schedule_sim`), and `estimate` reports both beside the bound.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+import numpy as np
+
+from bipace_jax import schedule_sim
 
 # Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and capacity, bidirectional ICI (NVLink) bandwidth
 # per chip, from the vendors' data sheets (the source of each row is its `source`).
@@ -220,6 +226,21 @@ class RunShape:
       checkpoint_every: iterations between checkpoints.
       sync_replica: the sampler copy comes by `distributed.local_copy`'s replica route (the host's
         sampler tensor size differs from training's): each chip receives the whole bf16 model.
+
+    The scheduler model (`rollout_model`, `schedule_sim`; response lengths drawn, not at the bound):
+      batch_buckets: ``sampler.batch_buckets`` (a lockstep call and, by default, an insert pad their
+        rows to the first bucket that holds them, rounded up to the host's row shards).
+      insert_buckets: row buckets of the continuous insert (empty: ``batch_buckets``, as
+        ``SlotSampler.insert`` pads today).
+      response_mean, response_sigma, response_cap, response_min: the lognormal response lengths
+        (arithmetic mean tokens, log-space sigma, cap: 0 = ``response_tokens``, floor).
+      rollout_prompt_tokens: tokens of each prefilled prompt (0: ``prompt_tokens``, the bound); the
+        lockstep cache is that + ``response_tokens`` wide, the dense slot cache always
+        ``prompt_tokens + response_tokens``.
+      env_step_s: seconds of one env step (all of a host's envs in parallel).
+      chunk_steps: ``rollout.chunk_steps`` (decode steps per continuous chunk).
+      host_turn_s, host_chunk_s: host seconds per lockstep turn and per continuous chunk.
+      sim_seeds: length draws the simulation averages (seeds 0 .. sim_seeds - 1).
     """
 
     chips: int
@@ -244,6 +265,46 @@ class RunShape:
     val_panels: int = 1
     val_every: int = 0
     checkpoint_every: int = 1
+    batch_buckets: tuple[int, ...] = (8, 16, 32, 64, 128)
+    insert_buckets: tuple[int, ...] = ()
+    response_mean: float = 150.0
+    response_sigma: float = 0.8
+    response_cap: int = 0
+    response_min: int = 1
+    rollout_prompt_tokens: int = 0
+    env_step_s: float = 0.03
+    chunk_steps: int = 8
+    host_turn_s: float = 0.005
+    host_chunk_s: float = 0.001
+    sim_seeds: int = 3
+
+    def __post_init__(self):
+        # only the scheduler model's fields: the others come from a validated config (`launch.aot`)
+        for name in ("batch_buckets", "insert_buckets"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not all(isinstance(x, int) and x >= 1 for x in v):
+                raise ValueError(f"RunShape.{name} must be a tuple of ints >= 1, got {v!r}")
+        if not self.batch_buckets:
+            raise ValueError("RunShape.batch_buckets must not be empty")
+        checks = (
+            ("response_mean", self.response_mean > 0, "> 0"),
+            ("response_sigma", self.response_sigma >= 0, ">= 0"),
+            ("response_cap", 0 <= self.response_cap, "0 (response_tokens) or >= 1"),
+            (
+                "response_min",
+                1 <= self.response_min <= (self.response_cap or self.response_tokens),
+                ">= 1 and <= the cap",
+            ),
+            ("rollout_prompt_tokens", 0 <= self.rollout_prompt_tokens <= self.prompt_tokens, "in [0, prompt_tokens]"),
+            ("env_step_s", self.env_step_s >= 0, ">= 0 (seconds)"),
+            ("chunk_steps", self.chunk_steps >= 1, ">= 1"),
+            ("host_turn_s", self.host_turn_s >= 0, ">= 0 (seconds)"),
+            ("host_chunk_s", self.host_chunk_s >= 0, ">= 0 (seconds)"),
+            ("sim_seeds", self.sim_seeds >= 1, ">= 1"),
+        )
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"RunShape.{name} must be {want}, got {getattr(self, name)!r}")
 
     @property
     def rows(self) -> int:
@@ -259,6 +320,28 @@ class RunShape:
 STORAGE_BYTES_PER_S = 1 * GB
 
 
+def prefill_cost(m: ModelShape, r: RunShape, rows: int, tokens: int) -> Cost:
+    """Per chip `Cost` of one sampler prefill of ``rows`` (padded) prompts of ``tokens`` tokens on a host."""
+    local = r.chips_per_host
+    dp_local = local // r.sampler_tensor
+    return Cost(
+        m.forward_flops(rows, tokens, tokens / 2, 1) / local,
+        2 * m.params / r.sampler_tensor + rows * tokens * m.kv_bytes_per_token / local,
+        _tensor_all_reduces(m, rows / dp_local, tokens, r.sampler_tensor, 1),
+    )
+
+
+def decode_cost(m: ModelShape, r: RunShape, rows: int, context: float) -> Cost:
+    """Per chip `Cost` of one decode step of ``rows`` rows on a host, each reading ``context`` cache columns."""
+    local = r.chips_per_host
+    dp_local = local // r.sampler_tensor
+    return Cost(
+        m.forward_flops(rows, 1, context, 1) / local,
+        2 * m.params / r.sampler_tensor + rows * context * m.kv_bytes_per_token / local,
+        _tensor_all_reduces(m, rows / dp_local, 1, r.sampler_tensor, 1),
+    )
+
+
 def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
     """Per chip `Cost` of one call of each program: ``prefill`` (a host's games, one prompt bucket),
     ``decode_step`` (one token of every game over the mean context), ``logprobs`` (one host micro-batch),
@@ -269,17 +352,8 @@ def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
     b, t, resp = r.games_per_host, r.prompt_tokens, r.response_tokens
     width = t + resp
 
-    prefill = Cost(
-        m.forward_flops(b, t, t / 2, 1) / local,
-        w16 / r.sampler_tensor + b * t * m.kv_bytes_per_token / local,
-        _tensor_all_reduces(m, b / dp_local, t, r.sampler_tensor, 1),
-    )
-    context = t + resp / 2
-    decode_step = Cost(
-        m.forward_flops(b, 1, context, 1) / local,
-        w16 / r.sampler_tensor + b * context * m.kv_bytes_per_token / local,
-        _tensor_all_reduces(m, b / dp_local, 1, r.sampler_tensor, 1),
-    )
+    prefill = prefill_cost(m, r, b, t)
+    decode_step = decode_cost(m, r, b, t + resp / 2)
     lrows = r.logprob_rows_per_host
     logprobs = Cost(
         m.forward_flops(lrows, width, width / 2, resp) / local,
@@ -306,6 +380,97 @@ def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
     return dict(prefill=prefill, decode_step=decode_step, logprobs=logprobs, ppo_grad=grad, ppo_apply=apply, sync=sync)
 
 
+def _row_bucket(n: int, buckets: tuple[int, ...], dp_local: int) -> int:
+    """``Sampler.batch_bucket``: the first bucket >= n (else the largest), rounded up to the row shards."""
+    b = next((x for x in buckets if x >= n), buckets[-1])
+    return -(-b // dp_local) * dp_local
+
+
+def rollout_model(m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, sampler_calls: int = 1) -> dict:
+    """One host's rollout of ``games_per_host * sampler_calls`` games under both schedulers
+    (`schedule_sim.simulate`, the mean of ``r.sim_seeds`` length draws), at this roofline's unit costs.
+
+    ``games_per_host`` is the sampler batch (a bucket); the continuous scheduler has that many slots
+    (``rollout.num_slots = 0``: one per game, capped at the largest bucket). Every game plays
+    ``r.turns`` turns; responses are lognormal (``r.response_*``). Lockstep: a call over ``rows`` live
+    games costs ``ceil(rows / largest bucket)`` prefills and decode steps at the padded bucket (more
+    games than the largest bucket are served in sequential calls; charging each call the longest
+    response of all is an upper bound), the decode step over its dense cache of
+    ``rollout_prompt_tokens + response_tokens`` columns. Continuous: an insert of n prompts is one
+    prefill at ``n`` padded to its row bucket (``insert_buckets`` or ``batch_buckets``), the decode
+    step a fixed-shape step of every slot over the dense ``prompt_tokens + response_tokens`` columns.
+
+    Returns a JSON-ready dict: per scheduler the mean ``wall_s``, ``decode_steps``, ``slot_use``,
+    ``prefill_calls`` and ``stages_s``; ``speedup_wall``, ``speedup_decode_steps`` (lockstep over
+    continuous) and the unit costs used (``unit_costs_s``).
+    """
+    dp_local = r.chips_per_host // r.sampler_tensor
+    largest = max(r.batch_buckets)
+    resp = r.response_tokens
+    cap = r.response_cap or resp
+    prompt = r.rollout_prompt_tokens or r.prompt_tokens
+    sec = lambda c: c.seconds(chip)["seconds"]  # noqa: E731
+
+    def lock_prefill(rows, tokens):
+        calls = -(-rows // largest)
+        return calls * sec(prefill_cost(m, r, _row_bucket(min(rows, largest), r.batch_buckets, dp_local), tokens))
+
+    def lock_decode(rows, context):
+        calls = -(-rows // largest)
+        return calls * sec(decode_cost(m, r, _row_bucket(min(rows, largest), r.batch_buckets, dp_local), context))
+
+    inserts = r.insert_buckets or r.batch_buckets
+
+    def insert(rows, tokens):
+        return sec(prefill_cost(m, r, _row_bucket(rows, inserts, dp_local), tokens))
+
+    slots = games_per_host
+    slot_step = sec(decode_cost(m, r, slots, r.prompt_tokens + resp))
+    runs = [
+        schedule_sim.simulate(
+            schedule_sim.SimConfig(
+                games=games_per_host * sampler_calls,
+                slots=slots,
+                turns=r.turns,
+                mean_tokens=r.response_mean,
+                sigma=r.response_sigma,
+                max_new_tokens=cap,
+                min_tokens=r.response_min,
+                prompt_tokens=prompt,
+                max_prompt_tokens=max(prompt, r.prompt_tokens),
+                env_step_s=r.env_step_s,
+                decode_step_s=lock_decode,
+                slot_step_s=slot_step,
+                prefill_s=lock_prefill,
+                insert_s=insert,
+                chunk_steps=r.chunk_steps,
+                host_turn_s=r.host_turn_s,
+                host_chunk_s=r.host_chunk_s,
+                seed=seed,
+            )
+        )
+        for seed in range(r.sim_seeds)
+    ]
+
+    def mean(name: str, key: str, stage: str | None = None) -> float:
+        return float(np.mean([x[name][key] if stage is None else x[name][key][stage] for x in runs]))
+
+    out = {}
+    for name in ("lockstep", "continuous"):
+        out[name] = {k: mean(name, k) for k in ("wall_s", "decode_steps", "slot_use", "prefill_calls")}
+        out[name]["stages_s"] = {k: mean(name, "stages_s", k) for k in runs[0][name]["stages_s"]}
+    out["speedup_wall"] = out["lockstep"]["wall_s"] / out["continuous"]["wall_s"]
+    out["speedup_decode_steps"] = out["lockstep"]["decode_steps"] / out["continuous"]["decode_steps"]
+    out["unit_costs_s"] = dict(
+        lockstep_decode_step=lock_decode(games_per_host, prompt + resp),
+        lockstep_prefill=lock_prefill(games_per_host, prompt),
+        slot_decode_step=slot_step,
+        insert_one=insert(1, prompt),
+        insert_all=insert(slots, prompt),
+    )
+    return out
+
+
 def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
     """The step-time model of a run (JSON-ready): per program seconds, per iteration stage seconds and
     counts, seconds per iteration, hours and chip-hours of the run.
@@ -315,6 +480,13 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
     ``sync`` = one sampler-copy refresh; ``validation`` = its rollout amortised over ``val_every``; ``checkpoint`` = a host's share of fp32
     params and AdamW moments at `STORAGE_BYTES_PER_S`, amortised over ``checkpoint_every`` (with async
     saves it overlaps the next iteration: listed, not added).
+
+    Those stages are at the config's bounds (every response ``response_tokens`` long). With drawn
+    lengths (`rollout_model`: lognormal ``r.response_*``, env latency, host costs) the rollout and
+    validation of each scheduler give ``rollout_s_lockstep`` / ``rollout_s_continuous`` (s per
+    iteration), ``validation_s_*``, ``iteration_s_*`` (the other stages unchanged), ``run_hours_*``,
+    ``speedup_continuous_rollout`` and ``speedup_continuous_iteration`` (lockstep over continuous),
+    and the simulations themselves under ``schedulers``.
     """
     costs = program_costs(m, r)
     sec = {k: c.seconds(chip) for k, c in costs.items()}
@@ -342,6 +514,16 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
         panel = r.turns * r.val_sampler_calls * (vt["prefill"] + r.response_tokens * vt["decode_step"])
         stages["validation"] = r.val_panels * panel / r.val_every
     iteration = sum(stages.values())
+    # the same rollout (and validation) with drawn response lengths, under each scheduler
+    sched = dict(rollout=rollout_model(m, r, chip, r.games_per_host, r.sampler_calls))
+    if "validation" in stages:
+        sched["validation"] = rollout_model(m, r, chip, r.val_games_per_host, r.val_sampler_calls)
+    per = {}
+    for name in ("lockstep", "continuous"):
+        roll = sched["rollout"][name]["wall_s"]
+        val = r.val_panels * sched["validation"][name]["wall_s"] / r.val_every if "validation" in sched else 0.0
+        rest = iteration - stages["rollout"] - stages.get("validation", 0.0)
+        per[name] = dict(rollout=roll, validation=val, iteration=rest + roll + val)
     checkpoint = 16 * m.params / r.hosts / STORAGE_BYTES_PER_S / max(r.checkpoint_every, 1)
     hours = r.iterations * iteration / 3600
     return dict(
@@ -363,4 +545,15 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
         run_hours=hours,
         chip_hours=hours * r.chips,
         iterations=r.iterations,
+        schedulers=sched,
+        rollout_s_lockstep=per["lockstep"]["rollout"],
+        rollout_s_continuous=per["continuous"]["rollout"],
+        speedup_continuous_rollout=per["lockstep"]["rollout"] / per["continuous"]["rollout"],
+        validation_s_lockstep=per["lockstep"]["validation"],
+        validation_s_continuous=per["continuous"]["validation"],
+        iteration_s_lockstep=per["lockstep"]["iteration"],
+        iteration_s_continuous=per["continuous"]["iteration"],
+        run_hours_lockstep=r.iterations * per["lockstep"]["iteration"] / 3600,
+        run_hours_continuous=r.iterations * per["continuous"]["iteration"] / 3600,
+        speedup_continuous_iteration=per["lockstep"]["iteration"] / per["continuous"]["iteration"],
     )

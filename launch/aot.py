@@ -35,7 +35,9 @@ Two peaks are not programs and are counted from the resident arrays (``transient
 (the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
 accumulator beside every long-lived array). ``placement`` records each device's host and the mesh
 checks (`sharding.check_placement`); ``step_time`` is `bipace_jax.step_time`'s roofline model of every
-program, one iteration and the whole run (TPU topologies). ``--num_slices=2`` joins two copies of the
+program, one iteration and the whole run (TPU topologies), with the rollout under both schedulers
+(``rollout_s_lockstep``, ``rollout_s_continuous``, ``speedup_continuous_rollout``; ``launch.step_table``
+recomputes them from committed reports without compiling). ``--num_slices=2`` joins two copies of the
 slice over the data-center network (data parallel across them; the report is ``<config>__2x<topology>``).
 
 Per chip, a program needs its own peak (``memory_analysis``) plus the long-lived arrays it does not take
@@ -409,6 +411,9 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
             val_panels=int(c.val.num_tasks > 0) + int(c.val.num_holdout_tasks > 0),
             val_every=c.val.every,
             checkpoint_every=c.checkpoint.every,
+            batch_buckets=tuple(s.batch_buckets),
+            chunk_steps=c.rollout.chunk_steps,
+            response_cap=response,
         )
         chip = step_time.chip_for(devices[0].device_kind)
         report["step_time"] = dict(
@@ -485,6 +490,12 @@ def main(argv):
             f"\nstep-time model (roofline, {st['chip']['name']}): {st['iteration_s']:.0f} s per iteration ({stages}); "
         )
         print(f"{st['iterations']} iterations: {st['run_hours']:.1f} h, {st['chip_hours']:.0f} chip-hours")
+        print(
+            f"with drawn response lengths (step_time.rollout_model): rollout {st['rollout_s_lockstep']:.1f} s lockstep, "
+            f"{st['rollout_s_continuous']:.1f} s continuous (speedup {st['speedup_continuous_rollout']:.2f}x); "
+            f"iteration {st['iteration_s_lockstep']:.0f} / {st['iteration_s_continuous']:.0f} s, "
+            f"{st['iterations']} iterations {st['run_hours_lockstep']:.1f} / {st['run_hours_continuous']:.1f} h"
+        )
     print(f"fits: {report['fits']}")
     slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
     warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else ""  # beside, not over, the run's report

@@ -160,6 +160,10 @@ def test_a_tiny_run_compiles_for_a_multi_host_slice_with_the_placement_checks(tm
     assert r["programs"]["val_prefill"]["same_as"] == "prefill"
     st = r["step_time"]
     assert st["counts"]["optimizer_steps"] >= 1 and st["programs"]["decode_step"]["bound"] == "memory"
+    # the rollout under both schedulers, at the config's sampler buckets and chunk steps
+    assert st["run_shape"]["batch_buckets"] == [16, 64] and st["run_shape"]["chunk_steps"] == 8
+    assert st["rollout_s_lockstep"] > 0 and st["rollout_s_continuous"] > 0
+    assert st["speedup_continuous_rollout"] == pytest.approx(st["rollout_s_lockstep"] / st["rollout_s_continuous"])
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ LAYERS = (
             "bipace_jax.metric_keys",
             "bipace_jax.metrics",
             "bipace_jax.programs",
+            "bipace_jax.schedule_sim",
             "bipace_jax.step_time",
         ),
     ),

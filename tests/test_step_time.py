@@ -1,6 +1,7 @@
 """The step-time model: its FLOP count against XLA's own count of an unrolled forward, its roofline
 against hand-computed 7B figures, and an iteration that is the sum of its stages."""
 
+import dataclasses
 import math
 
 import jax
@@ -110,3 +111,82 @@ def test_chips_are_found_by_device_kind_and_unknown_kinds_raise():
     # v4 publishes no ICI figure: its collectives are unknown, never silently free
     v4 = step_time.Cost(1.0, 1.0, 1.0).seconds(step_time.CHIPS["v4"])
     assert math.isnan(v4["collective_s"])
+
+
+def test_constant_lengths_and_no_latency_give_both_schedulers_the_same_rollout():
+    # sigma 0: every response 150 tokens; no env or host time; all 8 games inserted together
+    m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
+    r = _seven_b_on_v5e_8x8(response_sigma=0.0, env_step_s=0.0, host_turn_s=0.0, host_chunk_s=0.0, sim_seeds=1)
+    e = step_time.estimate(m, r, step_time.CHIPS["v5e"])
+    sched = e["schedulers"]["rollout"]
+    assert sched["lockstep"]["decode_steps"] == sched["continuous"]["decode_steps"] == 50 * 149
+    assert e["rollout_s_continuous"] == pytest.approx(e["rollout_s_lockstep"], rel=1e-12)
+    p = {k: v["seconds"] for k, v in e["programs"].items()}
+    # the scheduler model's step reads the whole dense cache (2048 + 512 columns), the bound's the mean
+    sec = step_time.decode_cost(m, r, 8, 2048 + 512).seconds(step_time.CHIPS["v5e"])
+    assert sec["memory_s"] == pytest.approx((2 * m.params / 4 + 8 * 2560 * 57_344 / 4) / 819e9, rel=1e-9)
+    step = sec["seconds"]
+    assert e["rollout_s_lockstep"] == pytest.approx(50 * (p["prefill"] + 149 * step))
+
+
+def test_varied_lengths_favour_continuous_once_inserts_are_not_padded_to_the_whole_batch():
+    m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
+    chip = step_time.CHIPS["v5e"]
+    r = _seven_b_on_v5e_8x8(val_games_per_host=8, val_every=5, val_panels=2, sim_seeds=2)
+    padded = step_time.estimate(m, r, chip)
+    exact = step_time.estimate(m, dataclasses.replace(r, insert_buckets=(1, 2, 4, 8)), chip)
+    lock = padded["schedulers"]["rollout"]["lockstep"]
+    assert exact["rollout_s_lockstep"] == padded["rollout_s_lockstep"]
+    # lockstep waits for the longest of 8 lognormal responses each turn: ~2x the continuous steps
+    assert 1.8 < padded["schedulers"]["rollout"]["speedup_decode_steps"] < 2.2
+    assert lock["decode_steps"] < 50 * 511  # below the bound's every-response-512-tokens
+    assert exact["rollout_s_continuous"] < padded["rollout_s_lockstep"] < padded["stages_s"]["rollout"]
+    assert 1.4 < exact["speedup_continuous_rollout"] < 2.0
+    # today's insert pads its rows to the 8-row bucket: each insert costs the lockstep turn's prefill
+    units = padded["schedulers"]["rollout"]["unit_costs_s"]
+    assert units["insert_one"] == units["lockstep_prefill"]
+    assert padded["speedup_continuous_rollout"] < 1
+    for e in (padded, exact):
+        rest = e["iteration_s"] - e["stages_s"]["rollout"] - e["stages_s"]["validation"]
+        for name in ("lockstep", "continuous"):
+            assert e[f"iteration_s_{name}"] == pytest.approx(rest + e[f"rollout_s_{name}"] + e[f"validation_s_{name}"])
+            assert e[f"run_hours_{name}"] == pytest.approx(150 * e[f"iteration_s_{name}"] / 3600)
+        val = e["schedulers"]["validation"]["continuous"]["wall_s"]
+        assert e["validation_s_continuous"] == pytest.approx(2 * val / 5)
+
+
+def test_the_dense_slot_cache_is_charged_when_prompts_are_shorter_than_the_bucket():
+    m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
+    r = _seven_b_on_v5e_8x8(rollout_prompt_tokens=1024, sim_seeds=1)
+    units = step_time.rollout_model(m, r, step_time.CHIPS["v5e"], 8)["unit_costs_s"]
+    # lockstep: 1024 + 512 columns per row; the slots: 2048 + 512
+    extra = 8 * 1024 * 57_344 / 4 / 819e9
+    assert units["slot_decode_step"] - units["lockstep_decode_step"] == pytest.approx(extra, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("response_sigma", -0.5), ("rollout_prompt_tokens", 4096), ("env_step_s", -1.0), ("insert_buckets", (0, 8))],
+)
+def test_bad_scheduler_fields_are_named(field, value):
+    with pytest.raises(ValueError, match=rf"RunShape\.{field}"):
+        _seven_b_on_v5e_8x8(**{field: value})
+
+
+def test_the_committed_step_table_is_the_model_of_the_committed_reports():
+    # launch.step_table recomputes the model from the AOT reports' shapes: the bound is the committed
+    # one, and benchmarks/step_time.json (docs/pod.md's table) is what the model gives today
+    import json
+    import os
+
+    from launch import step_table
+    from launch._common import ROOT
+
+    rows = step_table.rows(os.path.join(ROOT, "benchmarks", "aot"))
+    committed = json.load(open(os.path.join(ROOT, "benchmarks", "step_time.json")))["rows"]
+    assert [r["report"] for r in rows] == [r["report"] for r in committed] and len(rows) == 5
+    for new, old in zip(rows, committed):
+        assert new["iteration_s_bound"] == pytest.approx(new["committed_iteration_s"], rel=1e-9)
+        for key in ("rollout_s_lockstep", "rollout_s_continuous", "rollout_s_continuous_exact_inserts"):
+            assert new[key] == pytest.approx(old[key], rel=1e-9), (new["report"], key)
+        assert new["rollout_s_continuous_exact_inserts"] < new["rollout_s_lockstep"] <= new["rollout_s_bound"] * 1.01
