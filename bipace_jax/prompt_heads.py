@@ -8,7 +8,7 @@ suffix on top (``Qwen2Actor.extend``). This module makes the host-side plan; the
 ``sampling._shared_prefill_program``.
 
 Layout (static shapes): the call's prompt bucket P is split into a head width Th and a suffix width
-Ts = P - Th, Ts from a short ladder of powers of two. Row b's cache columns are its head, left-padded
+Ts = P - Th, Ts from a short ladder (32, 128, 512, ...). Row b's cache columns are its head, left-padded
 into [0, Th), then its suffix, left-padded into [Th, P); decoding appends at P exactly as after a
 plain prefill of P columns, so both paths share the decode program. A row with no partner (its
 group has one row, or a head shorter than ``min_tokens``) is split too: its head row is its own.
@@ -21,14 +21,15 @@ and the call prefills as before. Shape letters: B rows, H head rows, P prompt bu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 __all__ = ["HeadPlan", "MAX_COST_FRACTION", "MIN_SUFFIX", "common_prefix_length", "plan_heads", "suffix_ladder"]
 
 MAX_COST_FRACTION = 0.75  # below a 25% saving the extra program (and its compile) is not worth it
-MIN_SUFFIX = 16  # the smallest suffix width: one chunk of the turn's new text and the generation prompt
+MIN_SUFFIX = 32  # the smallest suffix width: a turn's new text and the generation prompt
+SUFFIX_STEP = 4  # ladder ratio: few widths, so a run compiles few shared-prefill programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ class HeadPlan:
       row_head: int32[B] each row's head index into ``heads``.
       split: int32[B] each row's head length: row b's suffix is ``prompt[b][split[b]:]`` (1..Ts tokens).
       shared_rows: rows whose head is shared with at least one other row.
-      tokens: padded tokens prefilled, H_bucket * Th + B_bucket * Ts.
+      tokens: padded tokens prefilled, H_bucket * Th + B_bucket * Ts (H_bucket = ``head_bucket(H)``).
       plain_tokens: padded tokens of the plain prefill, B_bucket * P.
     """
 
@@ -67,11 +68,11 @@ def common_prefix_length(arrays: Sequence[np.ndarray]) -> int:
 
 
 def suffix_ladder(prompt_bucket: int) -> tuple[int, ...]:
-    """The suffix widths Ts tried for a prompt bucket P: powers of two from ``MIN_SUFFIX`` up to P / 2."""
+    """The suffix widths Ts tried for a prompt bucket P: ``MIN_SUFFIX`` times powers of ``SUFFIX_STEP``, up to P / 2."""
     out, ts = [], MIN_SUFFIX
     while 2 * ts <= prompt_bucket:
         out.append(ts)
-        ts *= 2
+        ts *= SUFFIX_STEP
     return tuple(out)
 
 
@@ -86,6 +87,7 @@ def plan_heads(
     batch_bucket: int,
     *,
     min_tokens: int,
+    head_bucket: Callable[[int], int] = _pow2_at_least,
 ) -> HeadPlan | None:
     """The cheapest shared-head split of a call's prompts, or None when it saves too little.
 
@@ -97,6 +99,8 @@ def plan_heads(
       prompt_bucket: P, the call's padded prompt length.
       batch_bucket: the call's padded batch size (>= B).
       min_tokens: (>= 1) the shortest head worth sharing.
+      head_bucket: the padded head rows for H heads (the sampler passes its batch bucket); at most
+        ``batch_bucket`` rows are charged.
 
     Returns:
       a ``HeadPlan`` with H <= B heads, or None: for no suffix width Ts on the ladder does a group
@@ -141,7 +145,7 @@ def plan_heads(
         # a row without a partner is its own head, as long as Th allows, with >= 1 token left as its suffix
         head_len[alone] = np.maximum(lens[alone] - ts, 1)
         num_heads = len(set(owner.tolist()))
-        cost = min(_pow2_at_least(num_heads), batch_bucket) * th + batch_bucket * ts
+        cost = min(head_bucket(num_heads), batch_bucket) * th + batch_bucket * ts
         if best is None or cost < best[0]:
             best = (cost, ts, th, head_len, owner)
     if best is None or best[0] > MAX_COST_FRACTION * plain:

@@ -858,9 +858,9 @@ class Sampler:
 
     def _head_batch(self, plan, b_bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """The plan's heads left-padded into (head_ids, head_mask) int32[H_bucket, Th]; H_bucket is the
-        power of two >= H (at most the batch bucket); padding heads hold one pad token."""
+        batch bucket of H (at most the rows' bucket); padding heads hold one pad token."""
         h = len(plan.heads)
-        rows = min(1 << max(0, (h - 1).bit_length()), b_bucket)
+        rows = min(self.batch_bucket(h), b_bucket)
         ids = np.full((rows, plan.head_width), self.pad_id, np.int32)
         mask = np.zeros((rows, plan.head_width), np.int32)
         for i, a in enumerate(plan.heads):
@@ -889,7 +889,10 @@ class Sampler:
         if not self.config.shared_head_tokens or groups is None or self._dp != 1:
             return None
         b_bucket = self.batch_bucket(len(arrays))
-        return prompt_heads.plan_heads(arrays, groups, t_bucket, b_bucket, min_tokens=self.config.shared_head_tokens)
+        min_tokens = self.config.shared_head_tokens
+        return prompt_heads.plan_heads(
+            arrays, groups, t_bucket, b_bucket, min_tokens=min_tokens, head_bucket=self.batch_bucket
+        )
 
     def _generate_chunk(self, graphdef, state, arrays, keys, t_bucket, temp, vocab, groups=None):
         cfg = self.config

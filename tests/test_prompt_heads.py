@@ -22,15 +22,15 @@ def test_common_prefix_length_and_the_suffix_ladder():
     assert common_prefix_length([_arr(1, 2, 3, 4), _arr(1, 2, 5), _arr(1, 2, 3)]) == 2
     assert common_prefix_length([_arr(7, 8), _arr(7, 8, 9)]) == 2  # the shorter one whole
     assert common_prefix_length([_arr(1, 2)]) == 2 and common_prefix_length([_arr(1), _arr(2)]) == 0
-    assert suffix_ladder(64) == (16, 32) and suffix_ladder(224) == (16, 32, 64) and suffix_ladder(31) == ()
+    assert suffix_ladder(64) == suffix_ladder(224) == (32,) and suffix_ladder(288) == (32, 128)
+    assert suffix_ladder(63) == () and suffix_ladder(1024) == (32, 128, 512)
 
 
 def test_two_groups_of_identical_prompts_share_all_but_their_last_token():
     a, b = np.arange(10, 50, dtype=np.int32), np.arange(100, 140, dtype=np.int32)  # 40 tokens each
-    plan = plan_heads([a, a, b, b], [0, 0, 1, 1], 64, 4, min_tokens=8)
-    # Ts 16: heads of 39 tokens in Th 48, suffixes of 1; cost 2 heads * 48 + 4 rows * 16 = 160 of 4 * 64.
-    # (Ts 32 would cost 2 * 32 + 4 * 32 = 192.)
-    assert (plan.head_width, plan.suffix_width, plan.tokens, plan.plain_tokens) == (48, 16, 160, 256)
+    plan = plan_heads([a, a, b, b], [0, 0, 1, 1], 128, 4, min_tokens=8)
+    # Ts 32: heads of 39 tokens in Th 96, suffixes of 1; cost 2 heads * 96 + 4 rows * 32 = 320 of 4 * 128.
+    assert (plan.head_width, plan.suffix_width, plan.tokens, plan.plain_tokens) == (96, 32, 320, 512)
     assert len(plan.heads) == 2 and plan.shared_rows == 4
     np.testing.assert_array_equal(plan.heads[0], a[:39])
     np.testing.assert_array_equal(plan.heads[1], b[:39])
@@ -39,15 +39,16 @@ def test_two_groups_of_identical_prompts_share_all_but_their_last_token():
 
 
 def test_a_group_too_long_for_the_head_width_shares_a_shorter_head_and_a_lone_row_is_its_own_head():
-    head = np.arange(10, 58, dtype=np.int32)  # 48 shared tokens
-    rows = [np.concatenate([head, _arr(1, 2)]), np.concatenate([head, _arr(3)]), np.arange(200, 260, dtype=np.int32)]
-    plan = plan_heads(rows, [5, 5, 6], 64, 4, min_tokens=8)
-    # Ts 16: Th 48 takes the whole head (suffixes 2 and 1); the lone 60-token row splits at 60 - 16 = 44.
-    # Heads: 2 -> bucket 2; cost 2 * 48 + 4 * 16 = 160 (Ts 32: Th 32, heads of 32, cost 2 * 32 + 4 * 32 = 192).
-    assert (plan.suffix_width, plan.tokens, plan.shared_rows) == (16, 160, 2)
-    np.testing.assert_array_equal(plan.split, [48, 48, 44])
+    head = np.arange(10, 110, dtype=np.int32)  # 100 shared tokens
+    rows = [np.concatenate([head, _arr(1, 2)]), np.concatenate([head, _arr(3)]), np.arange(200, 320, dtype=np.int32)]
+    plan = plan_heads(rows, [5, 5, 6], 128, 4, min_tokens=8)
+    # Ts 32: Th 96 takes 96 of the 100 shared tokens (suffixes 6 and 5); the lone 120-token row splits
+    # at 120 - 32 = 88. Heads: 2 -> bucket 2; cost 2 * 96 + 4 * 32 = 320.
+    assert (plan.suffix_width, plan.tokens, plan.shared_rows) == (32, 320, 2)
+    np.testing.assert_array_equal(plan.split, [96, 96, 88])
     np.testing.assert_array_equal(plan.row_head, [0, 0, 1])
-    np.testing.assert_array_equal(plan.heads[1], rows[2][:44])
+    np.testing.assert_array_equal(plan.heads[0], head[:96])
+    np.testing.assert_array_equal(plan.heads[1], rows[2][:88])
 
 
 def test_no_plan_without_a_shared_head_worth_it():
@@ -55,7 +56,7 @@ def test_no_plan_without_a_shared_head_worth_it():
     assert plan_heads([x, y], [0, 1], 64, 2, min_tokens=4) is None  # no group has two rows
     assert plan_heads([x, y], [0, 0], 64, 2, min_tokens=4) is None  # the group shares nothing
     assert plan_heads([x, x], [0, 0], 64, 2, min_tokens=40) is None  # 39 shared tokens < min_tokens
-    # One shared pair and 8 lone rows: 9 heads (bucket 16) cost 16 * 48 + 16 * 16, the plain 16 * 64.
+    # One shared pair and 8 lone rows: 9 heads (bucket 16) cost 16 * 32 + 16 * 32, the plain 16 * 64.
     lone = [np.arange(i * 50, i * 50 + 40, dtype=np.int32) for i in range(8)]
     assert plan_heads([x, x, *lone], [0, 0, *range(1, 9)], 64, 16, min_tokens=4) is None
 
@@ -97,7 +98,7 @@ def test_shared_head_prefill_equals_the_plain_prefill(fingerprint_layer):
     tok = small_tokenizer()
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), fingerprint_layer=fingerprint_layer, rngs=nnx.Rngs(0))
     prompts, groups = _prompts(len(tok))
-    base = dict(max_new_tokens=12, batch_buckets=(16,), length_buckets=(128,))
+    base = dict(max_new_tokens=12, batch_buckets=(4, 16), length_buckets=(128,))
     for greedy in (True, False):
         plain = Sampler(tok, SamplerConfig(**base, greedy=greedy))
         shared = Sampler(tok, SamplerConfig(**base, greedy=greedy, shared_head_tokens=32))

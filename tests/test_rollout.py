@@ -349,7 +349,7 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
 def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tokenizer), 5))
-    base = dict(max_new_tokens=8, batch_buckets=(4,), length_buckets=(512, 1024), eos_token_ids=eos)
+    base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
     plain = Sampler(tokenizer, SamplerConfig(**base))
     shared = Sampler(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
     calls = []
