@@ -15,12 +15,19 @@ is unchanged. A slot draws token j from ``fold_in(row_key, j)``, the lockstep sa
 with the same per-(game, turn) keys both schedulers draw the same tokens (up to float summation
 order over masked cache columns).
 
+Under a host sampler mesh (``Sampler(mesh=...)``) the slot state is sharded as the lockstep
+sampler's batch: slots over the batch axes (``sampling.batch_axes``), the cache's KV heads over
+``tensor`` (``kv_cache.cache_shardings``); every program pins its output slot state to those
+shardings (``slot_shardings``), so the donated state keeps one layout from call to call and is
+updated in place. Without a mesh nothing is constrained (default device).
+
 Shape letters: NS slots, I inserted prompts, T prompt bucket, S cache columns, M new tokens,
 D hidden width, Q stop-string states per stop string (SS stop strings).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -29,11 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from bipace_jax import sharding
+from bipace_jax.models.kv_cache import cache_shardings
+from bipace_jax.models.layers import ACTIVATION_AXES
 from bipace_jax.programs import ProgramSpec, abstract
-from bipace_jax.sampling import Sampler, StaticSettings, _advance_stop, _draw
+from bipace_jax.sampling import Sampler, StaticSettings, _advance_stop, _draw, batch_axes
 
-__all__ = ["SlotState", "SlotSampler", "insert_spec", "decode_chunk_spec"]
+__all__ = ["SlotState", "SlotSampler", "abstract_slots", "insert_spec", "decode_chunk_spec", "slot_shardings"]
 
 
 class SlotState(NamedTuple):
@@ -61,13 +73,42 @@ class SlotState(NamedTuple):
     fingerprint: jax.Array
 
 
+def _row_axes(x) -> tuple:
+    """Logical axes of a per-slot array: slots first (``"batch"``), its other dims whole."""
+    return ("batch",) + (None,) * (x.ndim - 1)
+
+
+def slot_shardings(slots: SlotState, mesh: jax.sharding.Mesh) -> SlotState:
+    """``NamedSharding``s of a ``SlotState`` (arrays or ShapeDtypeStructs) on ``mesh``: the cache as
+    ``kv_cache.cache_shardings`` (slots over ``("data", "fsdp")``, KV heads over ``tensor``) with the
+    per-slot ``index`` int32[NS] split like the slots, every other array split over its slot dim."""
+    cache = cache_shardings(slots.cache, mesh)
+    cache = cache.replace(index=sharding.logical_sharding(("batch",), slots.cache.index.shape, mesh))
+    rest = [sharding.logical_sharding(_row_axes(x), x.shape, mesh) for x in slots[1:]]
+    return SlotState(cache, *rest)
+
+
+def _pin(slots: SlotState) -> SlotState:
+    """``slots`` constrained to ``slot_shardings`` under the current mesh (unchanged without one), so the
+    programs' outputs keep their donated inputs' layout."""
+    c = slots.cache
+    c = c.replace(
+        k=tuple(sharding.constrain(x, ACTIVATION_AXES["cache_k"]) for x in c.k),
+        v=tuple(sharding.constrain(x, ACTIVATION_AXES["cache_v"]) for x in c.v),
+        slot_mask=sharding.constrain(c.slot_mask, ACTIVATION_AXES["cache_mask"]),
+        lengths=sharding.constrain(c.lengths, ACTIVATION_AXES["per_row"]),
+        index=sharding.constrain(c.index, ACTIVATION_AXES["per_row"]),
+    )
+    return SlotState(c, *(sharding.constrain(x, _row_axes(x)) for x in slots[1:]))
+
+
 def _empty_program(graphdef, static: StaticSettings, state, num_slots: int, num_stops: int):
     actor = nnx.merge(graphdef, state)
     cache = actor.init_cache(num_slots, static.cache_length)
     cache = cache.replace(index=jnp.zeros((num_slots,), jnp.int32))
     m = static.max_new_tokens
     d = actor.config.hidden_size
-    return SlotState(
+    state = SlotState(
         cache=cache,
         tokens=jnp.full((num_slots, m), static.pad_id, jnp.int32),
         logps=jnp.zeros((num_slots, m), jnp.float32),
@@ -78,6 +119,7 @@ def _empty_program(graphdef, static: StaticSettings, state, num_slots: int, num_
         keys=jnp.zeros((num_slots, 2), jnp.uint32),
         fingerprint=jnp.zeros((num_slots, d), jnp.float32),
     )
+    return _pin(state)
 
 
 _empty = jax.jit(_empty_program, static_argnums=(0, 1, 3, 4))
@@ -118,7 +160,7 @@ def _insert_program(
     m = static.max_new_tokens
     row_tokens = jnp.full((n, m), static.pad_id, jnp.int32).at[:, 0].set(token)
     row_logps = jnp.zeros((n, m), jnp.float32).at[:, 0].set(logp)
-    return SlotState(
+    new = SlotState(
         cache=c,
         tokens=put(slots.tokens, row_tokens),
         logps=put(slots.logps, row_logps),
@@ -129,6 +171,7 @@ def _insert_program(
         keys=put(slots.keys, row_keys),
         fingerprint=put(slots.fingerprint, out.fingerprint.astype(jnp.float32)),
     )
+    return _pin(new)
 
 
 def _slot_step(actor, tokens, cache):
@@ -194,17 +237,40 @@ def _decode_chunk_program(
             last=jnp.where(live, token, s.last),
             stop_state=jnp.where(live[:, None], new_state, s.stop_state),
         )
-        return i + 1, s, jnp.any(ends)
+        return i + 1, _pin(s), jnp.any(ends)
 
     steps, slots, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), slots, jnp.bool_(False)))
-    return slots, steps
+    return _pin(slots), steps
 
 
-def insert_spec(graphdef, state, static: StaticSettings, slots, *, batch: int, prompt_len: int, consts) -> ProgramSpec:
+def _rows_sds(mesh, shape, dtype, rows: bool = True) -> jax.ShapeDtypeStruct:
+    """An argument's abstract value: split over ``sampling.batch_axes(mesh)`` by its first dim (``rows``)
+    or replicated; without a mesh, no sharding (default placement)."""
+    if mesh is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    spec = P(batch_axes(mesh) or None, *[None] * (len(shape) - 1)) if rows else P()
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def abstract_slots(graphdef, state, static: StaticSettings, num_slots: int, num_stops: int, mesh=None) -> SlotState:
+    """The ``SlotState`` of NS = ``num_slots`` empty slots as ShapeDtypeStructs (``slot_shardings`` on
+    ``mesh``; none without one), without building it: what ``SlotSampler.empty`` returns, for
+    ``insert_spec`` / ``decode_chunk_spec`` ahead of time (``launch.aot``)."""
+    empty = functools.partial(_empty_program, graphdef, static, num_slots=num_slots, num_stops=num_stops)
+    shapes = jax.eval_shape(empty, state)
+    return shapes if mesh is None else abstract(shapes, slot_shardings(shapes, mesh))
+
+
+def insert_spec(
+    graphdef, state, static: StaticSettings, slots, *, batch: int, prompt_len: int, consts, mesh=None
+) -> ProgramSpec:
     """The insert program ``(graphdef, static, state, slots, input_ids int32[I, T], attention_mask
     int32[I, T], slot_ids int32[I], row_keys uint32[I, 2], temperature, stop_table, stop_lens, eos_ids)
-    -> slots``, the slots donated; ``batch`` = I, ``prompt_len`` = T (<= the slots' T_max)."""
-    ids = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    -> slots``, the slots donated; ``batch`` = I, ``prompt_len`` = T (<= the slots' T_max).
+
+    ``mesh``: the sampler's mesh (the I prompt rows split over its batch axes, as the lockstep prefill's;
+    I a multiple of their size), or None; ``slots`` and ``consts`` keep their own shardings."""
+    ids = _rows_sds(mesh, (batch, prompt_len), jnp.int32)
     args = (
         graphdef,
         static,
@@ -212,46 +278,56 @@ def insert_spec(graphdef, state, static: StaticSettings, slots, *, batch: int, p
         abstract(slots),
         ids,
         ids,
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-        jax.ShapeDtypeStruct((batch, 2), jnp.uint32),
-        jax.ShapeDtypeStruct((), jnp.float32),
+        _rows_sds(mesh, (batch,), jnp.int32),
+        _rows_sds(mesh, (batch, 2), jnp.uint32),
+        _rows_sds(mesh, (), jnp.float32, rows=False),
         *abstract(tuple(consts)),
     )
     return ProgramSpec("insert", _insert_program, args, static_argnums=(0, 1), donate_argnums=(3,))
 
 
-def decode_chunk_spec(graphdef, state, static: StaticSettings, slots, *, chunk: int, consts) -> ProgramSpec:
+def decode_chunk_spec(graphdef, state, static: StaticSettings, slots, *, chunk: int, consts, mesh=None) -> ProgramSpec:
     """The chunk program ``(graphdef, static, state, slots, chunk, temperature, stop_table, stop_lens,
-    eos_ids) -> (slots, steps int32[])``, the slots donated; ``chunk`` (static) caps the steps."""
-    args = (graphdef, static, abstract(state), abstract(slots), chunk, jax.ShapeDtypeStruct((), jnp.float32))
+    eos_ids) -> (slots, steps int32[])``, the slots donated; ``chunk`` (static) caps the steps.
+    ``mesh``: the sampler's mesh or None (only the temperature's placement; the rest keep their own)."""
+    temp = _rows_sds(mesh, (), jnp.float32, rows=False)
+    args = (graphdef, static, abstract(state), abstract(slots), chunk, temp)
     args = args + tuple(abstract(tuple(consts)))
     return ProgramSpec("decode_chunk", _decode_chunk_program, args, static_argnums=(0, 1, 4), donate_argnums=(3,))
 
 
 class SlotSampler:
-    """Host side of the slot programs, on top of a ``Sampler`` (its config, buckets, EOS and stop table).
+    """Host side of the slot programs, on top of a ``Sampler`` (its config, buckets, EOS, stop table, mesh).
 
     Args:
-      sampler: a ``sampling.Sampler`` without a mesh (the slot programs place arrays by default).
-      num_slots: NS (>= 1), the decode slots.
+      sampler: a ``sampling.Sampler``; with a mesh (``Sampler(mesh=...)``) the slot state is sharded by
+        ``slot_shardings`` (slots over the batch axes, KV heads over ``tensor``) and the programs run
+        under ``jax.set_mesh``; without one on the default device.
+      num_slots: NS (>= 1), the decode slots. Under a mesh the state holds NS rounded up to a multiple
+        of the batch axes' size (``rows``); the rows past NS stay empty.
       max_prompt: the longest prompt in tokens; T_max = ``sampler.length_bucket(max_prompt)``.
       chunk: (>= 1) most decode steps per ``decode_chunk`` call.
 
     Raises:
-      ValueError: ``num_slots`` or ``chunk`` below 1, a sampler with a mesh, ``max_prompt`` over the
-        largest length bucket.
+      ValueError: ``num_slots`` or ``chunk`` below 1, ``max_prompt`` over the largest length bucket.
     """
 
     def __init__(self, sampler: Sampler, num_slots: int, max_prompt: int, chunk: int = 8):
         for name, v in (("num_slots", num_slots), ("chunk", chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"SlotSampler: {name} must be an int >= 1, got {v!r}")
-        if sampler.mesh is not None:
-            raise ValueError("SlotSampler: the sampler has a mesh; the slot programs run on the default device")
         self.sampler, self.num_slots, self.chunk = sampler, num_slots, chunk
+        self.mesh = sampler.mesh
+        dp = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in batch_axes(self.mesh)]))
+        #: the slot state's rows: NS rounded up to the mesh's batch shards (NS without a mesh)
+        self.rows = -(-num_slots // dp) * dp
         self.t_max = sampler.length_bucket(max_prompt)
         #: decode steps run and busy-slot steps (for slot use), summed over calls
         self.counters = dict(decode_steps=0, chunk_calls=0, insert_calls=0)
+
+    def _placed(self):
+        """The sampler's mesh as the current mesh (the models' sharding constraints read it), if any."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _static(self, vocab: int) -> StaticSettings:
         s = self.sampler
@@ -261,7 +337,8 @@ class SlotSampler:
         """NS empty slots (all ``done``)."""
         vocab = self.sampler._actor_vocab(actor)
         graphdef, state = nnx.split(actor)
-        return _empty(graphdef, self._static(vocab), state, self.num_slots, len(self.sampler.config.stop_strings))
+        with self._placed():
+            return _empty(graphdef, self._static(vocab), state, self.rows, len(self.sampler.config.stop_strings))
 
     def insert(self, actor, slots: SlotState, prompts: Sequence[Sequence[int]], slot_ids: Sequence[int], row_keys):
         """Prefills ``prompts`` into the free slots ``slot_ids`` (one each); ``row_keys`` uint32[I, 2].
@@ -274,17 +351,22 @@ class SlotSampler:
         t = s.length_bucket(max(a.size for a in arrays))
         ids, mask, _ = s.prepare_batch(arrays, t)
         b = ids.shape[0]
-        sid = np.full((b,), self.num_slots, np.int32)
+        sid = np.full((b,), self.rows, np.int32)  # out of range: a padding row is dropped
         sid[: len(arrays)] = slot_ids
         keys = np.zeros((b, 2), np.uint32)
         keys[: len(arrays)] = row_keys
         graphdef, state = nnx.split(actor)
         consts = s._consts(vocab)
         static = self._static(vocab)
-        spec = insert_spec(graphdef, state, static, slots, batch=b, prompt_len=t, consts=consts)
+        spec = insert_spec(graphdef, state, static, slots, batch=b, prompt_len=t, consts=consts, mesh=self.mesh)
         self.counters["insert_calls"] += 1
         temp = jnp.float32(s.config.temperature)
-        return spec(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
+        if self.mesh is not None:  # prompt rows split as the lockstep prefill's
+            ids, mask, sid, keys = (
+                s._put(x, P(s.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, sid, keys)
+            )
+        with self._placed():
+            return spec(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
 
     def decode_chunk(self, actor, slots: SlotState) -> tuple[SlotState, int]:
         """Up to ``chunk`` steps of every busy slot (leaving when one finishes); returns (slots, steps run)."""
@@ -293,8 +375,9 @@ class SlotSampler:
         graphdef, state = nnx.split(actor)
         consts = s._consts(vocab)
         static = self._static(vocab)
-        spec = decode_chunk_spec(graphdef, state, static, slots, chunk=self.chunk, consts=consts)
-        slots, steps = spec(graphdef, static, state, slots, self.chunk, jnp.float32(s.config.temperature), *consts)
+        spec = decode_chunk_spec(graphdef, state, static, slots, chunk=self.chunk, consts=consts, mesh=self.mesh)
+        with self._placed():
+            slots, steps = spec(graphdef, static, state, slots, self.chunk, jnp.float32(s.config.temperature), *consts)
         steps = int(steps)
         self.counters["decode_steps"] += steps
         self.counters["chunk_calls"] += 1

@@ -31,6 +31,20 @@ The warm start's step (behaviour cloning on demonstrations, ``sft.sft_step_specs
   sft_grad   the micro-batch gradient (forward, response-token NLL, backward)
   sft_apply  the optimizer update
 
+The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``slots.SlotSampler``) on
+request only (``--programs=insert_1,insert,decode_chunk``), on the host's sampler mesh with the slot state
+(NS = ``rollout.num_slots`` or the host's games capped at the largest batch bucket, rounded up to the
+mesh's batch shards; S = T_max + M) sharded by ``slots.slot_shardings`` and donated; the report is
+``<config>__<topology>__slots.json``:
+  insert_1   one prompt prefilled (padded to its batch bucket) at T_max and written into its slot
+  insert     every slot's prompt at once (the first turn), same T_max
+  decode_chunk  ``rollout.chunk_steps`` decode steps of every slot (the ``while_loop`` with early exit)
+Each reports ``slot_state_bytes`` (a chip's share of the donated state) and ``slot_state_aliased``
+(``alias_bytes`` covers it: donation worked, the cache is updated in place); ``insert`` is
+``same_as: insert_1`` when both batches are one bucket. ``slot_step_time`` holds `bipace_jax.step_time`'s
+roofline of each insert, of one dense decode step (every slot reads all S columns) and of a chunk of
+them (TPU topologies).
+
 Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
 (the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
 accumulator beside every long-lived array). ``placement`` records each device's host and the mesh
@@ -64,7 +78,7 @@ from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
+from bipace_jax import build, learner, ppo, sampling, sft, sharding, slots, step_time
 from bipace_jax import config as config_lib
 from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.estimators import StepBatch
@@ -95,6 +109,8 @@ PROGRAMS = (
 )
 #: The warm start's programs: compiled only when ``--programs`` names them.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
+#: The continuous scheduler's slot programs (``slots.insert_spec`` / ``decode_chunk_spec``): on request only.
+SLOT_PROGRAMS = ("insert_1", "insert", "decode_chunk")
 GiB = 1 << 30
 # HBM per chip by `device_kind` substring (Cloud TPU data sheets); first match wins.
 HBM_BYTES = (
@@ -203,6 +219,72 @@ def _stats(compiled, compile_s: float, other_resident: int) -> dict:
         collectives=counts,
         compile_s=round(compile_s, 1),
     )
+
+
+def _slot_programs(c, report, run, programs, local_mesh, graphdef, state, static, table, num_eos, games, other) -> None:
+    """Compiles the slot programs (`SLOT_PROGRAMS`) on the host's sampler mesh into ``report``."""
+    s_cfg = build.sampler_config(c)
+    dp_local = local_mesh.shape["data"] * local_mesh.shape["fsdp"]
+    n_slots = c.rollout.num_slots or min(games, s_cfg.batch_buckets[-1])  # as `rollout._play_continuous`
+    rows = -(-n_slots // dp_local) * dp_local  # as `SlotSampler.rows`
+    abs_slots = slots.abstract_slots(graphdef, state, static, rows, table[0], local_mesh)
+    rep = jax.sharding.NamedSharding(local_mesh, P())
+    consts = (
+        jax.ShapeDtypeStruct(table, jnp.int32, sharding=rep),
+        jax.ShapeDtypeStruct((table[0],), jnp.int32, sharding=rep),
+        jax.ShapeDtypeStruct((num_eos,), jnp.int32, sharding=rep),
+    )
+    t_max = static.cache_length - static.max_new_tokens
+    state_bytes = _bytes_per_chip(abs_slots)
+    one, every = _bucket(1, s_cfg.batch_buckets, dp_local), _bucket(n_slots, s_cfg.batch_buckets, dp_local)
+    report["shapes"].update(
+        slots=rows, slot_cache_columns=static.cache_length, chunk_steps=c.rollout.chunk_steps,
+        insert_1_batch=one, insert_batch=every, slot_state_bytes_per_chip=state_bytes,
+    )  # fmt: skip
+    specs = dict(
+        insert_1=slots.insert_spec(
+            graphdef, state, static, abs_slots, batch=one, prompt_len=t_max, consts=consts, mesh=local_mesh
+        ),
+        insert=slots.insert_spec(
+            graphdef, state, static, abs_slots, batch=every, prompt_len=t_max, consts=consts, mesh=local_mesh
+        ),
+        decode_chunk=slots.decode_chunk_spec(
+            graphdef, state, static, abs_slots, chunk=c.rollout.chunk_steps, consts=consts, mesh=local_mesh
+        ),
+    )
+    for name, spec in specs.items():
+        if name == "insert" and name in programs and every == one and "insert_1" in report["programs"]:
+            report["programs"]["insert"] = dict(report["programs"]["insert_1"], same_as="insert_1")  # one program
+        elif run(name, local_mesh, spec, other=other) is not None:
+            p = report["programs"][name]
+            p["slot_state_bytes"] = state_bytes
+            p["slot_state_aliased"] = p["alias_bytes"] >= state_bytes
+
+
+def _slot_step_time(c, report, cfg, devices, hosts: int, local_mesh) -> dict:
+    """`step_time.program_costs` at the slot shapes: an insert (prefill at T_max) per batch, and one dense
+    decode step, where every slot reads all S = T_max + M cache columns, and a chunk of them."""
+    sh = report["shapes"]
+    t_max, m = sh["prompt_tokens"], sh["response_tokens"]
+    base = step_time.RunShape(
+        chips=len(devices), hosts=hosts, fsdp=1, tensor=local_mesh.shape["tensor"],
+        sampler_tensor=local_mesh.shape["tensor"], prompt_tokens=t_max, response_tokens=m,
+        games_per_host=sh["slots"], turns=c.env.max_steps, micro_batch_rows=1, logprob_rows_per_host=1,
+        mini_batch_rows=1,
+    )  # fmt: skip
+    model, chip = step_time.ModelShape.of(cfg), step_time.chip_for(devices[0].device_kind)
+    out = dict(chip=dataclasses.asdict(chip), run_shape=dataclasses.asdict(base), programs={})
+    for name in ("insert_1", "insert"):
+        r = dataclasses.replace(base, games_per_host=sh[f"{name}_batch"])
+        out["programs"][name] = step_time.program_costs(model, r)["prefill"].seconds(chip)
+    # program_costs' decode step attends to prompt + M/2 columns on average; a dense slot reads all S
+    r = dataclasses.replace(base, prompt_tokens=t_max + m - m // 2)
+    step = step_time.program_costs(model, r)["decode_step"].seconds(chip)
+    out["programs"]["decode_step"] = step
+    out["programs"]["decode_chunk"] = {k: v * sh["chunk_steps"] if k.endswith("_s") else v for k, v in step.items()}
+    out["programs"]["decode_chunk"]["seconds"] = step["seconds"] * sh["chunk_steps"]
+    out["decode_tokens_per_s_per_host"] = sh["slots"] / step["seconds"]
+    return out
 
 
 def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
@@ -341,6 +423,13 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         )
         sampler_programs(vpre, "val_prefill", "val_decode")
 
+    if set(SLOT_PROGRAMS) & set(programs):
+        # the trainer's long-lived arrays stay resident during a rollout, as for prefill / decode
+        slot_args = (gdef_s, state, static, table, len(cfg.eos_token_ids), games, host_other)
+        _slot_programs(c, report, run, programs, local_mesh, *slot_args)
+        if devices[0].platform != "cpu":
+            report["slot_step_time"] = _slot_step_time(c, report, cfg, devices, len(hosts), local_mesh)
+
     ecfg = build.estimator_config(c)
     fn, scalars = jitted_advantages(ecfg)
     n = games * c.env.max_steps
@@ -434,9 +523,10 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
     programs = tuple(_PROGRAMS.value) or PROGRAMS
-    unknown = sorted(set(programs) - set(PROGRAMS) - set(SFT_PROGRAMS))
+    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS
+    unknown = sorted(set(programs) - set(known))
     if unknown:
-        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {PROGRAMS + SFT_PROGRAMS}")
+        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {known}")
 
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
@@ -496,9 +586,16 @@ def main(argv):
             f"iteration {st['iteration_s_lockstep']:.0f} / {st['iteration_s_continuous']:.0f} s, "
             f"{st['iterations']} iterations {st['run_hours_lockstep']:.1f} / {st['run_hours_continuous']:.1f} h"
         )
+    if "slot_step_time" in report:
+        st = report["slot_step_time"]
+        each = ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms" for k, v in st["programs"].items())
+        print(
+            f"\nslot programs' roofline ({st['chip']['name']}): {each}; {st['decode_tokens_per_s_per_host']:.0f} tokens/s a host"
+        )
     print(f"fits: {report['fits']}")
     slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
-    warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else ""  # beside, not over, the run's report
+    # beside, not over, the run's report
+    warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else "__slots" if set(programs) <= set(SLOT_PROGRAMS) else ""
     write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}{warm}.json"), report, indent=1)
     if not report["fits"]:
         sys.exit(1)

@@ -20,9 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = {"ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "val_prefill", "val_decode", "estimator"}
 PROGRAM_KEYS = {"peak_bytes_per_chip", "argument_bytes", "temp_bytes", "output_bytes", "flops", "compile_s"}
 REPORTS = sorted(p for p in glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*.json")) if "__cpu" not in p)
-COMMITTED = [p for p in REPORTS if not p.endswith("__sft.json")]  # an RL run's programs
+COMMITTED = [p for p in REPORTS if not p.endswith(("__sft.json", "__slots.json"))]  # an RL run's programs
 COMMITTED_SFT = [p for p in REPORTS if p.endswith("__sft.json")]  # the warm start's step at the run's sizes
+COMMITTED_SLOTS = [p for p in REPORTS if p.endswith("__slots.json")]  # the continuous scheduler's programs
 SFT = {"sft_grad", "sft_apply"}
+SLOTS = {"insert_1", "insert", "decode_chunk"}
 
 
 def _aot(tmp_path, *args, env=None):
@@ -79,6 +81,42 @@ def test_committed_warm_start_reports_fit_with_fp32_master_weights(path):
     for name, p in r["programs"].items():
         assert p["total_bytes_per_chip"] <= r["budget_fraction"] * r["hbm_bytes_per_chip"], name
     assert 15.5 <= r["sft_apply_argument_bytes_per_param"] <= 17.0
+
+
+@pytest.mark.slow
+def test_the_slot_programs_compile_on_request_with_the_slot_state_donated(tmp_path):
+    # 8 devices, tensor 2: the slots split over data x fsdp = 4, the KV heads over tensor
+    mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=2", "--config.rollout.num_slots=6"]
+    proc = _aot(tmp_path, "--topology=cpu:8", *mesh, "--programs=insert_1,decode_chunk")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["textcraft_tiny__cpu-8__slots.json"]  # beside the run's report
+    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8__slots.json"))
+    assert set(r["programs"]) == {"insert_1", "decode_chunk"} and r["fits"] is True
+    sh = r["shapes"]
+    # 6 slots rounded up to the 4 batch shards; S = the 448-token prompt bucket + 32 new tokens
+    assert (sh["slots"], sh["slot_cache_columns"], sh["chunk_steps"]) == (8, 480, 8)
+    # 3 layers x (k + v) of 8 slots x 2 KV heads x 32 head dims x 480 columns in fp32, split 4 x 2
+    cache = 3 * 2 * 8 * 2 * 32 * 480 * 4 // 8
+    assert cache < sh["slot_state_bytes_per_chip"] < 1.2 * cache
+    for name, p in r["programs"].items():
+        # the whole donated slot state is an output buffer: the cache is updated in place
+        assert p["slot_state_aliased"] and p["alias_bytes"] == p["slot_state_bytes"] == sh["slot_state_bytes_per_chip"]
+        assert p["flops"] > 0, name
+
+
+@pytest.mark.parametrize("path", COMMITTED_SLOTS, ids=[os.path.basename(p) for p in COMMITTED_SLOTS])
+def test_committed_slot_reports_fit_with_the_slot_state_updated_in_place(path):
+    r = json.load(open(path))
+    run = json.load(open(path.replace("__slots.json", ".json")))  # the run's own report, same config
+    assert set(r["programs"]) == SLOTS and r["fits"] is True and r["sampler_mesh"] == run["sampler_mesh"]
+    sh = r["shapes"]
+    assert sh["slot_cache_columns"] == run["shapes"]["prompt_tokens"] + run["shapes"]["response_tokens"]
+    assert sh["slots"] == run["shapes"]["sampler_batch"] and sh["insert_batch"] == sh["slots"]
+    for name, p in r["programs"].items():
+        assert p["slot_state_aliased"] and p["alias_bytes"] >= p["slot_state_bytes"] > 0, name
+        assert p["total_bytes_per_chip"] <= r["budget_fraction"] * r["hbm_bytes_per_chip"], name
+    st = r["slot_step_time"]["programs"]
+    assert st["decode_chunk"]["seconds"] == pytest.approx(sh["chunk_steps"] * st["decode_step"]["seconds"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,77 @@
+"""`slots.SlotSampler` under a host sampler mesh: the sharded slot programs draw what the unsharded ones do.
+
+(The slot programs' equality with the lockstep sampler is tested through the rollout, in
+tests/test_rollout.py -k continuous.)
+"""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from tests.devices import run_on_cpu_devices
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from flax import nnx
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.sharding import make_mesh, shard_params
+    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.slots import SlotSampler
+    from tests.test_sampling import small_tokenizer
+
+    tok = small_tokenizer()
+    # every 7th id ends a response: the rows finish at several lengths and slots are refilled
+    cfg = SamplerConfig(max_new_tokens=6, temperature=1.3, top_k=50, stop_strings=("</action>",),
+                        batch_buckets=(2, 4), length_buckets=(16,), eos_token_ids=tuple(range(3, len(tok), 7)))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, len(tok), size=int(rng.integers(1, 16))).tolist() for _ in range(5)]
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(5), 5)))
+
+    def play(sampler, actor):
+        # 3 slots for 5 prompts, chunks of 2 steps: a finished slot gets the next prompt
+        ss = SlotSampler(sampler, 3, 16, chunk=2)
+        slots = ss.insert(actor, ss.empty(actor), prompts[:3], [0, 1, 2], keys[:3])
+        owner, out, nxt = {0: 0, 1: 1, 2: 2}, {}, 3
+        while len(out) < 5:
+            slots, _ = ss.decode_chunk(actor, slots)
+            done = np.asarray(slots.done)
+            for k in [k for k in owner if done[k]]:
+                out[owner.pop(k)] = [np.asarray(x[0]).tolist() for x in ss.read(slots, [k])]
+            free = [k for k in range(3) if k not in owner][: 5 - nxt]
+            if free:
+                slots = ss.insert(actor, slots, prompts[nxt:nxt + len(free)], free, keys[nxt:nxt + len(free)])
+                owner.update({k: nxt + j for j, k in enumerate(free)})
+                nxt += len(free)
+        return [out[i] for i in range(5)], ss, slots
+
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(3))
+    one, _, _ = play(Sampler(tok, cfg), actor)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    shard_params(actor, mesh)
+    eight, ss, slots = play(Sampler(tok, cfg, mesh=mesh), actor)
+    specs = {n: str(x.sharding.spec) for n, x in
+             dict(k=slots.cache.k[0], v=slots.cache.v[0], index=slots.cache.index, tokens=slots.tokens).items()}
+    json.dump(dict(one=one, eight=eight, rows=ss.rows, inserts=ss.counters["insert_calls"], specs=specs), sys.stdout)
+""")
+
+
+@pytest.mark.slow
+def test_slot_programs_sharded_over_8_cpu_devices_draw_the_unsharded_tokens():
+    res = run_on_cpu_devices(_SCRIPT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    # 3 slots over data x fsdp = 4 shards: 4 rows, the 4th always empty
+    assert r["rows"] == 4 and r["inserts"] >= 2  # the slots freed were refilled
+    # slots over the batch axes, the cache's 2 KV heads over tensor (as `kv_cache.cache_shardings`)
+    assert r["specs"]["k"] == r["specs"]["v"] == "P(('data', 'fsdp'), 'tensor')"
+    assert r["specs"]["index"] == r["specs"]["tokens"] == "P(('data', 'fsdp'),)"
+    for i, (one, eight) in enumerate(zip(r["one"], r["eight"])):  # tokens, length, log-probs, fingerprint
+        np.testing.assert_array_equal(eight[0], one[0], err_msg=f"prompt {i}")
+        assert eight[1] == one[1], i
+        np.testing.assert_allclose(eight[2], one[2], atol=1e-4)
+        np.testing.assert_allclose(eight[3], one[3], atol=1e-4)
+    lengths = [one[1] for one in r["one"]]
+    assert len(set(lengths)) > 1 and len({tuple(one[0]) for one in r["one"]}) == 5  # rows really differ
