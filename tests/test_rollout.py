@@ -552,6 +552,31 @@ def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokeni
     assert (tmp_path / "fired" / "h.json").exists()
 
 
+@pytest.mark.slow
+def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp_path):
+    from bipace_jax.rollout import RESEED_STRIDE
+
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    eos = tuple(range(3, len(tokenizer), 5))
+    scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(1024,), greedy=True, eos_token_ids=eos)
+    sampler = Sampler(tokenizer, scfg)
+    rcfg = RolloutConfig(
+        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
+    )
+    plan = [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]  # env 1's reset: group 0 is reset again
+    out = {}
+    for scheduler in ("lockstep", "continuous"):  # a pool (and chaos plan) each: a fault fires once
+        (tmp_path / scheduler).mkdir()
+        with _chaos_pool(tmp_path / scheduler, plan) as pool:
+            out[scheduler] = collect(
+                actor, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(6), progress=False, scheduler=scheduler
+            )
+    lock, cont = out["lockstep"], out["continuous"]
+    assert [e.seed for e in cont.episodes] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
+    assert lock.stats["reset_faults"] == cont.stats["reset_faults"] == 1
+    _assert_same_result(lock, cont)
+
+
 def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_path):
     with _chaos_pool(tmp_path, [{"id": "c", "call": "reset", "at": 2, "kind": "crash"}]) as pool:
         res = collect(
