@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from bipace_jax import schedule_sim
+from bipace_jax import prompt_heads, schedule_sim
 
 # Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and capacity, bidirectional ICI (NVLink) bandwidth
 # per chip, from the vendors' data sheets (the source of each row is its `source`).
@@ -241,6 +241,15 @@ class RunShape:
       chunk_steps: ``rollout.chunk_steps`` (decode steps per continuous chunk).
       host_turn_s, host_chunk_s: host seconds per lockstep turn and per continuous chunk.
       sim_seeds: length draws the simulation averages (seeds 0 .. sim_seeds - 1).
+      shared_head_tokens: tokens of the prompt head the games of one task group share (measured,
+        ``launch.head_lengths``; 0: no shared-head prefill). Only the lockstep rollout prefill shares
+        heads (``sampler.shared_head_tokens`` > 0), and only on a sampler mesh that does not split rows
+        (``chips_per_host == sampler_tensor``); validation (one game per task) and the continuous insert
+        do not.
+      head_suffix_tokens: the longest per-row rest of a prompt after the shared head (what the suffix
+        width must hold); 0: the prefilled prompt less the head (prompts fill their bucket).
+      group_size: games of one task group (``rollout.group_size``); a host's lockstep call over n games
+        has ``ceil(n / group_size)`` heads.
     """
 
     chips: int
@@ -277,6 +286,9 @@ class RunShape:
     host_turn_s: float = 0.005
     host_chunk_s: float = 0.001
     sim_seeds: int = 3
+    shared_head_tokens: int = 0
+    head_suffix_tokens: int = 0
+    group_size: int = 1
 
     def __post_init__(self):
         # only the scheduler model's fields: the others come from a validated config (`launch.aot`)
@@ -301,6 +313,19 @@ class RunShape:
             ("host_turn_s", self.host_turn_s >= 0, ">= 0 (seconds)"),
             ("host_chunk_s", self.host_chunk_s >= 0, ">= 0 (seconds)"),
             ("sim_seeds", self.sim_seeds >= 1, ">= 1"),
+            ("group_size", self.group_size >= 1, ">= 1"),
+            (
+                "shared_head_tokens",
+                0 <= self.shared_head_tokens < (self.rollout_prompt_tokens or self.prompt_tokens),
+                "in [0, the prefilled prompt)",
+            ),
+            (
+                "head_suffix_tokens",
+                0 <= self.head_suffix_tokens
+                and self.shared_head_tokens + self.head_suffix_tokens
+                <= (self.rollout_prompt_tokens or self.prompt_tokens),
+                ">= 0 with shared_head_tokens + head_suffix_tokens <= the prefilled prompt",
+            ),
         )
         for name, ok, want in checks:
             if not ok:
@@ -329,6 +354,71 @@ def prefill_cost(m: ModelShape, r: RunShape, rows: int, tokens: int) -> Cost:
         2 * m.params / r.sampler_tensor + rows * tokens * m.kv_bytes_per_token / local,
         _tensor_all_reduces(m, rows / dp_local, tokens, r.sampler_tensor, 1),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """The shared-head layout of one lockstep prefill (``prompt_heads.plan_heads`` on equal rows).
+
+    Attributes:
+      head_width, suffix_width: Th and Ts (tokens), ``Th + Ts`` = the prompt bucket P.
+      head_rows: H_bucket, the heads padded to a power of two (at most the row bucket).
+      rows: B_bucket, the padded rows.
+      tokens, plain_tokens: padded tokens prefilled, ``H_bucket * Th + B_bucket * Ts``, and ``B_bucket * P``.
+    """
+
+    head_width: int
+    suffix_width: int
+    head_rows: int
+    rows: int
+    tokens: int
+    plain_tokens: int
+
+
+def head_split(prompt: int, head: int, suffix: int, rows: int, heads: int) -> HeadSplit | None:
+    """The split ``plan_heads`` takes for ``rows`` (padded) prompts in a bucket of ``prompt`` tokens, every
+    row holding a shared ``head`` and a ``suffix`` of its own (``head + suffix <= prompt``), ``heads``
+    distinct heads: the smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` that holds
+    the suffix (a head longer than Th = P - Ts is cut to Th, its rest joins the suffix), if it prefills
+    at most ``prompt_heads.MAX_COST_FRACTION`` of the plain tokens; else None (no width fits: the
+    suffix is longer than P / 2, or the plan saves too little), and the call prefills plainly.
+
+    Raises:
+      ValueError: ``head`` < 1, ``suffix`` < 1, ``head + suffix > prompt``, ``heads`` not in [1, rows].
+    """
+    if head < 1 or suffix < 1 or head + suffix > prompt:
+        raise ValueError(
+            f"head_split: need head >= 1, suffix >= 1, head + suffix <= prompt={prompt}, got {head}, {suffix}"
+        )
+    if not 1 <= heads <= rows:
+        raise ValueError(f"head_split: heads must be in [1, rows={rows}], got {heads}")
+    head_rows = min(1 << (heads - 1).bit_length(), rows)
+    for ts in prompt_heads.suffix_ladder(prompt):
+        th = prompt - ts
+        # the smallest fitting width is the cheapest: cost = H * P + (B - H) * Ts grows with Ts
+        if suffix + max(head - th, 0) <= ts:
+            cost = head_rows * th + rows * ts
+            if cost > prompt_heads.MAX_COST_FRACTION * rows * prompt:
+                return None
+            return HeadSplit(th, ts, head_rows, rows, cost, rows * prompt)
+    return None
+
+
+def shared_prefill_cost(m: ModelShape, r: RunShape, split: HeadSplit) -> Cost:
+    """Per chip `Cost` of one shared-head prefill (``sampling._shared_prefill_program``): the heads'
+    prefill (``head_rows`` x Th), then every row's suffix (Ts tokens attending to Th + Ts / 2 columns
+    on average) on top of its copied head KV; KV bytes: the heads' writes, the copy into every row, the
+    suffix's reads of it and its own writes. Weights are read once per pass (two passes)."""
+    local = r.chips_per_host
+    dp_local = local // r.sampler_tensor
+    th, ts, b = split.head_width, split.suffix_width, split.rows
+    heads = prefill_cost(m, r, split.head_rows, th)
+    suffix = Cost(
+        m.forward_flops(b, ts, th + ts / 2, 1) / local,
+        2 * m.params / r.sampler_tensor + b * (2 * th + ts) * m.kv_bytes_per_token / local,
+        _tensor_all_reduces(m, b / dp_local, ts, r.sampler_tensor, 1),
+    )
+    return heads + suffix
 
 
 def decode_cost(m: ModelShape, r: RunShape, rows: int, context: float) -> Cost:
@@ -386,7 +476,9 @@ def _row_bucket(n: int, buckets: tuple[int, ...], dp_local: int) -> int:
     return -(-b // dp_local) * dp_local
 
 
-def rollout_model(m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, sampler_calls: int = 1) -> dict:
+def rollout_model(
+    m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, sampler_calls: int = 1, share_heads: bool = True
+) -> dict:
     """One host's rollout of ``games_per_host * sampler_calls`` games under both schedulers
     (`schedule_sim.simulate`, the mean of ``r.sim_seeds`` length draws), at this roofline's unit costs.
 
@@ -400,9 +492,15 @@ def rollout_model(m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, s
     prefill at ``n`` padded to its row bucket (``insert_buckets`` or ``batch_buckets``), the decode
     step a fixed-shape step of every slot over the dense ``prompt_tokens + response_tokens`` columns.
 
+    With ``share_heads`` and ``r.shared_head_tokens`` > 0 on a host whose sampler does not split rows,
+    a lockstep prefill of n games is the shared-head prefill (`head_split`, `shared_prefill_cost`) with
+    ``ceil(n / r.group_size)`` heads when ``plan_heads`` would take it; the continuous insert never
+    shares heads (``SlotSampler.insert`` prefills every row whole).
+
     Returns a JSON-ready dict: per scheduler the mean ``wall_s``, ``decode_steps``, ``slot_use``,
     ``prefill_calls`` and ``stages_s``; ``speedup_wall``, ``speedup_decode_steps`` (lockstep over
-    continuous) and the unit costs used (``unit_costs_s``).
+    continuous), the unit costs used (``unit_costs_s``) and ``shared_heads`` (whether the lockstep
+    prefill of the full batch shares heads, why not, and its `HeadSplit`).
     """
     dp_local = r.chips_per_host // r.sampler_tensor
     largest = max(r.batch_buckets)
@@ -411,8 +509,30 @@ def rollout_model(m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, s
     prompt = r.rollout_prompt_tokens or r.prompt_tokens
     sec = lambda c: c.seconds(chip)["seconds"]  # noqa: E731
 
+    def split_of(rows, tokens):
+        """(HeadSplit or None, why not) of one lockstep call over ``rows`` live games."""
+        if not (share_heads and r.shared_head_tokens):
+            return None, "off (shared_head_tokens 0)" if share_heads else "off (one game per task)"
+        if dp_local > 1:
+            return None, f"off (the host's sampler splits rows {dp_local} ways)"
+        if r.group_size < 2:
+            return None, "off (group_size 1)"
+        per_call = min(rows, largest)
+        head = min(r.shared_head_tokens, tokens - 1)
+        split = head_split(
+            tokens,
+            head,
+            r.head_suffix_tokens or tokens - head,
+            _row_bucket(per_call, r.batch_buckets, dp_local),
+            -(-per_call // r.group_size),
+        )
+        return split, "" if split is not None else "no plan (no suffix width up to P / 2 holds it, or saves < 25%)"
+
     def lock_prefill(rows, tokens):
         calls = -(-rows // largest)
+        split, _ = split_of(rows, tokens)
+        if split is not None:
+            return calls * sec(shared_prefill_cost(m, r, split))
         return calls * sec(prefill_cost(m, r, _row_bucket(min(rows, largest), r.batch_buckets, dp_local), tokens))
 
     def lock_decode(rows, context):
@@ -461,6 +581,10 @@ def rollout_model(m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, s
         out[name]["stages_s"] = {k: mean(name, "stages_s", k) for k in runs[0][name]["stages_s"]}
     out["speedup_wall"] = out["lockstep"]["wall_s"] / out["continuous"]["wall_s"]
     out["speedup_decode_steps"] = out["lockstep"]["decode_steps"] / out["continuous"]["decode_steps"]
+    split, why = split_of(games_per_host, prompt)
+    out["shared_heads"] = dict(
+        applies=split is not None, why_not=why, split=None if split is None else dataclasses.asdict(split)
+    )
     out["unit_costs_s"] = dict(
         lockstep_decode_step=lock_decode(games_per_host, prompt + resp),
         lockstep_prefill=lock_prefill(games_per_host, prompt),
@@ -486,7 +610,9 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
     validation of each scheduler give ``rollout_s_lockstep`` / ``rollout_s_continuous`` (s per
     iteration), ``validation_s_*``, ``iteration_s_*`` (the other stages unchanged), ``run_hours_*``,
     ``speedup_continuous_rollout`` and ``speedup_continuous_iteration`` (lockstep over continuous),
-    and the simulations themselves under ``schedulers``.
+    and the simulations themselves under ``schedulers``. With ``r.shared_head_tokens`` > 0 the lockstep
+    rollout's prefill shares task groups' heads where `rollout_model` says so (the bound's stages, the
+    validation and the continuous insert prefill whole prompts).
     """
     costs = program_costs(m, r)
     sec = {k: c.seconds(chip) for k, c in costs.items()}
@@ -517,7 +643,7 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
     # the same rollout (and validation) with drawn response lengths, under each scheduler
     sched = dict(rollout=rollout_model(m, r, chip, r.games_per_host, r.sampler_calls))
     if "validation" in stages:
-        sched["validation"] = rollout_model(m, r, chip, r.val_games_per_host, r.val_sampler_calls)
+        sched["validation"] = rollout_model(m, r, chip, r.val_games_per_host, r.val_sampler_calls, share_heads=False)
     per = {}
     for name in ("lockstep", "continuous"):
         roll = sched["rollout"][name]["wall_s"]

@@ -11,6 +11,13 @@ scheduling (`step_time.rollout_model`). Two continuous rows: inserts padded to `
 (what ``SlotSampler.insert`` does today) and inserts at power-of-two row buckets (1, 2, 4, ...: the
 design note's n-buckets), the what-if. Prints a markdown table; writes JSON to ``--out``, headline
 ratios under ``speedup_*`` keys.
+
+Shared prompt heads (``sampler.shared_head_tokens``; lockstep only): each game's head and suffix
+lengths come from ``--heads`` (``launch.head_lengths``: turns 3 and later, Qwen2.5 tokens), its
+``rollout.group_size`` from the config. The lockstep rollout is priced with and without them twice:
+with every prompt at the committed bucket (the bound's layout), and with prompts at their measured
+length (the prefill and the lockstep cache at the first ``sampler.length_buckets`` entry holding
+head + suffix).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from launch import cli
 from launch._common import ROOT, write_json
 
 _REPORTS = flags.DEFINE_string("reports", os.path.join(ROOT, "benchmarks", "aot"), "Folder of AOT reports.")
+_HEADS = flags.DEFINE_string(
+    "heads", os.path.join(ROOT, "benchmarks", "shared_heads.json"), "launch.head_lengths report (shared heads)."
+)
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "step_time.json"), "JSON report path.")
 
 
@@ -59,7 +69,50 @@ def powers_of_two(up_to: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def rows(reports_dir: str) -> list[dict]:
+def head_lengths(path: str) -> dict[str, tuple[int, int]]:
+    """Per game (shared head, longer row's suffix) in Qwen2.5 tokens, turns 3 and later, from a
+    ``launch.head_lengths`` report."""
+    with open(path) as f:
+        games = json.load(f)["games"]
+    return {g: (round(v["head_qwen_later"]), round(v["suffix_qwen_later"])) for g, v in games.items()}
+
+
+def shared_head_rows(m, shape: step_time.RunShape, chip, config, heads: dict[str, tuple[int, int]]) -> dict:
+    """The lockstep rollout (s per iteration) with and without shared heads: prompts at the committed
+    bucket, and at their measured length's bucket (see the module doc)."""
+    head, suffix = heads[config.env.name]
+    group = int(config.rollout.group_size)
+    bucket = next(b for b in config.sampler.length_buckets if b >= head + suffix)
+
+    def lock(shape):
+        e = step_time.estimate(m, shape, chip)
+        return e["rollout_s_lockstep"], e["schedulers"]["rollout"]["shared_heads"]
+
+    full_plain, _ = lock(shape)
+    full_shared, full_info = lock(dataclasses.replace(shape, shared_head_tokens=head, group_size=group))
+    measured = dataclasses.replace(shape, rollout_prompt_tokens=bucket)
+    meas_plain, _ = lock(measured)
+    meas_shared, meas_info = lock(
+        dataclasses.replace(measured, shared_head_tokens=head, head_suffix_tokens=suffix, group_size=group)
+    )
+    return dict(
+        shared_head_tokens=head,
+        head_suffix_tokens=suffix,
+        group_size=group,
+        measured_prompt_bucket=bucket,
+        rollout_s_lockstep_shared_heads=full_shared,
+        shared_heads_saving_s=full_plain - full_shared,
+        shared_heads_at_bucket=full_info,
+        rollout_s_lockstep_measured_prompts=meas_plain,
+        rollout_s_lockstep_measured_prompts_shared_heads=meas_shared,
+        shared_heads_saving_s_measured_prompts=meas_plain - meas_shared,
+        speedup_shared_heads_rollout_measured_prompts=meas_plain / meas_shared,
+        shared_heads_at_measured=meas_info,
+    )
+
+
+def rows(reports_dir: str, heads_path: str | None = None) -> list[dict]:
+    heads = head_lengths(heads_path) if heads_path else None
     out = []
     for path in sorted(glob.glob(os.path.join(reports_dir, "*.json"))):
         with open(path) as f:
@@ -74,6 +127,8 @@ def rows(reports_dir: str) -> list[dict]:
             m, dataclasses.replace(shape, insert_buckets=powers_of_two(max(shape.batch_buckets))), chip
         )
         slices = report.get("num_slices", 1)
+        config = importlib.import_module(f"configs.{report['config']}").get_config()
+        shared = shared_head_rows(m, shape, chip, config, heads) if heads else {}
         out.append(
             dict(
                 report=os.path.basename(path),
@@ -105,6 +160,7 @@ def rows(reports_dir: str) -> list[dict]:
                 prefill_s_continuous_exact_inserts=exact["schedulers"]["rollout"]["continuous"]["stages_s"]["prefill"],
                 unit_costs_s=e["schedulers"]["rollout"]["unit_costs_s"],
                 run_shape=dataclasses.asdict(shape),
+                **shared,
             )
         )
     return out
@@ -113,7 +169,7 @@ def rows(reports_dir: str) -> list[dict]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    table = rows(_REPORTS.value)
+    table = rows(_REPORTS.value, _HEADS.value)
     print(
         "| config | slice | games/host | rollout s: bound / lockstep / continuous / continuous, exact inserts "
         "| decode steps lockstep / continuous | iteration s: lockstep / continuous / exact | 150 it. h: lockstep / continuous / exact |"
@@ -127,6 +183,22 @@ def main(argv):
             f"{r['decode_steps_lockstep']:.0f} / {r['decode_steps_continuous']:.0f} ({r['speedup_decode_steps']:.2f}x) | "
             f"{r['iteration_s_lockstep']:.0f} / {r['iteration_s_continuous']:.0f} / {r['iteration_s_continuous_exact_inserts']:.0f} | "
             f"{r['run_hours_lockstep']:.1f} / {r['run_hours_continuous']:.1f} / {r['run_hours_continuous_exact_inserts']:.1f} |"
+        )
+    print()
+    print(
+        "| config | slice | head / suffix tokens, group | lockstep rollout s, prompts at the bucket: plain / shared heads "
+        "| measured prompts (bucket): plain / shared heads, saving |"
+    )
+    print("|---|---|---|---|---|")
+    for r in table:
+        why = r["shared_heads_at_measured"]["why_not"]
+        print(
+            f"| {r['config']} | {r['slice']} | {r['shared_head_tokens']} / {r['head_suffix_tokens']}, {r['group_size']} | "
+            f"{r['rollout_s_lockstep']:.1f} / {r['rollout_s_lockstep_shared_heads']:.1f} | "
+            f"({r['measured_prompt_bucket']}) {r['rollout_s_lockstep_measured_prompts']:.1f} / "
+            f"{r['rollout_s_lockstep_measured_prompts_shared_heads']:.1f}, {r['shared_heads_saving_s_measured_prompts']:.1f} s"
+            + (f" ({why})" if why else "")
+            + " |"
         )
     write_json(
         _OUT.value,

@@ -127,3 +127,32 @@ def test_generate_rejects_groups_of_the_wrong_length():
 def test_sampler_config_rejects_a_negative_head_length():
     with pytest.raises(ValueError, match="shared_head_tokens must be an int >= 0"):
         SamplerConfig(shared_head_tokens=-1)
+
+
+def test_qwen_pretokens_split_digits_words_and_spaces_like_qwen2():
+    from launch.head_lengths import qwen_pretokens
+
+    # "Hello", " world", " ", "1", "2", ".\n", " go": every digit alone, a word keeps its leading space,
+    # punctuation takes the new lines after it
+    assert qwen_pretokens("Hello world 12.\n go") == 7
+    assert qwen_pretokens("cabinet 10, cabinet 2") == 8  # "cabinet", " ", "1", "0", ",", " cabinet", " ", "2"
+
+
+def test_the_committed_head_lengths_put_the_shared_head_first():
+    # benchmarks/shared_heads.json (launch.head_lengths): turn 1's two prompts are one prompt (the head is
+    # all of it); later the head ends where the two games' history first differs, never before the task
+    import json
+    import os
+
+    from launch._common import ROOT
+
+    games = json.load(open(os.path.join(ROOT, "benchmarks", "shared_heads.json")))["games"]
+    assert sorted(games) == ["alfworld", "textcraft", "webshop"]
+    for g in games.values():
+        for r in g["rows"]:
+            assert r["head_qwen"] <= min(r["prompt_qwen"], r["prompt_qwen_other"])
+            if r["turn"] == 1:
+                assert r["head_chars"] == r["prompt_chars"]
+            else:
+                assert "Observation" in r["head_ends_with"] or "Action" in r["head_ends_with"]
+        assert 3.0 < g["chars_per_qwen_token"] < 4.5

@@ -164,9 +164,93 @@ def test_the_dense_slot_cache_is_charged_when_prompts_are_shorter_than_the_bucke
     assert units["slot_decode_step"] - units["lockstep_decode_step"] == pytest.approx(extra, rel=1e-6)
 
 
+def test_head_split_hand_cases():
+    # ALFWorld at a 512 bucket, one group of 8: Ts = 256 holds the 236-token suffix, Th = 256;
+    # 1 x 256 + 8 x 256 = 2304 of 8 x 512 = 4096 tokens
+    s = step_time.head_split(512, 105, 236, rows=8, heads=1)
+    assert (s.head_width, s.suffix_width, s.head_rows, s.tokens, s.plain_tokens) == (256, 256, 1, 2304, 4096)
+    # TextCraft at 1024: Ts = 128 holds 118; 896 + 8 x 128 = 1920 of 8192
+    s = step_time.head_split(1024, 475, 118, rows=8, heads=1)
+    assert (s.head_width, s.suffix_width, s.tokens) == (896, 128, 1920)
+    # a head longer than Th = 384 is cut: its 16 extra tokens join the 100-token suffix, still within 128
+    s = step_time.head_split(512, 400, 100, rows=8, heads=1)
+    assert (s.head_width, s.suffix_width, s.tokens) == (384, 128, 384 + 8 * 128)
+    # 4 groups of 8 on 32 rows: H = 4 heads; 3 heads pad to 4
+    assert step_time.head_split(512, 105, 236, rows=32, heads=4).tokens == 4 * 256 + 32 * 256
+    assert step_time.head_split(512, 105, 236, rows=32, heads=3).head_rows == 4
+    # WebShop: a 305-token suffix fits no width up to P / 2 = 256; 8 heads of 8 rows save too little
+    assert step_time.head_split(512, 110, 305, rows=8, heads=1) is None
+    assert step_time.head_split(512, 200, 250, rows=8, heads=8) is None  # 4096 > 0.75 x 4096
+    with pytest.raises(ValueError, match="head_split"):
+        step_time.head_split(512, 300, 300, rows=8, heads=1)
+
+
+@pytest.mark.parametrize("rows, groups, head, suffix, bucket", [(8, 1, 105, 236, 512), (32, 4, 475, 118, 1024)])
+def test_head_split_is_what_plan_heads_takes_for_equal_rows(rows, groups, head, suffix, bucket):
+    from bipace_jax.prompt_heads import plan_heads
+
+    rng = np.random.default_rng(0)
+    heads = [rng.integers(1, 1000, head) for _ in range(groups)]
+    # every row: its group's head, then its own suffix (first token differs within a group)
+    arrays = [np.concatenate([heads[r % groups], [1000 + r], rng.integers(1, 1000, suffix - 1)]) for r in range(rows)]
+    plan = plan_heads(arrays, [r % groups for r in range(rows)], bucket, rows, min_tokens=64)
+    s = step_time.head_split(bucket, head, suffix, rows, groups)
+    assert (plan.head_width, plan.suffix_width, plan.tokens, plan.plain_tokens) == (
+        s.head_width,
+        s.suffix_width,
+        s.tokens,
+        s.plain_tokens,
+    )
+
+
+def test_the_lockstep_prefill_shares_heads_where_the_sampler_does():
+    m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
+    chip = step_time.CHIPS["v5e"]
+    base = _seven_b_on_v5e_8x8(rollout_prompt_tokens=512, sim_seeds=1, val_games_per_host=8, val_every=5)
+    shared = dataclasses.replace(base, shared_head_tokens=105, head_suffix_tokens=236, group_size=8)
+    plain, e = step_time.estimate(m, base, chip), step_time.estimate(m, shared, chip)
+    split = step_time.head_split(512, 105, 236, 8, 1)
+    info = e["schedulers"]["rollout"]["shared_heads"]
+    assert info["applies"] and info["split"]["tokens"] == 2304
+    # every game plays 50 turns: 50 shared prefills, one head row of 256 tokens and 8 suffixes of 256
+    one = step_time.shared_prefill_cost(m, shared, split)
+    flops = m.forward_flops(1, 256, 128, 1) / 4 + m.forward_flops(8, 256, 256 + 128, 1) / 4
+    assert one.flops == pytest.approx(flops, rel=1e-12)
+    assert one.seconds(chip)["bound"] == "compute"
+    lock = e["schedulers"]["rollout"]["lockstep"]["stages_s"]
+    assert lock["prefill"] == pytest.approx(50 * one.seconds(chip)["seconds"], rel=1e-12)
+    # 2304 of 4096 tokens: the prefill costs a little more than 2304 / 4096 of the plain one (two weight passes)
+    ratio = lock["prefill"] / plain["schedulers"]["rollout"]["lockstep"]["stages_s"]["prefill"]
+    assert 0.5 < ratio < 0.62
+    assert e["rollout_s_lockstep"] == pytest.approx(
+        plain["rollout_s_lockstep"]
+        - plain["schedulers"]["rollout"]["lockstep"]["stages_s"]["prefill"]
+        + lock["prefill"]
+    )
+    # the continuous insert and the validation (one game per task) prefill whole prompts
+    assert e["rollout_s_continuous"] == plain["rollout_s_continuous"]
+    assert e["validation_s_lockstep"] == plain["validation_s_lockstep"]
+    assert not e["schedulers"]["validation"]["shared_heads"]["applies"]
+    # a sampler splitting rows over 4 devices (1.5B hosts) shares nothing
+    split_rows = step_time.estimate(m, dataclasses.replace(shared, sampler_tensor=1), chip)
+    assert "splits rows 4 ways" in split_rows["schedulers"]["rollout"]["shared_heads"]["why_not"]
+    assert (
+        split_rows["rollout_s_lockstep"]
+        == step_time.estimate(m, dataclasses.replace(base, sampler_tensor=1), chip)["rollout_s_lockstep"]
+    )
+
+
 @pytest.mark.parametrize(
     "field, value",
-    [("response_sigma", -0.5), ("rollout_prompt_tokens", 4096), ("env_step_s", -1.0), ("insert_buckets", (0, 8))],
+    [
+        ("response_sigma", -0.5),
+        ("rollout_prompt_tokens", 4096),
+        ("env_step_s", -1.0),
+        ("insert_buckets", (0, 8)),
+        ("shared_head_tokens", 2048),
+        ("head_suffix_tokens", 2049),
+        ("group_size", 0),
+    ],
 )
 def test_bad_scheduler_fields_are_named(field, value):
     with pytest.raises(ValueError, match=rf"RunShape\.{field}"):
@@ -182,11 +266,22 @@ def test_the_committed_step_table_is_the_model_of_the_committed_reports():
     from launch import step_table
     from launch._common import ROOT
 
-    rows = step_table.rows(os.path.join(ROOT, "benchmarks", "aot"))
+    rows = step_table.rows(
+        os.path.join(ROOT, "benchmarks", "aot"), os.path.join(ROOT, "benchmarks", "shared_heads.json")
+    )
     committed = json.load(open(os.path.join(ROOT, "benchmarks", "step_time.json")))["rows"]
     assert [r["report"] for r in rows] == [r["report"] for r in committed] and len(rows) == 5
     for new, old in zip(rows, committed):
         assert new["iteration_s_bound"] == pytest.approx(new["committed_iteration_s"], rel=1e-9)
-        for key in ("rollout_s_lockstep", "rollout_s_continuous", "rollout_s_continuous_exact_inserts"):
+        for key in (
+            "rollout_s_lockstep",
+            "rollout_s_continuous",
+            "rollout_s_continuous_exact_inserts",
+            "rollout_s_lockstep_shared_heads",
+            "rollout_s_lockstep_measured_prompts_shared_heads",
+        ):
             assert new[key] == pytest.approx(old[key], rel=1e-9), (new["report"], key)
         assert new["rollout_s_continuous_exact_inserts"] < new["rollout_s_lockstep"] <= new["rollout_s_bound"] * 1.01
+        # prompts at the bucket: no head under P / 2 has a plan; measured prompts: never slower
+        assert new["rollout_s_lockstep_shared_heads"] == new["rollout_s_lockstep"]
+        assert new["rollout_s_lockstep_measured_prompts_shared_heads"] <= new["rollout_s_lockstep_measured_prompts"]
