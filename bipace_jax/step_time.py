@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from bipace_jax import prompt_heads, schedule_sim
+from bipace_jax import schedule_sim
 
 # Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and capacity, bidirectional ICI (NVLink) bandwidth
 # per chip, from the vendors' data sheets (the source of each row is its `source`).
@@ -356,6 +356,20 @@ def prefill_cost(m: ModelShape, r: RunShape, rows: int, tokens: int) -> Cost:
     )
 
 
+# prompt_heads' plan rule (a layer above this module: its values restated; tests check head_split
+# against plan_heads): the smallest suffix width and the largest cost fraction a plan may prefill
+HEAD_MIN_SUFFIX = 16
+HEAD_MAX_COST_FRACTION = 0.75
+
+
+def _suffix_ladder(prompt: int) -> list[int]:
+    out, ts = [], HEAD_MIN_SUFFIX
+    while 2 * ts <= prompt:
+        out.append(ts)
+        ts *= 2
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSplit:
     """The shared-head layout of one lockstep prefill (``prompt_heads.plan_heads`` on equal rows).
@@ -378,9 +392,9 @@ class HeadSplit:
 def head_split(prompt: int, head: int, suffix: int, rows: int, heads: int) -> HeadSplit | None:
     """The split ``plan_heads`` takes for ``rows`` (padded) prompts in a bucket of ``prompt`` tokens, every
     row holding a shared ``head`` and a ``suffix`` of its own (``head + suffix <= prompt``), ``heads``
-    distinct heads: the smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` that holds
-    the suffix (a head longer than Th = P - Ts is cut to Th, its rest joins the suffix), if it prefills
-    at most ``prompt_heads.MAX_COST_FRACTION`` of the plain tokens; else None (no width fits: the
+    distinct heads: the smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` (powers of
+    two from 16 to P / 2) that holds the suffix (a head longer than Th = P - Ts is cut to Th, its rest
+    joins the suffix), if it prefills at most ``prompt_heads.MAX_COST_FRACTION`` (0.75) of the plain tokens; else None (no width fits: the
     suffix is longer than P / 2, or the plan saves too little), and the call prefills plainly.
 
     Raises:
@@ -393,12 +407,12 @@ def head_split(prompt: int, head: int, suffix: int, rows: int, heads: int) -> He
     if not 1 <= heads <= rows:
         raise ValueError(f"head_split: heads must be in [1, rows={rows}], got {heads}")
     head_rows = min(1 << (heads - 1).bit_length(), rows)
-    for ts in prompt_heads.suffix_ladder(prompt):
+    for ts in _suffix_ladder(prompt):
         th = prompt - ts
         # the smallest fitting width is the cheapest: cost = H * P + (B - H) * Ts grows with Ts
         if suffix + max(head - th, 0) <= ts:
             cost = head_rows * th + rows * ts
-            if cost > prompt_heads.MAX_COST_FRACTION * rows * prompt:
+            if cost > HEAD_MAX_COST_FRACTION * rows * prompt:
                 return None
             return HeadSplit(th, ts, head_rows, rows, cost, rows * prompt)
     return None

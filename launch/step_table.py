@@ -77,10 +77,13 @@ def head_lengths(path: str) -> dict[str, tuple[int, int]]:
     return {g: (round(v["head_qwen_later"]), round(v["suffix_qwen_later"])) for g, v in games.items()}
 
 
-def shared_head_rows(m, shape: step_time.RunShape, chip, config, heads: dict[str, tuple[int, int]]) -> dict:
+def shared_head_rows(
+    m, shape: step_time.RunShape, chip, config, heads: dict[str, tuple[int, int]], game: str | None = None
+) -> dict:
     """The lockstep rollout (s per iteration) with and without shared heads: prompts at the committed
-    bucket, and at their measured length's bucket (see the module doc)."""
-    head, suffix = heads[config.env.name]
+    bucket, and at their measured length's bucket (see the module doc); ``game``: another game's
+    head lengths on these shapes (default: the config's)."""
+    head, suffix = heads[game or config.env.name]
     group = int(config.rollout.group_size)
     bucket = next(b for b in config.sampler.length_buckets if b >= head + suffix)
 
@@ -129,6 +132,14 @@ def rows(reports_dir: str, heads_path: str | None = None) -> list[dict]:
         slices = report.get("num_slices", 1)
         config = importlib.import_module(f"configs.{report['config']}").get_config()
         shared = shared_head_rows(m, shape, chip, config, heads) if heads else {}
+        if heads and config.env.name == "alfworld":
+            # TextCraft's paper configs play ALFWorld's loop (50 turns, 2048 + 512 tokens, same meshes):
+            # its prompts on these shapes, as no TextCraft report is committed
+            keep = ("measured_prompt_bucket", "rollout_s_lockstep_measured_prompts")
+            tc = shared_head_rows(m, shape, chip, config, heads, game="textcraft")
+            shared["textcraft_on_these_shapes"] = {
+                k: v for k, v in tc.items() if k.startswith(keep) or "shared_head" in k or k == "head_suffix_tokens"
+            }
         out.append(
             dict(
                 report=os.path.basename(path),

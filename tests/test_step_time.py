@@ -187,7 +187,12 @@ def test_head_split_hand_cases():
 
 @pytest.mark.parametrize("rows, groups, head, suffix, bucket", [(8, 1, 105, 236, 512), (32, 4, 475, 118, 1024)])
 def test_head_split_is_what_plan_heads_takes_for_equal_rows(rows, groups, head, suffix, bucket):
+    from bipace_jax import prompt_heads
     from bipace_jax.prompt_heads import plan_heads
+
+    assert step_time.HEAD_MIN_SUFFIX == prompt_heads.MIN_SUFFIX
+    assert step_time.HEAD_MAX_COST_FRACTION == prompt_heads.MAX_COST_FRACTION
+    assert step_time._suffix_ladder(bucket) == list(prompt_heads.suffix_ladder(bucket))
 
     rng = np.random.default_rng(0)
     heads = [rng.integers(1, 1000, head) for _ in range(groups)]
