@@ -394,8 +394,9 @@ def head_split(prompt: int, head: int, suffix: int, rows: int, heads: int) -> He
     row holding a shared ``head`` and a ``suffix`` of its own (``head + suffix <= prompt``), ``heads``
     distinct heads: the smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` (powers of
     two from 16 to P / 2) that holds the suffix (a head longer than Th = P - Ts is cut to Th, its rest
-    joins the suffix), if it prefills at most ``prompt_heads.MAX_COST_FRACTION`` (0.75) of the plain tokens; else None (no width fits: the
-    suffix is longer than P / 2, or the plan saves too little), and the call prefills plainly.
+    joins the suffix), if it prefills at most ``prompt_heads.MAX_COST_FRACTION`` (0.75) of the plain
+    tokens; else None (no width fits: the suffix is longer than P / 2, or the plan saves too little),
+    and the call prefills plainly.
 
     Raises:
       ValueError: ``head`` < 1, ``suffix`` < 1, ``head + suffix > prompt``, ``heads`` not in [1, rows].
