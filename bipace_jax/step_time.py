@@ -357,8 +357,9 @@ def prefill_cost(m: ModelShape, r: RunShape, rows: int, tokens: int) -> Cost:
 
 
 # prompt_heads' plan rule (a layer above this module: its values restated; tests check head_split
-# against plan_heads): the smallest suffix width and the largest cost fraction a plan may prefill
-HEAD_MIN_SUFFIX = 16
+# against plan_heads): the suffix widths (32, 128, 512, ...) and the largest cost fraction of a plan
+HEAD_MIN_SUFFIX = 32
+HEAD_SUFFIX_STEP = 4
 HEAD_MAX_COST_FRACTION = 0.75
 
 
@@ -366,7 +367,7 @@ def _suffix_ladder(prompt: int) -> list[int]:
     out, ts = [], HEAD_MIN_SUFFIX
     while 2 * ts <= prompt:
         out.append(ts)
-        ts *= 2
+        ts *= HEAD_SUFFIX_STEP
     return out
 
 
@@ -376,7 +377,7 @@ class HeadSplit:
 
     Attributes:
       head_width, suffix_width: Th and Ts (tokens), ``Th + Ts`` = the prompt bucket P.
-      head_rows: H_bucket, the heads padded to a power of two (at most the row bucket).
+      head_rows: H_bucket, the heads padded to the sampler's batch bucket (at most the row bucket).
       rows: B_bucket, the padded rows.
       tokens, plain_tokens: padded tokens prefilled, ``H_bucket * Th + B_bucket * Ts``, and ``B_bucket * P``.
     """
@@ -389,25 +390,25 @@ class HeadSplit:
     plain_tokens: int
 
 
-def head_split(prompt: int, head: int, suffix: int, rows: int, heads: int) -> HeadSplit | None:
+def head_split(prompt: int, head: int, suffix: int, rows: int, head_rows: int) -> HeadSplit | None:
     """The split ``plan_heads`` takes for ``rows`` (padded) prompts in a bucket of ``prompt`` tokens, every
-    row holding a shared ``head`` and a ``suffix`` of its own (``head + suffix <= prompt``), ``heads``
-    distinct heads: the smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` (powers of
-    two from 16 to P / 2) that holds the suffix (a head longer than Th = P - Ts is cut to Th, its rest
+    row holding a shared ``head`` and a ``suffix`` of its own (``head + suffix <= prompt``), the distinct
+    heads padded to ``head_rows`` (the sampler's batch bucket of their count, at most ``rows``): the
+    smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` (32, 128, 512, ... up to P / 2)
+    that holds the suffix (a head longer than Th = P - Ts is cut to Th, its rest
     joins the suffix), if it prefills at most ``prompt_heads.MAX_COST_FRACTION`` (0.75) of the plain
     tokens; else None (no width fits: the suffix is longer than P / 2, or the plan saves too little),
     and the call prefills plainly.
 
     Raises:
-      ValueError: ``head`` < 1, ``suffix`` < 1, ``head + suffix > prompt``, ``heads`` not in [1, rows].
+      ValueError: ``head`` < 1, ``suffix`` < 1, ``head + suffix > prompt``, ``head_rows`` not in [1, rows].
     """
     if head < 1 or suffix < 1 or head + suffix > prompt:
         raise ValueError(
             f"head_split: need head >= 1, suffix >= 1, head + suffix <= prompt={prompt}, got {head}, {suffix}"
         )
-    if not 1 <= heads <= rows:
-        raise ValueError(f"head_split: heads must be in [1, rows={rows}], got {heads}")
-    head_rows = min(1 << (heads - 1).bit_length(), rows)
+    if not 1 <= head_rows <= rows:
+        raise ValueError(f"head_split: head_rows must be in [1, rows={rows}], got {head_rows}")
     for ts in _suffix_ladder(prompt):
         th = prompt - ts
         # the smallest fitting width is the cheapest: cost = H * P + (B - H) * Ts grows with Ts
@@ -509,7 +510,7 @@ def rollout_model(
 
     With ``share_heads`` and ``r.shared_head_tokens`` > 0 on a host whose sampler does not split rows,
     a lockstep prefill of n games is the shared-head prefill (`head_split`, `shared_prefill_cost`) with
-    ``ceil(n / r.group_size)`` heads when ``plan_heads`` would take it; the continuous insert never
+    ``ceil(n / r.group_size)`` heads (padded to a batch bucket) when ``plan_heads`` would take it; the continuous insert never
     shares heads (``SlotSampler.insert`` prefills every row whole).
 
     Returns a JSON-ready dict: per scheduler the mean ``wall_s``, ``decode_steps``, ``slot_use``,
@@ -534,14 +535,13 @@ def rollout_model(
             return None, "off (group_size 1)"
         per_call = min(rows, largest)
         head = min(r.shared_head_tokens, tokens - 1)
-        split = head_split(
-            tokens,
-            head,
-            r.head_suffix_tokens or tokens - head,
-            _row_bucket(per_call, r.batch_buckets, dp_local),
-            -(-per_call // r.group_size),
-        )
-        return split, "" if split is not None else "no plan (no suffix width up to P / 2 holds it, or saves < 25%)"
+        padded = _row_bucket(per_call, r.batch_buckets, dp_local)
+        # the sampler pads the heads to its batch bucket (`Sampler._head_batch`): one group of 8 fills 8 rows
+        head_rows = min(_row_bucket(-(-per_call // r.group_size), r.batch_buckets, dp_local), padded)
+        split = head_split(tokens, head, r.head_suffix_tokens or tokens - head, padded, head_rows)
+        if split is None:
+            return None, "no plan (no suffix width up to P / 2 holds the suffix, or it saves < 25%)"
+        return split, ""
 
     def lock_prefill(rows, tokens):
         calls = -(-rows // largest)

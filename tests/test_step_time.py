@@ -165,68 +165,81 @@ def test_the_dense_slot_cache_is_charged_when_prompts_are_shorter_than_the_bucke
 
 
 def test_head_split_hand_cases():
-    # ALFWorld at a 512 bucket, one group of 8: Ts = 256 holds the 236-token suffix, Th = 256;
-    # 1 x 256 + 8 x 256 = 2304 of 8 x 512 = 4096 tokens
-    s = step_time.head_split(512, 105, 236, rows=8, heads=1)
-    assert (s.head_width, s.suffix_width, s.head_rows, s.tokens, s.plain_tokens) == (256, 256, 1, 2304, 4096)
-    # TextCraft at 1024: Ts = 128 holds 118; 896 + 8 x 128 = 1920 of 8192
-    s = step_time.head_split(1024, 475, 118, rows=8, heads=1)
-    assert (s.head_width, s.suffix_width, s.tokens) == (896, 128, 1920)
-    # a head longer than Th = 384 is cut: its 16 extra tokens join the 100-token suffix, still within 128
-    s = step_time.head_split(512, 400, 100, rows=8, heads=1)
-    assert (s.head_width, s.suffix_width, s.tokens) == (384, 128, 384 + 8 * 128)
-    # 4 groups of 8 on 32 rows: H = 4 heads; 3 heads pad to 4
-    assert step_time.head_split(512, 105, 236, rows=32, heads=4).tokens == 4 * 256 + 32 * 256
-    assert step_time.head_split(512, 105, 236, rows=32, heads=3).head_rows == 4
-    # WebShop: a 305-token suffix fits no width up to P / 2 = 256; 8 heads of 8 rows save too little
-    assert step_time.head_split(512, 110, 305, rows=8, heads=1) is None
-    assert step_time.head_split(512, 200, 250, rows=8, heads=8) is None  # 4096 > 0.75 x 4096
+    # TextCraft at a 1024 bucket, 4 groups of 8 on 32 rows (heads padded to the 8-row batch bucket):
+    # Ts 128 holds the 118-token suffix, Th 896; 8 x 896 + 32 x 128 = 11264 of 32 x 1024 = 32768 tokens
+    s = step_time.head_split(1024, 475, 118, rows=32, head_rows=8)
+    assert (s.head_width, s.suffix_width, s.head_rows, s.tokens, s.plain_tokens) == (896, 128, 8, 11264, 32768)
+    # one group of 8 on 8 rows: its head fills all 8 head rows, 8 x 896 + 8 x 128 = the plain 8192: no plan
+    assert step_time.head_split(1024, 475, 118, rows=8, head_rows=8) is None
+    # the smallest width that holds the suffix: 20 + the 8 head tokens past Th 992 fit Ts 32
+    s = step_time.head_split(1024, 1000, 20, rows=32, head_rows=8)
+    assert (s.head_width, s.suffix_width, s.tokens) == (992, 32, 8 * 992 + 32 * 32)
+    # a head longer than Th 384 is cut: its 16 extra tokens join the 100-token suffix, within 128
+    s = step_time.head_split(512, 400, 100, rows=32, head_rows=8)
+    assert (s.head_width, s.suffix_width, s.tokens) == (384, 128, 8 * 384 + 32 * 128)
+    # ALFWorld at 512: widths 32 and 128 only (512 is not <= P / 2), the 236-token suffix fits neither
+    assert step_time.head_split(512, 105, 236, rows=32, head_rows=8) is None
     with pytest.raises(ValueError, match="head_split"):
-        step_time.head_split(512, 300, 300, rows=8, heads=1)
+        step_time.head_split(512, 300, 300, rows=8, head_rows=8)
+    with pytest.raises(ValueError, match="head_rows"):
+        step_time.head_split(512, 100, 100, rows=8, head_rows=16)
 
 
-@pytest.mark.parametrize("rows, groups, head, suffix, bucket", [(8, 1, 105, 236, 512), (32, 4, 475, 118, 1024)])
+@pytest.mark.parametrize(
+    "rows, groups, head, suffix, bucket",
+    [(32, 4, 475, 118, 1024), (32, 4, 400, 100, 512), (8, 1, 475, 118, 1024), (32, 4, 105, 236, 512)],
+)
 def test_head_split_is_what_plan_heads_takes_for_equal_rows(rows, groups, head, suffix, bucket):
     from bipace_jax import prompt_heads
     from bipace_jax.prompt_heads import plan_heads
 
     assert step_time.HEAD_MIN_SUFFIX == prompt_heads.MIN_SUFFIX
+    assert step_time.HEAD_SUFFIX_STEP == prompt_heads.SUFFIX_STEP
     assert step_time.HEAD_MAX_COST_FRACTION == prompt_heads.MAX_COST_FRACTION
     assert step_time._suffix_ladder(bucket) == list(prompt_heads.suffix_ladder(bucket))
+    buckets = (8, 16, 32, 64, 128)  # the paper configs' sampler.batch_buckets
+
+    def head_bucket(n):
+        return next(b for b in buckets if b >= n)
 
     rng = np.random.default_rng(0)
     heads = [rng.integers(1, 1000, head) for _ in range(groups)]
     # every row: its group's head, then its own suffix (first token differs within a group)
     arrays = [np.concatenate([heads[r % groups], [1000 + r], rng.integers(1, 1000, suffix - 1)]) for r in range(rows)]
-    plan = plan_heads(arrays, [r % groups for r in range(rows)], bucket, rows, min_tokens=64)
-    s = step_time.head_split(bucket, head, suffix, rows, groups)
-    assert (plan.head_width, plan.suffix_width, plan.tokens, plan.plain_tokens) == (
-        s.head_width,
-        s.suffix_width,
-        s.tokens,
-        s.plain_tokens,
-    )
+    plan = plan_heads(arrays, [r % groups for r in range(rows)], bucket, rows, min_tokens=64, head_bucket=head_bucket)
+    s = step_time.head_split(bucket, head, suffix, rows, min(head_bucket(groups), rows))
+    assert (plan is None) == (s is None)
+    if plan is not None:
+        assert (plan.head_width, plan.suffix_width, plan.tokens, plan.plain_tokens) == (
+            s.head_width,
+            s.suffix_width,
+            s.tokens,
+            s.plain_tokens,
+        )
 
 
 def test_the_lockstep_prefill_shares_heads_where_the_sampler_does():
     m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
     chip = step_time.CHIPS["v5e"]
-    base = _seven_b_on_v5e_8x8(rollout_prompt_tokens=512, sim_seeds=1, val_games_per_host=8, val_every=5)
-    shared = dataclasses.replace(base, shared_head_tokens=105, head_suffix_tokens=236, group_size=8)
+    # 32 games (4 groups of 8) per host at TextCraft's measured lengths in the 1024 bucket
+    base = _seven_b_on_v5e_8x8(
+        games_per_host=32, rollout_prompt_tokens=1024, sim_seeds=1, val_games_per_host=8, val_every=5
+    )
+    shared = dataclasses.replace(base, shared_head_tokens=475, head_suffix_tokens=118, group_size=8)
     plain, e = step_time.estimate(m, base, chip), step_time.estimate(m, shared, chip)
-    split = step_time.head_split(512, 105, 236, 8, 1)
+    split = step_time.head_split(1024, 475, 118, 32, 8)
     info = e["schedulers"]["rollout"]["shared_heads"]
-    assert info["applies"] and info["split"]["tokens"] == 2304
-    # every game plays 50 turns: 50 shared prefills, one head row of 256 tokens and 8 suffixes of 256
+    assert info["applies"] and info["split"]["tokens"] == 11264
+    # every game plays 50 turns: 50 shared prefills, 8 head rows of 896 tokens and 32 suffixes of 128
     one = step_time.shared_prefill_cost(m, shared, split)
-    flops = m.forward_flops(1, 256, 128, 1) / 4 + m.forward_flops(8, 256, 256 + 128, 1) / 4
+    flops = m.forward_flops(8, 896, 448, 1) / 4 + m.forward_flops(32, 128, 896 + 64, 1) / 4
     assert one.flops == pytest.approx(flops, rel=1e-12)
     assert one.seconds(chip)["bound"] == "compute"
     lock = e["schedulers"]["rollout"]["lockstep"]["stages_s"]
     assert lock["prefill"] == pytest.approx(50 * one.seconds(chip)["seconds"], rel=1e-12)
-    # 2304 of 4096 tokens: the prefill costs a little more than 2304 / 4096 of the plain one (two weight passes)
+    # 11264 of 32768 tokens (0.34); the suffixes attend to the 896 head columns, so a little more
     ratio = lock["prefill"] / plain["schedulers"]["rollout"]["lockstep"]["stages_s"]["prefill"]
-    assert 0.5 < ratio < 0.62
+    assert 0.34 < ratio < 0.42, ratio
     assert e["rollout_s_lockstep"] == pytest.approx(
         plain["rollout_s_lockstep"]
         - plain["schedulers"]["rollout"]["lockstep"]["stages_s"]["prefill"]
@@ -236,6 +249,9 @@ def test_the_lockstep_prefill_shares_heads_where_the_sampler_does():
     assert e["rollout_s_continuous"] == plain["rollout_s_continuous"]
     assert e["validation_s_lockstep"] == plain["validation_s_lockstep"]
     assert not e["schedulers"]["validation"]["shared_heads"]["applies"]
+    # one group of 8 on a host: its head pads to the 8-row bucket, no saving, no plan
+    one_group = step_time.estimate(m, dataclasses.replace(shared, games_per_host=8), chip)
+    assert "no plan" in one_group["schedulers"]["rollout"]["shared_heads"]["why_not"]
     # a sampler splitting rows over 4 devices (1.5B hosts) shares nothing
     split_rows = step_time.estimate(m, dataclasses.replace(shared, sampler_tensor=1), chip)
     assert "splits rows 4 ways" in split_rows["schedulers"]["rollout"]["shared_heads"]["why_not"]
