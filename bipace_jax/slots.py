@@ -10,8 +10,8 @@ S = T_max + M columns per slot, and two jitted programs update the slot state in
   slot finishes, so the host can hand that response to its game while the others keep decoding.
 
 Each slot keeps its own write index (``KVCache.index`` is int32[NS] here): the actor's
-``decode_step`` runs once per slot under ``jax.vmap`` on a one-row view of the cache, so the model
-is unchanged. A slot draws token j from ``fold_in(row_key, j)``, the lockstep sampler's rule, so
+``decode_step`` takes the per-row index and writes row b at column ``index[b]`` (one scatter per
+layer; a ``jax.vmap`` over one-row cache views made a step ~40% dearer at 16 slots on CPU). A slot draws token j from ``fold_in(row_key, j)``, the lockstep sampler's rule, so
 with the same per-(game, turn) keys both schedulers draw the same tokens (up to float summation
 order over masked cache columns).
 
@@ -131,28 +131,6 @@ def _insert_program(
     )
 
 
-def _slot_step(actor, tokens, cache):
-    """``actor.decode_step`` per slot (vmapped over one-row views): each slot writes at its own index."""
-
-    def one(token, row):
-        view = row.replace(
-            k=tuple(x[None] for x in row.k),
-            v=tuple(x[None] for x in row.v),
-            slot_mask=row.slot_mask[None],
-            lengths=row.lengths[None],
-        )
-        logits, new = actor.decode_step(token[None], view)
-        new = new.replace(
-            k=tuple(x[0] for x in new.k),
-            v=tuple(x[0] for x in new.v),
-            slot_mask=new.slot_mask[0],
-            lengths=new.lengths[0],
-        )
-        return logits[0], new
-
-    return jax.vmap(one)(tokens, cache)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 4), donate_argnums=(3,))
 def _decode_chunk_program(
     graphdef, static: StaticSettings, state, slots: SlotState, chunk: int, temperature, table, stop_lens, eos_ids
@@ -171,7 +149,7 @@ def _decode_chunk_program(
 
     def body(carry):
         i, s, _ = carry
-        logits, cache = _slot_step(actor, s.last, s.cache)
+        logits, cache = actor.decode_step(s.last, s.cache)  # index int32[NS]: each slot at its own column
         # A finished or empty slot's cache is not read again before an insert rewrites it; keep its
         # index in range anyway.
         cache = cache.replace(index=jnp.where(s.done, s.cache.index, cache.index))
@@ -252,16 +230,31 @@ class SlotSampler:
         self.t_max = sampler.length_bucket(max_prompt)
         #: decode steps run and busy-slot steps (for slot use), summed over calls
         self.counters = dict(decode_steps=0, chunk_calls=0, insert_calls=0)
+        self._bound: tuple | None = None  # (actor, graphdef, state, static, consts, temperature, vocab)
 
     def _static(self, vocab: int) -> StaticSettings:
         s = self.sampler
         return StaticSettings.of(s.config, self.t_max, s.pad_id, min(s.vocab_size, vocab))
 
+    def _bind(self, actor) -> tuple:
+        """(graphdef, state, static, consts, temperature) of ``actor``, split once per ``actor`` object.
+
+        ``nnx.split`` walks the whole module graph (about 7 ms a call for the 4-layer bench model on
+        CPU, more than a decode step), so it is not redone per insert / chunk: the slot programs read the
+        weights ``actor`` had when this sampler first saw it (make a new ``SlotSampler`` after an update).
+        """
+        if self._bound is None or self._bound[0] is not actor:
+            s = self.sampler
+            vocab = s._actor_vocab(actor)
+            graphdef, state = nnx.split(actor)
+            temp = jnp.float32(s.config.temperature)
+            self._bound = (actor, graphdef, state, self._static(vocab), tuple(s._consts(vocab)), temp, vocab)
+        return self._bound[1:-1]
+
     def empty(self, actor) -> SlotState:
         """NS empty slots (all ``done``)."""
-        vocab = self.sampler._actor_vocab(actor)
-        graphdef, state = nnx.split(actor)
-        return _empty(graphdef, self._static(vocab), state, self.num_slots, len(self.sampler.config.stop_strings))
+        graphdef, state, static, _, _ = self._bind(actor)
+        return _empty(graphdef, static, state, self.num_slots, len(self.sampler.config.stop_strings))
 
     def insert(self, actor, slots: SlotState, prompts: Sequence[Sequence[int]], slot_ids: Sequence[int], row_keys):
         """Prefills ``prompts`` into the free slots ``slot_ids`` (one each); ``row_keys`` uint32[I, 2].
@@ -269,8 +262,8 @@ class SlotSampler:
         Returns the new ``SlotState`` (``slots`` is donated: do not use it again).
         """
         s = self.sampler
-        vocab = s._actor_vocab(actor)
-        arrays = s._validate(list(prompts), vocab)
+        graphdef, state, static, consts, temp = self._bind(actor)
+        arrays = s._validate(list(prompts), self._bound[-1])
         t = s.length_bucket(max(a.size for a in arrays))
         ids, mask, _ = s.prepare_batch(arrays, t)
         b = ids.shape[0]
@@ -278,27 +271,26 @@ class SlotSampler:
         sid[: len(arrays)] = slot_ids
         keys = np.zeros((b, 2), np.uint32)
         keys[: len(arrays)] = row_keys
-        graphdef, state = nnx.split(actor)
-        consts = s._consts(vocab)
-        static = self._static(vocab)
-        spec = insert_spec(graphdef, state, static, slots, batch=b, prompt_len=t, consts=consts)
         self.counters["insert_calls"] += 1
-        temp = jnp.float32(s.config.temperature)
-        return spec(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
+        # the jitted program itself (``insert_spec`` describes it): building a spec per call costs ~2 ms
+        return _insert_program(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
 
-    def decode_chunk(self, actor, slots: SlotState) -> tuple[SlotState, int]:
-        """Up to ``chunk`` steps of every busy slot (leaving when one finishes); returns (slots, steps run)."""
-        s = self.sampler
-        vocab = s._actor_vocab(actor)
-        graphdef, state = nnx.split(actor)
-        consts = s._consts(vocab)
-        static = self._static(vocab)
-        spec = decode_chunk_spec(graphdef, state, static, slots, chunk=self.chunk, consts=consts)
-        slots, steps = spec(graphdef, static, state, slots, self.chunk, jnp.float32(s.config.temperature), *consts)
+    def decode_chunk(self, actor, slots: SlotState, wait: bool = True) -> tuple[SlotState, Any]:
+        """Up to ``chunk`` steps of every busy slot (leaving when one finishes).
+
+        Returns (slots, steps run): an int with ``wait``; without, the program is only dispatched and
+        steps is its int32[] device scalar, for ``steps_run`` to wait on (the host works meanwhile).
+        """
+        graphdef, state, static, consts, temp = self._bind(actor)
+        slots, steps = _decode_chunk_program(graphdef, static, state, slots, self.chunk, temp, *consts)
+        self.counters["chunk_calls"] += 1
+        return (slots, self.steps_run(steps)) if wait else (slots, steps)
+
+    def steps_run(self, steps) -> int:
+        """Waits for a dispatched chunk (``decode_chunk(..., wait=False)``'s steps), counts and returns its steps."""
         steps = int(steps)
         self.counters["decode_steps"] += steps
-        self.counters["chunk_calls"] += 1
-        return slots, steps
+        return steps
 
     @staticmethod
     def read(slots: SlotState, slot_ids: Sequence[int]):
