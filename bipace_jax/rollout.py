@@ -711,19 +711,27 @@ def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, samp
 def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, labeler) -> None:
     """Plays every live game to its end on a ``SlotSampler``: a game whose response is done is submitted to
     the pool (``EnvPool.submit``) and its slot freed while the other slots keep decoding; answered games
-    (``EnvPool.poll``, between decode chunks) wait for a free slot, where their next prompt goes."""
+    (``EnvPool.poll``) wait for a free slot, where their next prompt goes.
+
+    Each round: poll the pool and tokenize the answered games' next prompts while the last dispatched
+    decode chunk runs; wait for it; read the finished rows; insert waiting prompts into the free slots;
+    dispatch the next chunk; then parse the finished responses and submit their env steps while it runs.
+    Inserts are not waited for, so ``timing["prefill_s"]`` is their host time and their device time
+    lands in ``decode_s`` (the wait for the chunk queued behind them).
+    """
     n_slots = rcfg.num_slots or min(len(state.episodes), sampler.config.batch_buckets[-1])
     slot_sampler = SlotSampler(sampler, n_slots, rcfg.max_prompt_length, rcfg.chunk_steps)
     max_new = int(sampler.config.max_new_tokens)
     t0, env_s0 = time.perf_counter(), state.timing["env_s"]
     slots = slot_sampler.empty(actor)
     pending = collections.deque(state.live)  # games waiting for a slot, in order
+    prepared: dict[int, list[int]] = {}  # a waiting game's next prompt, tokenized ahead
     slot_env = [-1] * n_slots
     stepping: dict[int, tuple[int, _Reply]] = {}  # pool ticket -> (env, its reply)
-    busy_steps = 0
+    busy_steps, in_flight = 0, None  # in_flight: (steps device scalar, busy slots) of the dispatched chunk
     while pending or stepping or any(e >= 0 for e in slot_env):
         if stepping:  # take the answered games; wait for one only when no slot has work
-            idle = not pending and all(e < 0 for e in slot_env)
+            idle = in_flight is None and not pending and all(e < 0 for e in slot_env)
             t1 = time.perf_counter()
             answered = pool.poll(timeout=None if idle else 0.0)
             state.timing["env_s"] += time.perf_counter() - t1
@@ -731,11 +739,26 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
                 i, rep = stepping.pop(ticket)
                 if _book(state, i, rep, res, rcfg, max_new):
                     pending.append(i)
+                    prepared[i] = _turn_prompts(state, tokenizer, rcfg, [i])[0]  # overlaps the running chunk
+        if in_flight is not None:
+            t1 = time.perf_counter()
+            busy_steps += in_flight[1] * slot_sampler.steps_run(in_flight[0])
+            state.timing["decode_s"] += time.perf_counter() - t1
+            in_flight = None
+        done = np.array(slots.done)  # synced: no chunk is in flight here (a writable copy)
+        ready = [k for k, e in enumerate(slot_env) if e >= 0 and done[k]]
+        finished = None
+        if ready:  # read before the next chunk: its call donates ``slots``
+            finished = [slot_env[k] for k in ready], slot_sampler.read(slots, ready)
+            for k in ready:
+                slot_env[k] = -1
         free = [k for k, e in enumerate(slot_env) if e < 0]
         if pending and free:
             envs = [pending.popleft() for _ in range(min(len(pending), len(free)))]
             ids = free[: len(envs)]
-            prompts = _turn_prompts(state, tokenizer, rcfg, envs)
+            late = [i for i in envs if i not in prepared]
+            prepared.update(zip(late, _turn_prompts(state, tokenizer, rcfg, late)))
+            prompts = [prepared.pop(i) for i in envs]
             for k, i, p in zip(ids, envs, prompts):
                 slot_env[k] = i
                 state.prompts[i] = p
@@ -745,26 +768,17 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
                     state.labels[i] = lab
             keys = turn_keys(state.keys[envs], [state.episodes[i].length for i in envs])
             t1 = time.perf_counter()
+            # not waited for: the chunk below queues behind it, the host goes on to the replies
             slots = slot_sampler.insert(actor, slots, prompts, ids, keys)
-            slots.done.block_until_ready()
             state.timing["prefill_s"] += time.perf_counter() - t1
-        if all(e < 0 for e in slot_env):
+            done[ids] = False  # unknown until the chunk: one ending at its first token makes it run 0 steps
+        busy = sum(e >= 0 for e in slot_env)
+        if any(e >= 0 and not done[k] for k, e in enumerate(slot_env)):
+            slots, steps = slot_sampler.decode_chunk(actor, slots, False)
+            in_flight = (steps, busy)
+        if finished is None:
             continue
-        done = np.asarray(slots.done)
-        if not any(e >= 0 and done[k] for k, e in enumerate(slot_env)):
-            t1 = time.perf_counter()
-            busy = sum(e >= 0 for e in slot_env)
-            slots, steps = slot_sampler.decode_chunk(actor, slots)
-            busy_steps += busy * steps
-            state.timing["decode_s"] += time.perf_counter() - t1
-            done = np.asarray(slots.done)
-        ready = [k for k, e in enumerate(slot_env) if e >= 0 and done[k]]
-        if not ready:
-            continue
-        tokens, lengths, logps, fps = slot_sampler.read(slots, ready)
-        envs = [slot_env[k] for k in ready]
-        for k in ready:
-            slot_env[k] = -1
+        envs, (tokens, lengths, logps, fps) = finished
         out = SampleOutput(tokens, lengths, logps, fps)
         prompts, labels = [state.prompts[i] for i in envs], [state.labels[i] for i in envs]
         replies = _replies(out, prompts, labels, sampler, tokenizer, rcfg)
@@ -782,6 +796,8 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
         decode_steps=c["decode_steps"],
         busy_steps=busy_steps,
         slot_steps=c["decode_steps"] * n_slots,
+        chunks=c["chunk_calls"],
+        inserts=c["insert_calls"],
     )
 
 
@@ -992,7 +1008,8 @@ def _result(
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     host_stats = _episode_stats(state.stats, rows, state.episodes, len(state.rows), reset_faults)
     if state.slot_stats:
-        timing["decode_steps"] = float(state.slot_stats["decode_steps"])
+        for k in ("decode_steps", "chunks", "inserts"):
+            timing[k] = float(state.slot_stats[k])
         # busy slot-steps over slot-steps offered: pools over hosts as a rate
         use = (float(state.slot_stats["busy_steps"]), float(state.slot_stats["slot_steps"]))
         host_stats = dataclasses.replace(host_stats, rates={**host_stats.rates, "slot_use": use})

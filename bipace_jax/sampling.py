@@ -869,11 +869,12 @@ class Sampler:
         mask[h:, -1] = 1
         return ids, mask
 
-    def prepare_batch(self, arrays: Sequence[np.ndarray], t_bucket: int):
+    def prepare_batch(self, arrays: Sequence[np.ndarray], t_bucket: int, batch: int | None = None):
         """Left-pads prompts into the bucket: (input_ids int32[Bb, T], attention_mask int32[Bb, T],
-        row_mask bool[Bb]). Padding rows hold one pad token so no attention row is empty."""
+        row_mask bool[Bb]), Bb = ``batch`` or ``batch_bucket(len(arrays))``. Padding rows hold one pad
+        token so no attention row is empty."""
         n = len(arrays)
-        b_bucket = self.batch_bucket(n)
+        b_bucket = self.batch_bucket(n) if batch is None else batch
         ids = np.full((b_bucket, t_bucket), self.pad_id, np.int32)
         mask = np.zeros((b_bucket, t_bucket), np.int32)
         for i, a in enumerate(arrays):

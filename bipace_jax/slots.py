@@ -10,8 +10,8 @@ S = T_max + M columns per slot, and two jitted programs update the slot state in
   slot finishes, so the host can hand that response to its game while the others keep decoding.
 
 Each slot keeps its own write index (``KVCache.index`` is int32[NS] here): the actor's
-``decode_step`` runs once per slot under ``jax.vmap`` on a one-row view of the cache, so the model
-is unchanged. A slot draws token j from ``fold_in(row_key, j)``, the lockstep sampler's rule, so
+``decode_step`` takes the per-row index and writes row b at column ``index[b]`` (one scatter per
+layer; a ``jax.vmap`` over one-row cache views made a step ~40% dearer at 16 slots on CPU). A slot draws token j from ``fold_in(row_key, j)``, the lockstep sampler's rule, so
 with the same per-(game, turn) keys both schedulers draw the same tokens (up to float summation
 order over masked cache columns).
 
@@ -174,28 +174,6 @@ def _insert_program(
     return _pin(new)
 
 
-def _slot_step(actor, tokens, cache):
-    """``actor.decode_step`` per slot (vmapped over one-row views): each slot writes at its own index."""
-
-    def one(token, row):
-        view = row.replace(
-            k=tuple(x[None] for x in row.k),
-            v=tuple(x[None] for x in row.v),
-            slot_mask=row.slot_mask[None],
-            lengths=row.lengths[None],
-        )
-        logits, new = actor.decode_step(token[None], view)
-        new = new.replace(
-            k=tuple(x[0] for x in new.k),
-            v=tuple(x[0] for x in new.v),
-            slot_mask=new.slot_mask[0],
-            lengths=new.lengths[0],
-        )
-        return logits[0], new
-
-    return jax.vmap(one)(tokens, cache)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 4), donate_argnums=(3,))
 def _decode_chunk_program(
     graphdef, static: StaticSettings, state, slots: SlotState, chunk: int, temperature, table, stop_lens, eos_ids
@@ -214,7 +192,7 @@ def _decode_chunk_program(
 
     def body(carry):
         i, s, _ = carry
-        logits, cache = _slot_step(actor, s.last, s.cache)
+        logits, cache = actor.decode_step(s.last, s.cache)  # index int32[NS]: each slot at its own column
         # A finished or empty slot's cache is not read again before an insert rewrites it; keep its
         # index in range anyway.
         cache = cache.replace(index=jnp.where(s.done, s.cache.index, cache.index))
@@ -319,11 +297,20 @@ class SlotSampler:
         self.sampler, self.num_slots, self.chunk = sampler, num_slots, chunk
         self.mesh = sampler.mesh
         dp = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in batch_axes(self.mesh)]))
+        self.dp = dp
         #: the slot state's rows: NS rounded up to the mesh's batch shards (NS without a mesh)
         self.rows = -(-num_slots // dp) * dp
         self.t_max = sampler.length_bucket(max_prompt)
         #: decode steps run and busy-slot steps (for slot use), summed over calls
         self.counters = dict(decode_steps=0, chunk_calls=0, insert_calls=0)
+        self._bound: tuple | None = None  # (actor, graphdef, state, static, consts, temperature, vocab)
+
+    def insert_rows(self, n: int) -> int:
+        """The padded rows of an insert of ``n`` prompts: the power of two >= n, rounded up to the mesh's
+        batch shards, at most ``rows`` (not the sampler's batch buckets: a game that frees one slot
+        would otherwise pay a whole bucket's prefill, 8 rows in the paper configs)."""
+        b = 1 << max(0, (n - 1).bit_length())
+        return min(-(-b // self.dp) * self.dp, self.rows)
 
     def _placed(self):
         """The sampler's mesh as the current mesh (the models' sharding constraints read it), if any."""
@@ -333,12 +320,26 @@ class SlotSampler:
         s = self.sampler
         return StaticSettings.of(s.config, self.t_max, s.pad_id, min(s.vocab_size, vocab))
 
+    def _bind(self, actor) -> tuple:
+        """(graphdef, state, static, consts, temperature) of ``actor``, split once per ``actor`` object.
+
+        ``nnx.split`` walks the whole module graph (about 7 ms a call for the 4-layer bench model on
+        CPU, more than a decode step), so it is not redone per insert / chunk: the slot programs read the
+        weights ``actor`` had when this sampler first saw it (make a new ``SlotSampler`` after an update).
+        """
+        if self._bound is None or self._bound[0] is not actor:
+            s = self.sampler
+            vocab = s._actor_vocab(actor)
+            graphdef, state = nnx.split(actor)
+            temp = jnp.float32(s.config.temperature)
+            self._bound = (actor, graphdef, state, self._static(vocab), tuple(s._consts(vocab)), temp, vocab)
+        return self._bound[1:-1]
+
     def empty(self, actor) -> SlotState:
         """NS empty slots (all ``done``)."""
-        vocab = self.sampler._actor_vocab(actor)
-        graphdef, state = nnx.split(actor)
+        graphdef, state, static, _, _ = self._bind(actor)
         with self._placed():
-            return _empty(graphdef, self._static(vocab), state, self.rows, len(self.sampler.config.stop_strings))
+            return _empty(graphdef, static, state, self.rows, len(self.sampler.config.stop_strings))
 
     def insert(self, actor, slots: SlotState, prompts: Sequence[Sequence[int]], slot_ids: Sequence[int], row_keys):
         """Prefills ``prompts`` into the free slots ``slot_ids`` (one each); ``row_keys`` uint32[I, 2].
@@ -346,42 +347,41 @@ class SlotSampler:
         Returns the new ``SlotState`` (``slots`` is donated: do not use it again).
         """
         s = self.sampler
-        vocab = s._actor_vocab(actor)
-        arrays = s._validate(list(prompts), vocab)
+        graphdef, state, static, consts, temp = self._bind(actor)
+        arrays = s._validate(list(prompts), self._bound[-1])
         t = s.length_bucket(max(a.size for a in arrays))
-        ids, mask, _ = s.prepare_batch(arrays, t)
+        ids, mask, _ = s.prepare_batch(arrays, t, batch=self.insert_rows(len(arrays)))
         b = ids.shape[0]
         sid = np.full((b,), self.rows, np.int32)  # out of range: a padding row is dropped
         sid[: len(arrays)] = slot_ids
         keys = np.zeros((b, 2), np.uint32)
         keys[: len(arrays)] = row_keys
-        graphdef, state = nnx.split(actor)
-        consts = s._consts(vocab)
-        static = self._static(vocab)
-        spec = insert_spec(graphdef, state, static, slots, batch=b, prompt_len=t, consts=consts, mesh=self.mesh)
         self.counters["insert_calls"] += 1
-        temp = jnp.float32(s.config.temperature)
         if self.mesh is not None:  # prompt rows split as the lockstep prefill's
             ids, mask, sid, keys = (
                 s._put(x, P(s.batch_axes or None, *[None] * (x.ndim - 1))) for x in (ids, mask, sid, keys)
             )
+        # the jitted program itself (``insert_spec`` describes it): building a spec per call costs ~2 ms
         with self._placed():
-            return spec(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
+            return _insert_program(graphdef, static, state, slots, ids, mask, sid, keys, temp, *consts)
 
-    def decode_chunk(self, actor, slots: SlotState) -> tuple[SlotState, int]:
-        """Up to ``chunk`` steps of every busy slot (leaving when one finishes); returns (slots, steps run)."""
-        s = self.sampler
-        vocab = s._actor_vocab(actor)
-        graphdef, state = nnx.split(actor)
-        consts = s._consts(vocab)
-        static = self._static(vocab)
-        spec = decode_chunk_spec(graphdef, state, static, slots, chunk=self.chunk, consts=consts, mesh=self.mesh)
+    def decode_chunk(self, actor, slots: SlotState, wait: bool = True) -> tuple[SlotState, Any]:
+        """Up to ``chunk`` steps of every busy slot (leaving when one finishes).
+
+        Returns (slots, steps run): an int with ``wait``; without, the program is only dispatched and
+        steps is its int32[] device scalar, for ``steps_run`` to wait on (the host works meanwhile).
+        """
+        graphdef, state, static, consts, temp = self._bind(actor)
         with self._placed():
-            slots, steps = spec(graphdef, static, state, slots, self.chunk, jnp.float32(s.config.temperature), *consts)
+            slots, steps = _decode_chunk_program(graphdef, static, state, slots, self.chunk, temp, *consts)
+        self.counters["chunk_calls"] += 1
+        return (slots, self.steps_run(steps)) if wait else (slots, steps)
+
+    def steps_run(self, steps) -> int:
+        """Waits for a dispatched chunk (``decode_chunk(..., wait=False)``'s steps), counts and returns its steps."""
         steps = int(steps)
         self.counters["decode_steps"] += steps
-        self.counters["chunk_calls"] += 1
-        return slots, steps
+        return steps
 
     @staticmethod
     def read(slots: SlotState, slot_ids: Sequence[int]):

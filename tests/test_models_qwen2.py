@@ -201,6 +201,45 @@ def test_prefill_then_decode_token_by_token_equals_full_forward(padding, layer):
 
 
 @pytest.mark.slow
+def test_decode_step_with_a_per_row_index_equals_each_row_decoded_alone():
+    # Rows prefilled to different widths (index 3 and 5) share one cache with index int32[2]: two
+    # decode steps must give each row's logits and cache as its own shared-index cache does.
+    cfg = Qwen2Config.tiny(num_hidden_layers=2)
+    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, cfg.vocab_size, (1, t)).astype(np.int32) for t in (3, 5)]
+    new = rng.integers(0, cfg.vocab_size, (2, 2)).astype(np.int32)
+
+    @nnx.jit  # one program: eager, the per-row write loop takes seconds
+    def run(actor, new):
+        alone = [actor.prefill(p, jnp.ones_like(p), actor.init_cache(1, 8))[1] for p in prompts]
+        both = KVCache(
+            k=tuple(jnp.concatenate([alone[0].k[i], alone[1].k[i]]) for i in range(cfg.num_hidden_layers)),
+            v=tuple(jnp.concatenate([alone[0].v[i], alone[1].v[i]]) for i in range(cfg.num_hidden_layers)),
+            slot_mask=jnp.concatenate([alone[0].slot_mask, alone[1].slot_mask]),
+            lengths=jnp.concatenate([alone[0].lengths, alone[1].lengths]),
+            index=jnp.asarray([3, 5], jnp.int32),
+        )
+        got, want = [], []
+        for j in range(2):
+            logits, both = actor.decode_step(new[:, j], both)
+            got.append(logits)
+            for r in range(2):
+                w, alone[r] = actor.decode_step(new[r : r + 1, j], alone[r])
+                want.append(w[0])
+        return jnp.stack(got), jnp.stack(want).reshape(2, 2, -1), both, alone
+
+    got, want, both, alone = run(actor, jnp.asarray(new))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(both.index), [5, 7])
+    for r in range(2):
+        np.testing.assert_array_equal(np.asarray(both.slot_mask[r]), np.asarray(alone[r].slot_mask[0]))
+        for i in range(cfg.num_hidden_layers):
+            np.testing.assert_allclose(np.asarray(both.k[i][r]), np.asarray(alone[r].k[i][0]), atol=1e-6)
+            np.testing.assert_allclose(np.asarray(both.v[i][r]), np.asarray(alone[r].v[i][0]), atol=1e-6)
+
+
+@pytest.mark.slow
 def test_jitted_prefill_and_decode_loop_equal_full_forward():
     cfg = Qwen2Config.tiny()
     actor = Qwen2Actor(cfg, rngs=nnx.Rngs(2))

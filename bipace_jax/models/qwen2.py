@@ -479,8 +479,9 @@ class Qwen2Actor(nnx.Module):
     def decode_step(self, token_ids: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Appends one token per row and returns the next-token logits.
 
-        The token of row b gets position `cache.lengths[b]`, is written at slot `cache.index` for
-        all rows, and attends to every slot with `slot_mask` True (including itself).
+        The token of row b gets position `cache.lengths[b]`, is written at slot `cache.index` (int32 []:
+        the same slot for all rows; int32 [B]: row b at its own `cache.index[b]`, the continuous
+        scheduler's slots) and attends to every slot with `slot_mask` True (including itself).
 
         Args:
           token_ids: int32 [B].
@@ -499,7 +500,11 @@ class Qwen2Actor(nnx.Module):
             raise ValueError(f"Qwen2Actor.decode_step: token_ids must be int32[B={b}], got shape {np.shape(token_ids)}")
         token_ids = jnp.asarray(token_ids, jnp.int32)
         index = cache.index
-        slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((b, 1), bool), (0, index))
+        per_row = jnp.ndim(index) == 1
+        if per_row:
+            slot_mask = cache.slot_mask | (jnp.arange(cache.max_length)[None, :] == index[:, None])
+        else:
+            slot_mask = jax.lax.dynamic_update_slice(cache.slot_mask, jnp.ones((b, 1), bool), (0, index))
         attn_mask = slot_mask[:, None, :]  # [B, 1, S]
         cos, sin = rope_cos_sin(
             cache.lengths[:, None], self.config.head_dim, self.config.rope_theta, num_positions=cache.max_length
@@ -512,8 +517,20 @@ class Qwen2Actor(nnx.Module):
                 # Write the new token's k/v, [B, 1, K, Hd] -> k [B, K, Hd, 1], v [B, K, 1, Hd], at
                 # (layer i, slot index) in place; attend over layer i's k [B, K, Hd, S], v [B, K, S, Hd].
                 k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
-                k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
-                v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
+                if per_row:  # B in-place slice writes: a scatter or vmap cost ~40% more per step at 16 rows (CPU)
+                    k, v = k.astype(k_all[i].dtype), v.astype(v_all[i].dtype)
+
+                    def put(r, kv, k=k, v=v):
+                        kc, vc = kv
+                        kr = jax.lax.dynamic_slice_in_dim(k, r, 1, 0)
+                        vr = jax.lax.dynamic_slice_in_dim(v, r, 1, 0)
+                        kc = jax.lax.dynamic_update_slice(kc, kr, (r, 0, 0, index[r]))
+                        return kc, jax.lax.dynamic_update_slice(vc, vr, (r, 0, index[r], 0))
+
+                    k_all[i], v_all[i] = jax.lax.fori_loop(0, b, put, (k_all[i], v_all[i]))
+                else:
+                    k_all[i] = jax.lax.dynamic_update_slice(k_all[i], k.astype(k_all[i].dtype), (0, 0, 0, index))
+                    v_all[i] = jax.lax.dynamic_update_slice(v_all[i], v.astype(v_all[i].dtype), (0, 0, index, 0))
                 return k_all[i], v_all[i]
 
             x, _, _ = layer(x, cos, sin, attn_mask, kv_update=kv_update)
