@@ -228,10 +228,10 @@ class RunShape:
         sampler tensor size differs from training's): each chip receives the whole bf16 model.
 
     The scheduler model (`rollout_model`, `schedule_sim`; response lengths drawn, not at the bound):
-      batch_buckets: ``sampler.batch_buckets`` (a lockstep call and, by default, an insert pad their
-        rows to the first bucket that holds them, rounded up to the host's row shards).
-      insert_buckets: row buckets of the continuous insert (empty: ``batch_buckets``, as
-        ``SlotSampler.insert`` pads today).
+      batch_buckets: ``sampler.batch_buckets`` (a lockstep call pads its rows to the first bucket that
+        holds them, rounded up to the host's row shards).
+      insert_buckets: row buckets of the continuous insert (empty: 1, 2, 4, ... up to the largest
+        batch bucket, as ``SlotSampler.insert_rows`` pads).
       response_mean, response_sigma, response_cap, response_min: the lognormal response lengths
         (arithmetic mean tokens, log-space sigma, cap: 0 = ``response_tokens``, floor).
       rollout_prompt_tokens: tokens of each prefilled prompt (0: ``prompt_tokens``, the bound); the
@@ -448,6 +448,14 @@ def decode_cost(m: ModelShape, r: RunShape, rows: int, context: float) -> Cost:
     )
 
 
+def _powers_of_two(up_to: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= ``up_to``."""
+    out = [1]
+    while out[-1] < up_to:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
 def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
     """Per chip `Cost` of one call of each program: ``prefill`` (a host's games, one prompt bucket),
     ``decode_step`` (one token of every game over the mean context), ``logprobs`` (one host micro-batch),
@@ -505,7 +513,7 @@ def rollout_model(
     games than the largest bucket are served in sequential calls; charging each call the longest
     response of all is an upper bound), the decode step over its dense cache of
     ``rollout_prompt_tokens + response_tokens`` columns. Continuous: an insert of n prompts is one
-    prefill at ``n`` padded to its row bucket (``insert_buckets`` or ``batch_buckets``), the decode
+    prefill at ``n`` padded to its row bucket (``insert_buckets`` or powers of two), the decode
     step a fixed-shape step of every slot over the dense ``prompt_tokens + response_tokens`` columns.
 
     With ``share_heads`` and ``r.shared_head_tokens`` > 0 on a host whose sampler does not split rows,
@@ -554,7 +562,7 @@ def rollout_model(
         calls = -(-rows // largest)
         return calls * sec(decode_cost(m, r, _row_bucket(min(rows, largest), r.batch_buckets, dp_local), context))
 
-    inserts = r.insert_buckets or r.batch_buckets
+    inserts = r.insert_buckets or _powers_of_two(max(r.batch_buckets))  # SlotSampler.insert_rows
 
     def insert(rows, tokens):
         return sec(prefill_cost(m, r, _row_bucket(rows, inserts, dp_local), tokens))

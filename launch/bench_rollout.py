@@ -55,6 +55,8 @@ flags.DEFINE_enum("model", "small", ["tiny", "small"], "bench Qwen2: tiny (D 64,
 flags.DEFINE_integer("reps", 3, "timed runs per scheduler, interleaved; wall_s is the fastest (least disturbed)")
 flags.DEFINE_string("out", "benchmarks/rollout.json", "result file")
 
+OTHER_ENTRIES = ("cpu_default",)  # written by launch.bench_rollout_default into the same file; kept
+
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4),
@@ -404,13 +406,20 @@ def main(_):
         tokens_match=bool(
             np.array_equal(lock.response_ids, cont.response_ids) and np.array_equal(lock.prompt_ids, cont.prompt_ids)
         ),
+        rows_differ=_rows_differ(lock, cont),
         speedup_wall=report["lockstep"]["wall_s"] / report["continuous"]["wall_s"],
         speedup_wall_median=report["lockstep"]["wall_s_median"] / report["continuous"]["wall_s_median"],
         speedup_decode_steps=report["lockstep"]["decode_steps"] / max(report["continuous"]["decode_steps"], 1),
     )
+    report["predicted"] = predicted(report, lengths, units, latency)
+    report["speedup_wall_predicted"] = report["predicted"]["speedup_wall"]
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    kept = {}
+    if os.path.exists(FLAGS.out):  # other benchmarks' entries (launch.bench_rollout_default's cpu_default)
+        with open(FLAGS.out) as fh:
+            kept = {k: v for k, v in json.load(fh).items() if k in OTHER_ENTRIES}
     with open(FLAGS.out, "w") as fh:
-        json.dump(report, fh, indent=2)
+        json.dump({**report, **kept}, fh, indent=2)
     print(f"{'':12s} {'wall s':>8s} {'steps':>6s} {'slot use':>8s} {'env s':>7s} {'prefill s':>9s} {'decode s':>8s}")
     for sched in ("lockstep", "continuous"):
         r = report[sched]
@@ -430,6 +439,70 @@ def main(_):
         f"tokens_match {report['tokens_match']}  speedup_wall {report['speedup_wall']:.2f}  "
         f"speedup_decode_steps {report['speedup_decode_steps']:.2f}  load {os.getloadavg()}"
     )
+    pr = report["predicted"]
+    print(
+        f"schedule_sim at these unit costs and lengths: lockstep {pr['lockstep']['wall_s']:.3f} s "
+        f"({pr['lockstep']['decode_steps']} steps), continuous {pr['continuous']['wall_s']:.3f} s "
+        f"({pr['continuous']['decode_steps']} steps), speedup_wall {pr['speedup_wall']:.2f} (measured "
+        f"{report['speedup_wall']:.2f})"
+    )
+
+
+def _rows_differ(a, b) -> dict:
+    """Rows whose prompt or response tokens differ between two RolloutResults (None: shapes differ)."""
+    if a.prompt_ids.shape != b.prompt_ids.shape or a.response_ids.shape != b.response_ids.shape:
+        return dict(
+            shapes=[
+                list(a.prompt_ids.shape),
+                list(b.prompt_ids.shape),
+                list(a.response_ids.shape),
+                list(b.response_ids.shape),
+            ]
+        )
+    prompt = np.any(a.prompt_ids != b.prompt_ids, axis=1)
+    response = np.any(a.response_ids != b.response_ids, axis=1)
+    return dict(
+        prompt=int(prompt.sum()),
+        response=int(response.sum()),
+        first=int(np.argmax(prompt | response)) if (prompt | response).any() else None,
+    )
+
+
+def predicted(report: dict, lengths: np.ndarray, units: dict, latency: float) -> dict:
+    """``schedule_sim``'s lockstep and continuous wall time for this run: its response lengths, the measured
+    unit costs (decode step per scheduler, prefill / insert per call by padded rows, env latency) and the
+    measured host time per lockstep turn / continuous chunk."""
+    from bipace_jax import schedule_sim
+
+    def by_rows(table):
+        rows = sorted(int(k) for k in table)
+
+        def cost(n: int, _tokens: int) -> float:  # the call pads n rows up to the next measured bucket
+            return float(table[str(next((r for r in rows if r >= n), rows[-1]))])
+
+        return cost
+
+    lock, cont = report["lockstep"], report["continuous"]
+    cfg = schedule_sim.SimConfig(
+        games=int(lengths.shape[0]),
+        slots=FLAGS.slots,
+        turns=int(lengths.shape[1]),
+        max_new_tokens=FLAGS.new_tokens,
+        response_lengths=lengths.tolist(),
+        env_step_s=float(latency),
+        decode_step_s=float(units["decode_step_s"]["lockstep"]),
+        slot_step_s=float(units["decode_step_s"]["continuous"]),
+        prefill_s=by_rows(units["prefill_s_by_rows"]),
+        insert_s=by_rows(units["insert_s_by_rows"]),
+        chunk_steps=FLAGS.chunk,
+        host_turn_s=lock["host_s"] / max(lock["calls"]["prefill"], 1),
+        host_chunk_s=cont["host_s"] / max(cont["calls"]["decode_chunk"], 1),
+    )
+    out = schedule_sim.simulate(cfg)
+    res = {k: dict(wall_s=out[k]["wall_s"], decode_steps=out[k]["decode_steps"]) for k in ("lockstep", "continuous")}
+    res["speedup_wall"] = res["lockstep"]["wall_s"] / res["continuous"]["wall_s"]
+    res["measured_over_predicted"] = {k: report[k]["wall_s"] / res[k]["wall_s"] for k in ("lockstep", "continuous")}
+    return res
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ def test_varied_lengths_favour_continuous_once_inserts_are_not_padded_to_the_who
     m = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
     chip = step_time.CHIPS["v5e"]
     r = _seven_b_on_v5e_8x8(val_games_per_host=8, val_every=5, val_panels=2, sim_seeds=2)
-    padded = step_time.estimate(m, r, chip)
-    exact = step_time.estimate(m, dataclasses.replace(r, insert_buckets=(1, 2, 4, 8)), chip)
+    padded = step_time.estimate(m, dataclasses.replace(r, insert_buckets=(8,)), chip)
+    exact = step_time.estimate(m, r, chip)  # SlotSampler.insert_rows: 1, 2, 4, 8
     lock = padded["schedulers"]["rollout"]["lockstep"]
     assert exact["rollout_s_lockstep"] == padded["rollout_s_lockstep"]
     # lockstep waits for the longest of 8 lognormal responses each turn: ~2x the continuous steps
@@ -142,7 +142,7 @@ def test_varied_lengths_favour_continuous_once_inserts_are_not_padded_to_the_who
     assert lock["decode_steps"] < 50 * 511  # below the bound's every-response-512-tokens
     assert exact["rollout_s_continuous"] < padded["rollout_s_lockstep"] < padded["stages_s"]["rollout"]
     assert 1.4 < exact["speedup_continuous_rollout"] < 2.0
-    # today's insert pads its rows to the 8-row bucket: each insert costs the lockstep turn's prefill
+    # an insert padded to the 8-row bucket costs the lockstep turn's prefill
     units = padded["schedulers"]["rollout"]["unit_costs_s"]
     assert units["insert_one"] == units["lockstep_prefill"]
     assert padded["speedup_continuous_rollout"] < 1
