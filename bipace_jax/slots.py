@@ -145,10 +145,17 @@ def _insert_program(
     def put(dst, src):
         return dst.at[slot_ids].set(src.astype(dst.dtype), mode="drop")
 
-    # Prompt columns [0, T) of each new slot; columns >= T keep stale values that slot_mask hides and
-    # decode overwrites before unmasking.
-    k = tuple(a.at[slot_ids, :, :, :t].set(b.astype(a.dtype), mode="drop") for a, b in zip(c.k, cache.k))
-    v = tuple(a.at[slot_ids, :, :t, :].set(b.astype(a.dtype), mode="drop") for a, b in zip(c.v, cache.v))
+    # The whole slot: the prompt in columns [0, T), zeros after it. Masked columns still enter the
+    # probabilities-times-values dot with weight 0, so stale non-finite values there would give NaN.
+    wide = s_cols - t
+    k = tuple(
+        a.at[slot_ids].set(jnp.pad(b.astype(a.dtype), ((0, 0), (0, 0), (0, 0), (0, wide))), mode="drop")
+        for a, b in zip(c.k, cache.k)
+    )
+    v = tuple(
+        a.at[slot_ids].set(jnp.pad(b.astype(a.dtype), ((0, 0), (0, 0), (0, wide), (0, 0))), mode="drop")
+        for a, b in zip(c.v, cache.v)
+    )
     mask = jnp.zeros((n, s_cols), bool).at[:, :t].set(cache.slot_mask[:, :t])
     c = c.replace(
         k=k,
@@ -195,7 +202,12 @@ def _decode_chunk_program(
         logits, cache = actor.decode_step(s.last, s.cache)  # index int32[NS]: each slot at its own column
         # A finished or empty slot's cache is not read again before an insert rewrites it; keep its
         # index in range anyway.
-        cache = cache.replace(index=jnp.where(s.done, s.cache.index, cache.index))
+        # Positions too: an idle slot that kept counting past S would get NaN RoPE tables (positions
+        # outside the table are NaN by design), write NaN K/V and poison its next game through 0 * NaN.
+        cache = cache.replace(
+            index=jnp.where(s.done, s.cache.index, cache.index),
+            lengths=jnp.where(s.done, s.cache.lengths, cache.lengths),
+        )
         token, logp = _draw(static, logits, s.keys, s.pos, temperature)
         live = ~s.done
         token = jnp.where(live, token, static.pad_id)

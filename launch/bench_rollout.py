@@ -1,13 +1,13 @@
 """Rollout schedulers: lockstep vs continuous (slot) batching on a paced fake game, same games and keys.
 
-    python -m launch.bench_rollout                  # CPU, about a minute: writes benchmarks/rollout.json
-    python -m launch.bench_rollout --sigma=1.0 --latency_steps=0 --slots=8 --games=8
+    python -m launch.bench_rollout                  # CPU, about 7 minutes: writes benchmarks/rollout.json
+    python -m launch.bench_rollout --mean_tokens=40 --new_tokens=128 --reps=3   # responses 4x shorter, ~2 min
 
-The regime modelled is decode-dominated agentic RL at paper scale scaled down 4x in tokens: short
-prompts (about 90 tokens; prefill of a row costs a few decode steps), lognormal response lengths with a
-long tail (paper: mean 150, cap 512; here by default mean 40, cap ``--new_tokens`` 128, sigma 0.8),
-games = slots = 16, and an env step taking ``--latency_steps`` (4) decode steps (the issue's "at 16
-slots, sigma 0.8, env latency ~4x a decode step").
+The regime modelled is decode-dominated agentic RL at the paper's response lengths: short prompts
+(about 54 tokens; a row's prefill costs a few decode steps), lognormal response lengths with a long
+tail (mean ``--mean_tokens`` 150, cap ``--new_tokens`` 512, sigma 0.8, as the paper's configs),
+games = slots = 16, 16 turns, and an env step taking ``--latency_steps`` (4) decode steps (the
+issue's "at 16 slots, sigma 0.8, env latency ~4x a decode step").
 
 * **Game** (``PacedPool``): every game lasts ``--turns`` turns. The response length L of (game, turn)
   is drawn up front from a seeded lognormal (mean ``--mean_tokens``, ``--sigma``, rounded, clipped to
@@ -44,15 +44,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("games", 16, "games (task groups of 8)")
 flags.DEFINE_integer("slots", 16, "continuous scheduler slots")
 flags.DEFINE_integer("turns", 16, "turns per game (paper: episodes of up to 50)")
-flags.DEFINE_integer("new_tokens", 128, "sampler max_new_tokens (the response length cap)")
-flags.DEFINE_float("mean_tokens", 40.0, "mean response length of the lognormal, tokens")
+flags.DEFINE_integer("new_tokens", 512, "sampler max_new_tokens (the response length cap)")
+flags.DEFINE_float("mean_tokens", 150.0, "mean response length of the lognormal, tokens")
 flags.DEFINE_float("sigma", 0.8, "lognormal sigma of the response length")
 flags.DEFINE_integer("seed", 0, "seed of the drawn response lengths")
 flags.DEFINE_integer("chunk", 16, "decode steps per continuous chunk")
 flags.DEFINE_float("latency_steps", 4.0, "env step latency, in measured lockstep decode steps at --slots rows")
 flags.DEFINE_float("latency_s", None, "env step latency in seconds (overrides --latency_steps)")
 flags.DEFINE_enum("model", "small", ["tiny", "small"], "bench Qwen2: tiny (D 64, 2 layers) or small (D 256, 4 layers)")
-flags.DEFINE_integer("reps", 3, "timed runs per scheduler, interleaved; wall_s is the fastest (least disturbed)")
+flags.DEFINE_integer("reps", 2, "timed runs per scheduler, interleaved; wall_s is the fastest (least disturbed)")
 flags.DEFINE_string("out", "benchmarks/rollout.json", "result file")
 
 OTHER_ENTRIES = ("cpu_default",)  # written by launch.bench_rollout_default into the same file; kept
@@ -376,8 +376,9 @@ def main(_):
     got = lock.response_mask.sum(1)
     report.update(
         regime=(
-            "decode-dominated agentic RL scaled down 4x in tokens (paper: responses mean 150, cap 512, prompts "
-            "short next to the decode): lognormal lengths, games = slots, env step ~4 decode steps"
+            f"decode-dominated agentic RL: lognormal responses (mean {FLAGS.mean_tokens:g}, cap {m}, sigma "
+            f"{FLAGS.sigma:g}; paper 150 / 512 / 0.8), short prompts, games = slots, env step "
+            f"{FLAGS.latency_steps:g} decode steps"
         ),
         setup=dict(
             model=FLAGS.model,

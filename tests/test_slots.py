@@ -75,3 +75,41 @@ def test_slot_programs_sharded_over_8_cpu_devices_draw_the_unsharded_tokens():
         np.testing.assert_allclose(eight[3], one[3], atol=1e-4)
     lengths = [one[1] for one in r["one"]]
     assert len(set(lengths)) > 1 and len({tuple(one[0]) for one in r["one"]}) == 5  # rows really differ
+
+
+def test_a_slot_left_idle_for_longer_than_its_cache_serves_its_next_prompt_exactly():
+    """Slot 0 waits through more decode steps than its S columns while slot 1 plays prompt after
+    prompt; its next prompt then gives the lockstep sampler's tokens and log-probs (an idle slot once
+    counted positions past S, got NaN RoPE tables and poisoned its next game through 0 * NaN)."""
+    import jax
+    from flax import nnx
+
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.slots import SlotSampler
+    from tests.test_sampling import small_tokenizer
+
+    tok = small_tokenizer()
+    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(0))
+    cfg = SamplerConfig(max_new_tokens=8, greedy=True, batch_buckets=(1, 2), length_buckets=(16,), eos_token_ids=(1,))
+    sampler = Sampler(tok, cfg)
+    ss = SlotSampler(sampler, 2, 16, chunk=8)  # S = 16 + 8 columns per slot
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
+    prompts = [[5 + i, 9, 12 + i, 7] for i in range(8)]
+    slots = ss.insert(actor, ss.empty(actor), prompts[:1], [0], keys[:1])
+    steps = 0
+    for j in range(1, 7):  # slot 0 ends after <= 8 tokens; slot 1 keeps decoding 6 prompts of 8 tokens
+        slots = ss.insert(actor, slots, prompts[j : j + 1], [1], keys[j : j + 1])
+        while not bool(np.asarray(slots.done)[1]):
+            slots, n = ss.decode_chunk(actor, slots)
+            steps += n
+    assert steps > 24  # slot 0 sat through more steps than its columns
+    slots = ss.insert(actor, slots, prompts[7:], [0], keys[7:])
+    while not bool(np.asarray(slots.done)[0]):
+        slots, _ = ss.decode_chunk(actor, slots)
+    tokens, lengths, logps, _ = ss.read(slots, [0])
+    ref = sampler.generate(actor, prompts[7:], jax.random.key(1), row_keys=keys[7:])
+    assert np.isfinite(logps).all()
+    np.testing.assert_array_equal(tokens, ref.tokens)
+    np.testing.assert_array_equal(lengths, ref.lengths)
+    np.testing.assert_allclose(logps, ref.logprobs, atol=1e-5)
