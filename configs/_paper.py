@@ -79,7 +79,7 @@ def paper_config(game: str, size: str) -> ml_collections.ConfigDict:
         c.mesh[k] = v
     c.rollout.num_groups = 16
     c.rollout.group_size = 8
-    # The slot scheduler: modelled 1.40-1.71x less rollout time than lockstep on the committed slices
+    # The slot scheduler: modelled 1.37-1.67x less rollout time than lockstep on the committed slices
     # (docs/pod.md section 7); its programs AOT-compile within HBM (benchmarks/aot/*__slots.json)
     c.rollout.scheduler = "continuous"
     c.sampler.max_new_tokens = 512

@@ -35,11 +35,17 @@ from bipace_jax.models import Qwen2Config
 from launch import cli
 from launch._common import ROOT, write_json
 
-_REPORTS = flags.DEFINE_string("reports", os.path.join(ROOT, "benchmarks", "aot"), "Folder of AOT reports.")
-_HEADS = flags.DEFINE_string(
-    "heads", os.path.join(ROOT, "benchmarks", "shared_heads.json"), "launch.head_lengths report (shared heads)."
-)
-_OUT = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "step_time.json"), "JSON report path.")
+_FLAGS: dict = {}  # defined when run as a script: importing the module (tests) must not claim --out
+
+
+def _define_flags() -> None:
+    _FLAGS["reports"] = flags.DEFINE_string(
+        "reports", os.path.join(ROOT, "benchmarks", "aot"), "Folder of AOT reports."
+    )
+    _FLAGS["heads"] = flags.DEFINE_string(
+        "heads", os.path.join(ROOT, "benchmarks", "shared_heads.json"), "launch.head_lengths report (shared heads)."
+    )
+    _FLAGS["out"] = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "step_time.json"), "JSON report path.")
 
 
 def run_shape(report: dict) -> step_time.RunShape:
@@ -180,7 +186,7 @@ def rows(reports_dir: str, heads_path: str | None = None) -> list[dict]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    table = rows(_REPORTS.value, _HEADS.value)
+    table = rows(_FLAGS["reports"].value, _FLAGS["heads"].value)
     print(
         "| config | slice | games/host | rollout s: bound / lockstep / continuous / continuous, exact inserts "
         "| decode steps lockstep / continuous | iteration s: lockstep / continuous / exact | 150 it. h: lockstep / continuous / exact |"
@@ -212,7 +218,7 @@ def main(argv):
             + " |"
         )
     write_json(
-        _OUT.value,
+        _FLAGS["out"].value,
         dict(
             method="launch.step_table: step_time.estimate on the committed AOT reports' shapes (no compile); "
             "rollout with lognormal responses (step_time.rollout_model, bipace_jax.schedule_sim)",
@@ -223,4 +229,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     cli.run(main)

@@ -21,7 +21,6 @@ COVERED_ELSEWHERE = {
     "demo_stream": "test_demos.py reads the demonstration datasets through it (shards, shuffle, resumed state)",
     "metrics": "test_trainer_state.py and test_runfolder.py (logger, event files, plots)",
     "resume": "test_cli.py: the field comparison, and a changed-config resume refused in one line",
-    "slots": "test_rollout.py: the continuous scheduler's slot programs against the lockstep oracle",
     "programs": "test_ppo.py and test_aot.py compare the public program specs with what runs",
     "validation": "test_eval.py: launch.eval's panels equal the trainer's before-RL validation; test_trainer_state.py: own-option panels",
     "tasks": "test_trainer_state.py (selectors, schedule, panels) and test_tiny_tasks.py (the shipped set)",
