@@ -282,7 +282,8 @@ class RolloutResult:
         its shape, and the estimator's compiled program, is the same every call.
       episodes: one ``Episode`` per trajectory, in traj order.
       timing: seconds spent in ``sampling_s`` (sampler calls; of which ``prefill_s`` and ``decode_s`` as the
-        sampler reports them), ``env_s`` (pool reset/step; continuous: the host's time
+        sampler reports them; continuous: ``prefill_s`` is the inserts' host time, their device time lands in
+        ``decode_s``, the wait for the chunk queued behind them), ``env_s`` (pool reset/step; continuous: the host's time
         in submit/poll, env steps overlapping decode not counted) and ``host_s`` (prompts, tokenization, parsing,
         assembling), and ``total_s``.
       stats: ``truncations`` (prompts whose history was cut), ``history_dropped`` (entries cut),
