@@ -28,7 +28,7 @@ FORBIDDEN = {
 # submodules too ("bipace_jax.models" is every module under bipace_jax/models/). A new library module
 # gets a line here and in docs/architecture.md's list (test_every_library_module_has_a_layer says which).
 LAYERS = (
-    ("checks", ("bipace_jax.config",)),
+    ("checks", ("bipace_jax.config", "bipace_jax.buckets")),
     (
         "base",
         (
