@@ -7,8 +7,10 @@
 No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
 every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
 each program is the library's own ``ProgramSpec`` (``learner.step_specs``, ``ppo.logprobs_spec``,
-``sampling.prefill_spec`` / ``decode_spec``: the objects the trainer runs), and
-``spec.lower().compile()`` runs the target's own compiler. A TPU topology
+``sampling.prefill_spec`` / ``decode_spec``: the objects the trainer runs), listed by
+``bipace_jax.aot.abstract_programs`` at the shapes of the run plan (``bipace_jax.plan``: the sizes
+``launch.train --print_config`` prints; validation rows at the config's panel bound, no game data
+here), and ``spec.lower().compile()`` runs the target's own compiler. A TPU topology
 (``v5e:4x4``, ``v5e:8x8``, ``v5p:2x2x4``, ``v4:2x2x4``, ``v6e:4x4``, ...) needs libtpu
 (``pip install -e ".[tpu]"``), not a TPU: ``jax.experimental.topologies`` describes the slice on any
 machine. ``cpu:N`` compiles for N CPU devices of this machine (for tests).
