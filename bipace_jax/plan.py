@@ -24,12 +24,18 @@ from bipace_jax import step_time
 from bipace_jax.buckets import Buckets
 from bipace_jax.config import ConfigError, MeshConfig, OldLogprobs, check_tensor_in_host, fail
 
-__all__ = ["PANELS", "HostLayout", "RunPlan", "check_workdir", "plan"]
+__all__ = ["PANELS", "ROW_ALIGN", "HostLayout", "RunPlan", "check_workdir", "plan", "row_capacity"]
 
 #: The validation panels, in the order they are played (``validation.PANELS``: seen goals, held-out goals).
 PANELS = ("val", "val/holdout")
 #: A task group's step rows are padded to a multiple of this (the estimator's row capacity).
 ROW_ALIGN = 16
+
+
+def row_capacity(group_size: int, max_steps: int) -> int:
+    """Step rows of one task group's ``StepBatch`` segment: ``group_size * max_steps`` (every game plays
+    every turn) rounded up to a multiple of `ROW_ALIGN`, so the estimator compiles one shape per game."""
+    return -(-group_size * max_steps // ROW_ALIGN) * ROW_ALIGN
 
 
 def _divisors(n: int) -> list[int]:
@@ -335,7 +341,7 @@ def plan(spec: Any, layout: HostLayout, panels: Mapping[str, Sequence] | None = 
         sampler_calls=-(-games // batch.largest),
         prompt_bucket=prompt,
         response_tokens=s.max_new_tokens,
-        row_capacity=-(-r.group_size * r.max_steps // ROW_ALIGN) * ROW_ALIGN,
+        row_capacity=row_capacity(r.group_size, r.max_steps),
         group_capacity=groups,
         estimator_rows=games * r.max_steps,
         slots=slots,
