@@ -259,6 +259,47 @@ def compile_all(spec, devices, local, programs=PROGRAMS) -> dict:
     return report
 
 
+def print_report(report: dict, setting: str, name: str) -> None:
+    """The report as a table: each program's memory, FLOPs and compile time, the transients, the step-time model."""
+    hbm = report["hbm_bytes_per_chip"]
+    gib = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
+    print(f"\n{setting} on {name}: HBM {hbm / GiB:.1f} GiB per chip, budget {_BUDGET.value:.0%}")
+    print(
+        f"{'program':11s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (memory in GiB per chip)"
+    )
+    for k, p in report["programs"].items():
+        coll = "?" if p["collectives"] is None else " ".join(f"{n}={v}" for n, v in p["collectives"].items() if v)
+        print(
+            f"{k:11s} {gib(p['peak_bytes_per_chip'])} {gib(p['argument_bytes'])} {gib(p['temp_bytes'])} "
+            f"{gib(p['output_bytes'])} {gib(p['other_resident_bytes'])} {gib(p['total_bytes_per_chip'])}  "
+            f"{p['fraction_of_hbm']:5.0%}  {p['flops'] / 1e12:7.2f}  {p['compile_s']:6.1f}s  {coll}"
+        )
+    for k, t in report["transients"].items():
+        print(
+            f"{k:11s} {'':55s} {gib(t['bytes_per_chip'])}  {t['fraction_of_hbm']:5.0%}  (not a program: see the module doc)"
+        )
+    if "step_time" in report:
+        st = report["step_time"]
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in st["stages_s"].items())
+        print(
+            f"\nstep-time model (roofline, {st['chip']['name']}): {st['iteration_s']:.0f} s per iteration ({stages}); "
+        )
+        print(f"{st['iterations']} iterations: {st['run_hours']:.1f} h, {st['chip_hours']:.0f} chip-hours")
+        print(
+            f"with drawn response lengths (step_time.rollout_model): rollout {st['rollout_s_lockstep']:.1f} s lockstep, "
+            f"{st['rollout_s_continuous']:.1f} s continuous (speedup {st['speedup_continuous_rollout']:.2f}x); "
+            f"iteration {st['iteration_s_lockstep']:.0f} / {st['iteration_s_continuous']:.0f} s, "
+            f"{st['iterations']} iterations {st['run_hours_lockstep']:.1f} / {st['run_hours_continuous']:.1f} h"
+        )
+    if "slot_step_time" in report:
+        st = report["slot_step_time"]
+        each = ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms" for k, v in st["programs"].items())
+        print(
+            f"\nslot programs' roofline ({st['chip']['name']}): {each}; {st['decode_tokens_per_s_per_host']:.0f} tokens/s a host"
+        )
+    print(f"fits: {report['fits']}")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -305,42 +346,7 @@ def main(argv):
     report["overrides"] = dict(
         a[len("--config.") :].split("=", 1) for a in sys.argv if a.startswith("--config.") and "=" in a
     )
-    gib = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
-    print(f"\n{setting} on {name}: HBM {hbm / GiB:.1f} GiB per chip, budget {_BUDGET.value:.0%}")
-    print(
-        f"{'program':11s} {'peak':>7s} {'args':>7s} {'temp':>7s} {'out':>7s} {'+resid':>7s} {'total':>7s}  {'HBM':>5s}  {'TFLOP':>7s}  {'compile':>7s}  collectives (memory in GiB per chip)"
-    )
-    for k, p in report["programs"].items():
-        coll = "?" if p["collectives"] is None else " ".join(f"{n}={v}" for n, v in p["collectives"].items() if v)
-        print(
-            f"{k:11s} {gib(p['peak_bytes_per_chip'])} {gib(p['argument_bytes'])} {gib(p['temp_bytes'])} "
-            f"{gib(p['output_bytes'])} {gib(p['other_resident_bytes'])} {gib(p['total_bytes_per_chip'])}  "
-            f"{p['fraction_of_hbm']:5.0%}  {p['flops'] / 1e12:7.2f}  {p['compile_s']:6.1f}s  {coll}"
-        )
-    for k, t in report["transients"].items():
-        print(
-            f"{k:11s} {'':55s} {gib(t['bytes_per_chip'])}  {t['fraction_of_hbm']:5.0%}  (not a program: see the module doc)"
-        )
-    if "step_time" in report:
-        st = report["step_time"]
-        stages = ", ".join(f"{k} {v:.1f} s" for k, v in st["stages_s"].items())
-        print(
-            f"\nstep-time model (roofline, {st['chip']['name']}): {st['iteration_s']:.0f} s per iteration ({stages}); "
-        )
-        print(f"{st['iterations']} iterations: {st['run_hours']:.1f} h, {st['chip_hours']:.0f} chip-hours")
-        print(
-            f"with drawn response lengths (step_time.rollout_model): rollout {st['rollout_s_lockstep']:.1f} s lockstep, "
-            f"{st['rollout_s_continuous']:.1f} s continuous (speedup {st['speedup_continuous_rollout']:.2f}x); "
-            f"iteration {st['iteration_s_lockstep']:.0f} / {st['iteration_s_continuous']:.0f} s, "
-            f"{st['iterations']} iterations {st['run_hours_lockstep']:.1f} / {st['run_hours_continuous']:.1f} h"
-        )
-    if "slot_step_time" in report:
-        st = report["slot_step_time"]
-        each = ", ".join(f"{k} {v['seconds'] * 1e3:.1f} ms" for k, v in st["programs"].items())
-        print(
-            f"\nslot programs' roofline ({st['chip']['name']}): {each}; {st['decode_tokens_per_s_per_host']:.0f} tokens/s a host"
-        )
-    print(f"fits: {report['fits']}")
+    print_report(report, setting, name)
     slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
     # beside, not over, the run's report
     warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else "__slots" if set(programs) <= set(SLOT_PROGRAMS) else ""
