@@ -496,7 +496,7 @@ class OptimConfig(Section):
 class CheckpointConfig(Section):
     """``config.checkpoint``: save every ``every`` iterations (and at the end), keep ``keep``, export HF;
     ``shared_workdir``: a local ``--workdir`` of a multi-host run is a file system every host sees
-    (`check_workdir`); ``async_save``: orbax writes in the background (`Checkpointer`)."""
+    (`plan.check_workdir`); ``async_save``: orbax writes in the background (`Checkpointer`)."""
 
     SECTION: ClassVar[str] = "checkpoint"
     every: int = 1
@@ -599,26 +599,6 @@ def mesh_shape(c: Any, num_devices: int) -> tuple[int, int, int]:
     return MeshConfig(m.data, m.fsdp, m.tensor).shape(num_devices)
 
 
-def sampler_tensor(c: Any, num_processes: int, devices: int, local_devices: int) -> int:
-    """The resolved ``mesh.sampler_tensor`` (0: the training mesh's tensor size) of a run on
-    ``devices`` over ``num_processes`` hosts of ``local_devices`` each.
-
-    Raises:
-      ConfigError: it does not divide the devices of one host (``config.mesh.sampler_tensor``): a
-        host samples on its own chips.
-    """
-    t = int(c.mesh.get("sampler_tensor", 0)) or mesh_shape(c, devices)[2]
-    if local_devices % t:
-        divisors = [d for d in range(1, local_devices + 1) if local_devices % d == 0]
-        fail(
-            "mesh.sampler_tensor",
-            f"divide the {local_devices} devices of each of the {num_processes} hosts (a host samples on its "
-            f"own chips): one of {divisors}, or 0 for mesh.tensor",
-            t,
-        )
-    return t
-
-
 def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int, field: str = "mesh.tensor") -> None:
     """With several processes the mesh's tensor axis (its resolved size ``tensor``) must lie inside one
     host: its all-reduces then stay on the host's fast links, each host holds whole tensor groups (so
@@ -639,53 +619,4 @@ def check_tensor_in_host(tensor: int, num_processes: int, local_devices: int, fi
             f"divide the {local_devices} devices of each host, its chips ({num_processes} hosts; a tensor "
             f"group never crosses hosts, so at most {local_devices}): one of {divisors}",
             tensor,
-        )
-
-
-def process_layout(c: Any, num_processes: int, devices: int, local_devices: int):
-    """The mesh's resolved (data, fsdp, tensor) for ``devices`` over ``num_processes`` hosts of
-    ``local_devices`` each, after the checks that need the process count: every host the same number
-    of devices, task groups and micro-batch rows split evenly over hosts and their batch shards, the
-    tensor axis inside a host (`check_tensor_in_host`). `sharding.make_mesh` then lays out the same
-    sizes by host.
-
-    ``c``: a run config (``configs/base.py`` layout; ``RunSpec.config``).
-
-    Raises:
-      ConfigError: naming the field whose value does not split.
-    """
-    if devices != num_processes * local_devices:
-        raise ValueError(f"process_layout: {devices} devices are not {num_processes} hosts x {local_devices} devices")
-    if c.rollout.num_groups % num_processes:
-        fail("rollout.num_groups", f"be a multiple of the process count {num_processes}", c.rollout.num_groups)
-    data, fsdp, tensor = mesh_shape(c, devices)
-    check_tensor_in_host(tensor, num_processes, local_devices)
-    # each host holds data*fsdp/processes consecutive batch shards (make_mesh); its rows split over them
-    if (c.ppo.micro_batch_rows * num_processes) % (data * fsdp):
-        fail(
-            "ppo.micro_batch_rows",
-            f"be a multiple of the {data * fsdp // num_processes} batch shards of each host "
-            f"(mesh data*fsdp={data * fsdp} over {num_processes} processes)",
-            c.ppo.micro_batch_rows,
-        )
-    return data, fsdp, tensor
-
-
-def check_workdir(c: Any, workdir: str, num_processes: int) -> None:
-    """A run of several processes needs a ``--workdir`` every host sees (orbax writes one checkpoint
-    from all hosts; process 0 writes the metrics): ``gs://...``, or a path the config declares shared
-    (``checkpoint.shared_workdir=True``, e.g. an NFS mount; `distributed.check_shared_workdir` proves it).
-
-    Raises:
-      ConfigError: ``num_processes > 1``, ``workdir`` is not ``gs://`` and
-        ``checkpoint.shared_workdir`` is False.
-    """
-    shared = c.checkpoint.get("shared_workdir", False)  # CheckpointConfig checks its type
-    if num_processes <= 1 or str(workdir).startswith("gs://"):
-        return
-    if not shared:
-        raise ConfigError(
-            f"--workdir={workdir!r}: a run of {num_processes} processes needs a folder every host sees "
-            "(each host writes its shards of the checkpoints): use gs://..., or set "
-            "config.checkpoint.shared_workdir=True when it is a shared file system"
         )

@@ -10,21 +10,12 @@ restored from a saved state yields the batches an uninterrupted one would, no re
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
 
-
-def bucket_of(n: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= n. Raises ValueError naming the longest bucket when n exceeds it."""
-    i = bisect.bisect_left(list(buckets), n)
-    if i == len(buckets):
-        raise ValueError(
-            f"sequence of {n} tokens exceeds the longest length bucket {buckets[-1]}; raise config.data.length_buckets"
-        )
-    return buckets[i]
+from bipace_jax.buckets import Buckets
 
 
 class BucketStream:
@@ -66,6 +57,7 @@ class BucketStream:
         self.indices = idx  # this process's record indices (a grain MapDataset)
         self.source, self.encode, self.length = source, encode, length
         self.batch_size, self.buckets = batch_size, tuple(buckets)
+        self._fit = Buckets(self.buckets, "config.data.length_buckets")
         self._it = iter(idx.shuffle(seed=seed).repeat(None).to_iter_dataset())
         self._buffers: dict[int, list[tuple[int, Any]]] = {b: [] for b in self.buckets}
 
@@ -76,7 +68,7 @@ class BucketStream:
         while True:
             i = int(next(self._it))
             item = self.encode(self.source[i])
-            b = bucket_of(self.length(item), self.buckets)
+            b = self._fit.fit_or_raise(self.length(item))
             buf = self._buffers[b]
             buf.append((i, item))
             if len(buf) == self.batch_size:

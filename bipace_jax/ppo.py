@@ -26,6 +26,7 @@ from flax import nnx
 
 from bipace_jax import distributed, losses, sharding
 from bipace_jax.batch import MicroBatch, TokenBatch
+from bipace_jax.buckets import Buckets
 from bipace_jax.config import LearnerConfig, OldLogprobs
 from bipace_jax.learner import Learner, NonFiniteError, mesh_context, shard_rows
 from bipace_jax.programs import ProgramSpec, abstract
@@ -237,6 +238,7 @@ class PPOLearner(Learner):
         self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support, logprob_chunk)
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
+        self._widths = Buckets(self.prompt_buckets, "sampler.length_buckets") if self.prompt_buckets else None
 
     def logprobs(self, params_local, batch: TokenBatch) -> np.ndarray:
         """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched).
@@ -270,8 +272,7 @@ class PPOLearner(Learner):
         """Prompt columns for a micro-batch whose longest prompt has ``need`` tokens: the smallest of
         ``prompt_buckets`` that holds it, else ``widest``. Padding columns carry mask 0 and positions come
         from the mask, so the log-probs do not depend on it (one program per bucket)."""
-        fit = [b for b in self.prompt_buckets if max(need, 1) <= b]
-        return min(fit[0], widest) if fit else widest
+        return self._widths.fit_within(need, widest) if self._widths else widest
 
     def update(self, batch: TokenBatch, key: jax.Array, where: str = "") -> dict[str, float]:
         """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.

@@ -231,16 +231,6 @@ class SFTBatch:
     target_mask: jax.Array  # float32[B, R], 1 on real response tokens
 
 
-def bucket_length(n: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= n. Raises ValueError naming the longest bucket when n exceeds it."""
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(
-        f"sequence of {n} tokens exceeds the longest length bucket {buckets[-1]}; raise config.data.length_buckets"
-    )
-
-
 def make_batch(examples: Sequence[Example], length: int, pad_id: int, response_length: int) -> SFTBatch:
     """NumPy ``SFTBatch`` of the examples padded to ``length`` tokens and ``response_length`` targets.
 

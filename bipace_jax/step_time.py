@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from bipace_jax import schedule_sim
+from bipace_jax.buckets import Buckets
 
 # Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and capacity, bidirectional ICI (NVLink) bandwidth
 # per chip, from the vendors' data sheets (the source of each row is its `source`).
@@ -215,7 +216,8 @@ class RunShape:
       turns: turns per game (``env.max_steps``).
       micro_batch_rows: rows of one gradient micro-batch over the whole mesh.
       logprob_rows_per_host: rows of one log-prob micro-batch on a host.
-      mini_batch_rows: rows of one optimizer step over the whole run.
+      mini_batch_rows: rows of one optimizer step over the whole run (>= 1; `plan.RunPlan` decodes the
+        config's 0, "all rows", to the rows of an iteration).
       logprob_passes: log-prob forwards per row before the update (old + reference: 2; 1 or 0 when the
         sampler's log-probs stand in for the old ones or there is no KL term).
       remat: ``model.remat`` (``full`` recomputes the forward in the backward).
@@ -291,7 +293,7 @@ class RunShape:
     group_size: int = 1
 
     def __post_init__(self):
-        # only the scheduler model's fields: the others come from a validated config (`launch.aot`)
+        # the scheduler model's fields and the optimizer step: the others come from a run plan (`plan.RunPlan.run_shape`)
         for name in ("batch_buckets", "insert_buckets"):
             v = getattr(self, name)
             if not isinstance(v, tuple) or not all(isinstance(x, int) and x >= 1 for x in v):
@@ -299,6 +301,7 @@ class RunShape:
         if not self.batch_buckets:
             raise ValueError("RunShape.batch_buckets must not be empty")
         checks = (
+            ("mini_batch_rows", self.mini_batch_rows >= 1, ">= 1 (rows of one optimizer step; `plan` decodes 0)"),
             ("response_mean", self.response_mean > 0, "> 0"),
             ("response_sigma", self.response_sigma >= 0, ">= 0"),
             ("response_cap", 0 <= self.response_cap, "0 (response_tokens) or >= 1"),
@@ -494,12 +497,6 @@ def program_costs(m: ModelShape, r: RunShape) -> dict[str, Cost]:
     return dict(prefill=prefill, decode_step=decode_step, logprobs=logprobs, ppo_grad=grad, ppo_apply=apply, sync=sync)
 
 
-def _row_bucket(n: int, buckets: tuple[int, ...], dp_local: int) -> int:
-    """``Sampler.batch_bucket``: the first bucket >= n (else the largest), rounded up to the row shards."""
-    b = next((x for x in buckets if x >= n), buckets[-1])
-    return -(-b // dp_local) * dp_local
-
-
 def rollout_model(
     m: ModelShape, r: RunShape, chip: Chip, games_per_host: int, sampler_calls: int = 1, share_heads: bool = True
 ) -> dict:
@@ -527,7 +524,8 @@ def rollout_model(
     prefill of the full batch shares heads, why not, and its `HeadSplit`).
     """
     dp_local = r.chips_per_host // r.sampler_tensor
-    largest = max(r.batch_buckets)
+    rows_of = Buckets(r.batch_buckets, "sampler.batch_buckets")
+    largest = rows_of.largest
     resp = r.response_tokens
     cap = r.response_cap or resp
     prompt = r.rollout_prompt_tokens or r.prompt_tokens
@@ -543,9 +541,9 @@ def rollout_model(
             return None, "off (group_size 1)"
         per_call = min(rows, largest)
         head = min(r.shared_head_tokens, tokens - 1)
-        padded = _row_bucket(per_call, r.batch_buckets, dp_local)
+        padded = rows_of.fit(per_call, dp_local)
         # the sampler pads the heads to its batch bucket (`Sampler._head_batch`): one group of 8 fills 8 rows
-        head_rows = min(_row_bucket(-(-per_call // r.group_size), r.batch_buckets, dp_local), padded)
+        head_rows = min(rows_of.fit(-(-per_call // r.group_size), dp_local), padded)
         split = head_split(tokens, head, r.head_suffix_tokens or tokens - head, padded, head_rows)
         if split is None:
             return None, "no plan (no suffix width up to P / 2 holds the suffix, or it saves < 25%)"
@@ -556,16 +554,16 @@ def rollout_model(
         split, _ = split_of(rows, tokens)
         if split is not None:
             return calls * sec(shared_prefill_cost(m, r, split))
-        return calls * sec(prefill_cost(m, r, _row_bucket(min(rows, largest), r.batch_buckets, dp_local), tokens))
+        return calls * sec(prefill_cost(m, r, rows_of.fit(min(rows, largest), dp_local), tokens))
 
     def lock_decode(rows, context):
         calls = -(-rows // largest)
-        return calls * sec(decode_cost(m, r, _row_bucket(min(rows, largest), r.batch_buckets, dp_local), context))
+        return calls * sec(decode_cost(m, r, rows_of.fit(min(rows, largest), dp_local), context))
 
-    inserts = r.insert_buckets or _powers_of_two(max(r.batch_buckets))  # SlotSampler.insert_rows
+    inserts = Buckets(r.insert_buckets or _powers_of_two(largest), "insert_buckets")  # SlotSampler.insert_rows
 
     def insert(rows, tokens):
-        return sec(prefill_cost(m, r, _row_bucket(rows, inserts, dp_local), tokens))
+        return sec(prefill_cost(m, r, inserts.fit(rows, dp_local), tokens))
 
     slots = games_per_host
     slot_step = sec(decode_cost(m, r, slots, r.prompt_tokens + resp))

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from bipace_jax import build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
 from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
+from bipace_jax import plan as run_plan
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import OldLogprobs
 from bipace_jax.estimators import EstimatorConfig, calibrate_epsilon, compute_advantages, step_details
@@ -93,22 +94,19 @@ class Trainer:
     ):
         if not isinstance(spec, build.RunSpec):
             spec = build.build_spec(spec)
-        spec.mesh.check_devices(jax.device_count())
         self.spec, self.workdir = spec, workdir
         self.is_primary = jax.process_index() == 0
         self.num_hosts = jax.process_count()
-        layout = config_lib.process_layout(spec.config, self.num_hosts, jax.device_count(), jax.local_device_count())
-        config_lib.check_workdir(spec.config, workdir, self.num_hosts)
+        layout = run_plan.HostLayout.current(spec)
+        run_plan.check_workdir(spec, workdir, self.num_hosts)
         runfolder.prepare(workdir)  # fails in seconds, before the model loads
         distributed.check_shared_workdir(workdir)
-        self.mesh = sharding.make_mesh(*layout)
+        self.mesh = sharding.make_mesh(*layout.mesh_shape)
         sharding.check_placement(self.mesh)  # each host: whole tensor groups, its own batch block
-        sampler_tensor = config_lib.sampler_tensor(
-            spec.config, self.num_hosts, jax.device_count(), jax.local_device_count()
-        )
-        self.local_mesh = distributed.local_mesh(self.mesh, sampler_tensor)  # this host's chips
+        self.local_mesh = distributed.local_mesh(self.mesh, layout.sampler_tensor)  # this host's chips
         self.game = env_factory if env_factory is not None else spec.env.name
         self.panels = validation.select(spec, self.game)  # missing game data fails before the model loads
+        self.plan = run_plan.plan(spec, layout, self.panels.games)  # every derived size, once
         self.train_ids, self.holdout_ids = self.panels.train_ids, self.panels.holdout_ids
         self.val_panel, self.holdout_panel = (self.panels.games[k] for k in validation.PANELS)
 
@@ -147,16 +145,9 @@ class Trainer:
     def _tracking(self) -> dict[str, Any]:
         """MetricsLogger's config, derived sizes and wandb project (TensorBoard text/hparams, wandb config)."""
         s = self.spec
-        derived = {
-            "hosts": self.num_hosts,
-            "devices": jax.device_count(),
-            "mesh": dict(self.mesh.shape),
-            "task_groups_per_iteration": s.num_groups,
-            "games_per_iteration": s.num_groups * s.rollout.group_size,
-            "validation_games": (len(self.val_panel) + len(self.holdout_panel)) * s.val.group_size,
-        }
         config = json.loads(s.config.to_json_best_effort())
-        return dict(config=config, derived=derived, wandb_project=s.log.wandb_project if s.log.wandb else None)
+        project = s.log.wandb_project if s.log.wandb else None
+        return dict(config=config, derived=self.plan.summary(), wandb_project=project)
 
     _bar = None  # the run's tqdm bar while ``run`` is on (its description names the phase)
 
@@ -170,8 +161,8 @@ class Trainer:
         game, one per other panel game) and a sampler per temperature, with the checkpoint's and
         tokenizer's stop ids."""
         s = self.spec
-        self.groups_per_host = s.num_groups // self.num_hosts
-        train_games = self.groups_per_host * s.rollout.group_size
+        self.groups_per_host = self.plan.groups_per_host
+        train_games = self.plan.games_per_host
         self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)

@@ -474,12 +474,13 @@ def predicted(report: dict, lengths: np.ndarray, units: dict, latency: float) ->
     unit costs (decode step per scheduler, prefill / insert per call by padded rows, env latency) and the
     measured host time per lockstep turn / continuous chunk."""
     from bipace_jax import schedule_sim
+    from bipace_jax.buckets import Buckets
 
     def by_rows(table):
-        rows = sorted(int(k) for k in table)
+        rows = Buckets(tuple(sorted(int(k) for k in table)), "measured rows")
 
         def cost(n: int, _tokens: int) -> float:  # the call pads n rows up to the next measured bucket
-            return float(table[str(next((r for r in rows if r >= n), rows[-1]))])
+            return float(table[str(rows.fit(n))])
 
         return cost
 

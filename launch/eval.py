@@ -84,14 +84,12 @@ def _policy(spec):
     parameters loaded in the compute dtype (the trainer samples with that cast of its master copy)."""
     import jax
 
-    from bipace_jax import build, distributed, sharding
-    from bipace_jax import config as config_lib
+    from bipace_jax import build, distributed, plan, sharding
     from bipace_jax.sampling import Sampler
 
-    c = spec.config
-    layout = config_lib.process_layout(c, 1, jax.device_count(), jax.local_device_count())
-    mesh = sharding.make_mesh(*layout)
-    local = distributed.local_mesh(mesh, config_lib.sampler_tensor(c, 1, jax.device_count(), jax.local_device_count()))
+    layout = plan.HostLayout.of(spec, 1, jax.device_count(), jax.local_device_count())
+    mesh = sharding.make_mesh(*layout.mesh_shape)
+    local = distributed.local_mesh(mesh, layout.sampler_tensor)
     tokenizer = build.load_model_tokenizer(spec.model)
     model = dataclasses.replace(spec.model, param_dtype=spec.model.dtype)
     actor = build.build_actor(model, tokenizer, local, seed=spec.seed)

@@ -31,6 +31,7 @@ import os
 from absl import app, flags
 
 from bipace_jax import step_time
+from bipace_jax.buckets import Buckets
 from bipace_jax.models import Qwen2Config
 from launch import cli
 from launch._common import ROOT, write_json
@@ -91,7 +92,7 @@ def shared_head_rows(
     head lengths on these shapes (default: the config's)."""
     head, suffix = heads[game or config.env.name]
     group = int(config.rollout.group_size)
-    bucket = next(b for b in config.sampler.length_buckets if b >= head + suffix)
+    bucket = Buckets(tuple(config.sampler.length_buckets), "sampler.length_buckets").fit_or_raise(head + suffix)
 
     def lock(shape):
         e = step_time.estimate(m, shape, chip)

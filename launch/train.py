@@ -37,7 +37,9 @@ _RESUME = flags.DEFINE_bool(
     "resume", True, "Resume from the latest checkpoint in --workdir (--noresume: fail if one exists)."
 )
 _PRINT_CONFIG = flags.DEFINE_bool(
-    "print_config", False, "Print the resolved config and derived sizes (rows, micro-batches, mesh), then exit."
+    "print_config",
+    False,
+    "Print the resolved config and the run plan (bipace_jax.plan: mesh, batches, rows, validation games), then exit.",
 )
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Check the config, devices, run folder, resume and games; compile nothing, then exit."
@@ -105,18 +107,18 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def derived_sizes(spec, num_devices: int) -> dict:
-    """Sizes a config implies: games and most rows per iteration, micro-batches per optimizer step, mesh."""
-    games = spec.num_groups * spec.rollout.group_size
-    lr = spec.learner
-    return {
-        "games_per_iteration": games,
-        "rows_per_iteration_max": games * spec.rollout.max_steps,  # one row per (game, turn) played
-        "micro_batches_per_optimizer_step": -(-lr.mini_batch_rows // lr.micro_batch_rows),
-        "validation_games": (spec.val.num_tasks + spec.val.num_holdout_tasks) * spec.val.group_size,
-        "mesh": dict(zip(("data", "fsdp", "tensor"), spec.mesh.shape(num_devices))),
-        "devices": num_devices,
-    }
+def run_plan(spec):
+    """The run's ``plan.RunPlan`` on this process's devices, with the validation panels the run will
+    play (``validation.select``: the game is built once here, in this process).
+
+    Raises:
+      ConfigError: the mesh or a row count does not split over the devices, or the game refuses its
+        options (the same checks the trainer makes before the model loads).
+    """
+    from bipace_jax import plan, validation
+
+    layout = plan.HostLayout.current(spec)
+    return plan.plan(spec, layout, validation.select(spec, spec.env.name).games)
 
 
 def check_resume(spec, workdir: str, allow_change: bool) -> str | None:
@@ -159,19 +161,22 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
     from bipace_jax import distributed, runfolder
+    from bipace_jax import plan as plan_lib
     from bipace_jax import trainer as trainer_lib
 
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
     import jax
 
     if _PRINT_CONFIG.value:
-        print(spec.config.to_json_best_effort(indent=2))
-        print(json.dumps(derived_sizes(spec, jax.device_count()), indent=2), flush=True)
+        print(spec.config.to_json_best_effort(indent=2), flush=True)
+        try:
+            print(json.dumps(run_plan(spec).summary(), indent=2), flush=True)
+        except config_lib.ConfigError as e:
+            sys.exit(f"error: {e} (the run plan on {jax.device_count()} devices)")
         return
     try:
-        spec.mesh.check_devices(jax.device_count())
-        config_lib.process_layout(spec.config, jax.process_count(), jax.device_count(), jax.local_device_count())
-        config_lib.check_workdir(spec.config, workdir, jax.process_count())
+        sizes = run_plan(spec)
+        plan_lib.check_workdir(spec, workdir, jax.process_count())
         runfolder.path(workdir)
     except (config_lib.ConfigError, runfolder.RunFolderError) as e:
         sys.exit(f"error: {e}")
@@ -181,8 +186,10 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
             print(finished + "\n" + format_report(report_from_disk(workdir)), flush=True)
         return
     if _DRY_RUN.value:
-        sizes = derived_sizes(spec, jax.device_count())
-        print(f"dry run: config, devices, run folder and resume checked, nothing compiled; {json.dumps(sizes)}")
+        print(
+            "dry run: config, devices, games, run folder and resume checked, nothing compiled; "
+            f"{json.dumps(sizes.summary())}"
+        )
         return
     config_lib.enable_compile_cache(spec)  # before the first compile
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())

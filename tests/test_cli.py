@@ -58,6 +58,23 @@ def test_hub_id_checkpoint_says_how_to_download():
 
 
 @pytest.mark.slow
+def test_print_config_and_dry_run_show_the_run_plan_with_the_validation_games_played(tmp_path):
+    # the default config's panels: 18 RL goals and 10 held-out goals (16 asked, clipped), 3 seeds each
+    proc = _run("launch.train", f"--workdir={tmp_path / 'run'}", "--print_config")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout[proc.stdout.rindex("\n{") :])
+    assert plan["val_games"] == {"val": 54, "val/holdout": 30} and plan["validation_games"] == 84
+    assert (plan["games_per_iteration"], plan["sampler_batch"], plan["prompt_bucket"]) == (64, 64, 448)
+    assert (plan["mini_batch_rows"], plan["optimizer_steps_per_epoch"]) == (256, 4)  # 960 rows at most
+    proc = _run("launch.train", f"--workdir={tmp_path / 'run'}", "--dry_run", "--config.ppo.mini_batch_rows=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("dry run: config, devices, games, run folder and resume checked")
+    dry = json.loads(line[line.index("{") :])
+    assert dry["validation_games"] == 84 and (dry["mini_batch_rows"], dry["optimizer_steps_per_epoch"]) == (960, 1)
+
+
+@pytest.mark.slow
 def test_changed_config_resume_is_refused_naming_the_fields(tmp_path):
     import configs.textcraft_tiny
 

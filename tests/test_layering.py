@@ -45,6 +45,7 @@ LAYERS = (
             "bipace_jax.programs",
             "bipace_jax.schedule_sim",
             "bipace_jax.step_time",
+            "bipace_jax.plan",
         ),
     ),
     ("models", ("bipace_jax.models",)),
@@ -65,6 +66,7 @@ LAYERS = (
             "bipace_jax.trainer",
             "bipace_jax.validation",
             "bipace_jax.lab",
+            "bipace_jax.aot",
         ),
     ),
 )

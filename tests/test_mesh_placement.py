@@ -13,8 +13,10 @@ import ml_collections
 import numpy as np
 import pytest
 
+from bipace_jax import build
 from bipace_jax import config as config_lib
 from bipace_jax import sharding as shd
+from bipace_jax.plan import HostLayout, check_workdir
 from tests.devices import run_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +65,7 @@ TOPOLOGY_SCRIPT = textwrap.dedent(r"""
             except shd.PlacementError as e:
                 naive_error = str(e)
             hosts = shd.process_devices(devices)
-            t = config_lib.sampler_tensor(c, len(hosts), len(devices), len(hosts[0]))
+            t = c.mesh.sampler_tensor or shape[2]  # `plan.HostLayout`'s rule (its checks: below)
             samplers = [shd.host_mesh(mesh, t, p) for p in hosts]
             out[f"{name} {setting}"] = dict(
                 shape=list(mesh.devices.shape), processes=proc(mesh), naive=proc(naive),
@@ -184,35 +186,37 @@ def test_check_tensor_in_host_names_the_field_and_the_chips_per_host():
         config_lib.check_tensor_in_host(3, 2, 8)
 
 
-def _layout_config(micro_batch_rows=4, num_groups=16, tensor=4):
-    c = ml_collections.ConfigDict()
-    c.mesh = dict(data=1, fsdp=-1, tensor=tensor)
-    c.rollout = dict(num_groups=num_groups)
-    c.ppo = dict(micro_batch_rows=micro_batch_rows)
-    c.checkpoint = dict(shared_workdir=False)
-    return ml_collections.ConfigDict(c)
+def _layout_spec(micro_batch_rows=4, num_groups=16, tensor=4, sampler_tensor=0, shared_workdir=False):
+    import configs.textcraft_tiny
+
+    c = configs.textcraft_tiny.get_config()
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.sampler_tensor = 1, -1, tensor, sampler_tensor
+    c.rollout.num_groups, c.ppo.micro_batch_rows, c.ppo.mini_batch_rows = num_groups, micro_batch_rows, 0
+    c.checkpoint.shared_workdir = shared_workdir
+    return build.build_spec(c, abstract=True)
 
 
-def test_process_layout_splits_rows_over_each_hosts_batch_shards():
+def test_host_layout_splits_rows_over_each_hosts_batch_shards():
     # v5e:8x8 7B: 16 hosts x 4 chips, tensor 4 -> (1, 16, 4), one batch shard per host
-    assert config_lib.process_layout(_layout_config(), 16, 64, 4) == (1, 16, 4)
+    lay = HostLayout.of(_layout_spec(), 16, 64, 4)
+    assert (lay.mesh_shape, lay.sampler_tensor, lay.sampler_row_shards) == ((1, 16, 4), 4, 1)
     # 1.5B on v5e:4x4: 4 batch shards per host, so 6 rows per host do not split
     with pytest.raises(config_lib.ConfigError, match=r"ppo.micro_batch_rows must be a multiple of the 4 batch shards"):
-        config_lib.process_layout(_layout_config(micro_batch_rows=6, tensor=1), 4, 16, 4)
+        HostLayout.of(_layout_spec(micro_batch_rows=6, tensor=1), 4, 16, 4)
     with pytest.raises(config_lib.ConfigError, match="config.mesh.tensor must divide the 4 devices of each host"):
-        config_lib.process_layout(_layout_config(tensor=8), 16, 64, 4)
+        HostLayout.of(_layout_spec(tensor=8), 16, 64, 4)
+    with pytest.raises(config_lib.ConfigError, match="config.rollout.num_groups must be a multiple of the process"):
+        HostLayout.of(_layout_spec(num_groups=8), 16, 64, 4)
     with pytest.raises(ValueError, match="64 devices are not 8 hosts x 4 devices"):
-        config_lib.process_layout(_layout_config(), 8, 64, 4)
+        HostLayout.of(_layout_spec(), 8, 64, 4)
 
 
 def test_sampler_tensor_defaults_to_the_training_tensor_and_must_divide_a_host():
-    c = _layout_config(tensor=1)
-    assert config_lib.sampler_tensor(c, 16, 64, 4) == 1  # 0: mesh.tensor
-    c.mesh.sampler_tensor = 4
-    assert config_lib.sampler_tensor(c, 16, 64, 4) == 4
-    c.mesh.sampler_tensor = 8
+    assert HostLayout.of(_layout_spec(tensor=1), 16, 64, 4).sampler_tensor == 1  # 0: mesh.tensor
+    lay = HostLayout.of(_layout_spec(tensor=1, sampler_tensor=4), 16, 64, 4)
+    assert (lay.sampler_tensor, lay.sampler_row_shards) == (4, 1)
     with pytest.raises(config_lib.ConfigError) as e:
-        config_lib.sampler_tensor(c, 16, 64, 4)
+        HostLayout.of(_layout_spec(tensor=1, sampler_tensor=8), 16, 64, 4)
     assert str(e.value) == (
         "config.mesh.sampler_tensor must divide the 4 devices of each of the 16 hosts (a host samples on its "
         "own chips): one of [1, 2, 4], or 0 for mesh.tensor, got 8"
@@ -222,15 +226,14 @@ def test_sampler_tensor_defaults_to_the_training_tensor_and_must_divide_a_host()
 
 
 def test_a_multi_host_run_refuses_a_local_workdir_unless_declared_shared():
-    c = _layout_config()
-    config_lib.check_workdir(c, "/tmp/run", 1)  # one host: any folder
-    config_lib.check_workdir(c, "gs://bucket/run", 16)
+    spec = _layout_spec()
+    check_workdir(spec, "/tmp/run", 1)  # one host: any folder
+    check_workdir(spec, "gs://bucket/run", 16)
     with pytest.raises(
         config_lib.ConfigError, match=r"--workdir='/tmp/run': a run of 16 processes .*shared_workdir=True"
     ):
-        config_lib.check_workdir(c, "/tmp/run", 16)
-    c.checkpoint.shared_workdir = True
-    config_lib.check_workdir(c, "/tmp/run", 16)
+        check_workdir(spec, "/tmp/run", 16)
+    check_workdir(_layout_spec(shared_workdir=True), "/tmp/run", 16)
     # the field's type is checked once, in its section record
     typo = ml_collections.ConfigDict(
         {"checkpoint": {"every": 1, "keep": 2, "export_hf": True, "shared_workdir": "yes", "async_save": False}}

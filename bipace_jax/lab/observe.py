@@ -18,6 +18,7 @@ import numpy as np
 
 from bipace_jax.estimators import StepBatch, assign_ids
 from bipace_jax.lab.game import Game, policy_values
+from bipace_jax.plan import row_capacity
 
 _OPENERS = ("You look around.", "Your workbench is in front of you.", "You check your inventory.", "Status report:")
 
@@ -340,7 +341,7 @@ def build_batch(
         action_key=padded(pace, np.int32, fill=-1),
         mask=padded(np.ones(n, bool), bool, fill=False),
         group_capacity=ro.seeds * ro.groups,
-        row_capacity=-(-ro.group_size * ro.horizon // 16) * 16,
+        row_capacity=row_capacity(ro.group_size, ro.horizon),
     )
     q, v, a_star = ground_truth(game, ro, pi, gamma)
     cell = (ro.group.astype(np.int64) * ro.horizon + ro.step) * game.num_states + ro.state

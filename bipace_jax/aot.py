@@ -1,0 +1,410 @@
+"""Every program of a run as an abstract ``ProgramSpec``, at the run plan's largest shapes: what
+``launch.aot`` compiles for a device topology without weights or data.
+
+``abstract_run(spec, plan, devices, local_devices)`` builds the run's meshes (as the trainer:
+``sharding.make_mesh`` by host, each host sampling on its own chips) and its long-lived state as
+``jax.ShapeDtypeStruct``s carrying their shardings: the actor by ``nnx.eval_shape``, the fp32 master
+parameters, the AdamW moments, the host-local copies in the compute dtype. ``abstract_programs``
+then lists the library's own program specs (``learner.step_specs``, ``ppo.logprobs_spec``, the
+sampler's and slots' programs through `engine_programs`, the estimator, the sampler copy's gather),
+each with the resident arrays it does not take as arguments. Every size comes from the
+``plan.RunPlan``; no config field is read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from bipace_jax import build, learner, ppo, sampling, sft, sharding, slots, step_time
+from bipace_jax.batch import abstract_micro_batch
+from bipace_jax.config import OldLogprobs
+from bipace_jax.estimators import StepBatch
+from bipace_jax.estimators.core import jitted_advantages
+from bipace_jax.plan import RunPlan
+from bipace_jax.programs import ProgramSpec, abstract
+
+__all__ = [
+    "PROGRAMS",
+    "SFT_PROGRAMS",
+    "SLOT_PROGRAMS",
+    "AbstractRun",
+    "Program",
+    "abstract_programs",
+    "abstract_run",
+    "bytes_per_chip",
+    "engine_programs",
+    "shapes",
+    "slot_run_shape",
+    "slot_step_time",
+    "sync_route",
+    "transients",
+]
+
+#: The programs of an RL run, in the order they are compiled.
+PROGRAMS = (
+    "ppo_grad",
+    "ppo_apply",
+    "logprobs",
+    "prefill",
+    "decode",
+    "val_prefill",
+    "val_decode",
+    "estimator",
+    "sync_gather",
+)
+#: The warm start's programs (``sft.sft_step_specs``): on request only.
+SFT_PROGRAMS = ("sft_grad", "sft_apply")
+#: The continuous scheduler's slot programs (``slots.insert_spec`` / ``decode_chunk_spec``): on request only.
+SLOT_PROGRAMS = ("insert_1", "insert", "decode_chunk")
+
+
+def bytes_per_chip(tree) -> int:
+    """Bytes of one device's shard of every array of ``tree`` (ShapeDtypeStructs with shardings)."""
+    return int(
+        sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program to compile.
+
+    Attributes:
+      name: its name in the report (`PROGRAMS`, `SFT_PROGRAMS`, `SLOT_PROGRAMS`).
+      mesh: the mesh it is compiled under (the training mesh or a host's sampler mesh).
+      spec: the program; None when it is built from another's compiled outputs (``after``).
+      other: keys of ``AbstractRun.resident`` that stay resident beside it (not its arguments).
+      after, build: the decode loop continues from a prefill's outputs: ``build(prefill_spec, lowered,
+        compiled)`` gives its spec once program ``after`` is compiled (compiled, unreported, when only
+        this one is asked for).
+      same_as: the same program at the same shapes as that one: reported as it, not compiled again,
+        when that one was compiled (else compiled from ``spec``; without one, left out).
+      slot_state_bytes: a slot program's chip share of the donated slot state (0: not a slot program).
+    """
+
+    name: str
+    mesh: Any
+    spec: ProgramSpec | None = None
+    other: tuple[str, ...] = ()
+    after: str = ""
+    build: Callable[..., ProgramSpec] | None = None
+    same_as: str = ""
+    slot_state_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """A run's meshes and long-lived state as ShapeDtypeStructs (``abstract_run``).
+
+    Attributes:
+      spec, plan: the ``build.RunSpec`` and its ``plan.RunPlan``.
+      devices, local_devices: the slice's devices and one host's (numbered from 0 for the TPU compiler).
+      mesh, local_mesh: the training mesh and a host's sampler / log-prob mesh.
+      placement: ``sharding.check_placement`` of ``mesh``.
+      arch, actor: the actor's ``Qwen2Config`` and the abstract actor; graphdef, rest: its split
+        (``nnx.Param`` apart).
+      master: fp32 master parameters (training mesh); local_params: the host-local copy in the
+        compute dtype; opt_state: the AdamW state; tx: the optimizer.
+      separate: the sampler's copy is a copy (several hosts, or dtypes differ), not the master itself.
+      resident: bytes per chip of ``params``, ``opt_state``, ``reference``, ``sampler_params``.
+    """
+
+    spec: Any
+    plan: RunPlan
+    devices: list
+    local_devices: list
+    mesh: Any
+    local_mesh: Any
+    placement: dict
+    arch: Any
+    actor: Any
+    graphdef: Any
+    rest: Any
+    master: Any
+    local_params: Any
+    opt_state: Any
+    tx: Any
+    separate: bool
+    num_params: int
+    resident: dict[str, int]
+
+    @property
+    def host_other(self) -> tuple[str, ...]:
+        """What stays resident beside a program on the host-local copy."""
+        return ("params", "opt_state", "reference") if self.separate else ("opt_state", "reference")
+
+    @property
+    def replica(self) -> bool:
+        """The sampler copy comes by the replica route (`RunPlan.sync_replica`)."""
+        return self.plan.sync_replica(self.spec.model)
+
+
+def abstract_run(spec: Any, plan: RunPlan, devices: Sequence, local_devices: Sequence) -> AbstractRun:
+    """The meshes and abstract long-lived state of ``spec`` (a ``build.RunSpec``) planned by ``plan``
+    on ``devices``; ``local_devices``: one host's (a TPU slice's single-host topology)."""
+    lay, m = plan.layout, spec.model
+    mesh = sharding.make_mesh(*lay.mesh_shape, devices=list(devices))
+    placement = sharding.check_placement(mesh)  # as the trainer: tensor groups in a host, disjoint batch blocks
+    # As `distributed.local_mesh`: a host samples on its own chips, tensor-parallel by its sampler tensor
+    if lay.processes == 1 and lay.sampler_tensor == lay.tensor:
+        local_mesh = mesh
+    else:
+        local_mesh = sharding.make_mesh(-1, 1, lay.sampler_tensor, devices=list(local_devices))
+    arch = build.actor_architecture(m, m.vocab_size)
+    dtype = m.dtype.jnp
+    actor = nnx.eval_shape(lambda: build.init_actor(m, arch, seed=spec.seed))
+    graphdef, params, rest = nnx.split(actor, nnx.Param, ...)
+    master = abstract(params, sharding.param_shardings(params, mesh))
+    # The sampler's and the reference's host-local copies (the global parameters themselves on one host).
+    local_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)  # copies in compute dtype
+    local_params = abstract(local_params, sharding.param_shardings(local_params, local_mesh))
+    tx = build.make_optimizer(spec.optim)
+    opt_shardings = learner.opt_state_shardings(tx, master, sharding.param_shardings(params, mesh), mesh)
+    opt_state = abstract(jax.eval_shape(tx.init, master), opt_shardings)
+    # one host with equal dtypes: the sampler's copy is the master parameters themselves
+    separate = lay.processes > 1 or m.dtype != m.param_dtype
+    resident = dict(
+        params=bytes_per_chip(master),
+        opt_state=bytes_per_chip(opt_state),
+        reference=bytes_per_chip(local_params) if spec.loss.kl_coef > 0 else 0,
+        sampler_params=bytes_per_chip(local_params) if separate else 0,
+    )
+    return AbstractRun(
+        spec=spec,
+        plan=plan,
+        devices=list(devices),
+        local_devices=list(local_devices),
+        mesh=mesh,
+        local_mesh=local_mesh,
+        placement=placement,
+        arch=arch,
+        actor=actor,
+        graphdef=graphdef,
+        rest=rest,
+        master=master,
+        local_params=local_params,
+        opt_state=opt_state,
+        tx=tx,
+        separate=separate,
+        num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+        resident=resident,
+    )
+
+
+def shapes(run: AbstractRun) -> dict[str, int]:
+    """The report's shapes of an RL run (the plan's sizes the programs are compiled at)."""
+    p, learn = run.plan, run.spec.learner
+    return dict(
+        prompt_tokens=p.prompt_bucket,
+        response_tokens=p.response_tokens,
+        micro_batch_rows=p.micro_batch_rows_global,
+        mini_batch_rows=p.mini_batch_rows,
+        sampler_batch=p.sampler_batch,
+        estimator_rows=p.estimator_rows,
+        logprob_chunk=learn.logprob_chunk,
+        val_rows_per_host=p.val_rows_per_host,
+        val_sampler_batch=p.val_sampler_batch,
+    )
+
+
+def engine_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Program], dict[str, int]]:
+    """The sampler's programs of ``names`` (prefill / decode at the rollout's batch, at the validation
+    batch, and the slot programs) on the host's sampler mesh, with the slot shapes for the report.
+
+    The one place that calls the sampling engine's program specs (``sampling.prefill_spec`` /
+    ``decode_spec``, ``slots.abstract_slots`` / ``insert_spec`` / ``decode_chunk_spec``).
+    """
+    p, arch, mesh = run.plan, run.arch, run.local_mesh
+    s = dataclasses.replace(run.spec.sampler, eos_token_ids=tuple(arch.eos_token_ids))
+    static = sampling.StaticSettings.of(s, p.prompt_bucket, pad_id=0, support=arch.vocab_size)
+    q = max([len(x.encode("utf-8")) for x in s.stop_strings], default=1)
+    table, num_eos = (len(s.stop_strings), q, arch.vocab_size), len(arch.eos_token_ids)
+    gdef, state = nnx.split(run.actor)  # the sampler merges the whole actor from one state
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, s_dtype(run)), state)
+    state = abstract(state, sharding.param_shardings(state, mesh))
+    other = run.host_other
+
+    def prefill(batch):
+        return sampling.prefill_spec(gdef, state, static, mesh, batch=batch, stop_table_shape=table, num_eos=num_eos)
+
+    def decode(pre, lowered, compiled):
+        return sampling.decode_spec(pre, abstract(lowered.out_info, compiled.output_shardings))
+
+    out = [
+        Program("prefill", mesh, prefill(p.sampler_batch), other),
+        Program("decode", mesh, None, other, after="prefill", build=decode),
+    ]
+    # Validation: each panel is one sampler call per turn over the rows this host plays, bucketed like
+    # the rollout's; at the rollout's batch the rollout's programs serve it
+    if p.val_sampler_batch == p.sampler_batch:
+        out += [Program("val_prefill", mesh, same_as="prefill"), Program("val_decode", mesh, same_as="decode")]
+    elif p.val_rows_per_host:
+        out += [
+            Program("val_prefill", mesh, prefill(p.val_sampler_batch), other),
+            Program("val_decode", mesh, None, other, after="val_prefill", build=decode),
+        ]
+    slot_shapes: dict[str, int] = {}
+    if set(SLOT_PROGRAMS) & set(names):
+        abs_slots = slots.abstract_slots(gdef, state, static, p.slot_rows, table[0], mesh)
+        rep = jax.sharding.NamedSharding(mesh, P())
+        consts = (
+            jax.ShapeDtypeStruct(table, jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((table[0],), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((num_eos,), jnp.int32, sharding=rep),
+        )
+        t_max = static.cache_length - static.max_new_tokens
+        state_bytes = bytes_per_chip(abs_slots)
+        one, every = p.batch_bucket(1), p.batch_bucket(p.slots)
+        slot_shapes = dict(
+            slots=p.slot_rows, slot_cache_columns=static.cache_length, chunk_steps=p.chunk_steps,
+            insert_1_batch=one, insert_batch=every, slot_state_bytes_per_chip=state_bytes,
+        )  # fmt: skip
+        kw = dict(consts=consts, mesh=mesh)
+        insert = lambda b: slots.insert_spec(gdef, state, static, abs_slots, batch=b, prompt_len=t_max, **kw)  # noqa: E731
+        chunk = slots.decode_chunk_spec(gdef, state, static, abs_slots, chunk=p.chunk_steps, **kw)
+        same = "insert_1" if every == one else ""  # one program when both batches are one bucket
+        out += [
+            Program("insert_1", mesh, insert(one), other, slot_state_bytes=state_bytes),
+            Program("insert", mesh, insert(every), other, same_as=same, slot_state_bytes=state_bytes),
+            Program("decode_chunk", mesh, chunk, other, slot_state_bytes=state_bytes),
+        ]
+    return out, slot_shapes
+
+
+def s_dtype(run: AbstractRun):
+    """The compute dtype the sampler's copy is held in."""
+    return run.spec.model.dtype.jnp
+
+
+def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Program], dict[str, int]]:
+    """The programs of ``names`` in compile order (the decode loops' prefills too, see `Program`),
+    and the slot programs' shapes for the report ({} without them)."""
+    spec, p, mesh = run.spec, run.plan, run.mesh
+    ppo_objective = ppo.PPOObjective(
+        spec.loss, spec.learner.old_logprobs is OldLogprobs.FUSED, run.arch.vocab_size, spec.learner.logprob_chunk
+    )
+    rows, prompt, response = p.micro_batch_rows_global, p.prompt_bucket, p.response_tokens
+    mb = abstract_micro_batch(mesh, rows, prompt, response, reference=spec.loss.kl_coef > 0)
+    args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state, mb, ppo.STAT_KEYS)
+    step = learner.step_specs(*args)
+    # `PPOLearner.update` frees the sampler copy for its steps (`Learner.release_local`)
+    out = [
+        Program("ppo_grad", mesh, step["accumulate"], ("opt_state", "reference")),
+        Program("ppo_apply", mesh, step["apply"], ("reference",)),
+    ]
+    if set(SFT_PROGRAMS) & set(names):
+        # the warm start keeps no reference and frees its sampler copy for its steps (`sft._WarmStart.train`)
+        sft_step = sft.sft_step_specs(
+            run.graphdef, run.tx, mesh, run.master, run.rest, run.opt_state, rows, prompt + response, response
+        )
+        out += [
+            Program("sft_grad", mesh, sft_step["accumulate"], ("opt_state",)),
+            Program("sft_apply", mesh, sft_step["apply"]),
+        ]
+    lmb = abstract_micro_batch(run.local_mesh, p.logprob_rows_per_host, prompt, response, logprobs=False)
+    logprobs = ppo.logprobs_spec(run.graphdef, ppo_objective, run.local_params, run.rest, lmb)
+    out.append(Program("logprobs", run.local_mesh, logprobs, run.host_other))
+    engine, slot_shapes = engine_programs(run, names)
+    out += engine
+    out.append(_estimator_program(run))
+    if run.replica:
+        # `Learner.sync_local`: with another tensor size on the host than in training, each array comes
+        # whole to every chip by one all-gather over the slice, then a host-local slice (the
+        # `local_copy` replica route); compiled at the largest array, so libtpu's routing of it is proven too.
+        gather = jax.jit(lambda x: x.astype(s_dtype(run)), out_shardings=jax.sharding.NamedSharding(mesh, P()))
+        spec_ = ProgramSpec("sync_gather", gather, (_largest(run),))
+        out.append(Program("sync_gather", mesh, spec_, tuple(run.resident)))
+    return out, slot_shapes
+
+
+def _largest(run: AbstractRun):
+    return max(jax.tree.leaves(run.master), key=lambda x: int(np.prod(x.shape)))
+
+
+def _estimator_program(run: AbstractRun) -> Program:
+    """The advantage estimator at a host's rollout capacity, on one device of the host."""
+    p, one_device = run.plan, run.local_devices[0]
+    fn, scalars = jitted_advantages(run.spec.estimator)
+    n = p.estimator_rows
+    one = jax.sharding.SingleDeviceSharding(one_device)
+
+    def vec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+
+    steps = StepBatch(
+        group_id=vec((n,), jnp.int32),
+        traj_id=vec((n,), jnp.int32),
+        step=vec((n,), jnp.int32),
+        reward=vec((n,), jnp.float32),
+        obs_hash=vec((n,), jnp.int32),
+        fingerprint=vec((n, run.arch.hidden_size), jnp.float32),
+        action_key=vec((n,), jnp.int32),
+        mask=vec((n,), jnp.bool_),
+        penalty=vec((n,), jnp.float32),
+        group_capacity=p.group_capacity,
+        row_capacity=p.row_capacity,
+    )
+    scalars = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one) for x in scalars)
+    mesh = jax.sharding.Mesh(np.array([one_device]), ("data",))
+    return Program("estimator", mesh, ProgramSpec("estimator", fn, (steps, *scalars)), tuple(run.resident))
+
+
+def transients(run: AbstractRun, names: Sequence[str]) -> dict[str, int]:
+    """Peaks no compiled program shows, bytes per chip: ``sync_local`` (the new sampler copy is built,
+    the old one freed first; by the replica route one array at a time through its whole replica) and
+    ``grad_init`` (the fp32 gradient accumulator's zeros beside every long-lived array, the sampler
+    copy released)."""
+    r, lay = run.resident, run.plan.layout
+    whole = int(np.prod(_largest(run).shape)) * np.dtype(s_dtype(run)).itemsize
+    sync_extra = whole + whole // lay.sampler_tensor if run.replica else 0
+    ref = r["reference"] if set(names) & set(PROGRAMS) else 0  # the warm start keeps no reference
+    return dict(
+        sync_local=r["params"] + r["opt_state"] + ref + r["sampler_params"] + sync_extra,
+        grad_init=2 * r["params"] + r["opt_state"] + ref,
+    )
+
+
+def sync_route(run: AbstractRun) -> str:
+    """How the sampler copy is refreshed: ``replica``, ``host_wide`` (a copy of its own) or ``shared``."""
+    return "replica" if run.replica else ("host_wide" if run.separate else "shared")
+
+
+def slot_run_shape(run: AbstractRun, slot_shapes: dict[str, int]) -> step_time.RunShape:
+    """The step-time model's shape of one host's slot programs: its sampler mesh alone (fsdp 1, the
+    sampler's tensor axis), ``slots`` games, the prompt bucket as T_max (no training rows)."""
+    p = run.plan
+    t = p.layout.sampler_tensor
+    return step_time.RunShape(
+        chips=p.layout.devices, hosts=p.hosts, fsdp=1, tensor=t, sampler_tensor=t,
+        prompt_tokens=p.prompt_bucket, response_tokens=p.response_tokens, games_per_host=slot_shapes["slots"],
+        turns=p.turns, micro_batch_rows=1, logprob_rows_per_host=1, mini_batch_rows=1,
+    )  # fmt: skip
+
+
+def slot_step_time(run: AbstractRun, slot_shapes: dict[str, int], chip: step_time.Chip) -> dict[str, Any]:
+    """`step_time.program_costs` at the slot shapes: an insert (prefill at T_max) per batch, and one
+    dense decode step, where every slot reads all S = T_max + M cache columns, and a chunk of them."""
+    base = slot_run_shape(run, slot_shapes)
+    t_max, m = base.prompt_tokens, base.response_tokens
+    model = step_time.ModelShape.of(run.arch)
+    out = dict(chip=dataclasses.asdict(chip), run_shape=dataclasses.asdict(base), programs={})
+    for name in ("insert_1", "insert"):
+        r = dataclasses.replace(base, games_per_host=slot_shapes[f"{name}_batch"])
+        out["programs"][name] = step_time.program_costs(model, r)["prefill"].seconds(chip)
+    # program_costs' decode step attends to prompt + M/2 columns on average; a dense slot reads all S
+    r = dataclasses.replace(base, prompt_tokens=t_max + m - m // 2)
+    step = step_time.program_costs(model, r)["decode_step"].seconds(chip)
+    chunk = slot_shapes["chunk_steps"]
+    out["programs"]["decode_step"] = step
+    out["programs"]["decode_chunk"] = {k: v * chunk if k.endswith("_s") else v for k, v in step.items()}
+    out["programs"]["decode_chunk"]["seconds"] = step["seconds"] * chunk
+    out["decode_tokens_per_s_per_host"] = slot_shapes["slots"] / step["seconds"]
+    return out
