@@ -23,8 +23,8 @@ import environments
 from bipace_jax import config as config_lib
 from bipace_jax import distributed, tasks
 from bipace_jax import metric_keys as keys
-from bipace_jax.metrics import panel_metrics
 from bipace_jax.rollout import RolloutResult, collect
+from bipace_jax.stats import panel_metrics
 from environments.pool import EnvPool
 
 __all__ = ["PANELS", "Panels", "make_pool", "panel_key", "panel_record", "probe", "select", "start_pools", "validate"]
@@ -135,7 +135,7 @@ def panel_key(spec, name: str) -> jax.Array:
 
 def panel_record(spec, name: str, panels: Panels, per_task: dict[str, np.ndarray]) -> dict[str, Any]:
     """One panel's record from its summed per-task arrays (``won``, ``length``, ``errors``, ``score``,
-    float [num_tasks]): ``metrics.panel_metrics``, WebShop's unwinnable goals, success per category."""
+    float [num_tasks]): ``stats.panel_metrics``, WebShop's unwinnable goals, success per category."""
     out = panel_metrics(name, per_task["won"], per_task["length"], per_task["errors"], per_task["score"])
     panel, info = panels.games[name], panels.task_infos[name]
     best = [info(tid).get("best_score") for tid, _ in panel]  # WebShop: goals no purchase can win
