@@ -44,15 +44,12 @@ from bipace_jax.config import (
     CalibrationConfig,
     CheckpointConfig,
     ConfigError,
-    DType,
     EnvConfig,
     LearnerConfig,
     LogConfig,
-    MatmulPrecision,
     MeshConfig,
     OldLogprobs,
     OptimConfig,
-    Remat,
     TasksConfig,
     ValConfig,
     check_choice,
@@ -67,6 +64,7 @@ from bipace_jax.config import (
 )
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer
+from bipace_jax.models.config import DType, MatmulPrecision, Remat
 from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
@@ -147,9 +145,9 @@ class ModelConfig:
       hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the tiny preset's sizes.
       vocab_size: size of the BPE the project trains when no tokenizer is given (>= 300).
       fingerprint_layer: HF ``hidden_states`` index of the BiPACE fingerprint.
-      dtype, param_dtype: ``config.DType`` of activations and parameters.
-      matmul_precision: a ``config.MatmulPrecision``.
-      remat: a ``config.Remat``.
+      dtype, param_dtype: ``models.config.DType`` of activations and parameters.
+      matmul_precision: a ``models.config.MatmulPrecision``.
+      remat: a ``models.config.Remat``.
       scan_layers: one ``lax.scan`` over the decoder layers.
     """
 

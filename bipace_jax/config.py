@@ -22,7 +22,6 @@ import re
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
@@ -221,34 +220,6 @@ def enable_compile_cache(c: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Closed option sets, decoded once from their config strings.
-
-
-class DType(enum.StrEnum):
-    """``model.dtype`` / ``model.param_dtype``."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-    @property
-    def jnp(self):
-        """The ``jnp`` dtype."""
-        return jnp.dtype(self.value)
-
-
-class MatmulPrecision(enum.StrEnum):
-    """``model.matmul_precision``: ``jax.default_matmul_precision`` of every dot of the actor."""
-
-    DEFAULT = "default"  # the backend's own (bf16 passes on TPU)
-    HIGH = "high"
-    HIGHEST = "highest"  # full fp32 matmuls
-
-
-class Remat(enum.StrEnum):
-    """``model.remat``: what each decoder layer keeps for the backward pass (``jax.checkpoint``)."""
-
-    NONE = "none"  # all activations (fastest, most memory)
-    FULL = "full"  # only the layer input: recomputes the layer, one extra forward
-    SAVE_DOTS = "save_dots"  # the matmul outputs without a batch dimension: recomputes the elementwise work
 
 
 class OldLogprobs(enum.StrEnum):
