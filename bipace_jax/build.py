@@ -50,6 +50,7 @@ from bipace_jax.config import (
     MeshConfig,
     OldLogprobs,
     OptimConfig,
+    Schedule,
     TasksConfig,
     ValConfig,
     check_choice,
@@ -192,10 +193,15 @@ class ModelConfig:
             fail("model.tokenizer", "be an existing tokenizer folder", self.tokenizer)
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict, *, abstract: bool = False) -> ModelConfig:
+    def from_config(
+        cls, c: ml_collections.ConfigDict, *, abstract: bool = False, fields: Sequence[str] | None = None
+    ) -> ModelConfig:
         """``ModelConfig`` of ``c.model`` with its paths resolved; unless ``abstract`` (shapes only,
-        ``launch.aot``), the checkpoint must be an HF folder, and non-tiny presets need one."""
-        m = cls(**{f.name: get(c, f"model.{f.name}") for f in dataclasses.fields(cls)})
+        ``launch.aot``), the checkpoint must be an HF folder, and non-tiny presets need one. With
+        ``fields``, only those are read (the warm start's config names the tiny sizes and tokenizer
+        only); the others keep their defaults."""
+        names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
+        m = cls(**{name: get(c, f"model.{name}") for name in names})
         if m.checkpoint and not abstract:
             if not _folder_has("model.checkpoint", resolve_path(m.checkpoint), "config.json"):
                 if _HUB_ID.fullmatch(m.checkpoint) and not os.path.exists(resolve_path(m.checkpoint)):
@@ -323,6 +329,13 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
         # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
         fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)", "sampler")
+    optim = OptimConfig.from_config(c)
+    if optim.schedule is not Schedule.CONSTANT:  # RL's optimizer steps per iteration follow its batches
+        fail(
+            "optim.schedule",
+            "be 'constant' for RL (its number of optimizer steps is not known in advance)",
+            optim.schedule.value,
+        )
     val = ValConfig.from_config(c)
     val_sampler = dataclasses.replace(sampler, temperature=val.temperature)
     mesh = MeshConfig.from_config(c)
@@ -345,7 +358,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         controller=controller if estimator.clusters else None,  # epsilon tunes the clustering only
         loss=loss,
         learner=learner,
-        optim=OptimConfig.from_config(c),
+        optim=optim,
         val=val,
         checkpoint=CheckpointConfig.from_config(c),
         log=LogConfig.from_config(c),
@@ -455,14 +468,29 @@ def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None)
     )
 
 
-def make_optimizer(optim: OptimConfig) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay) after global-norm clipping; constant LR after linear warmup.
-    ``optim``: an ``OptimConfig`` (or the ``config.optim`` section: same fields)."""
-    lr = (
-        optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
-        if optim.warmup_steps
-        else optim.learning_rate
-    )
+def make_optimizer(optim: OptimConfig, total_steps: int | None = None) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay) after global-norm clipping, at the learning rate of ``optim.schedule``:
+    ``constant`` (linear warmup from 0 over ``warmup_steps``, then ``learning_rate``) or ``warmup_cosine``
+    (linear warmup, then cosine decay to 10% of ``learning_rate`` at step ``total_steps``: the warm start).
+    ``optim``: an ``OptimConfig`` (or the ``config.optim`` section: same fields).
+
+    Raises:
+      ConfigError: ``warmup_cosine`` without ``total_steps`` (the run's optimizer steps).
+    """
+    o, schedule = optim, Schedule(optim.schedule)
+    if schedule is Schedule.WARMUP_COSINE:
+        if total_steps is None:
+            fail(
+                "optim.schedule",
+                "be 'constant' where the run's optimizer steps are not known in advance",
+                "warmup_cosine",
+            )
+        end = max(total_steps, o.warmup_steps + 1)  # optax needs a decay of at least one step
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, o.learning_rate, o.warmup_steps, end, end_value=0.1 * o.learning_rate
+        )
+    else:
+        lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps) if o.warmup_steps else o.learning_rate
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
         optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
@@ -532,15 +560,19 @@ def load_model_tokenizer(model: ModelConfig) -> Any:
     return load_tokenizer(runfolder.local_folder(resolve_path(folder)))
 
 
-def actor_architecture(model: ModelConfig, vocab_size: int, eos_token_id: int | None = None) -> Qwen2Config:
+def actor_architecture(
+    model: ModelConfig, vocab_size: int, eos_token_id: int | None = None, *, max_position_embeddings: int = 8192
+) -> Qwen2Config:
     """The ``Qwen2Config`` of a random init of ``model``: the named ``preset``, or for "tiny" the sizes
-    of ``model`` with ``vocab_size`` and ``eos_token_id`` (None: ``Qwen2Config.tiny``'s)."""
+    of ``model`` with ``vocab_size``, ``eos_token_id`` (None: ``Qwen2Config.tiny``'s) and
+    ``max_position_embeddings`` (written to an exported config.json only: RoPE has no table)."""
     m = model
     if m.preset != "tiny":
         return Qwen2Config.preset(m.preset)
     sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
     heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
-    return tiny_actor_config(vocab_size, eos_token_id=eos_token_id, max_position_embeddings=8192, **sizes, **heads)
+    positions = {"max_position_embeddings": max_position_embeddings}
+    return tiny_actor_config(vocab_size, eos_token_id=eos_token_id, **positions, **sizes, **heads)
 
 
 def init_actor(model: ModelConfig, cfg: Qwen2Config, *, seed: int = 0) -> Qwen2Actor:

@@ -237,6 +237,13 @@ class WebShopScorer(enum.StrEnum):
     UPSTREAM = "upstream"  # the later upstream rule: goal option values, colour-normalised like the clicked ones
 
 
+class Schedule(enum.StrEnum):
+    """``optim.schedule``: the learning rate over optimizer steps (``build.make_optimizer``)."""
+
+    CONSTANT = "constant"  # linear warmup over ``warmup_steps``, then ``learning_rate`` (RL: the paper's)
+    WARMUP_COSINE = "warmup_cosine"  # linear warmup, then cosine decay to 10% at the last step (the warm start)
+
+
 class Panel(enum.StrEnum):
     """``val.panel``: how the validation goals are picked (``tasks.validation_panel``)."""
 
@@ -442,11 +449,13 @@ class LearnerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(Section):
-    """``config.optim``: AdamW after global-norm clipping, constant learning rate after linear warmup."""
+    """``config.optim``: AdamW after global-norm clipping; the learning rate rises linearly over
+    ``warmup_steps`` to ``learning_rate``, then follows ``schedule`` (a ``Schedule``)."""
 
     SECTION: ClassVar[str] = "optim"
     learning_rate: float = 1e-6
     warmup_steps: int = 0
+    schedule: Schedule = Schedule.CONSTANT
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.999
@@ -456,6 +465,7 @@ class OptimConfig(Section):
     def __post_init__(self):
         check_float(self._name("learning_rate"), self.learning_rate, 0, lo_open=True)
         check_int(self._name("warmup_steps"), self.warmup_steps, 0)
+        object.__setattr__(self, "schedule", decode(self._name("schedule"), Schedule, self.schedule))
         check_float(self._name("weight_decay"), self.weight_decay, 0)
         check_float(self._name("b1"), self.b1, 0, 1, hi_open=True)
         check_float(self._name("b2"), self.b2, 0, 1, hi_open=True)

@@ -25,14 +25,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from etils import epath
-from flax import nnx
 from tqdm import tqdm
 
 import environments
-from bipace_jax import demos, losses, metric_keys, resume, runfolder, tasks
-from bipace_jax.build import checked
+from bipace_jax import build, demos, losses, metric_keys, resume, runfolder, tasks, validation
+from bipace_jax.build import ModelConfig, checked
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import (
     EnvConfig,
@@ -52,11 +50,11 @@ from bipace_jax.config import (
 from bipace_jax.demo_stream import BucketStream
 from bipace_jax.learner import Learner, shard_rows, step_specs
 from bipace_jax.metrics import MetricsLogger, read_metrics
-from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
+from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
 from bipace_jax.sampling import Sampler, SamplerConfig
 from bipace_jax.sharding import make_mesh
-from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps, tiny_actor_config, warm_start_tokenizer
+from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps, warm_start_tokenizer
 from environments.pool import EnvPool
 
 # -------------------------------------------------------------------------------------------------
@@ -192,27 +190,34 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
     return out
 
 
-def summarize(episodes: Sequence[Episode], heldout: set[int] = frozenset()) -> dict[str, float]:
-    """Success rates: overall, by depth, seen vs held-out goals; mean length and invalid rate."""
+def panel_record(
+    episodes: Sequence[Episode], panels: dict[str, list[tuple[int, int]]], task_info, categories: Sequence[str]
+) -> dict[str, Any]:
+    """The validation record of the warm start's panel games, in RL's keys (``validation.panel_record``:
+    ``val/success_rate``, ``val/success_rate/depth_<d>``, ``val/holdout/...``): ``episodes`` played one
+    game per pair, panel after panel in ``validation.PANELS`` order (``play_order``)."""
+    out, start = {}, 0
+    for name in validation.PANELS:
+        games = panels[name]
+        arrays = validation.per_task(episodes[start : start + len(games)], range(len(games)), len(games), 1)
+        start += len(games)
+        if games:
+            out.update(validation.panel_record(name, games, task_info, categories, arrays))
+    return out
 
-    def rate(eps):
-        return float(np.mean([e.won for e in eps])) if eps else float("nan")
 
-    def depth(e):
-        return int(e.task_info.get("depth", 0))
+def play_order(panels: dict[str, list[tuple[int, int]]], limit: int | None = None) -> list[tuple[int, int]]:
+    """The panels' ``(task_id, seed)`` pairs as the warm start plays them: seen goals, then held-out
+    goals (``validation.PANELS``); with ``limit``, the first ``limit`` of them."""
+    return [g for name in validation.PANELS for g in panels[name]][:limit]
 
-    out: dict[str, float] = {"success": rate(episodes), "n": len(episodes)}
-    for d in sorted({depth(e) for e in episodes}):
-        out[f"success_depth{d}"] = rate([e for e in episodes if depth(e) == d])
-    held = [e for e in episodes if e.task_id in heldout]
-    out["success_seen"] = rate([e for e in episodes if e.task_id not in heldout])
-    if held:
-        out["success_heldout"] = rate(held)
-        for d in sorted({depth(e) for e in held}):
-            out[f"success_heldout_depth{d}"] = rate([e for e in held if depth(e) == d])
-    steps = sum(e.length for e in episodes)
-    out["mean_length"] = steps / len(episodes) if episodes else 0.0
-    out["invalid_rate"] = sum(e.invalid_count for e in episodes) / max(steps, 1)
+
+def first_games(panels: dict[str, list[tuple[int, int]]], n: int) -> dict[str, list[tuple[int, int]]]:
+    """``panels`` cut to the first ``n`` games of ``play_order``."""
+    out, left = {}, n
+    for name in validation.PANELS:
+        out[name] = panels[name][:left]
+        left -= len(out[name])
     return out
 
 
@@ -511,19 +516,19 @@ class WarmStartSpec:
 
     Attributes:
       seed: model init, data order, DAgger seeds.
-      tokenizer: tokenizer folder ("" = build the project's BPE); ``vocab_size``: its learned entries.
-      actor: the tiny Qwen2 architecture (its vocabulary is set from the tokenizer by ``run``).
+      model: RL's ``build.ModelConfig`` of the fields the warm start reads (``MODEL_FIELDS``: the tiny
+        preset's sizes, ``tokenizer`` ("" = build the project's BPE) and ``vocab_size``, its learned
+        entries); the actor is ``build.actor_architecture`` of it with the tokenizer's vocabulary.
       env, tasks, sampler, optim: as RL's sections (``config.EnvConfig``, ``config.TasksConfig``,
-        ``SamplerConfig`` at temperature 1, ``config.OptimConfig``).
+        ``SamplerConfig`` at temperature 1, ``config.OptimConfig``: ``build.make_optimizer`` over
+        ``total_updates``).
       rollout: how every game is played (one per task group; the RL default's prompt settings).
       data, train, dagger, val: the warm start's own sections.
       config: the checked source config (a ``FrozenConfigDict``; written to ``report.json``).
     """
 
     seed: int
-    tokenizer: str
-    vocab_size: int
-    actor: Any
+    model: ModelConfig
     env: EnvConfig
     tasks: TasksConfig
     rollout: RolloutConfig
@@ -544,14 +549,19 @@ class WarmStartSpec:
         return self.train.bc_steps + self.dagger.rounds * self.train.steps_per_round
 
 
-# config.model field -> its Qwen2Config field (as RL's tiny preset, build.actor_architecture)
-_TINY_SIZES = {
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "intermediate_size": "intermediate_size",
-}
+FIRST_GAMES = 16  # the report's greedy_first_games: the games tests/test_tiny_shipped.py replays
+# The config.model fields a warm start reads (the others keep ModelConfig's defaults: a random tiny init, fp32).
+MODEL_FIELDS = (
+    "tokenizer",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+)
+# max_position_embeddings of the exported config.json (the shipped bipace_jax/data/textcraft_tiny's; RoPE has no table)
+MAX_POSITIONS = 2048
 
 
 def build_warm_start(c) -> WarmStartSpec:
@@ -561,9 +571,7 @@ def build_warm_start(c) -> WarmStartSpec:
       ConfigError: (a ``ValueError``) naming the first bad field, before anything loads or compiles.
     """
     seed = check_int("seed", get(c, "seed"), 0)
-    tokenizer = check_str("model.tokenizer", get(c, "model.tokenizer"), "a path string ('' = build one)")
-    vocab_size = check_int("model.vocab_size", get(c, "model.vocab_size"), 300)
-    sizes = {hf: check_int(f"model.{f}", get(c, f"model.{f}"), 1) for f, hf in _TINY_SIZES.items()}
+    model = ModelConfig.from_config(c, fields=MODEL_FIELDS)
     env = EnvConfig.from_config(c, ("name", "max_steps", "num_workers"))
     check_choice("env.name", env.name, environments.registered())
     tasks_cfg = TasksConfig.from_config(c, ("train", "holdout_every"))
@@ -591,9 +599,7 @@ def build_warm_start(c) -> WarmStartSpec:
     )
     return WarmStartSpec(
         seed=seed,
-        tokenizer=tokenizer,
-        vocab_size=vocab_size,
-        actor=sizes,
+        model=model,
         env=env,
         tasks=tasks_cfg,
         rollout=rollout,
@@ -612,18 +618,6 @@ def validate_config(c) -> None:
     build_warm_start(c)
 
 
-def make_optimizer(spec) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; linear warmup to ``optim.learning_rate``, cosine to 10% at the
-    last update. ``spec``: a ``WarmStartSpec`` (or a warm-start config, built into one)."""
-    spec = spec if isinstance(spec, WarmStartSpec) else build_warm_start(spec)
-    o, total = spec.optim, spec.total_updates
-    lr = optax.warmup_cosine_decay_schedule(
-        0.0, o.learning_rate, o.warmup_steps, max(total, o.warmup_steps + 1), end_value=0.1 * o.learning_rate
-    )
-    adamw = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
-
-
 def rollout_config(c) -> RolloutConfig:
     """How the warm start plays (one game per panel task, the RL loop's prompt settings)."""
     return build_warm_start(c).rollout
@@ -634,19 +628,20 @@ def rollout_config(c) -> RolloutConfig:
 
 
 def _tokenizer(spec: WarmStartSpec, run_dir: epath.Path):
-    """The tokenizer of ``spec.tokenizer``, else the one built into ``<run_dir>/tokenizer`` (built once)."""
-    tok_dir = runfolder.path(spec.tokenizer, "config.model.tokenizer") if spec.tokenizer else run_dir / "tokenizer"
+    """The tokenizer of ``model.tokenizer``, else the one built into ``<run_dir>/tokenizer`` (built once)."""
+    m = spec.model
+    tok_dir = runfolder.path(m.tokenizer, "config.model.tokenizer") if m.tokenizer else run_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         with runfolder.staged(tok_dir) as local:
             warm_start_tokenizer(
-                spec.env.name, spec.rollout.template, vocab_size=spec.vocab_size, seeds=spec.data.tokenizer_seeds
+                spec.env.name, spec.rollout.template, vocab_size=m.vocab_size, seeds=spec.data.tokenizer_seeds
             ).save_pretrained(local)
     with runfolder.local_copy(tok_dir) as local:
         return load_tokenizer(local)
 
 
-def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """(training goals, held-out goals, the validation panel's (task_id, seed) pairs: seen then held-out)."""
+def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], dict[str, list[tuple[int, int]]]]:
+    """(training goals, held-out goals, panel name (``validation.PANELS``) -> its (task_id, seed) pairs)."""
     train_ids, held_ids = tasks.split_holdout(
         tasks.select_tasks(spec.tasks.train, env.num_tasks, env.task_info), [], spec.tasks.holdout_every
     )
@@ -654,7 +649,7 @@ def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], list[tup
     seen, held = tasks.validation_panel(
         train_ids[:: v.rl_every], held_ids, v.num_tasks, v.num_holdout_tasks, v.seed, "spread", v.seeds_per_goal
     )
-    return train_ids, held_ids, seen + held
+    return train_ids, held_ids, {metric_keys.VAL: seen, metric_keys.VAL_HOLDOUT: held}
 
 
 class _WarmStart:
@@ -664,9 +659,12 @@ class _WarmStart:
         self.spec, self.run_dir, self.tokenizer, self.progress = spec, run_dir, tokenizer, progress
         self.limit = spec.data.length_buckets[-1]
         self.examples = [e for e in examples if self.fits(e)]
-        cfg = tiny_actor_config(len(tokenizer), eos_token_id=tokenizer.eos_token_id, **spec.actor)
-        actor = Qwen2Actor(cfg, rngs=nnx.Rngs(spec.seed))
-        self.learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), make_optimizer(spec))
+        arch = build.actor_architecture(
+            spec.model, len(tokenizer), tokenizer.eos_token_id, max_position_embeddings=MAX_POSITIONS
+        )
+        actor = build.init_actor(spec.model, arch, seed=spec.seed)
+        tx = build.make_optimizer(spec.optim, spec.total_updates)
+        self.learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), tx)
         self.checkpointer = Checkpointer(os.fspath(run_dir))
         # checkpoint steps count the saves; ``resume``: the position inside ``start_round`` (None: its start)
         self.start_round, self.step, self.next_save, self.resume = 0, 0, 0, None
@@ -684,7 +682,7 @@ class _WarmStart:
         self.example_log = _ExampleLog(run_dir / EXAMPLES_FILE, self.step) if spec.train.log_examples else None
         temps = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
         self.samplers = {k: Sampler(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
-        self.pool = None
+        self.pool, self.task_info = None, None  # set by ``run``: the games' pool and the game's task_info
 
     def fits(self, e: Example) -> bool:
         return len(e.prompt_ids) + len(e.response_ids) <= self.limit
@@ -775,16 +773,20 @@ class _WarmStart:
         # States far off the expert's path can outgrow the longest bucket: left out, counted.
         fit = [e for e in (record_example(r, self.spec.rollout, self.tokenizer) for r in records) if self.fits(e)]
         self.examples.extend(fit)
-        s = summarize(res.episodes)
         return {
-            "dagger/success": s["success"],
-            "dagger/invalid_rate": s["invalid_rate"],
+            "dagger/success": res.stats["success_rate"],
+            "dagger/invalid_rate": res.stats["invalid_rate"],
             "dagger/new_examples": len(fit),
             "dagger/too_long": len(records) - len(fit),
             "dagger_s": time.time() - t1,
         }
 
-    def rounds(self, train_ids, panel, held_set, t_start: float) -> list[dict[str, Any]]:
+    def validate(self, kind: str, panels: dict[str, list[tuple[int, int]]], key) -> tuple[dict[str, Any], list]:
+        """The panel games played with sampler ``kind``: (their record, ``panel_record``; the episodes)."""
+        eps = self.play(kind, play_order(panels), key).episodes
+        return panel_record(eps, panels, self.task_info, self.spec.rollout.spec.categories), eps
+
+    def rounds(self, train_ids, panels, t_start: float) -> list[dict[str, Any]]:
         """BC (round 0) and the DAgger rounds from ``start_round``, checkpointed after each; their records."""
         spec, history = self.spec, []
         base_key = jax.random.key(spec.seed)
@@ -797,8 +799,7 @@ class _WarmStart:
             if rnd < spec.dagger.rounds:
                 rec.update(self.dagger(rnd, rng, jax.random.fold_in(key, 0), train_ids))
             if spec.val.every_round and rnd < spec.dagger.rounds:
-                s = summarize(self.play("val", panel, jax.random.fold_in(key, 1)).episodes, held_set)
-                rec.update({f"val/{k}": v for k, v in s.items()})
+                rec.update(self.validate("val", panels, jax.random.fold_in(key, 1))[0])
             self.metrics.write(self.step, rec)
             history.append(rec)
             if self.progress:
@@ -848,23 +849,25 @@ def run(
     t_tok = time.time() - t_start
 
     env = environments.make(spec.env.name, max_steps=spec.env.max_steps)
-    train_ids, held_ids, panel = _task_sets(spec, env)
-    held_set = set(held_ids)
+    train_ids, held_ids, panels = _task_sets(spec, env)
+    games = play_order(panels)
     builder = expert_dataset(spec, os.fspath(run_dir / "demos"), progress)
     examples, ostats = demo_examples(demos.read_split(builder, "train"), spec.rollout, tokenizer)
 
     ws = _WarmStart(spec, run_dir, tokenizer, examples, progress)
+    ws.task_info = env.task_info
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ws.learner.params))
-    n_envs, options = max(len(panel), spec.dagger.episodes), {"max_steps": spec.env.max_steps}
+    n_envs, options = max(len(games), spec.dagger.episodes), {"max_steps": spec.env.max_steps}
     ws.pool = EnvPool(spec.env.name, n_envs, env_options=options, num_workers=spec.env.num_workers or None)
     try:
-        history = ws.rounds(train_ids, panel, held_set, t_start)
+        history = ws.rounds(train_ids, panels, t_start)
         key = jax.random.fold_in(jax.random.key(spec.seed), spec.dagger.rounds + 1)
-        eps, geps = ws.play("val", panel, key).episodes, ws.play("greedy", panel, key).episodes
+        (final, eps), (greedy, geps) = ws.validate("val", panels, key), ws.validate("greedy", panels, key)
     finally:
         ws.pool.close()
         ws.checkpointer.close()
-    final, greedy = summarize(eps, held_set), summarize(geps, held_set)
+    first = first_games(panels, FIRST_GAMES)
+    categories = spec.rollout.spec.categories
     finals = {**{f"final/{k}": v for k, v in final.items()}, **{f"final_greedy/{k}": v for k, v in greedy.items()}}
     ws.metrics.write(ws.step + 1, finals)
     ws.metrics.close()
@@ -873,7 +876,7 @@ def run(
         "panel_temperature": spec.val.temperature,
         "wall_time_s": time.time() - t_start,
         "final_greedy": greedy,
-        "greedy_first_games": summarize(geps[:16], held_set),
+        "greedy_first_games": panel_record(geps[:FIRST_GAMES], first, env.task_info, categories),
         "tokenizer_s": t_tok,
         "num_params": n_params,
         "vocab_size": len(tokenizer),
@@ -885,7 +888,7 @@ def run(
         "seed": spec.seed,
         "train_goals": len(train_ids),
         "heldout_goals": held_ids,
-        "panel": panel,
+        "panel": games,
         "panel_episodes": [dataclasses.asdict(e) for e in eps],
         "config": spec.config.to_dict(),
     }
