@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
-import optax
 from flax import nnx
 
 import environments
@@ -64,6 +63,7 @@ from bipace_jax.config import (
     system_prompt_of,
 )
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
+from bipace_jax.learner import make_optimizer
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer
 from bipace_jax.models.config import DType, MatmulPrecision, Remat
 from bipace_jax.ppo import PPOLearner
@@ -283,6 +283,23 @@ class RunSpec:
         return self.calibration.enabled and self.estimator.clusters
 
 
+def _rl_optim(c: ml_collections.ConfigDict) -> OptimConfig:
+    """``OptimConfig`` of ``c.optim`` for RL: a ``constant`` schedule (RL's optimizer steps per iteration
+    follow its batches, so no decay can end at the last one).
+
+    Raises:
+      ConfigError: naming ``config.optim.schedule``.
+    """
+    optim = OptimConfig.from_config(c)
+    if optim.schedule is not Schedule.CONSTANT:
+        fail(
+            "optim.schedule",
+            "be 'constant' for RL (its number of optimizer steps is not known in advance)",
+            optim.schedule.value,
+        )
+    return optim
+
+
 def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None, *, abstract: bool = False) -> RunSpec:
     """Check every field of a run config and decode it into a ``RunSpec``; runs on the host, before
     anything compiles, touching no device.
@@ -329,13 +346,6 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
         # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
         fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)", "sampler")
-    optim = OptimConfig.from_config(c)
-    if optim.schedule is not Schedule.CONSTANT:  # RL's optimizer steps per iteration follow its batches
-        fail(
-            "optim.schedule",
-            "be 'constant' for RL (its number of optimizer steps is not known in advance)",
-            optim.schedule.value,
-        )
     val = ValConfig.from_config(c)
     val_sampler = dataclasses.replace(sampler, temperature=val.temperature)
     mesh = MeshConfig.from_config(c)
@@ -358,7 +368,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         controller=controller if estimator.clusters else None,  # epsilon tunes the clustering only
         loss=loss,
         learner=learner,
-        optim=optim,
+        optim=_rl_optim(c),
         val=val,
         checkpoint=CheckpointConfig.from_config(c),
         log=LogConfig.from_config(c),
@@ -465,35 +475,6 @@ def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None)
         step_norm=e.step_norm,
         pace_fallback=e.pace_fallback,
         similarity_thresh=e.similarity_thresh,
-    )
-
-
-def make_optimizer(optim: OptimConfig, total_steps: int | None = None) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay) after global-norm clipping, at the learning rate of ``optim.schedule``:
-    ``constant`` (linear warmup from 0 over ``warmup_steps``, then ``learning_rate``) or ``warmup_cosine``
-    (linear warmup, then cosine decay to 10% of ``learning_rate`` at step ``total_steps``: the warm start).
-    ``optim``: an ``OptimConfig`` (or the ``config.optim`` section: same fields).
-
-    Raises:
-      ConfigError: ``warmup_cosine`` without ``total_steps`` (the run's optimizer steps).
-    """
-    o, schedule = optim, Schedule(optim.schedule)
-    if schedule is Schedule.WARMUP_COSINE:
-        if total_steps is None:
-            fail(
-                "optim.schedule",
-                "be 'constant' where the run's optimizer steps are not known in advance",
-                "warmup_cosine",
-            )
-        end = max(total_steps, o.warmup_steps + 1)  # optax needs a decay of at least one step
-        lr = optax.warmup_cosine_decay_schedule(
-            0.0, o.learning_rate, o.warmup_steps, end, end_value=0.1 * o.learning_rate
-        )
-    else:
-        lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps) if o.warmup_steps else o.learning_rate
-    return optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
     )
 
 

@@ -238,7 +238,7 @@ class WebShopScorer(enum.StrEnum):
 
 
 class Schedule(enum.StrEnum):
-    """``optim.schedule``: the learning rate over optimizer steps (``build.make_optimizer``)."""
+    """``optim.schedule``: the learning rate over optimizer steps (``learner.make_optimizer``)."""
 
     CONSTANT = "constant"  # linear warmup over ``warmup_steps``, then ``learning_rate`` (RL: the paper's)
     WARMUP_COSINE = "warmup_cosine"  # linear warmup, then cosine decay to 10% at the last step (the warm start)

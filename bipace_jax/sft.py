@@ -48,7 +48,7 @@ from bipace_jax.config import (
     system_prompt_of,
 )
 from bipace_jax.demo_stream import BucketStream
-from bipace_jax.learner import Learner, shard_rows, step_specs
+from bipace_jax.learner import Learner, make_optimizer, shard_rows, step_specs
 from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
@@ -520,7 +520,7 @@ class WarmStartSpec:
         preset's sizes, ``tokenizer`` ("" = build the project's BPE) and ``vocab_size``, its learned
         entries); the actor is ``build.actor_architecture`` of it with the tokenizer's vocabulary.
       env, tasks, sampler, optim: as RL's sections (``config.EnvConfig``, ``config.TasksConfig``,
-        ``SamplerConfig`` at temperature 1, ``config.OptimConfig``: ``build.make_optimizer`` over
+        ``SamplerConfig`` at temperature 1, ``config.OptimConfig``: ``learner.make_optimizer`` over
         ``total_updates``).
       rollout: how every game is played (one per task group; the RL default's prompt settings).
       data, train, dagger, val: the warm start's own sections.
@@ -663,7 +663,7 @@ class _WarmStart:
             spec.model, len(tokenizer), tokenizer.eos_token_id, max_position_embeddings=MAX_POSITIONS
         )
         actor = build.init_actor(spec.model, arch, seed=spec.seed)
-        tx = build.make_optimizer(spec.optim, spec.total_updates)
+        tx = make_optimizer(spec.optim, spec.total_updates)
         self.learner = Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), tx)
         self.checkpointer = Checkpointer(os.fspath(run_dir))
         # checkpoint steps count the saves; ``resume``: the position inside ``start_round`` (None: its start)

@@ -485,36 +485,9 @@ def test_webshop_scorer_is_a_checked_env_field_passed_to_the_game():
         EnvConfig(name="webshop", options='{"scorer": "upstream"}')
 
 
-@pytest.mark.parametrize(
-    "schedule, expected",
-    [
-        # linear warmup over 2 steps to 1.0, then constant
-        ("constant", [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]),
-        # warmup, then cosine from 1.0 at step 2 to 0.1 at step 6: 0.1 + 0.45 (1 + cos(pi (k - 2) / 4))
-        ("warmup_cosine", [0.0, 0.5, 1.0, 0.868198, 0.55, 0.231802]),
-    ],
-)
-def test_make_optimizer_follows_the_schedule_step_by_step(schedule, expected):
-    # one parameter, gradient 1 every step, no weight decay: Adam's bias-corrected step is m/sqrt(v) = 1,
-    # so each update is -lr_k / (1 + eps): the schedule itself (up to float32 rounding)
-    import jax.numpy as jnp
-
-    from bipace_jax import build
-    from bipace_jax.config import OptimConfig
-
-    optim = OptimConfig(learning_rate=1.0, warmup_steps=2, schedule=schedule, weight_decay=0.0)
-    tx = build.make_optimizer(optim, total_steps=6)
-    params, grads = {"w": jnp.zeros(())}, {"w": jnp.ones(())}
-    state, got = tx.init(params), []
-    for _ in range(6):
-        updates, state = tx.update(grads, state, params)
-        got.append(-float(updates["w"]))
-    assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)  # float32 bias corrections: ~1e-5 off
-
-
 def test_an_rl_run_refuses_a_schedule_that_needs_its_step_count():
     import configs.base
-    from bipace_jax import build
+    from bipace_jax import build, learner
     from bipace_jax.config import ConfigError, OptimConfig
 
     c = configs.base.get_config()
@@ -525,4 +498,4 @@ def test_an_rl_run_refuses_a_schedule_that_needs_its_step_count():
     with pytest.raises(ConfigError, match=r"^config\.optim\.schedule must be one of"):
         build.build_spec(c)
     with pytest.raises(ConfigError, match=r"^config\.optim\.schedule must be 'constant' where"):
-        build.make_optimizer(OptimConfig(schedule="warmup_cosine"))
+        learner.make_optimizer(OptimConfig(schedule="warmup_cosine"))

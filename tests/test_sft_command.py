@@ -115,7 +115,7 @@ def test_exported_folder_loads_and_holds_the_checkpointed_weights(runs):
     import jax.numpy as jnp
     from flax import nnx
 
-    from bipace_jax import build, sft
+    from bipace_jax import learner, sft
     from bipace_jax.checkpointing import Checkpointer
     from bipace_jax.models import load_hf_checkpoint, load_tokenizer
 
@@ -137,7 +137,7 @@ def test_exported_folder_loads_and_holds_the_checkpointed_weights(runs):
     ckpt = Checkpointer(str(work / "w"))
     assert ckpt.latest_step() == 1
     spec = sft.build_warm_start(small_config())
-    got, _, _, meta = ckpt.restore(1, params, build.make_optimizer(spec.optim, spec.total_updates).init(params))
+    got, _, _, meta = ckpt.restore(1, params, learner.make_optimizer(spec.optim, spec.total_updates).init(params))
     assert meta["updates"] == report["updates"] == 5
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
