@@ -1,4 +1,4 @@
-"""The learner core shared by RL (``ppo.py``) and the warm start (``sft.py``).
+"""The learner core shared by RL (``ppo.py``) and the warm start (``sft/``).
 
 A ``Learner`` holds a model's parameters (global arrays over the mesh, plus a host-local copy for the
 sampler and the no-gradient forwards) and the optimizer state; ``step`` sums a loss's gradients over

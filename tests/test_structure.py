@@ -31,8 +31,8 @@ DATA_PATH = (
     ("rollout.py", "collect"),
     ("trainer.py", "Trainer.train_iteration"),
     ("ppo.py", "PPOLearner.update"),
-    ("sft.py", "_WarmStart.rounds"),
-    ("sft.py", "run"),
+    ("sft/loop.py", "_WarmStart.rounds"),
+    ("sft/loop.py", "run"),
 )
 MAX_LINES = 80
 
