@@ -71,7 +71,7 @@ def _finish(ax, ylabel: str, title: str, ylim=None, xlabel: str = X_LABEL) -> No
     from matplotlib.ticker import MaxNLocator
 
     if xlabel != "category":
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole iterations, even for one
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if ylim is not None:
@@ -210,10 +210,13 @@ def calibration(run: Run):
     if sweep:
         ax.plot(*zip(*sweep), marker="o", label="calibration sweep (iteration 0)")
     if ep:
-        sc = ax.scatter(
-            [e[0] for e in ep], [e[1] for e in ep], c=[e[2] for e in ep], cmap="viridis", zorder=3, label="iterations"
+        its = [e[2] for e in ep]
+        sc = ax.scatter([e[0] for e in ep], [e[1] for e in ep], c=its, cmap="viridis", zorder=3, label="iterations")
+        sc.set_clim(min(its) - 0.5, max(its) + 0.5)  # one colour band per iteration, one iteration included
+        bar = fig.colorbar(sc, ax=ax, label="iteration")
+        bar.set_ticks(
+            sorted(set(its)) if len(set(its)) < MARKED_BELOW else MaxNLocator(integer=True).tick_values(*sc.get_clim())
         )
-        fig.colorbar(sc, ax=ax, label="iteration", ticks=MaxNLocator(integer=True))
     if run.target_singleton_rate is not None and sweep:
         ax.axhline(
             run.target_singleton_rate, color="grey", linestyle="--", label=f"target {run.target_singleton_rate:g}"

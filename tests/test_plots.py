@@ -169,6 +169,12 @@ def test_calibration_ticks_name_epsilon_itself_and_whole_iterations():
     # epsilon ticks, not whole numbers (the iteration axis' integer locator put one tick, 0, under 0.01..0.05)
     assert len([t for t in ticks if 0.01 <= t <= 0.05]) >= 3 and len(ticks) <= 8
     assert [float(t) for t in bar.get_yticks() if 0 <= t <= 1] == [0.0, 1.0]  # iterations 0 and 1, no 0.2 steps
+    one = plots.calibration(plots.Run(records(1), GROUP_SIZE))  # one iteration: one tick, 0 (was -0.1 .. 0.1)
+    one.canvas.draw()
+    assert list(one.axes[1].get_yticks()) == [0.0]
+    ax = plots.time_phases(plots.Run(records(1), GROUP_SIZE)).axes[0]
+    ax.figure.canvas.draw()
+    assert 0.0 in ax.get_xticks() and all(float(t).is_integer() for t in ax.get_xticks())  # (was -0.4 .. 0.4)
     # a controller that moved epsilon (no sweep) still draws the relation
     moved = _grpo_rows(3)
     for r, e in zip(moved, (0.05, 0.06, 0.07)):
