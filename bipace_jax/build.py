@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
-import optax
 from flax import nnx
 
 import environments
@@ -44,15 +43,13 @@ from bipace_jax.config import (
     CalibrationConfig,
     CheckpointConfig,
     ConfigError,
-    DType,
     EnvConfig,
     LearnerConfig,
     LogConfig,
-    MatmulPrecision,
     MeshConfig,
     OldLogprobs,
     OptimConfig,
-    Remat,
+    Schedule,
     TasksConfig,
     ValConfig,
     check_choice,
@@ -66,7 +63,9 @@ from bipace_jax.config import (
     system_prompt_of,
 )
 from bipace_jax.estimators import EpsilonController, EstimatorConfig
+from bipace_jax.learner import make_optimizer
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer
+from bipace_jax.models.config import DType, MatmulPrecision, Remat
 from bipace_jax.ppo import PPOLearner
 from bipace_jax.rollout import RolloutConfig
 from bipace_jax.sampling import SamplerConfig
@@ -147,9 +146,9 @@ class ModelConfig:
       hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the tiny preset's sizes.
       vocab_size: size of the BPE the project trains when no tokenizer is given (>= 300).
       fingerprint_layer: HF ``hidden_states`` index of the BiPACE fingerprint.
-      dtype, param_dtype: ``config.DType`` of activations and parameters.
-      matmul_precision: a ``config.MatmulPrecision``.
-      remat: a ``config.Remat``.
+      dtype, param_dtype: ``models.config.DType`` of activations and parameters.
+      matmul_precision: a ``models.config.MatmulPrecision``.
+      remat: a ``models.config.Remat``.
       scan_layers: one ``lax.scan`` over the decoder layers.
     """
 
@@ -194,10 +193,15 @@ class ModelConfig:
             fail("model.tokenizer", "be an existing tokenizer folder", self.tokenizer)
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict, *, abstract: bool = False) -> ModelConfig:
+    def from_config(
+        cls, c: ml_collections.ConfigDict, *, abstract: bool = False, fields: Sequence[str] | None = None
+    ) -> ModelConfig:
         """``ModelConfig`` of ``c.model`` with its paths resolved; unless ``abstract`` (shapes only,
-        ``launch.aot``), the checkpoint must be an HF folder, and non-tiny presets need one."""
-        m = cls(**{f.name: get(c, f"model.{f.name}") for f in dataclasses.fields(cls)})
+        ``launch.aot``), the checkpoint must be an HF folder, and non-tiny presets need one. With
+        ``fields``, only those are read (the warm start's config names the tiny sizes and tokenizer
+        only); the others keep their defaults."""
+        names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
+        m = cls(**{name: get(c, f"model.{name}") for name in names})
         if m.checkpoint and not abstract:
             if not _folder_has("model.checkpoint", resolve_path(m.checkpoint), "config.json"):
                 if _HUB_ID.fullmatch(m.checkpoint) and not os.path.exists(resolve_path(m.checkpoint)):
@@ -279,6 +283,23 @@ class RunSpec:
         return self.calibration.enabled and self.estimator.clusters
 
 
+def _rl_optim(c: ml_collections.ConfigDict) -> OptimConfig:
+    """``OptimConfig`` of ``c.optim`` for RL: a ``constant`` schedule (RL's optimizer steps per iteration
+    follow its batches, so no decay can end at the last one).
+
+    Raises:
+      ConfigError: naming ``config.optim.schedule``.
+    """
+    optim = OptimConfig.from_config(c)
+    if optim.schedule is not Schedule.CONSTANT:
+        fail(
+            "optim.schedule",
+            "be 'constant' for RL (its number of optimizer steps is not known in advance)",
+            optim.schedule.value,
+        )
+    return optim
+
+
 def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None, *, abstract: bool = False) -> RunSpec:
     """Check every field of a run config and decode it into a ``RunSpec``; runs on the host, before
     anything compiles, touching no device.
@@ -347,7 +368,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         controller=controller if estimator.clusters else None,  # epsilon tunes the clustering only
         loss=loss,
         learner=learner,
-        optim=OptimConfig.from_config(c),
+        optim=_rl_optim(c),
         val=val,
         checkpoint=CheckpointConfig.from_config(c),
         log=LogConfig.from_config(c),
@@ -457,20 +478,6 @@ def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None)
     )
 
 
-def make_optimizer(optim: OptimConfig) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay) after global-norm clipping; constant LR after linear warmup.
-    ``optim``: an ``OptimConfig`` (or the ``config.optim`` section: same fields)."""
-    lr = (
-        optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
-        if optim.warmup_steps
-        else optim.learning_rate
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
-    )
-
-
 # ------------------------------------------------------------------------------------------------
 # Factories: the actor, its learner, the stop ids.
 
@@ -534,15 +541,19 @@ def load_model_tokenizer(model: ModelConfig) -> Any:
     return load_tokenizer(runfolder.local_folder(resolve_path(folder)))
 
 
-def actor_architecture(model: ModelConfig, vocab_size: int, eos_token_id: int | None = None) -> Qwen2Config:
+def actor_architecture(
+    model: ModelConfig, vocab_size: int, eos_token_id: int | None = None, *, max_position_embeddings: int = 8192
+) -> Qwen2Config:
     """The ``Qwen2Config`` of a random init of ``model``: the named ``preset``, or for "tiny" the sizes
-    of ``model`` with ``vocab_size`` and ``eos_token_id`` (None: ``Qwen2Config.tiny``'s)."""
+    of ``model`` with ``vocab_size``, ``eos_token_id`` (None: ``Qwen2Config.tiny``'s) and
+    ``max_position_embeddings`` (written to an exported config.json only: RoPE has no table)."""
     m = model
     if m.preset != "tiny":
         return Qwen2Config.preset(m.preset)
     sizes = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers)
     heads = dict(num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads)
-    return tiny_actor_config(vocab_size, eos_token_id=eos_token_id, max_position_embeddings=8192, **sizes, **heads)
+    positions = {"max_position_embeddings": max_position_embeddings}
+    return tiny_actor_config(vocab_size, eos_token_id=eos_token_id, **positions, **sizes, **heads)
 
 
 def init_actor(model: ModelConfig, cfg: Qwen2Config, *, seed: int = 0) -> Qwen2Actor:

@@ -43,7 +43,7 @@ class CheckpointMeta:
       estimator: RL: the estimator's registered name ("" = not recorded).
       seed: the run's seed.
       data_stream: warm start, a checkpoint inside a round: the round's updates done, its examples and
-        its ``demo_stream.BucketStream.get_state()`` (``sft.py``); None at a round's end (and in RL).
+        its ``demo_stream.BucketStream.get_state()`` (``sft/loop.py``); None at a round's end (and in RL).
     """
 
     iteration: int = 0

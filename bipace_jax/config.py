@@ -22,7 +22,6 @@ import re
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SELECTOR_PART = re.compile(r"^(all|\d+:\d+|\d+(,\d+)*|[A-Za-z_]\w*=[^=&]+)$")
@@ -223,34 +222,6 @@ def enable_compile_cache(c: Any) -> None:
 # Closed option sets, decoded once from their config strings.
 
 
-class DType(enum.StrEnum):
-    """``model.dtype`` / ``model.param_dtype``."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-    @property
-    def jnp(self):
-        """The ``jnp`` dtype."""
-        return jnp.dtype(self.value)
-
-
-class MatmulPrecision(enum.StrEnum):
-    """``model.matmul_precision``: ``jax.default_matmul_precision`` of every dot of the actor."""
-
-    DEFAULT = "default"  # the backend's own (bf16 passes on TPU)
-    HIGH = "high"
-    HIGHEST = "highest"  # full fp32 matmuls
-
-
-class Remat(enum.StrEnum):
-    """``model.remat``: what each decoder layer keeps for the backward pass (``jax.checkpoint``)."""
-
-    NONE = "none"  # all activations (fastest, most memory)
-    FULL = "full"  # only the layer input: recomputes the layer, one extra forward
-    SAVE_DOTS = "save_dots"  # the matmul outputs without a batch dimension: recomputes the elementwise work
-
-
 class OldLogprobs(enum.StrEnum):
     """``ppo.old_logprobs``: where the PPO ratio's old log-probabilities come from."""
 
@@ -264,6 +235,13 @@ class WebShopScorer(enum.StrEnum):
 
     VERL_AGENT = "verl_agent"  # the baseline's (GiGPO/verl-agent vendor it): goal options as (name, value) pairs
     UPSTREAM = "upstream"  # the later upstream rule: goal option values, colour-normalised like the clicked ones
+
+
+class Schedule(enum.StrEnum):
+    """``optim.schedule``: the learning rate over optimizer steps (``learner.make_optimizer``)."""
+
+    CONSTANT = "constant"  # linear warmup over ``warmup_steps``, then ``learning_rate`` (RL: the paper's)
+    WARMUP_COSINE = "warmup_cosine"  # linear warmup, then cosine decay to 10% at the last step (the warm start)
 
 
 class Panel(enum.StrEnum):
@@ -471,11 +449,13 @@ class LearnerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(Section):
-    """``config.optim``: AdamW after global-norm clipping, constant learning rate after linear warmup."""
+    """``config.optim``: AdamW after global-norm clipping; the learning rate rises linearly over
+    ``warmup_steps`` to ``learning_rate``, then follows ``schedule`` (a ``Schedule``)."""
 
     SECTION: ClassVar[str] = "optim"
     learning_rate: float = 1e-6
     warmup_steps: int = 0
+    schedule: Schedule = Schedule.CONSTANT
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.999
@@ -485,6 +465,7 @@ class OptimConfig(Section):
     def __post_init__(self):
         check_float(self._name("learning_rate"), self.learning_rate, 0, lo_open=True)
         check_int(self._name("warmup_steps"), self.warmup_steps, 0)
+        object.__setattr__(self, "schedule", decode(self._name("schedule"), Schedule, self.schedule))
         check_float(self._name("weight_decay"), self.weight_decay, 0)
         check_float(self._name("b1"), self.b1, 0, 1, hi_open=True)
         check_float(self._name("b2"), self.b2, 0, 1, hi_open=True)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from bipace_jax import sharding
 from bipace_jax.config import ConfigError
-from bipace_jax.metrics import HostStats
+from bipace_jax.stats import HostStats
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:

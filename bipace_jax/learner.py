@@ -1,8 +1,9 @@
-"""The learner core shared by RL (``ppo.py``) and the warm start (``sft.py``).
+"""The learner core shared by RL (``ppo.py``) and the warm start (``sft/``).
 
 A ``Learner`` holds a model's parameters (global arrays over the mesh, plus a host-local copy for the
 sampler and the no-gradient forwards) and the optimizer state; ``step`` sums a loss's gradients over
 fixed-shape micro-batches, refuses a non-finite loss or gradient, then applies the update.
+``make_optimizer`` is the one optax chain of both (``config.OptimConfig``, its ``schedule``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bipace_jax import config as config_lib
 from bipace_jax import distributed, sharding
 from bipace_jax.programs import ProgramSpec, abstract
 
@@ -27,6 +29,35 @@ from bipace_jax.programs import ProgramSpec, abstract
 #: the micro-batches of a step. It must be hashable by value (a frozen dataclass), so learners of the
 #: same model, loss and optimizer share compiled programs.
 LossFn = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def make_optimizer(optim: config_lib.OptimConfig, total_steps: int | None = None) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay) after global-norm clipping, at the learning rate of ``optim.schedule``:
+    ``constant`` (linear warmup from 0 over ``warmup_steps``, then ``learning_rate``) or ``warmup_cosine``
+    (linear warmup, then cosine decay to 10% of ``learning_rate`` at step ``total_steps``: the warm start).
+    ``optim``: an ``OptimConfig`` (or the ``config.optim`` section: same fields).
+
+    Raises:
+      ConfigError: ``warmup_cosine`` without ``total_steps`` (the run's optimizer steps).
+    """
+    o, schedule = optim, config_lib.Schedule(optim.schedule)
+    if schedule is config_lib.Schedule.WARMUP_COSINE:
+        if total_steps is None:
+            config_lib.fail(
+                "optim.schedule",
+                "be 'constant' where the run's optimizer steps are not known in advance",
+                "warmup_cosine",
+            )
+        end = max(total_steps, o.warmup_steps + 1)  # optax needs a decay of at least one step
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, o.learning_rate, o.warmup_steps, end, end_value=0.1 * o.learning_rate
+        )
+    else:
+        lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps) if o.warmup_steps else o.learning_rate
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
+    )
 
 
 class NonFiniteError(FloatingPointError):

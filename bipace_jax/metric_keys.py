@@ -1,6 +1,6 @@
 """The metric keys of a run's records (``metrics.jsonl``), defined once for producers and consumers.
 
-Keys are ``<section>/<name>``. The trainer writes them; ``metrics.make_plots``, ``launch.report`` and
+Keys are ``<section>/<name>``. The trainer writes them; ``plots.make_plots``, ``launch.report`` and
 ``launch.sweep`` read them. Validation panels are named ``VAL`` (goals from the training set) and
 ``VAL_HOLDOUT`` (held-out goals); the validation before any update is recorded with iteration 0
 under ``VAL_BEFORE`` (``before``/``after`` map the two). Imports nothing from the library.
@@ -121,7 +121,7 @@ _PARTITIONS = (
     ("hash_", "exact observation hashing (GiGPO's), recorded by every run"),
     ("cluster_", "fingerprint clusters at this epsilon (BiGPO's/BiPACE's), recorded by every run"),
 )
-_PANEL = (  # metrics.panel_metrics and the trainer's categories, per validation panel
+_PANEL = (  # stats.panel_metrics and the trainer's categories, per validation panel
     ("success_rate", "fraction", "mean over tasks of the games won (a task whose games all faulted is left out)"),
     ("success_rate/<category>_<value>", "fraction", "success over the panel's tasks of one category value"),
     ("episode_length", "turns", "mean turns per game"),

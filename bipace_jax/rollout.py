@@ -45,9 +45,9 @@ import numpy as np
 
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
-from bipace_jax.metrics import HostStats
 from bipace_jax.sampling import SampleOutput, Sampler, key_data, truncate_at_stop
 from bipace_jax.slots import SlotSampler
+from bipace_jax.stats import HostStats
 from environments.pool import ENV_ERRORS, Fault, StepJob
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 from environments.registry import GameSpec, game_spec
@@ -293,7 +293,7 @@ class RolloutResult:
         ``env_errors_<kind>`` per kind of ``ENV_ERRORS``, "lost" being a worker mate's fault)
         ``env_error_rows`` (their rows, left out of the batch) and ``reset_faults`` (env resets that
         faulted, including those a retry repaired): this host's values, ``host_stats.values()``.
-      host_stats: the same statistics as ``metrics.HostStats`` (rates as numerator and denominator,
+      host_stats: the same statistics as ``stats.HostStats`` (rates as numerator and denominator,
         ``turns`` and ``prompt_tokens_max`` as maxima, the rest counts), for ``distributed.pooled``.
       responses: N decoded response texts (cut after the stop text); ``actions``: N commands sent.
       finish_reasons: N of ``"eos"``, ``"stop"`` or ``"length"``: why each response ended.

@@ -42,11 +42,13 @@ from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.config import OldLogprobs
 from bipace_jax.estimators import EstimatorConfig, calibrate_epsilon, compute_advantages, step_details
 from bipace_jax.estimators.diagnostics import SIZE_STATS, host_stats
-from bipace_jax.metrics import HostStats, MetricsLogger, StageTimer, make_plots, read_metrics
+from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
+from bipace_jax.plots import make_plots
 from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
 from bipace_jax.sampling import Sampler
+from bipace_jax.stats import HostStats, StageTimer
 from bipace_jax.tiny import build_game_tokenizer
 
 log = logging.getLogger(__name__)

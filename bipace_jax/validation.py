@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,11 +23,22 @@ import environments
 from bipace_jax import config as config_lib
 from bipace_jax import distributed, tasks
 from bipace_jax import metric_keys as keys
-from bipace_jax.metrics import panel_metrics
-from bipace_jax.rollout import RolloutResult, collect
+from bipace_jax.rollout import Episode, RolloutResult, collect
+from bipace_jax.stats import panel_metrics
 from environments.pool import EnvPool
 
-__all__ = ["PANELS", "Panels", "make_pool", "panel_key", "panel_record", "probe", "select", "start_pools", "validate"]
+__all__ = [
+    "PANELS",
+    "Panels",
+    "make_pool",
+    "panel_key",
+    "panel_record",
+    "per_task",
+    "probe",
+    "select",
+    "start_pools",
+    "validate",
+]
 
 #: The panels, in the order they are played: seen goals (unseen game seeds), then held-out goals.
 PANELS = (keys.VAL, keys.VAL_HOLDOUT)
@@ -133,18 +144,26 @@ def panel_key(spec, name: str) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(spec.val.seed), 1 + len(name))  # 4 "val", 12 "val/holdout"
 
 
-def panel_record(spec, name: str, panels: Panels, per_task: dict[str, np.ndarray]) -> dict[str, Any]:
+def panel_record(
+    name: str,
+    games: list[tuple[int, int]],
+    task_info: Callable[[int], dict],
+    categories: Sequence[str],
+    per_task: dict[str, np.ndarray],
+) -> dict[str, Any]:
     """One panel's record from its summed per-task arrays (``won``, ``length``, ``errors``, ``score``,
-    float [num_tasks]): ``metrics.panel_metrics``, WebShop's unwinnable goals, success per category."""
+    float [num_tasks], ``per_task``): ``stats.panel_metrics``, WebShop's unwinnable goals, success per
+    category. ``games``: the panel's ``(task_id, seed)`` pairs; ``task_info``: its game's;
+    ``categories``: the game's ``GameSpec.categories``. Shared by the trainer's validation, ``launch.eval``
+    and the warm start."""
     out = panel_metrics(name, per_task["won"], per_task["length"], per_task["errors"], per_task["score"])
-    panel, info = panels.games[name], panels.task_infos[name]
-    best = [info(tid).get("best_score") for tid, _ in panel]  # WebShop: goals no purchase can win
+    best = [task_info(tid).get("best_score") for tid, _ in games]  # WebShop: goals no purchase can win
     if any(b is not None for b in best):
         out[f"{name}/unwinnable_goals"] = sum(b is not None and b < 1.0 for b in best)
-    for key_name in spec.val_rollout.spec.categories:
+    for key_name in categories:
         cats: dict[str, list] = {}
-        for (tid, _), w in zip(panel, per_task["won"]):
-            v = info(tid).get(key_name)
+        for (tid, _), w in zip(games, per_task["won"]):
+            v = task_info(tid).get(key_name)
             if v is not None and not np.isnan(w):
                 cats.setdefault(str(v), []).append(w)
         for v, ws in sorted(cats.items()):
@@ -153,12 +172,16 @@ def panel_record(spec, name: str, panels: Panels, per_task: dict[str, np.ndarray
     return out
 
 
-def _per_task(res: RolloutResult | None, mine: list[int], num_tasks: int, group_size: int) -> dict[str, np.ndarray]:
-    """This host's per-task arrays: zeros on other hosts' tasks (the gather sums), NaN on a task whose
-    games all faulted (left out of the means, counted in ``errors``)."""
+def per_task(
+    episodes: Sequence[Episode], mine: Sequence[int], num_tasks: int, group_size: int
+) -> dict[str, np.ndarray]:
+    """This host's per-task arrays (float64 [num_tasks]: ``won``, ``length``, ``errors``, ``score``) of
+    the ``episodes`` it played (``group_size`` consecutive ones per task ``mine[j]``, in order): zeros on
+    other hosts' tasks (the gather sums), NaN on a task whose games all faulted (left out of the means,
+    counted in ``errors``)."""
     out = {k: np.zeros((num_tasks,)) for k in ("won", "length", "errors", "score")}
     for j, i in enumerate(mine):  # G consecutive episodes per task group, groups in order
-        played = [e for e in res.episodes[j * group_size : (j + 1) * group_size] if e.env_error is None]
+        played = [e for e in episodes[j * group_size : (j + 1) * group_size] if e.env_error is None]
         out["won"][i] = np.mean([e.won for e in played]) if played else np.nan
         out["length"][i] = np.mean([e.length for e in played]) if played else np.nan
         out["errors"][i] = group_size - len(played)
@@ -199,7 +222,9 @@ def validate(
             games = [panel[i] for i in mine]
             res = collect(actor, sampler, pools[name], tokenizer, games, spec.val_rollout, panel_key(spec, name), label)
         results[name] = res
-        per_task = _per_task(res, mine, len(panel), G)
-        out.update(panel_record(spec, name, panels, {k: distributed.allgather(a).sum(0) for k, a in per_task.items()}))
+        mine_arrays = per_task(res.episodes if res is not None else [], mine, len(panel), G)
+        summed = {k: distributed.allgather(a).sum(0) for k, a in mine_arrays.items()}
+        categories = spec.val_rollout.spec.categories
+        out.update(panel_record(name, panel, panels.task_infos[name], categories, summed))
     out[keys.VALIDATION_SECONDS] = time.perf_counter() - t0
     return out, results

@@ -165,6 +165,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-6  # AdamW, constant (paper)
     c.optim.warmup_steps = 0
+    c.optim.schedule = "constant"  # after the warmup ("warmup_cosine": decay to 10% at the last step)
     c.optim.weight_decay = 0.01
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999

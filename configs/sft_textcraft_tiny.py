@@ -51,8 +51,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampler.length_buckets = (160, 224, 288, 384, 448)
 
     c.optim = ml_collections.ConfigDict()  # AdamW after global-norm clipping
-    c.optim.learning_rate = 3e-3  # peak (linear warmup, cosine decay to 10% at the last update)
+    c.optim.learning_rate = 3e-3  # peak
     c.optim.warmup_steps = 50
+    c.optim.schedule = "warmup_cosine"  # linear warmup, cosine decay to 10% at the last update
     c.optim.weight_decay = 0.01
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999

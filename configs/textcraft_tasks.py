@@ -1,6 +1,6 @@
 """The embedded default's TextCraft task set, prompt options and validation panel.
 
-Shared by the warm start (`bipace_jax/sft.py`, `configs/sft_textcraft_tiny.py`) and the RL default
+Shared by the warm start (`bipace_jax/sft/`, `configs/sft_textcraft_tiny.py`) and the RL default
 (`configs/textcraft_tiny.py`), so both play exactly the same prompts.
 
 Task set: the TextCraft goals selected by `TRAIN` (a task selector, `bipace_jax.tasks.select_tasks`: "key=v1,v2" filters on `env.task_info`). Held-out goals: every

@@ -43,7 +43,7 @@ def default_out(checkpoint: str) -> str:
 
 
 def _ci(rate, games: int) -> str:
-    from bipace_jax.metrics import wilson
+    from bipace_jax.stats import wilson
 
     if rate is None or rate != rate or games <= 0:
         return "-"
@@ -55,7 +55,7 @@ def report_markdown(result: dict) -> str:
     """The markdown report of an ``evaluate`` result: one row per success rate (panel, then categories),
     with games and the panel's 95% Wilson interval."""
     from bipace_jax import metric_keys as keys
-    from bipace_jax.metrics import panel_games
+    from bipace_jax.stats import panel_games
 
     rec, g = result["record"], result["val_group_size"]
     rows = sorted((k for k in rec if "success_rate" in k), key=lambda k: (k.count("/"), k))

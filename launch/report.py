@@ -9,13 +9,16 @@ e.g. ``bipace_q``). Per arm, over its seeds (std: sample standard deviation, ddo
 seed, printed "(n = 1)"):
 
 * final and best validation success (``val/success_rate``, the before-RL validation counts as
-  iteration 0 of "best"), per category (``val/success_rate/<key>``), held-out goals, WebShop's task
+  iteration 0 of "best"), the before-RL validation and the gain over it (final - before, per seed,
+  in percentage points), per category (``val/success_rate/<key>``), held-out goals, WebShop's task
   score (``val/score``) where present;
 * iterations to reach ``--threshold`` validation success (the first validation at or above it; the
   before-RL validation counts as 0 iterations), with how many seeds reached it;
 * estimator diagnostics averaged over iterations: singleton step-group rate of exact hashing and of
   the clusters (each run records both, whichever partition it trains with), pairs, PACE and
-  leave-one-out row shares, epsilon; BiPACE's share of the iteration time.
+  leave-one-out row shares, epsilon; BiPACE's share of the iteration time. A diagnostic that does not
+  describe the arm's estimator (``estimator_diagnostics``: clusters and epsilon without clusters,
+  pairs without step groups, PACE/LOO rows without PACE) prints "-" (report.json keeps the value).
 
 Only complete runs enter the means: a run whose sweep cell failed (``sweep_cell.json``) or that logged
 fewer iterations than its ``num_iterations`` is left out and named in the report; a validation whose
@@ -46,6 +49,7 @@ _OUT = flags.DEFINE_string(
     "out", "", "Output folder (default: <study>/report for a study folder, <run>_report beside a lone run)."
 )
 
+SUCCESS_COLUMNS = ("final", "before", "gain", "best")  # per-seed numbers of the success table
 DIAGNOSTICS = (  # (metric, label in the table)
     (mk.HASH_SINGLETON_GROUPS, "singleton groups, hashing"),
     (mk.CLUSTER_SINGLETON_GROUPS, "singleton groups, clusters"),
@@ -55,6 +59,26 @@ DIAGNOSTICS = (  # (metric, label in the table)
     (mk.EPSILON, "epsilon"),
     (mk.BIPACE_SHARE, "BiPACE time share"),
 )
+
+
+def estimator_diagnostics(name: str | None) -> tuple[str, ...]:
+    """The ``DIAGNOSTICS`` keys that describe estimator ``name``'s own batches: the hash singleton rate
+    and the time share always; the cluster singleton rate and epsilon with fingerprint clusters; pairs
+    with any step groups; PACE and leave-one-out rows with PACE (``EstimatorSpec.uses_pace_options``).
+    Every key for a name the registry does not know (nothing is hidden that might apply)."""
+    from bipace_jax.estimators import registry
+
+    if name not in registry.names():
+        return tuple(k for k, _ in DIAGNOSTICS)
+    spec = registry.get(name)
+    shown = {mk.HASH_SINGLETON_GROUPS, mk.BIPACE_SHARE}
+    if spec.grouping == registry.CLUSTER:
+        shown |= {mk.CLUSTER_SINGLETON_GROUPS, mk.EPSILON}
+    if spec.grouping != registry.NO_GROUPS:
+        shown.add(mk.PAIRS)
+    if spec.uses_pace_options:
+        shown |= {mk.PACE_ROWS, mk.LOO_ROWS}
+    return tuple(k for k, _ in DIAGNOSTICS if k in shown)
 
 
 def find_runs(paths: list[str]) -> list[str]:
@@ -159,6 +183,12 @@ def validation_curve(rows: list[dict], key: str = mk.VAL_SUCCESS) -> list[tuple[
     return curve
 
 
+def _config(run: str) -> dict[str, Any]:
+    """The run's ``config.json`` as a dict ({} when absent)."""
+    text = runfolder.read_text(runfolder.path(run) / "config.json")
+    return json.loads(text) if text is not None else {}
+
+
 def run_status(run: str, rows: list[dict]) -> str | None:
     """None for a complete run; else why it is left out of the means: its sweep cell failed
     (``sweep_cell.json`` with a non-zero exit code) or it logged fewer iterations than its config's
@@ -187,6 +217,9 @@ def run_summary(run: str, threshold: float) -> dict[str, Any]:
         1 for r in rows for k in (mk.VAL_SUCCESS, mk.before(mk.VAL_SUCCESS)) if k in r and _finite(r[k]) is None
     )
     out["final"] = curve[-1][1] if curve else None
+    out["before"] = curve[0][1] if curve and curve[0][0] == 0 else None
+    out["gain"] = out["final"] - out["before"] if out["before"] is not None and len(curve) > 1 else None
+    out["estimator"] = _config(run).get("estimator", {}).get("name")
     out["best"] = max(v for _, v in curve) if curve else None
     out["iterations_to_threshold"] = next((i for i, v in curve if v >= threshold), None)
     last_val = next((r for r in reversed(rows) if _finite(r.get(mk.VAL_SUCCESS)) is not None), {})
@@ -217,8 +250,8 @@ def aggregate(arms: dict[str, list[str]], threshold: float) -> dict[str, Any]:
         per_run = [s for s in summaries if s["status"] is None]
         arm: dict[str, Any] = {"runs": [s["run"] for s in per_run], "seeds": len(per_run)}
         arm["excluded"] = {s["run"]: s["status"] for s in summaries if s["status"] is not None}
-        arm["counted"] = {k: sum(s[k] is not None for s in per_run) for k in ("final", "best")}
-        for k in ("final", "best"):
+        arm["counted"] = {k: sum(s[k] is not None for s in per_run) for k in SUCCESS_COLUMNS}
+        for k in SUCCESS_COLUMNS:
             arm[k] = mean_std([s[k] for s in per_run])
         reached = [s["iterations_to_threshold"] for s in per_run if s["iterations_to_threshold"] is not None]
         arm["iterations_to_threshold"] = mean_std(reached)
@@ -226,17 +259,20 @@ def aggregate(arms: dict[str, list[str]], threshold: float) -> dict[str, Any]:
         keys = sorted({k for s in per_run for k in s["final_by_key"]})
         arm["final_by_key"] = {k: mean_std([s["final_by_key"].get(k) for s in per_run]) for k in keys}
         arm["diagnostics"] = {k: mean_std([s["diagnostics"][k] for s in per_run]) for k, _ in DIAGNOSTICS}
+        names = {s["estimator"] for s in summaries}
+        arm["estimator"] = names.pop() if len(names) == 1 else None
+        arm["shown_diagnostics"] = list(estimator_diagnostics(arm["estimator"]))
         arm["per_run"] = per_run
         report["arms"][name] = arm
     return report
 
 
-def _pm(ms: tuple[float, float | None], pct: bool = True) -> str:
+def _pm(ms: tuple[float, float | None], pct: bool = True, signed: bool = False) -> str:
     m, s = ms
     if math.isnan(m):
         return "-"
     scale = 100 if pct else 1
-    mean = f"{scale * m:.1f}" if pct else f"{m:.3g}"
+    mean = f"{scale * m:{'+' if signed else ''}.1f}" if pct else f"{m:.3g}"
     if s is None:  # one seed: no spread to show
         return f"{mean} (n = 1)"
     return f"{mean} +- {scale * s:.1f}" if pct else f"{mean} +- {s:.2g}"
@@ -247,9 +283,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     (rates and success in percent, mean +- sample std over seeds)."""
     arms = report["arms"]
     lines = [
-        "| arm | seeds | final success (%) | best success (%) | "
+        "| arm | seeds | final success (%) | before RL (%) | gain (points) | best success (%) | "
         f"iterations to {100 * report['threshold']:.0f}% (reached) |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, a in arms.items():
         its = _pm(a["iterations_to_threshold"], pct=False)
@@ -259,7 +295,10 @@ def to_markdown(report: dict[str, Any]) -> str:
             return "" if n == a["seeds"] else f" ({n} of {a['seeds']} seeds)"
 
         final, best = _pm(a["final"]) + seeds_of("final"), _pm(a["best"]) + seeds_of("best")
-        lines.append(f"| {name} | {a['seeds']} | {final} | {best} | {its} ({a['reached_threshold']}) |")
+        before, gain = _pm(a["before"]) + seeds_of("before"), _pm(a["gain"], signed=True) + seeds_of("gain")
+        lines.append(
+            f"| {name} | {a['seeds']} | {final} | {before} | {gain} | {best} | {its} ({a['reached_threshold']}) |"
+        )
     left_out = [f"{run} ({why})" for a in arms.values() for run, why in a["excluded"].items()]
     if left_out:
         lines += ["", "Left out of the means: " + ", ".join(left_out) + "."]
@@ -273,7 +312,10 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines.append("| arm | " + " | ".join(label for _, label in DIAGNOSTICS) + " |")
     lines.append("|---|" + "---|" * len(DIAGNOSTICS))
     for name, a in arms.items():
-        cells = [_pm(a["diagnostics"][k], pct=k not in (mk.PAIRS, mk.EPSILON)) for k, _ in DIAGNOSTICS]
+        shown = a.get("shown_diagnostics", [k for k, _ in DIAGNOSTICS])
+        cells = [
+            _pm(a["diagnostics"][k], pct=k not in (mk.PAIRS, mk.EPSILON)) if k in shown else "-" for k, _ in DIAGNOSTICS
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -281,7 +323,9 @@ def to_markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], out: str) -> list[str]:
     """Learning curves, cluster singleton rates and PACE share per arm: the mean over seeds with a 95%
     t-interval band (mean +- t(n-1) s / sqrt(n); no band for one seed, labelled "n = 1"), x =
-    iterations completed (``metric_keys.x_of``). Returns the file names written into ``out``."""
+    iterations completed (``metric_keys.x_of``); an arm whose estimator has no clusters (no PACE) is
+    left out of the singleton (PACE) plot, and a plot no arm draws on is not written. Returns the file
+    names written into ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,19 +334,22 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
 
     files = []
     panels = (
-        ("learning_curves.png", "validation success rate", "Validation success", lambda s: s["curve"]),
+        ("learning_curves.png", "validation success rate", "Validation success", None, lambda s: s["curve"]),
         (
             "singleton_rates.png",
             "singleton step-group rate (clusters)",
             "Singleton step groups, clusters",
+            mk.CLUSTER_SINGLETON_GROUPS,
             lambda s: s["curves"][mk.CLUSTER_SINGLETON_GROUPS],
         ),
-        ("pace_rows.png", "share of rows", "PACE row share", lambda s: s["curves"][mk.PACE_ROWS]),
+        ("pace_rows.png", "share of rows", "PACE row share", mk.PACE_ROWS, lambda s: s["curves"][mk.PACE_ROWS]),
     )
-    for fname, ylabel, title, get in panels:
+    for fname, ylabel, title, diagnostic, get in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
         drew = False
         for name, a in report["arms"].items():
+            if diagnostic is not None and diagnostic not in a.get("shown_diagnostics", [diagnostic]):
+                continue  # the arm's estimator has no clusters / no PACE: its curve would be a flat 0
             curves = [dict(get(s)) for s in a["per_run"]]
             xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
             if not xs:

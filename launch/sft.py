@@ -37,10 +37,10 @@ def main(argv):
         report = run(f.config, f.workdir, f.out or None, progress=f.progress, allow_config_change=f.allow_config_change)
     except (config_lib.ConfigError, runfolder.RunFolderError, resume.ConfigChangeError) as e:
         cli.fail(str(e))
-    v = report["final_val"]
+    v, nan = report["final_val"], float("nan")
     print(
-        f"validation success {v['success']:.3f} (seen {v['success_seen']:.3f}, held-out "
-        f"{v.get('success_heldout', float('nan')):.3f}); wall {report['wall_time_s']:.0f}s"
+        f"validation success: seen goals {v.get('val/success_rate', nan):.3f}, held-out goals "
+        f"{v.get('val/holdout/success_rate', nan):.3f}; wall {report['wall_time_s']:.0f}s"
     )
 
 

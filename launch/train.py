@@ -62,7 +62,8 @@ def _fmt(x, pct=True):
 
 
 def format_report(summary: dict) -> str:
-    """A short text report: validation before/after RL (overall, by category), time split, BiPACE diagnostics."""
+    """A short text report: validation before/after RL (overall, by category) at ``summary["val_temperature"]``
+    (the header leaves the temperature out when the summary lacks it), time split, BiPACE diagnostics."""
     lines = [
         f"Run folder: {summary['workdir']}  (iterations {summary['start_iteration']} -> "
         f"{summary['start_iteration'] + summary['iterations_run']})"
@@ -70,7 +71,8 @@ def format_report(summary: dict) -> str:
     first, last = summary.get("first_val") or {}, summary.get("last_val") or {}
     keys = sorted({k for k in list(first) + list(last) if "success_rate" in k}, key=lambda k: (k.count("/"), k))
     if keys:
-        lines.append("Validation success (T=val.temperature)      before RL   after RL")
+        t = summary.get("val_temperature")
+        lines.append(f"{'Validation success' + ('' if t is None else f' (T={t:g})'):42s}  before RL   after RL")
         for k in keys:
             lines.append(f"  {k:42s} {_fmt(first.get(k)):>9s}  {_fmt(last.get(k)):>9s}")
     tr = summary.get("last_train") or {}
@@ -183,7 +185,8 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     finished = check_resume(spec, workdir, _ALLOW_CHANGE.value) if resume else None
     if finished is not None:
         if jax.process_index() == 0:
-            print(finished + "\n" + format_report(report_from_disk(workdir)), flush=True)
+            report = dict(report_from_disk(workdir), val_temperature=spec.val.temperature)
+            print(finished + "\n" + format_report(report), flush=True)
         return
     if _DRY_RUN.value:
         print(
@@ -209,7 +212,8 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
     if stopped is not None:  # raised after close (checkpoint writes finished), caught by cli.run: one line, exit 130
         raise KeyboardInterrupt(stopped)
     if jax.process_index() == 0:
-        print(format_report(dict(summary, wall_s=time.perf_counter() - t_start)), flush=True)
+        report = dict(summary, wall_s=time.perf_counter() - t_start, val_temperature=spec.val.temperature)
+        print(format_report(report), flush=True)
 
 
 def main(argv):

@@ -214,3 +214,19 @@ def test_help_lists_the_config_fields_with_their_defaults(module, field):
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Fields of "))
     assert "(override as --config.<field>=<value>)" in line and f" {field}" in line
     assert line.endswith(".") and line.count("=") > 50  # every field of the config file, on one line
+
+
+def test_the_train_report_header_names_the_validation_temperature():
+    # launch.train's flags clash with other commands' in one process: import it in a subprocess
+    code = (
+        "from launch.train import format_report\n"
+        "s = {'workdir': 'w', 'start_iteration': 0, 'iterations_run': 1, 'first_val': {'val/success_rate': 0.5},"
+        " 'last_val': {'val/success_rate': 0.75}}\n"
+        "print(format_report(dict(s, val_temperature=0.4)))\nprint(format_report(s))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[1] == "Validation success (T=0.4)" + " " * 18 + "before RL   after RL"
+    assert lines[2].split() == ["val/success_rate", "50.0%", "75.0%"]
+    assert lines[4] == "Validation success" + " " * 26 + "before RL   after RL"  # a summary without it: no T

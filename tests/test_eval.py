@@ -100,7 +100,7 @@ def test_eval_equals_the_trainers_before_rl_validation_and_writes_no_training_st
     # the markdown report: one row per success rate, the seen panel's with its Wilson interval
     report = (out / "report.md").read_text()
     seen = ours["val/success_rate"]
-    from bipace_jax.metrics import wilson
+    from bipace_jax.stats import wilson
 
     low, high = wilson(seen * 3, 3)
     assert f"| val/success_rate | {100 * seen:.1f}% | 3 | {100 * low:.1f}-{100 * high:.1f}% |" in report

@@ -38,7 +38,7 @@ def test_every_key_the_producers_name_is_documented():
 
     from bipace_jax import ppo, rollout
     from bipace_jax.estimators import diagnostics
-    from bipace_jax.metrics import panel_metrics
+    from bipace_jax.stats import panel_metrics
 
     produced = [f"loss/{k}" for k in ppo.STAT_KEYS] + [
         "loss/loss",

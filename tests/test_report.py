@@ -101,3 +101,36 @@ def test_default_out_is_beside_the_runs_never_inside_one(tmp_path):
     assert "70.0 (n = 1)" in proc.stdout and "+- 0.0" not in proc.stdout.split("diagnostics")[0]
     assert sorted(os.listdir(tmp_path / "study" / "s0")) == ["config.json", "metrics.jsonl"]  # nothing written inside
     assert os.path.exists(tmp_path / "study" / "s0_report" / "report.md")
+
+
+def test_before_rl_and_gain_columns_and_no_cluster_numbers_for_grpo(tmp_path):
+    from tests.synthetic_run import write_run
+
+    for seed in (0, 1, 2):
+        write_run(tmp_path / "study" / f"grpo_s{seed}", seed=seed, estimator="grpo")
+    write_run(tmp_path / "study" / "bq_s0", seed=0, estimator="bipace_q")
+    r = report.aggregate(report.arms_of(report.find_runs([str(tmp_path / "study")])), threshold=0.7)
+    grpo = r["arms"]["estimator.name=grpo"]
+    # before RL: (0.5 + 0.2) / 2 = 0.35 for every seed; finals 0.79, 0.81, 0.83: gains 0.44, 0.46, 0.48
+    assert grpo["before"] == (pytest.approx(0.35), pytest.approx(0.0))
+    assert grpo["gain"] == (pytest.approx(0.46), pytest.approx(0.02))
+    md = report.to_markdown(r)
+    assert "| estimator.name=grpo | 3 | 81.0 +- 2.0 | 35.0 +- 0.0 | +46.0 +- 2.0 | 81.0 +- 2.0 |" in md
+    assert "| estimator.name=bipace_q | 1 | 79.0 (n = 1) | 35.0 (n = 1) | +44.0 (n = 1) |" in md
+    # diagnostics: hashing, clusters, pairs, PACE, LOO, epsilon, time share. GRPO has no clusters, step
+    # groups or PACE: "-", not the 22.5 / 0.05 / 60.0 its records hold; bipace_q shows them all.
+    assert "| estimator.name=grpo | 60.0 +- 0.0 | - | - | - | - | - | - |" in md
+    assert (
+        "| estimator.name=bipace_q | 60.0 (n = 1) | 22.5 (n = 1) | - | 60.0 (n = 1) | 30.0 (n = 1) | 0.05 (n = 1) | - |"
+        in md
+    )
+    assert grpo["diagnostics"]["estimator/epsilon"][0] == pytest.approx(0.05)  # report.json keeps the value
+    assert report.estimator_diagnostics("gigpo") == (
+        "estimator/hash_singleton_group_rate",
+        "estimator/pairs",
+        "time/bipace_share",
+    )
+    assert len(report.estimator_diagnostics("not_registered")) == len(report.DIAGNOSTICS)
+    # a study of GRPO arms alone draws no singleton-rate or PACE plot
+    only = {k: v for k, v in r["arms"].items() if k == "estimator.name=grpo"}
+    assert report.plot(dict(r, arms=only), str(tmp_path)) == ["learning_curves.png"]

@@ -22,7 +22,8 @@ from orbax.checkpoint._src.path import gcs_utils
 
 from bipace_jax import runfolder
 from bipace_jax.checkpointing import Checkpointer
-from bipace_jax.metrics import MetricsLogger, make_plots, read_metrics
+from bipace_jax.metrics import MetricsLogger, read_metrics
+from bipace_jax.plots import make_plots
 
 RUN = "gs://fake-bucket/runs/r1"
 

@@ -23,10 +23,12 @@ from bipace_jax.sft import (
     dagger_records,
     encode_response,
     expert_examples,
+    first_games,
     make_batch,
+    panel_record,
+    play_order,
     read_dagger_examples,
     record_example,
-    summarize,
     token_nll,
     train_step,
     validate_config,
@@ -306,19 +308,27 @@ def test_unparsable_responses_count_as_invalid_and_send_the_fallback(tok, pool):
     )
     assert [e.won for e in res.episodes] == [False, False]
     assert [e.invalid_count for e in res.episodes] == [3, 3] and set(res.actions) == {"inventory"}
-    s = summarize(res.episodes)
-    assert s["success"] == 0.0 and s["invalid_rate"] == 1.0 and s["mean_length"] == 3.0
+    assert res.stats["success_rate"] == 0.0 and res.stats["invalid_rate"] == 1.0  # what a DAgger round logs
+    assert [e.length for e in res.episodes] == [3, 3]
 
 
-def test_summarize_splits_depths_and_heldout_goals():
-    def ep(task, depth, won, length, invalid):
-        return Episode(task, 0, 0, 0, won=won, length=length, invalid_count=invalid, task_info={"depth": depth})
+def test_panel_record_is_rls_record_of_the_seen_then_held_out_games():
+    def ep(task, won, length, fault=None):
+        return Episode(task, 0, 0, 0, won=won, length=length, env_error=fault)
 
-    eps = [ep(1, 2, True, 4, 0), ep(2, 2, False, 15, 3), ep(3, 3, True, 6, 1), ep(4, 2, True, 5, 0)]
-    s = summarize(eps, heldout={4})
-    assert s["success"] == 0.75 and s["success_depth2"] == pytest.approx(2 / 3)
-    assert s["success_depth3"] == 1.0 and s["success_seen"] == pytest.approx(2 / 3)
-    assert s["success_heldout"] == 1.0 and s["invalid_rate"] == pytest.approx(4 / 30) and s["mean_length"] == 7.5
+    depth = {1: 2, 2: 2, 3: 3, 4: 2, 5: 3}
+    panels = {"val": [(1, 10), (2, 11), (3, 12)], "val/holdout": [(4, 13), (5, 14)]}
+    eps = [ep(1, True, 4), ep(2, False, 15), ep(3, True, 6), ep(4, True, 5), ep(5, False, 9, "timeout")]
+    assert play_order(panels) == [(1, 10), (2, 11), (3, 12), (4, 13), (5, 14)] and play_order(panels, 4)[-1] == (4, 13)
+    rec = panel_record(eps, panels, lambda t: {"depth": depth[t]}, ("depth",))
+    # seen: 2 of 3 won, lengths 4, 15, 6; depth 2: 1 of 2, depth 3: 1 of 1
+    assert rec["val/success_rate"] == pytest.approx(2 / 3) and rec["val/episode_length"] == pytest.approx(25 / 3)
+    assert (rec["val/success_rate/depth_2"], rec["val/success_rate/depth_3"]) == (0.5, 1.0)
+    assert (rec["val/tasks"], rec["val/tasks/depth_2"], rec["val/env_errors"]) == (3, 2, 0)
+    # held-out: the faulted game is left out of the rates and counted
+    assert rec["val/holdout/success_rate"] == 1.0 and rec["val/holdout/env_errors"] == 1
+    assert rec["val/holdout/tasks/depth_2"] == 1 and "val/holdout/tasks/depth_3" not in rec
+    assert first_games(panels, 4) == {"val": panels["val"], "val/holdout": [(4, 13)]}
 
 
 def test_bad_config_fails_with_one_line_naming_the_field():
@@ -383,13 +393,18 @@ def test_warm_start_config_speaks_the_rl_dialect():
     assert spec.total_updates == 600 + 4 * 100
     greedy, dagger = spec.sampler_at(0.0), spec.sampler_at(0.4)
     assert (greedy.greedy, greedy.temperature, dagger.greedy, dagger.temperature) == (True, 1.0, False, 0.4)
-    assert spec.actor == {
-        "hidden_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 384,
-    }
+    # RL's ModelConfig and tiny preset (one mapping of the sizes); the exported config.json keeps 2048 positions
+    from bipace_jax import build, sft
+
+    arch = build.actor_architecture(spec.model, 1100, 3, max_position_embeddings=sft.MAX_POSITIONS)
+    shape = (arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads)
+    assert shape == (128, 3, 4, 2) and (arch.intermediate_size, arch.vocab_size, arch.eos_token_ids) == (
+        384,
+        1100,
+        (3,),
+    )
+    assert arch.max_position_embeddings == 2048 and spec.model.preset == "tiny" and spec.model.vocab_size == 1024
+    assert spec.optim.schedule == "warmup_cosine" and spec.optim.warmup_steps == 50
     ws.sampler.length_buckets = (448, 160)
     with pytest.raises(ValueError, match=r"^config\.sampler\.length_buckets must be a non-empty strictly ascending"):
         build_warm_start(ws)

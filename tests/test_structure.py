@@ -19,7 +19,7 @@ COVERED_ELSEWHERE = {
     "config": "test_configs.py (one-line field errors) and test_trainer_state.py (selectors, templates)",
     "distributed": "the two-process runs of test_mesh_placement.py, test_ppo_protocol.py and test_learner.py",
     "demo_stream": "test_demos.py reads the demonstration datasets through it (shards, shuffle, resumed state)",
-    "metrics": "test_trainer_state.py and test_runfolder.py (logger, event files, plots)",
+    "metrics": "test_trainer_state.py, test_runfolder.py and test_plots.py (logger, event files, record readers)",
     "resume": "test_cli.py: the field comparison, and a changed-config resume refused in one line",
     "programs": "test_ppo.py and test_aot.py compare the public program specs with what runs",
     "validation": "test_eval.py: launch.eval's panels equal the trainer's before-RL validation; test_trainer_state.py: own-option panels",
@@ -31,8 +31,8 @@ DATA_PATH = (
     ("rollout.py", "collect"),
     ("trainer.py", "Trainer.train_iteration"),
     ("ppo.py", "PPOLearner.update"),
-    ("sft.py", "_WarmStart.rounds"),
-    ("sft.py", "run"),
+    ("sft/loop.py", "_WarmStart.rounds"),
+    ("sft/loop.py", "run"),
 )
 MAX_LINES = 80
 

@@ -140,6 +140,7 @@ def test_two_iterations_on_textcraft_leave_metrics_events_checkpoint_plots_and_h
     w, out = two_iterations
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Validation success" in out.stdout and "BiPACE-specific share" in out.stdout
+    assert "Validation success (T=0.4) " in out.stdout  # configs/textcraft_tiny.py's val.temperature, not its name
 
     rows = _metrics(w)
     assert [r["iteration"] for r in rows] == [0, 1]

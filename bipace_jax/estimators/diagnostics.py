@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bipace_jax.metrics import HostStats
+from bipace_jax.stats import HostStats
 
 SIZE_STATS = (
     "num_step_groups",

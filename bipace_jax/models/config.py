@@ -5,18 +5,51 @@ It is built from a Hugging Face `config.json` (both the transformers-5 layout, w
 sits in `rope_parameters.rope_theta` and the dtype in `dtype`, and the older layout with top-level
 `rope_theta` / `torch_dtype`), from a preset (`Qwen2Config.preset("0.5b" | "1.5b" | "3b" | "7b")`,
 shapes from the published Qwen2.5 config.json files) or as a tiny test configuration
-(`Qwen2Config.tiny(**overrides)`).
+(`Qwen2Config.tiny(**overrides)`). The closed option sets of the run config's ``model`` section that
+the actor reads (`DType`, `MatmulPrecision`, `Remat`) live here, beside the architecture.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Qwen2Config"]
+import jax.numpy as jnp
+
+__all__ = ["DType", "MatmulPrecision", "Qwen2Config", "Remat"]
+
+
+class DType(enum.StrEnum):
+    """``model.dtype`` / ``model.param_dtype``."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def jnp(self):
+        """The ``jnp`` dtype."""
+        return jnp.dtype(self.value)
+
+
+class MatmulPrecision(enum.StrEnum):
+    """``model.matmul_precision``: ``jax.default_matmul_precision`` of every dot of the actor."""
+
+    DEFAULT = "default"  # the backend's own (bf16 passes on TPU)
+    HIGH = "high"
+    HIGHEST = "highest"  # full fp32 matmuls
+
+
+class Remat(enum.StrEnum):
+    """``model.remat``: what each decoder layer keeps for the backward pass (``jax.checkpoint``)."""
+
+    NONE = "none"  # all activations (fastest, most memory)
+    FULL = "full"  # only the layer input: recomputes the layer, one extra forward
+    SAVE_DOTS = "save_dots"  # the matmul outputs without a batch dimension: recomputes the elementwise work
+
 
 # Values HF uses for a RoPE that is the plain (unscaled) rotary embedding.
 _DEFAULT_ROPE_TYPES = (None, "default")

@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bipace_jax.config import MatmulPrecision, Remat
-from bipace_jax.models.config import Qwen2Config
+from bipace_jax.models.config import MatmulPrecision, Qwen2Config, Remat
 from bipace_jax.models.kv_cache import KVCache
 from bipace_jax.models.layers import (
     DecoderLayer,
@@ -110,12 +109,12 @@ class Qwen2Actor(nnx.Module):
       dtype: activation/matmul dtype (jnp.bfloat16 on accelerators).
       param_dtype: parameter storage dtype.
       rngs: initialiser keys (weights ~ N(0, initializer_range), biases 0, norm scales 1).
-      matmul_precision: precision of every matmul of the actor (a ``config.MatmulPrecision``), for all
+      matmul_precision: precision of every matmul of the actor (a ``models.config.MatmulPrecision``), for all
         paths alike (sampling, log-probs, the loss): ``"default"`` is the backend's fast mode
         (bf16 passes on TPU, TF32 on NVIDIA GPUs, full fp32 on CPU), ``"high"`` (3 bf16 passes on
         TPU), ``"highest"`` (full fp32). Settable later, before the next trace.
       remat: what each decoder layer keeps for the backward pass of `__call__` / `forward_hidden`
-        (a ``config.Remat``: "none", "full" = only the layer input, one extra forward; "save_dots" =
+        (a ``models.config.Remat``: "none", "full" = only the layer input, one extra forward; "save_dots" =
         the matmul outputs); True means "full", False "none". Outputs and gradients are unchanged.
         Settable later (`actor.remat = "full"`), before the next trace.
       scan_layers: run runs of identical decoder layers as one `lax.scan` over their stacked
@@ -324,7 +323,7 @@ class Qwen2Actor(nnx.Module):
 
     @property
     def remat_policy(self) -> Remat:
-        """`remat` as a ``config.Remat`` (True -> FULL, False -> NONE).
+        """`remat` as a ``models.config.Remat`` (True -> FULL, False -> NONE).
 
         Raises:
           ValueError: `remat` is not a bool or a ``Remat`` value.

@@ -1,4 +1,4 @@
-"""Multi-host metrics pool from numerators and denominators (``metrics.HostStats``,
+"""Multi-host metrics pool from numerators and denominators (``stats.HostStats``,
 ``distributed.pooled``), never as means of per-host rates; checked on hand-made records, on the
 estimator's diagnostics of a batch split over two hosts, and on a 2-process run against 1 process."""
 
@@ -12,7 +12,7 @@ from bipace_jax import distributed
 from bipace_jax.estimators import EstimatorConfig, StepBatch, compute_advantages
 from bipace_jax.estimators.diagnostics import host_stats
 from bipace_jax.estimators.synthetic import rollout_like_arrays
-from bipace_jax.metrics import HostStats
+from bipace_jax.stats import HostStats
 from tests.devices import run_processes
 
 
