@@ -54,7 +54,8 @@ from bipace_jax.learner import Learner, shard_rows, step_specs
 from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
-from bipace_jax.sampling import Sampler, SamplerConfig
+from bipace_jax.rollout._engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+from bipace_jax.sampling import SamplerConfig
 from bipace_jax.sharding import make_mesh
 from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps, tiny_actor_config, warm_start_tokenizer
 from environments.pool import EnvPool
@@ -150,7 +151,7 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
     """The labelled rows of a ``collect`` (DAgger round ``rnd`` of ``game``) as demonstration records
     (``demos.FIELDS`` + ``round``, ``row``), in row order; rows the oracle has no action for are left out.
 
-    Each record holds the state the row's prompt showed (``res.states[row]``), its history (the earlier
+    Each record holds the state the row's prompt showed (``res.rows[row].state``), its history (the earlier
     rows of its trajectory: observation text and the action sent, as ``collect`` built the prompt), its
     turn, and the oracle's label as ``action``; ``won`` is whether the policy's game was won, ``oracle``
     ``demos.oracle_version(game)``. ``record_example`` of a record gives the row's prompt tokens exactly.
@@ -159,17 +160,16 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
       ValueError: ``res`` has no labels or states (not a labelled ``collect``), or a trajectory's rows are
         not its steps 0, 1, ... in order.
     """
-    if res.labels is None or len(res.states) != res.rows:
+    if not res.labeled or any(row.state is None for row in res.rows):
         raise ValueError("dagger_records needs a RolloutResult of collect(..., labeler=...) with its states")
-    traj, step = np.asarray(res.steps.traj_id)[: res.rows], np.asarray(res.steps.step)[: res.rows]
     oracle, out = demos.oracle_version(game), []
     history: dict[int, list[tuple[str, str]]] = {}
-    for r, label in enumerate(res.labels):
-        t = int(traj[r])
+    for r, row in enumerate(res.rows):
+        t = row.traj
         past = history.setdefault(t, [])
-        if int(step[r]) != len(past):
-            raise ValueError(f"row {r}: trajectory {t} step {int(step[r])} follows {len(past)} earlier rows")
-        if label is not None:
+        if row.step != len(past):
+            raise ValueError(f"row {r}: trajectory {t} step {row.step} follows {len(past)} earlier rows")
+        if row.label is not None:
             ep = res.episodes[t]
             depth = int(ep.task_info.get("depth", 0))
             out.append(
@@ -177,18 +177,18 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
                     game,
                     ep.task_id,
                     ep.seed,
-                    step[r],
+                    row.step,
                     depth,
-                    res.states[r],
+                    row.state,
                     past,
-                    label,
+                    row.label,
                     ep.won,
                     oracle,
                     round=rnd,
                     row=r,
                 )
             )
-        past.append((res.observations[r], res.actions[r]))
+        past.append((row.observation, row.action))
     return out
 
 
@@ -658,7 +658,7 @@ def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], list[tup
 
 
 class _WarmStart:
-    """The state of one warm-start run: data, learner, samplers, pool, metrics, update count."""
+    """The state of one warm-start run: data, learner, engines, pool, metrics, update count."""
 
     def __init__(self, spec: WarmStartSpec, run_dir: epath.Path, tokenizer, examples, progress: bool):
         self.spec, self.run_dir, self.tokenizer, self.progress = spec, run_dir, tokenizer, progress
@@ -683,24 +683,22 @@ class _WarmStart:
         self.metrics = MetricsLogger(os.fspath(run_dir), start_iteration=start)
         self.example_log = _ExampleLog(run_dir / EXAMPLES_FILE, self.step) if spec.train.log_examples else None
         temps = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
-        self.samplers = {k: Sampler(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
+        self.engines = {k: Engine(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
         self.pool = None
 
     def fits(self, e: Example) -> bool:
         return len(e.prompt_ids) + len(e.response_ids) <= self.limit
 
     def play(self, kind: str, pairs, key, label: bool = False) -> RolloutResult:
-        """``rollout.collect`` of one game per (task_id, seed) with sampler ``kind`` (oracle labels on request)."""
+        """``rollout.collect`` of one game per (task_id, seed) with engine ``kind`` (oracle labels on request)."""
         learner, pool = self.learner, self.pool
         labeler = pool.oracle_actions if label else None
-        sampler, rcfg = self.samplers[kind], self.spec.rollout
         return collect(
             learner.actor,
-            sampler,
+            self.engines[kind],
             pool,
-            self.tokenizer,
             pairs,
-            rcfg,
+            self.spec.rollout,
             key,
             progress=self.progress,
             labeler=labeler,

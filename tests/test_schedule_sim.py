@@ -299,15 +299,12 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
         actor,
         sampler,
         _InstantPool(8, 3),
-        tok,
         [(0, 0)],
-        rcfg,
+        dataclasses.replace(rcfg, scheduler="continuous"),
         jax.random.key(0),
-        progress=False,
-        scheduler="continuous",
     )
     lengths = res.response_mask.sum(1)
-    traj = np.asarray(res.steps.traj_id)[: res.rows]
+    traj = np.asarray(res.steps.traj_id)[: res.num_rows]
     table = [lengths[traj == g].tolist() for g in range(8)]
     assert all(len(x) == 3 for x in table) and len({x for row in table for x in row}) > 2
     sim = simulate(
@@ -324,5 +321,5 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
     )
     assert sim["continuous"]["decode_steps"] == res.timing["decode_steps"]
     assert sim["continuous"]["prefill_calls"] == len(inserts) and sum(inserts) == 24
-    busy, offered = res.host_stats.rates["slot_use"]
+    busy, offered = res.stats.rates["slot_use"]
     assert sim["continuous"]["slot_use"] == pytest.approx(busy / offered)

@@ -93,16 +93,7 @@ def test_shipped_warm_start_still_solves_validation_games():
         template=resolve_template("configs.textcraft_tasks:TEMPLATE"),
     )
     with EnvPool(tasks.GAME, NUM_GAMES, env_options={"max_steps": tasks.MAX_STEPS}, num_workers=2) as pool:
-        res = collect(
-            actor,
-            sampler,
-            pool,
-            tok,
-            panel,
-            rcfg,
-            jax.random.key(0),
-            progress=False,
-        )
+        res = collect(actor, sampler, pool, panel, rcfg, jax.random.key(0))
     s = summarize(res.episodes)
     # at least one win (a random or corrupted actor wins none) and near the recorded rate
     assert s["success"] >= max(expected - MARGIN, 1 / NUM_GAMES), (s, expected)
