@@ -173,27 +173,30 @@ def collect(
     t_start = clock.now()
     games = _check_inputs(engine, pool, games, rcfg)
     play, reset_faults = turns.start(pool, rcfg, games, key, clock, labeler)
+    timing, slot_stats = dict.fromkeys(("sampling_s", "prefill_s", "decode_s", "env_s"), 0.0), {}
     if play.live:
+        bar = _progress_bar(progress, rcfg)
         sched = schedule.policy(
-            rcfg, engine, actor, len(play.episodes), key, temperature, _progress_bar(progress, rcfg)
+            rcfg, engine, actor, len(play.episodes), key, clock, temperature=temperature, progress=bar
         )
-        schedule.run(sched, engine, pool, play)
-    return _result(play, engine, len(games), reset_faults, clock.now() - t_start, labeled=labeler is not None)
+        timing, slot_stats = schedule.run(sched, pool, turns.HostTurns(play, engine), clock)
+    timing = dict(timing, env_s=timing["env_s"] + play.reset_s, total_s=clock.now() - t_start)
+    timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
+    return _result(play, engine, len(games), reset_faults, timing, slot_stats, labeled=labeler is not None)
 
 
-def _result(play: turns.Play, engine: EngineLike, n_groups: int, reset_faults: int, total_s: float, labeled: bool):
-    """The played games' ``RolloutResult``: kept rows packed, timing closed, statistics counted."""
+def _result(play: turns.Play, engine: EngineLike, n_groups, reset_faults, timing, slot_stats, labeled: bool):
+    """The played games' ``RolloutResult``: kept rows packed, statistics counted."""
     rcfg = play.rcfg
     rows = pack.kept_rows(play.rows, play.episodes, rcfg.game)
     tokens, logprobs = pack.token_batch(rows, engine.config.length_buckets, engine.pad_id)
-    timing = dict(play.timing, total_s=total_s)
-    timing["host_s"] = total_s - timing["sampling_s"] - timing["env_s"]
+    play.stats["turns"] = max((ep.length for ep in play.episodes), default=0)
     stats = pack.episode_stats(play.stats, rows, play.episodes, len(play.rows), reset_faults)
-    if play.slot_stats:
+    if slot_stats:
         for k in ("decode_steps", "chunks", "inserts"):
-            timing[k] = float(play.slot_stats[k])
+            timing[k] = float(slot_stats[k])
         # busy slot-steps over slot-steps offered: pools over hosts as a rate
-        use = (float(play.slot_stats["busy_steps"]), float(play.slot_stats["slot_steps"]))
+        use = (float(slot_stats["busy_steps"]), float(slot_stats["slot_steps"]))
         stats = dataclasses.replace(stats, rates={**stats.rates, "slot_use": use})
     return RolloutResult(
         tokens=tokens,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Clock", "EngineLike", "GamePort", "SampleLike", "SlotHandle", "WallClock"]
+__all__ = ["Clock", "EngineLike", "GamePort", "SampleLike", "SlotHandle", "TurnPort", "WallClock"]
 
 
 class SampleLike(Protocol):
@@ -110,6 +110,34 @@ class GamePort(Protocol):
     def submit(self, jobs: Sequence[Any]) -> list[int]: ...
 
     def poll(self, timeout: float | None = 0.0) -> list[tuple[int, Any]]: ...
+
+
+class TurnPort(Protocol):
+    """The host work of the games' turns that ``schedule.run`` calls (``turns.HostTurns`` in ``collect``).
+
+    ``live``: the envs that play, ascending. A reply has ``action``, the command the pool's ``StepJob``
+    sends.
+    """
+
+    live: list[int]
+
+    def prompt(self, env: int) -> list[int] | None:
+        """The env's next prompt token ids; None: the game ended instead (its fault booked)."""
+
+    def row_keys(self, envs: Sequence[int]) -> np.ndarray:
+        """uint32[B, 2] the engine key of each env's turn."""
+
+    def groups(self, envs: Sequence[int]) -> list[int]:
+        """Each env's task group (rows of a group may share their prompt head)."""
+
+    def labels(self, envs: Sequence[int]) -> list[Any]:
+        """Each env's label of the state its prompt shows, or None each."""
+
+    def replies(self, out: SampleLike, prompts: Sequence[list[int]], labels: Sequence[Any]) -> list[Any]:
+        """The finished rows decoded and scored: one reply per row."""
+
+    def book(self, env: int, reply: Any, result: Any) -> bool:
+        """Books the env's step (its reply and the pool's ``StepResult``); returns whether it plays on."""
 
 
 class Clock(Protocol):

@@ -32,6 +32,7 @@ from environments.prompts import action_tag, build_prompt, invalid_command, pars
 
 __all__ = [
     "COUNTERS",
+    "HostTurns",
     "PROMPT_TOO_LONG",
     "Play",
     "PromptTooLongError",
@@ -170,18 +171,16 @@ _fold_rows = jax.jit(jax.vmap(jax.random.fold_in))
 
 def turn_keys(keys: np.ndarray, turns: Sequence[int]) -> np.ndarray:
     """uint32[B, 2]: ``fold_in(keys[b], turns[b])``, the engine key of each game's turn (``game_keys`` rows)."""
-    return np.asarray(_fold_rows(jnp.asarray(keys), jnp.asarray(turns, jnp.uint32)), np.uint32)
+    # NumPy arguments straight into the jitted program: a ``jnp.asarray`` each would dispatch on its own
+    return np.asarray(_fold_rows(np.asarray(keys, np.uint32), np.asarray(turns, np.uint32)), np.uint32)
 
 
 @dataclasses.dataclass
 class Play:
-    """The running state of one ``collect`` call's games (env ``i`` plays rollout ``i % G`` of group ``i // G``).
-
-    ``clock`` times the host's waits (``timing``); ``rows`` are appended as the steps are booked.
-    """
+    """The running state of one ``collect`` call's games (env ``i`` plays rollout ``i % G`` of group ``i // G``);
+    ``rows`` are appended as the steps are booked, ``reset_s`` is the pool's reset time."""
 
     rcfg: RolloutConfig
-    clock: Clock
     obs: list[Any]  # each env's current Observation
     history: list[list[tuple[str, str]]]  # each env's (observation text, action sent), oldest first
     episodes: list[Episode]
@@ -190,10 +189,7 @@ class Play:
     labeler: Callable[[list[int]], Sequence[Any]] | None = None
     rows: list[StepRecord] = dataclasses.field(default_factory=list)
     stats: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    timing: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {"sampling_s": 0.0, "env_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
-    )
-    slot_stats: dict[str, float] = dataclasses.field(default_factory=dict)  # continuous: slots, decode steps, use
+    reset_s: float = 0.0
 
 
 def _reset(pool: GamePort, rcfg: RolloutConfig, env_task: list[int], env_seed: list[int]):
@@ -241,9 +237,8 @@ def start(pool: GamePort, rcfg: RolloutConfig, games: list[tuple[int, int]], key
     live = [i for i, ep in enumerate(episodes) if ep.env_error is None and not obs[i].won]
     keys = game_keys(key, games, g_size)
     history = [[] for _ in episodes]
-    play = Play(rcfg=rcfg, clock=clock, obs=obs, history=history, episodes=episodes, live=live, keys=keys)
-    play.labeler = labeler
-    play.timing["env_s"] += dt
+    play = Play(rcfg=rcfg, obs=obs, history=history, episodes=episodes, live=live, keys=keys, labeler=labeler)
+    play.reset_s = dt
     return play, reset_faults
 
 
@@ -384,3 +379,31 @@ def book(play: Play, i: int, rep: Reply, res, max_new: int) -> bool:
     play.history[i].append((obs.text, rep.action))
     play.obs[i] = clean_observation(res.obs)
     return not _advance(ep, res, reward - penalty, rep.valid, rcfg.max_steps)
+
+
+class HostTurns:
+    """``protocols.TurnPort`` of a ``collect`` call: its ``Play`` and the engine's tokenizer and settings."""
+
+    def __init__(self, play: Play, engine: EngineLike):
+        self.play, self.engine = play, engine
+        self.live = play.live
+        self.max_new = int(engine.config.max_new_tokens)
+
+    def prompt(self, env: int) -> list[int] | None:
+        return prompt_of(self.play, self.engine.tokenizer, env)
+
+    def row_keys(self, envs: Sequence[int]) -> np.ndarray:
+        return turn_keys(self.play.keys[list(envs)], [self.play.episodes[i].length for i in envs])
+
+    def groups(self, envs: Sequence[int]) -> list[int]:
+        return [self.play.episodes[i].group_id for i in envs]
+
+    def labels(self, envs: Sequence[int]) -> list[Any]:
+        labeler = self.play.labeler
+        return list(labeler(list(envs))) if labeler is not None else [None] * len(envs)
+
+    def replies(self, out: SampleLike, prompts, labels) -> list[Reply]:
+        return replies(out, prompts, labels, self.engine, self.play.rcfg)
+
+    def book(self, env: int, reply: Reply, result) -> bool:
+        return book(self.play, env, reply, result, self.max_new)
