@@ -43,8 +43,6 @@ LAYERS = (
             "bipace_jax.metric_keys",
             "bipace_jax.metrics",
             "bipace_jax.programs",
-            "bipace_jax.schedule_sim",
-            "bipace_jax.step_time",
         ),
     ),
     ("models", ("bipace_jax.models",)),
@@ -67,6 +65,8 @@ LAYERS = (
             "bipace_jax.lab",
         ),
     ),
+    # what models the run's speed: it may import everything it models (the rollout loop it simulates)
+    ("perf", ("bipace_jax.schedule_sim", "bipace_jax.step_time")),
 )
 # Layers the order puts below a module that it still must not import: (importer layer, imported layer).
 NEVER = (("learning", "rollout"),)
