@@ -621,7 +621,7 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
         and res.stats.values()["env_errors_exception"] == 2
         and res.stats.values()["env_error_rows"] == 2
     )
-    assert good.stats["env_errors"] == 0 and all(e.won for e in good.episodes)
+    assert good.stats.values()["env_errors"] == 0 and all(e.won for e in good.episodes)
     # task group 0 played as without the fault: the same episodes, rows and rewards
     assert [(e.won, e.length, e.episode_return) for e in eps[:2]] == [
         (e.won, e.length, e.episode_return) for e in good.episodes[:2]

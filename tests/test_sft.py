@@ -15,7 +15,8 @@ from bipace_jax import demos
 from bipace_jax.learner import Learner
 from bipace_jax.models import Qwen2Actor, Qwen2Config
 from bipace_jax.rollout import Episode, RolloutConfig, collect
-from bipace_jax.sampling import SampleOutput, SamplerConfig
+from bipace_jax.rollout._engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.sampling import SamplerConfig
 from bipace_jax.sft import (
     Example,
     ResponseNLL,
@@ -155,13 +156,13 @@ class ScriptedSampler:
 
     def __init__(self, tok, script):
         self.config = SamplerConfig(max_new_tokens=24, length_buckets=(448,))
-        self.tok, self.script, self.turn = tok, script, 0
+        self.tok, self.tokenizer, self.script, self.turn = tok, tok, script, 0
         self.eos_token_ids, self.pad_id = (tok.eos_token_id,), tok.pad_token_id
 
     def length_bucket(self, t):
         return 448
 
-    def generate(self, actor, prompts, key):
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None):
         texts = self.script(self.turn, len(prompts))
         self.turn += 1
         m = self.config.max_new_tokens

@@ -15,7 +15,8 @@ from bipace_jax import transcripts
 from bipace_jax.estimators import EstimatorConfig, compute_advantages, step_details
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import RolloutConfig, collect
-from bipace_jax.sampling import SampleOutput, SamplerConfig
+from bipace_jax.rollout._engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.sampling import SamplerConfig
 from environments.pool import EnvPool
 from launch.transcripts import show
 
@@ -35,7 +36,7 @@ class OracleSampler:
     def length_bucket(self, t):
         return next(b for b in self.config.length_buckets if b >= t)
 
-    def generate(self, actor, prompts, key):
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None):
         oracle = self.pool.oracle_actions(list(range(self.n_envs)))
         live = [i for i, a in enumerate(oracle) if a is not None]
         m, b = self.config.max_new_tokens, len(prompts)

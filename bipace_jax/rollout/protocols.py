@@ -99,7 +99,7 @@ class GamePort(Protocol):
     ``timeout=None`` it waits until at least one is settled, with ``0.0`` it does not wait).
     """
 
-    env: str
+    env: Any  # the registered game's name, or the factory of an unregistered (test) game
 
     def __len__(self) -> int: ...
 
