@@ -1,20 +1,24 @@
 """A discrete-event simulation of one host's rollout under both schedulers (lockstep, continuous).
 
 Deterministic: the response lengths come from a seeded NumPy generator (or are given), and time
-advances only by the unit costs of `SimConfig`. The event order copies the host loops of
-``rollout._play_lockstep`` and ``rollout._play_continuous`` (with ``slots.SlotSampler``):
+advances only by the unit costs of `SimConfig`. The event order is not copied: ``simulate`` runs the
+rollout's own loop, ``rollout.schedule.run`` with its ``Lockstep`` and ``Continuous`` schedulers, on
+a simulated engine (``SimEngine``, ``SimSlots``: a row's key names its game and turn, whose response
+length the table gives), pool (``SimPool``), host work (``SimTurns``) and clock (``VirtualClock``).
+What that loop does, priced:
 
 * **lockstep**, per turn: one prefill over the live games (``prefill_s(rows, prompt_tokens)``), then
   ``max(L) - 1`` decode steps (the first token comes from the prefill, and the loop runs until the
   longest response of the call ends) at ``decode_step_s(rows, prompt_tokens + max_new_tokens)`` each
-  (the call's dense cache), the host work, then one synchronous pool step (all envs in parallel:
-  ``env_step_s``). Games past their last turn leave the next call.
+  (the call's dense cache), the host work (``host_turn_s``), then every env step of the turn (all envs
+  in parallel: ``env_step_s``). Games past their last turn leave the next call.
 * **continuous**, per loop pass: if env jobs are in flight, poll them (all answers settled by now;
   when no slot has work and no game waits, block until the first one settles: that wait is
   ``env_s``); answered games that play on queue FIFO; if games wait and slots are free, one
   ``insert`` of ``n = min(waiting, free)`` prompts into the lowest free slots
   (``insert_s(n, prompt_tokens)``, which must charge any row padding of the insert program); if no
   busy slot has finished, one decode chunk of ``min(chunk_steps, fewest tokens left of a busy slot)``
+  (0 when every busy slot ended at its first token: the host cannot know before the chunk)
   steps at the fixed-shape ``slot_step_s`` (every slot, busy or not, over the dense
   ``max_prompt_tokens + max_new_tokens`` columns) plus ``host_chunk_s``; the finished slots are
   read, freed and their games submitted to the pool, each answered ``env_step_s`` later.
@@ -30,8 +34,8 @@ ratios 1.58 / 1.72 / 1.52 (note: 1.66 / 1.75 / 1.51) at 8 / 16 / 64 slots, locks
 (note: 145 / 197 / 374): within 5%, the wall ratios lower by the loop's one-chunk lag (a finished
 game's env step is submitted after the next chunk is dispatched, and the chunk is waited for before
 its answers can be inserted). The draws differ (another generator and seeds), and the note
-inserts in row buckets of at most 8 where this loop, like ``_play_continuous``, inserts every ready
-game at once (the note pays its 2 ms call constant more often).
+inserts in row buckets of at most 8 where the rollout loop inserts every ready game at once (the
+note pays its 2 ms call constant more often).
 
 Not modelled (as in the design note's simulation): host work besides the per-turn and per-chunk
 constants (tokenising, parsing, the pool's IPC), fewer env workers than games, prompts of varying

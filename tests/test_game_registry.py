@@ -153,7 +153,7 @@ def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tm
     finally:
         tr.close()
     res = plays[0]  # the training collect
-    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.rows > 0
+    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.num_rows > 0
     after = jax.tree.map(np.asarray, tr.learner.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
     # the prompt is the spec's template; an invalid response sends the spec's fallback action
