@@ -54,7 +54,7 @@ from bipace_jax.learner import Learner, shard_rows, step_specs
 from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
-from bipace_jax.rollout._engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
 from bipace_jax.sampling import SamplerConfig
 from bipace_jax.sharding import make_mesh
 from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps, tiny_actor_config, warm_start_tokenizer

@@ -283,7 +283,7 @@ def main(_):
 
     from bipace_jax.models import Qwen2Actor
     from bipace_jax.rollout import RolloutConfig, Scheduler, collect, encode_prompt
-    from bipace_jax.rollout._engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
     from bipace_jax.sampling import SamplerConfig
     from bipace_jax.slots import SlotSampler
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer

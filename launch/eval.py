@@ -86,7 +86,7 @@ def _policy(spec):
 
     from bipace_jax import build, distributed, sharding
     from bipace_jax import config as config_lib
-    from bipace_jax.rollout._engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
 
     c = spec.config
     layout = config_lib.process_layout(c, 1, jax.device_count(), jax.local_device_count())

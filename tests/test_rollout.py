@@ -24,7 +24,7 @@ from bipace_jax.rollout import (
     game_keys,
     turn_keys,
 )
-from bipace_jax.rollout._engine_adapter import Engine, SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.rollout.engine_adapter import Engine, SampleOutput  # the merge: bipace_jax.sampling
 from bipace_jax.sampling import SamplerConfig
 from environments.base import Observation
 from environments.pool import EnvPool, Fault

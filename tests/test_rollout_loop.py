@@ -12,7 +12,7 @@ import pytest
 
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import PROMPT_TOO_LONG, RolloutConfig, Scheduler, collect
-from bipace_jax.rollout._engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
 from bipace_jax.rollout.turns import clean_observation, clean_text
 from bipace_jax.sampling import SamplerConfig
 from environments.base import Observation

@@ -277,7 +277,7 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
 
     from bipace_jax.models import Qwen2Actor
     from bipace_jax.rollout import RolloutConfig, collect
-    from bipace_jax.rollout._engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
     from bipace_jax.sampling import SamplerConfig
     from bipace_jax.slots import SlotSampler
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer

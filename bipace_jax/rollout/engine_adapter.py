@@ -1,7 +1,7 @@
 """TEMPORARY: today's ``sampling.Sampler`` / ``slots.SlotSampler`` behind the engine contract that
 ``rollout.protocols.EngineLike`` declares, until the ``sampling`` package's ``Engine`` lands.
 
-At the merge this module goes: every ``from bipace_jax.rollout._engine_adapter import ...`` becomes
+At the merge this module goes: every ``from bipace_jax.rollout.engine_adapter import ...`` becomes
 ``from bipace_jax.sampling import ...`` (``Engine``, ``SampleOutput``, ``SampleTiming``: same names,
 same constructor ``Engine(tokenizer, config, mesh=None)``).
 """
