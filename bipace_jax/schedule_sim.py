@@ -1,20 +1,24 @@
 """A discrete-event simulation of one host's rollout under both schedulers (lockstep, continuous).
 
 Deterministic: the response lengths come from a seeded NumPy generator (or are given), and time
-advances only by the unit costs of `SimConfig`. The event order copies the host loops of
-``rollout._play_lockstep`` and ``rollout._play_continuous`` (with ``slots.SlotSampler``):
+advances only by the unit costs of `SimConfig`. The event order is not copied: ``simulate`` runs the
+rollout's own loop, ``rollout.schedule.run`` with its ``Lockstep`` and ``Continuous`` schedulers, on
+a simulated engine (``SimEngine``, ``SimSlots``: a row's key names its game and turn, whose response
+length the table gives), pool (``SimPool``), host work (``SimTurns``) and clock (``VirtualClock``).
+What that loop does, priced:
 
 * **lockstep**, per turn: one prefill over the live games (``prefill_s(rows, prompt_tokens)``), then
   ``max(L) - 1`` decode steps (the first token comes from the prefill, and the loop runs until the
   longest response of the call ends) at ``decode_step_s(rows, prompt_tokens + max_new_tokens)`` each
-  (the call's dense cache), the host work, then one synchronous pool step (all envs in parallel:
-  ``env_step_s``). Games past their last turn leave the next call.
+  (the call's dense cache), the host work (``host_turn_s``), then every env step of the turn (all envs
+  in parallel: ``env_step_s``). Games past their last turn leave the next call.
 * **continuous**, per loop pass: if env jobs are in flight, poll them (all answers settled by now;
   when no slot has work and no game waits, block until the first one settles: that wait is
   ``env_s``); answered games that play on queue FIFO; if games wait and slots are free, one
   ``insert`` of ``n = min(waiting, free)`` prompts into the lowest free slots
   (``insert_s(n, prompt_tokens)``, which must charge any row padding of the insert program); if no
   busy slot has finished, one decode chunk of ``min(chunk_steps, fewest tokens left of a busy slot)``
+  (0 when every busy slot ended at its first token: the host cannot know before the chunk)
   steps at the fixed-shape ``slot_step_s`` (every slot, busy or not, over the dense
   ``max_prompt_tokens + max_new_tokens`` columns) plus ``host_chunk_s``; the finished slots are
   read, freed and their games submitted to the pool, each answered ``env_step_s`` later.
@@ -30,8 +34,8 @@ ratios 1.58 / 1.72 / 1.52 (note: 1.66 / 1.75 / 1.51) at 8 / 16 / 64 slots, locks
 (note: 145 / 197 / 374): within 5%, the wall ratios lower by the loop's one-chunk lag (a finished
 game's env step is submitted after the next chunk is dispatched, and the chunk is waited for before
 its answers can be inserted). The draws differ (another generator and seeds), and the note
-inserts in row buckets of at most 8 where this loop, like ``_play_continuous``, inserts every ready
-game at once (the note pays its 2 ms call constant more often).
+inserts in row buckets of at most 8 where the rollout loop inserts every ready game at once (the
+note pays its 2 ms call constant more often).
 
 Not modelled (as in the design note's simulation): host work besides the per-turn and per-chunk
 constants (tokenising, parsing, the pool's IPC), fewer env workers than games, prompts of varying
@@ -40,15 +44,33 @@ length (every prompt costs ``prompt_tokens``), and variance across hosts.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SimConfig", "simulate", "lengths", "lognormal_mu"]
+from bipace_jax.rollout import RolloutConfig, Scheduler, schedule
+from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from environments.base import Observation
+from environments.pool import ResetResult, StepResult, TaskInfoResult
+
+__all__ = [
+    "SimConfig",
+    "SimEngine",
+    "SimPool",
+    "SimSlots",
+    "SimTurns",
+    "VirtualClock",
+    "lengths",
+    "lognormal_mu",
+    "simulate",
+]
+
+_GAME = "textcraft"  # any registered game (the loop's config names one; nothing of it runs)
+_PROMPT_COLUMNS = 16  # the simulated prompts' length bucket (RolloutConfig's smallest max_prompt_length)
+_OBS = Observation(text="", anchor="", task="")  # what every simulated game shows
 
 Cost = float | Callable[[int, int], float]
 
@@ -196,91 +218,233 @@ def lengths(cfg: SimConfig) -> list[list[int]]:
     return [table[g, : n[g]].tolist() for g in range(cfg.games)]
 
 
+class VirtualClock:
+    """The simulation's ``rollout.protocols.Clock``: seconds that pass only when a simulated cost is paid."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@dataclasses.dataclass(frozen=True)
+class _EngineConfig:
+    """What the loop reads of a ``SamplerConfig``."""
+
+    max_new_tokens: int
+    batch_buckets: tuple[int, ...]
+    length_buckets: tuple[int, ...] = (_PROMPT_COLUMNS,)
+    stop_strings: tuple[str, ...] = ()
+    temperature: float = 1.0
+    shared_head_tokens: int = 0
+
+
+class _Reply(NamedTuple):
+    action: str
+
+
+class SimTurns:
+    """The ``TurnPort`` of the simulated games: one-token prompts, a game's row key is (game, turn), and
+    booking a step advances the game's turn (the host work itself costs ``host_turn_s`` / ``host_chunk_s``)."""
+
+    def __init__(self, games: int):
+        self.live = list(range(games))
+        self.turn = [0] * games
+
+    def prompt(self, env: int) -> list[int]:
+        return [1]
+
+    def row_keys(self, envs: Sequence[int]) -> np.ndarray:
+        return np.array([[g, self.turn[g]] for g in envs], np.uint32).reshape(-1, 2)
+
+    def groups(self, envs: Sequence[int]) -> list[int]:
+        return list(envs)
+
+    def labels(self, envs: Sequence[int]) -> list[None]:
+        return [None] * len(envs)
+
+    def replies(self, out: SampleOutput, prompts, labels) -> list[_Reply]:
+        return [_Reply("")] * len(prompts)
+
+    def book(self, env: int, reply: _Reply, result: StepResult) -> bool:
+        self.turn[env] += 1
+        return not result.done
+
+
+class SimEngine:
+    """An ``EngineLike`` whose response lengths come from the table by each row's key (game, turn), and
+    whose calls advance the clock by ``cfg``'s costs.
+
+    ``stages`` sums the seconds paid per stage; ``lockstep`` counts its ``generate`` calls' decode steps,
+    busy row-steps (rows still generating) and row-steps (live rows)."""
+
+    def __init__(self, cfg: SimConfig, table: list[list[int]], clock: VirtualClock):
+        self.cfg, self.table, self.clock = cfg, table, clock
+        self.config = _EngineConfig(max_new_tokens=cfg.max_new_tokens, batch_buckets=(cfg.games,))
+        self.tokenizer, self.pad_id, self.eos_token_ids = None, 0, (0,)
+        self.stages = dict(prefill=0.0, decode=0.0, env=0.0, host=0.0)
+        self.lockstep = dict(steps=0, busy=0, row_steps=0, calls=0)
+
+    def lengths(self, row_keys: np.ndarray) -> list[int]:
+        return [self.table[g][t] for g, t in np.asarray(row_keys).tolist()]
+
+    def pay(self, stage: str, seconds: float) -> None:
+        self.clock.t += seconds
+        self.stages[stage] += seconds
+
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None) -> SampleOutput:
+        cfg, ls = self.cfg, self.lengths(row_keys)
+        rows, n = len(ls), max(ls) - 1
+        self.pay("prefill", _cost(cfg.prefill_s, rows, cfg.prompt_tokens))
+        self.pay("decode", n * _cost(cfg.decode_step_s, rows, cfg.prompt_tokens + cfg.max_new_tokens))
+        self.pay("host", cfg.host_turn_s)
+        c = self.lockstep
+        c["steps"], c["busy"], c["row_steps"], c["calls"] = (
+            c["steps"] + n,
+            c["busy"] + sum(x - 1 for x in ls),
+            c["row_steps"] + n * rows,
+            c["calls"] + 1,
+        )
+        return SampleOutput(None, np.asarray(ls), None, None)
+
+    def slots(self, actor, num_slots: int, *, max_prompt: int, chunk: int, temperature=None) -> SimSlots:
+        return SimSlots(self, num_slots, chunk)
+
+
+class SimSlots:
+    """A ``SlotHandle``: NS slots with a position and a target length each; an insert gives a slot its
+    first token, a chunk runs ``min(chunk, fewest tokens left of a live slot)`` steps of every slot at the
+    fixed-shape ``slot_step_s`` and ends ``host_chunk_s`` after them (the host waits for it in ``steps_run``)."""
+
+    def __init__(self, engine: SimEngine, num_slots: int, chunk: int):
+        cfg = engine.cfg
+        self.engine, self.num_slots, self.chunk = engine, num_slots, chunk
+        self.counters = dict(decode_steps=0, chunk_calls=0, insert_calls=0)
+        self.step_s = (
+            cfg.slot_step_s
+            if cfg.slot_step_s is not None
+            else _cost(cfg.decode_step_s, num_slots, cfg.cache_prompt + cfg.max_new_tokens)
+        )
+        self.pos, self.target = [0] * num_slots, [0] * num_slots
+        self._chunk_end = 0.0
+
+    def empty(self) -> None:
+        return None  # the state lives on this handle
+
+    def insert(self, state, prompts, slot_ids, row_keys) -> None:
+        cfg = self.engine.cfg
+        cost = cfg.prefill_s if cfg.insert_s is None else cfg.insert_s
+        self.engine.pay("prefill", _cost(cost, len(prompts), cfg.prompt_tokens))
+        self.counters["insert_calls"] += 1
+        for k, n in zip(slot_ids, self.engine.lengths(row_keys)):
+            self.pos[k], self.target[k] = 1, n
+
+    def decode(self, state, wait: bool = True) -> tuple[None, int]:
+        live = [k for k in range(self.num_slots) if self.pos[k] < self.target[k]]
+        n = min(self.chunk, min(self.target[k] - self.pos[k] for k in live)) if live else 0
+        d, host = n * self.step_s, self.engine.cfg.host_chunk_s
+        self.engine.stages["decode"] += d
+        self.engine.stages["host"] += host
+        self._chunk_end = self.engine.clock.t + d + host
+        for k in live:
+            self.pos[k] += n
+        self.counters["chunk_calls"] += 1
+        return None, (self.steps_run(n) if wait else n)
+
+    def steps_run(self, steps: int) -> int:
+        self.engine.clock.t = max(self.engine.clock.t, self._chunk_end)
+        self.counters["decode_steps"] += steps
+        return steps
+
+    def done(self, state) -> np.ndarray:
+        return np.array([p >= t for p, t in zip(self.pos, self.target)])
+
+    def read(self, state, slot_ids) -> SampleOutput:
+        return SampleOutput(None, np.array([self.target[k] for k in slot_ids]), None, None)
+
+
+class SimPool:
+    """A ``GamePort``: game g plays ``len(table[g])`` turns; a submitted step is answered ``env_step_s``
+    later (every env in parallel); a blocking ``poll`` advances the clock to the first answer (env stage)."""
+
+    env = _GAME
+
+    def __init__(self, table: list[list[int]], engine: SimEngine):
+        self.table, self.engine, self.clock = table, engine, engine.clock
+        self.turn = [0] * len(table)
+        self.due: dict[int, tuple[float, int]] = {}  # ticket -> (answer time, game)
+        self.ticket = 0
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def reset(self, env_indices, task_ids, seeds) -> list[ResetResult]:
+        return [ResetResult(_OBS, {}) for _ in env_indices]
+
+    def task_info(self, env_indices) -> list[TaskInfoResult]:
+        return [TaskInfoResult({}) for _ in env_indices]
+
+    def submit(self, jobs) -> list[int]:
+        tickets = list(range(self.ticket, self.ticket + len(jobs)))
+        self.ticket += len(jobs)
+        for t, job in zip(tickets, jobs):
+            self.due[t] = (self.clock.t + self.engine.cfg.env_step_s, job.env)
+        return tickets
+
+    def poll(self, timeout: float | None = 0.0) -> list[tuple[int, StepResult]]:
+        first = min((at for at, _ in self.due.values()), default=None)
+        if timeout is None and first is not None and first > self.clock.t:
+            self.engine.pay("env", first - self.clock.t)
+        out = []
+        for ticket in sorted(t for t, (at, _) in self.due.items() if at <= self.clock.t):
+            g = self.due.pop(ticket)[1]
+            self.turn[g] += 1
+            out.append((ticket, StepResult(_OBS, 0.0, self.turn[g] >= len(self.table[g]), {})))
+        return out
+
+
+def _run(cfg: SimConfig, table: list[list[int]], scheduler: Scheduler) -> tuple[SimEngine, dict]:
+    """``rollout.schedule.run`` of ``cfg``'s games under ``scheduler`` on the simulated engine, pool, host
+    and clock; returns the engine (its stages and lockstep counts) and the loop's scheduler statistics."""
+    clock = VirtualClock()
+    engine = SimEngine(cfg, table, clock)
+    rcfg = RolloutConfig(
+        game=_GAME,
+        group_size=1,
+        max_steps=cfg.turns,
+        max_prompt_length=_PROMPT_COLUMNS,
+        scheduler=scheduler,
+        num_slots=cfg.slots,
+        chunk_steps=cfg.chunk_steps,
+    )
+    sched = schedule.policy(rcfg, engine, None, cfg.games, None, clock)
+    _, stats = schedule.run(sched, SimPool(table, engine), SimTurns(cfg.games), clock)
+    return engine, stats
+
+
 def _lockstep(cfg: SimConfig, table: list[list[int]]) -> dict[str, Any]:
-    t = prefill = decode = env = host = 0.0
-    steps = busy = row_steps = calls = 0
-    live = list(range(cfg.games))
-    context = cfg.prompt_tokens + cfg.max_new_tokens
-    for turn in range(cfg.turns):
-        if not live:
-            break
-        rows = len(live)
-        ls = [table[g][turn] for g in live]
-        p = _cost(cfg.prefill_s, rows, cfg.prompt_tokens)
-        n = max(ls) - 1
-        d = n * _cost(cfg.decode_step_s, rows, context)
-        prefill, decode, host, env = prefill + p, decode + d, host + cfg.host_turn_s, env + cfg.env_step_s
-        t += p + d + cfg.host_turn_s + cfg.env_step_s
-        steps, busy, row_steps, calls = steps + n, busy + sum(x - 1 for x in ls), row_steps + n * rows, calls + 1
-        live = [g for g in live if turn + 1 < len(table[g])]
+    engine, _ = _run(cfg, table, Scheduler.LOCKSTEP)
+    c = engine.lockstep
     return dict(
-        wall_s=t,
-        decode_steps=steps,
-        slot_use=busy / row_steps if row_steps else 1.0,
-        stages_s=dict(prefill=prefill, decode=decode, env=env, host=host),
-        prefill_calls=calls,
-        turns=calls,
+        wall_s=engine.clock.t,
+        decode_steps=c["steps"],
+        slot_use=c["busy"] / c["row_steps"] if c["row_steps"] else 1.0,
+        stages_s=dict(engine.stages),
+        prefill_calls=c["calls"],
+        turns=c["calls"],
     )
 
 
 def _continuous(cfg: SimConfig, table: list[list[int]]) -> dict[str, Any]:
-    b, k = cfg.slots, cfg.chunk_steps
-    slot_step = (
-        cfg.slot_step_s
-        if cfg.slot_step_s is not None
-        else _cost(cfg.decode_step_s, b, cfg.cache_prompt + cfg.max_new_tokens)
-    )
-    t = prefill = decode = env = host = 0.0
-    steps = busy_steps = inserts = chunks = 0
-    turn = [0] * cfg.games  # the turn each game plays next
-    pending = collections.deque(range(cfg.games))  # games waiting for a slot, FIFO
-    slot_game, pos, target = [-1] * b, [0] * b, [0] * b
-    stepping: collections.deque[tuple[float, int]] = collections.deque()  # (answer time, game), by ticket
-    chunk_end = None  # when the dispatched decode chunk ends (the host polls while it runs)
-    while pending or stepping or chunk_end is not None or any(g >= 0 for g in slot_game):
-        if stepping:  # poll: the answers settled by now; block for the first when nothing else can run
-            idle = chunk_end is None and not pending and all(g < 0 for g in slot_game)
-            if idle and stepping[0][0] > t:
-                env += stepping[0][0] - t
-                t = stepping[0][0]
-            while stepping and stepping[0][0] <= t:
-                _, g = stepping.popleft()
-                turn[g] += 1
-                if turn[g] < len(table[g]):
-                    pending.append(g)
-        if chunk_end is not None:  # wait for the chunk
-            t, chunk_end = max(t, chunk_end), None
-        finished = [s for s in range(b) if slot_game[s] >= 0 and pos[s] >= target[s]]
-        games = [slot_game[s] for s in finished]
-        for s in finished:  # read and freed before the insert reuses the slot
-            slot_game[s] = -1
-        free = [s for s in range(b) if slot_game[s] < 0]
-        if pending and free:
-            n = min(len(pending), len(free))
-            p = _cost(cfg.prefill_s if cfg.insert_s is None else cfg.insert_s, n, cfg.prompt_tokens)
-            t, prefill, inserts = t + p, prefill + p, inserts + 1
-            for s in free[:n]:
-                g = pending.popleft()
-                slot_game[s], pos[s], target[s] = g, 1, table[g][turn[g]]
-        busy = [s for s in range(b) if slot_game[s] >= 0]
-        live = [s for s in busy if pos[s] < target[s]]
-        if live:  # dispatch one chunk: it stops at the first live slot's end
-            n = min(k, min(target[s] - pos[s] for s in live))
-            d = n * slot_step
-            chunk_end = t + d + cfg.host_chunk_s
-            decode, host = decode + d, host + cfg.host_chunk_s
-            steps, busy_steps, chunks = steps + n, busy_steps + n * len(busy), chunks + 1
-            for s in live:
-                pos[s] += n
-        for g in games:  # the finished responses' env steps, submitted while the chunk runs
-            stepping.append((t + cfg.env_step_s, g))
+    engine, s = _run(cfg, table, Scheduler.CONTINUOUS)
     return dict(
-        wall_s=t,
-        decode_steps=steps,
-        slot_use=busy_steps / (steps * b) if steps else 1.0,
-        stages_s=dict(prefill=prefill, decode=decode, env=env, host=host),
-        prefill_calls=inserts,
-        chunks=chunks,
+        wall_s=engine.clock.t,
+        decode_steps=s["decode_steps"],
+        slot_use=s["busy_steps"] / s["slot_steps"] if s["decode_steps"] else 1.0,
+        stages_s=dict(engine.stages),
+        prefill_calls=s["inserts"],
+        chunks=s["chunks"],
     )
 
 

@@ -47,7 +47,7 @@ from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.plots import make_plots
 from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
-from bipace_jax.sampling import Sampler
+from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
 from bipace_jax.stats import HostStats, StageTimer
 from bipace_jax.tiny import build_game_tokenizer
 
@@ -161,16 +161,14 @@ class Trainer:
     def _start_rollout(self) -> None:
         """The env pools (``validation.start_pools``: one for training and the panels of the training
         game, one per other panel game) and a sampler per temperature, with the checkpoint's and
-        tokenizer's stop ids."""
+        tokenizer's stop ids: one engine, validation at its own temperature."""
         s = self.spec
         self.groups_per_host = self.plan.groups_per_host
         train_games = self.plan.games_per_host
         self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)
-        vcfg = dataclasses.replace(s.val_sampler, eos_token_ids=eos)
-        self.sampler = Sampler(self.tokenizer, scfg, mesh=self.local_mesh)
-        self.val_sampler = Sampler(self.tokenizer, vcfg, mesh=self.local_mesh)
+        self.engine = Engine(self.tokenizer, scfg, mesh=self.local_mesh)
         self.rollout_cfg, self.val_rollout_cfg = s.rollout, s.val_rollout
 
     def _load_tokenizer(self):
@@ -186,12 +184,13 @@ class Trainer:
         with runfolder.staged(path) as local:
             return build_game_tokenizer(self.spec.config, local)
 
-    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None, label="rollout"):
+    def _play(self, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None, label="rollout", engine=None):
         """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by
-        default); ``label`` names the phase in the progress bar."""
+        default, with ``self.engine`` by default); ``label`` names the phase in the progress bar."""
         progress = (self.spec.log.progress and self.is_primary) and f"{label} {self.spec.env.name}"
         pool = self.pool if pool is None else pool
-        return collect(self.actor, sampler, pool, self.tokenizer, games, rcfg, key, progress=progress)
+        engine = self.engine if engine is None else engine
+        return collect(self.actor, engine, pool, games, rcfg, key, progress=progress)
 
     # ------------------------------------------------------------------------------------------
     def train_iteration(self) -> dict[str, Any]:
@@ -205,8 +204,8 @@ class Trainer:
         with timer.stage("rollout"):  # 1. Collect.
             first = self.task_cursor + jax.process_index() * self.groups_per_host
             groups = [tasks.train_task(self.train_ids, s.seed, first + i) for i in range(self.groups_per_host)]
-            res = self._play(self.sampler, self.rollout_cfg, groups, k_roll)
-            batch = res.token_batch()
+            res = self._play(self.rollout_cfg, groups, k_roll)
+            batch = res.tokens
         self._phase("log-probs")
         with timer.stage("old_logprobs"):  # 2. Old log-probs.
             sample_lp = np.asarray(res.sample_logprobs, np.float32)
@@ -259,7 +258,7 @@ class Trainer:
             },
             maxima={"advantage/abs_max": float(np.abs(a).max()) if a.size else 0.0},
         )
-        rec.update(distributed.pooled(stats | res.host_stats.prefixed("rollout/")))
+        rec.update(distributed.pooled(stats | res.stats.prefixed("rollout/")))
         rec["advantage/std"] = math.sqrt(max(rec.pop("advantage/mean_square") - rec["advantage/mean"] ** 2, 0.0))
         rec.update({keys.stage_seconds(k): v for k, v in timer.seconds.items()})
         rec.update({f"time/rollout_{k}": float(v) for k, v in res.timing.items()})
@@ -350,7 +349,7 @@ class Trainer:
         ``val/tasks``) that no purchase can win, so the success rate reads against its ceiling.
         """
         progress = self.spec.log.progress and self.is_primary
-        args = (self.actor, self.val_sampler, self.val_pools, self.tokenizer, self.spec, self.panels)
+        args = (self.actor, self.engine, self.val_pools, self.spec, self.panels)
         rec, results = validation.validate(*args, progress=progress, on_panel=self._phase)
         if self.spec.log.transcripts_every:
             for name, res in results.items():

@@ -98,7 +98,7 @@ def step_rows(
     Raises:
       ValueError: ``max_games`` < 1, or a per-row array that is not one value per token row.
     """
-    n = res.rows
+    n = res.num_rows
     if max_games < 1:
         raise ValueError(f"step_rows: max_games must be >= 1, got {max_games}")
     for name, a in (("advantages", advantages), ("labels", labels), ("kinds", kinds)):
@@ -113,7 +113,7 @@ def step_rows(
     keep = set(sorted(set(traj.tolist()))[:max_games])
     episodes = {e.traj_id: e for e in res.episodes}
     out = []
-    for r in range(n):
+    for r, row in enumerate(res.rows):
         t = int(traj[r])
         if t not in keep:
             continue
@@ -131,11 +131,11 @@ def step_rows(
             "prompt_hash": hashlib.sha256(ids.tobytes()).hexdigest()[:16],
             "prompt_tokens": int(ids.size),
             "prompt": tokenizer.decode(ids.tolist()) if step[r] == 0 else None,
-            "observation": res.observations[r] if res.observations else None,
-            "response": res.responses[r],
-            "action": res.actions[r],
-            "valid": bool(res.valid[r]) if res.valid else None,
-            "finish": res.finish_reasons[r] if res.finish_reasons else None,
+            "observation": row.observation,
+            "response": row.text,
+            "action": row.action,
+            "valid": bool(row.valid),
+            "finish": row.finish,
             "reward": float(net[r]),
             "penalty": float(penalty[r]),
             "return": float(ret[r]),

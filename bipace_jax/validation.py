@@ -191,12 +191,12 @@ def per_task(
 
 
 def validate(
-    actor, sampler, pools: dict, tokenizer, spec, panels: Panels, *, progress: bool = False, on_panel=None
+    actor, engine, pools: dict, spec, panels: Panels, *, progress: bool = False, on_panel=None
 ) -> tuple[dict[str, Any], dict[str, RolloutResult | None]]:
-    """Play every non-empty panel at ``val.temperature`` (``sampler``) on its pool.
+    """Play every non-empty panel at ``val.temperature`` (``RunSpec.val_sampler.temperature``) on its pool.
 
     Args:
-      actor, sampler, tokenizer: the policy and the validation sampler (``RunSpec.val_sampler``).
+      actor, engine: the policy and the sampling engine (``rollout.protocols.EngineLike``).
       pools: panel name -> ``EnvPool`` (``start_pools``).
       progress: tqdm bars over turns (labelled "validation seen" / "validation held-out").
       on_panel: optional ``on_panel(label)`` called before each panel plays (the trainer's phase display).
@@ -220,7 +220,16 @@ def validate(
                 on_panel(_LABELS[name])
             label = progress and f"{_LABELS[name]} {spec.env.name}"
             games = [panel[i] for i in mine]
-            res = collect(actor, sampler, pools[name], tokenizer, games, spec.val_rollout, panel_key(spec, name), label)
+            res = collect(
+                actor,
+                engine,
+                pools[name],
+                games,
+                spec.val_rollout,
+                panel_key(spec, name),
+                temperature=spec.val_sampler.temperature,
+                progress=label,
+            )
         results[name] = res
         mine_arrays = per_task(res.episodes if res is not None else [], mine, len(panel), G)
         summed = {k: distributed.allgather(a).sum(0) for k, a in mine_arrays.items()}

@@ -282,8 +282,9 @@ def main(_):
     import jax
 
     from bipace_jax.models import Qwen2Actor
-    from bipace_jax.rollout import RolloutConfig, collect, encode_prompt
-    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.rollout import RolloutConfig, Scheduler, collect, encode_prompt
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.sampling import SamplerConfig
     from bipace_jax.slots import SlotSampler
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer
     from environments.base import Observation
@@ -302,7 +303,8 @@ def main(_):
         batch_buckets=(1, 2, 4, 8, 16, 32, 64),
         eos_token_ids=(base,),
     )
-    sampler = Sampler(tok, scfg)
+    engine = Engine(tok, scfg)
+    sampler = engine.sampler  # the slot sampler and unit costs below time today's programs directly
     groups = [(k, k) for k in range(max(1, FLAGS.games // 8))]
     n_games = len(groups) * 8
     rcfg = RolloutConfig(
@@ -336,23 +338,23 @@ def main(_):
     report, results, walls = {}, {}, {"lockstep": [], "continuous": []}
     warm = dataclasses.replace(rcfg, max_steps=2)  # compiles what warm_programs did not (the chunk loop)
     for sched in walls:
-        collect(actor, sampler, pool, tok, groups, warm, key, progress=False, scheduler=sched)
+        collect(actor, engine, pool, groups, dataclasses.replace(warm, scheduler=Scheduler(sched)), key)
     for _ in range(FLAGS.reps):  # interleaved, so both see the same load of the shared machine
         for sched in walls:
             t0 = time.perf_counter()
-            res = collect(actor, sampler, pool, tok, groups, rcfg, key, progress=False, scheduler=sched)
+            res = collect(actor, engine, pool, groups, dataclasses.replace(rcfg, scheduler=Scheduler(sched)), key)
             walls[sched].append(time.perf_counter() - t0)
             if walls[sched][-1] == min(walls[sched]):  # the timing fields come from the run wall_s is
                 results[sched] = res
     for sched, res in results.items():
         got = res.response_mask.sum(1)
         if sched == "lockstep":
-            steps = np.asarray(res.steps.step)[: res.rows]
+            steps = np.asarray(res.steps.step)[: res.num_rows]
             per_turn = [(got[steps == t].max() - 1, (steps == t).sum()) for t in np.unique(steps)]
             decode_steps = int(sum(s for s, _ in per_turn))
             use = float((got - 1).sum() / max(sum(s * n for s, n in per_turn), 1))
         else:
-            decode_steps, use = int(res.timing["decode_steps"]), float(res.stats["slot_use"])
+            decode_steps, use = int(res.timing["decode_steps"]), float(res.stats.values()["slot_use"])
         report[sched] = dict(
             wall_s=min(walls[sched]),
             wall_s_median=statistics.median(walls[sched]),

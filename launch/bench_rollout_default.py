@@ -38,7 +38,8 @@ flags.DEFINE_string("out", "benchmarks/rollout.json", "result file (its cpu_defa
 
 def main(_):
     from bipace_jax import tasks
-    from bipace_jax.sampling import Sampler
+    from bipace_jax.rollout import Scheduler
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
     from bipace_jax.trainer import Trainer
     from configs import textcraft_tiny
 
@@ -48,12 +49,12 @@ def main(_):
         trainer = Trainer(c, workdir)
         trainer._start_rollout()
         spec = trainer.spec
-        scfg = trainer.sampler.config
+        scfg = trainer.engine.config
         shared_tokens = scfg.shared_head_tokens or 64
         samplers = {
-            "lockstep_plain": Sampler(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
-            "lockstep_shared": Sampler(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=shared_tokens)),
-            "continuous": Sampler(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
+            "lockstep_plain": Engine(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
+            "lockstep_shared": Engine(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=shared_tokens)),
+            "continuous": Engine(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
         }
         groups = [
             tasks.train_task(trainer.train_ids, spec.seed, FLAGS.first_group + i)
@@ -64,9 +65,9 @@ def main(_):
         def play(arm):
             rcfg = trainer.rollout_cfg
             if arm == "continuous":
-                rcfg = dataclasses.replace(rcfg, scheduler="continuous")
+                rcfg = dataclasses.replace(rcfg, scheduler=Scheduler.CONTINUOUS)
             t0 = time.perf_counter()
-            res = trainer._play(samplers[arm], rcfg, groups, key)
+            res = trainer._play(rcfg, groups, key, engine=samplers[arm])
             return time.perf_counter() - t0, res
 
         first = {arm: play(arm)[1] for arm in samplers}  # compiles every shape the groups need
@@ -88,8 +89,8 @@ def main(_):
             out[arm] = dict(
                 wall_s=min(runs[arm]),
                 wall_s_runs=runs[arm],
-                rows=res.rows,
-                success_rate=res.stats["success_rate"],
+                rows=res.num_rows,
+                success_rate=res.stats.values()["success_rate"],
                 tokens_match=bool(same),
                 **{k: timing[arm][k] for k in ("prefill_s", "decode_s", "env_s") if k in timing[arm]},
             )

@@ -80,12 +80,12 @@ def report_markdown(result: dict) -> str:
 
 
 def _policy(spec):
-    """(actor, validation sampler, tokenizer) of the checkpoint on this host's sampling mesh, the
+    """(actor, validation engine, tokenizer) of the checkpoint on this host's sampling mesh, the
     parameters loaded in the compute dtype (the trainer samples with that cast of its master copy)."""
     import jax
 
     from bipace_jax import build, distributed, plan, sharding
-    from bipace_jax.sampling import Sampler
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
 
     layout = plan.HostLayout.of(spec, 1, jax.device_count(), jax.local_device_count())
     mesh = sharding.make_mesh(*layout.mesh_shape)
@@ -94,8 +94,8 @@ def _policy(spec):
     model = dataclasses.replace(spec.model, param_dtype=spec.model.dtype)
     actor = build.build_actor(model, tokenizer, local, seed=spec.seed)
     eos = build.stop_token_ids(actor.config.eos_token_ids, tokenizer, spec.model.checkpoint) or None
-    sampler = Sampler(tokenizer, dataclasses.replace(spec.val_sampler, eos_token_ids=eos), mesh=local)
-    return actor, sampler, tokenizer
+    engine = Engine(tokenizer, dataclasses.replace(spec.val_sampler, eos_token_ids=eos), mesh=local)
+    return actor, engine, tokenizer
 
 
 def evaluate(config, config_file: str, out: str, write_transcripts: bool = True) -> dict:
@@ -125,10 +125,10 @@ def evaluate(config, config_file: str, out: str, write_transcripts: bool = True)
     if not any(panels.games.values()):
         raise config_lib.ConfigError("config.val.num_tasks: the config selects no panel game (and num_holdout_tasks)")
     runfolder.prepare(out, "--out")
-    actor, sampler, tokenizer = _policy(spec)
+    actor, engine, tokenizer = _policy(spec)
     pool, pools = validation.start_pools(spec, spec.env.name, panels, 1, validating=True)
     try:
-        rec, results = validation.validate(actor, sampler, pools, tokenizer, spec, panels, progress=spec.log.progress)
+        rec, results = validation.validate(actor, engine, pools, spec, panels, progress=spec.log.progress)
     finally:
         for p in {id(p): p for p in (pool, *pools.values())}.values():
             p.close()

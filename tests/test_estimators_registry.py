@@ -157,8 +157,8 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
         tr.close()
     res = seen["res"]
     want, _ = reference.compute_advantages_reference(res.steps, estimator_config(c, tr.epsilon))
-    np.testing.assert_allclose(seen["batch"].advantages, want[: res.rows], rtol=1e-5, atol=1e-5)
-    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.rows
+    np.testing.assert_allclose(seen["batch"].advantages, want[: res.num_rows], rtol=1e-5, atol=1e-5)
+    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.num_rows
     # both partitions are recorded whichever one trains: exact hashing and the clusters at this epsilon
     bigpo = dataclasses.replace(estimator_config(c, tr.epsilon), name="bigpo")
     _, hash_diag = reference.compute_advantages_reference(res.steps, estimator_config(c, tr.epsilon))

@@ -153,14 +153,14 @@ def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tm
     finally:
         tr.close()
     res = plays[0]  # the training collect
-    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.rows > 0
+    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.num_rows > 0
     after = jax.tree.map(np.asarray, tr.learner.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
     # the prompt is the spec's template; an invalid response sends the spec's fallback action
     assert tokenizer.decode(res.prompt_ids[0][res.prompt_mask[0] == 1]).count("Guess game: guess the number") == 1
-    for text, action in zip(res.responses, res.actions):
-        command, valid = parse_action(text)
-        assert action == (command if valid else "guess 1")
+    for row in res.rows:
+        command, valid = parse_action(row.text)
+        assert row.action == (command if valid else "guess 1")
     assert all(ep.task_info["size"] in ("small", "big") for ep in res.episodes)
     # validation splits success by the spec's categories: 3 small and 3 big tasks
     assert len(plays) == 1 and len(panels) == 1 and val["val/env_errors"] == 0

@@ -45,9 +45,6 @@ LAYERS = (
             "bipace_jax.metrics",
             "bipace_jax.plots",
             "bipace_jax.programs",
-            "bipace_jax.schedule_sim",
-            "bipace_jax.step_time",
-            "bipace_jax.plan",
         ),
     ),
     ("models", ("bipace_jax.models",)),
@@ -55,6 +52,9 @@ LAYERS = (
     ("sampling", ("bipace_jax.prompt_heads", "bipace_jax.sampling", "bipace_jax.slots")),
     ("batch", ("bipace_jax.batch",)),
     ("rollout", ("bipace_jax.rollout",)),
+    # the run's sizes and speed: the simulation drives the rollout loop itself, the plan prices its
+    # shapes with the step-time model; the learner and the top layer read them
+    ("perf", ("bipace_jax.schedule_sim", "bipace_jax.step_time", "bipace_jax.plan")),
     ("learning", ("bipace_jax.losses", "bipace_jax.learner", "bipace_jax.ppo")),
     (
         "top",

@@ -36,8 +36,9 @@ def test_patterns_match_name_parts_only():
 def test_every_key_the_producers_name_is_documented():
     import numpy as np
 
-    from bipace_jax import ppo, rollout
+    from bipace_jax import ppo
     from bipace_jax.estimators import diagnostics
+    from bipace_jax.rollout import pack, records, turns
     from bipace_jax.stats import panel_metrics
 
     produced = [f"loss/{k}" for k in ppo.STAT_KEYS] + [
@@ -50,10 +51,10 @@ def test_every_key_the_producers_name_is_documented():
     produced += [f"estimator/cluster_{k}" for k in diagnostics.SIZE_STATS]
     row = types.SimpleNamespace(prompt=[1, 2], valid=True, finish="eos")
     ep = types.SimpleNamespace(env_error=None, won=True)
-    counters = rollout._Games([], [], [], [], None).stats
-    produced += [f"rollout/{k}" for k in rollout._episode_stats(counters, [row], [ep], 1, 0).keys()]
-    produced += [f"rollout/{k}" for k in rollout._Games([], [], [], [], None).stats]
-    produced += [f"time/rollout_{k}" for k in (*rollout._Games([], [], [], [], None).timing, "total_s", "host_s")]
+    counters = dict.fromkeys(turns.COUNTERS, 0)
+    stats = pack.episode_stats(counters, [row], [ep], 1, 0)
+    produced += [f"rollout/{k}" for k in (*stats.keys(), *turns.COUNTERS, "slot_use")]
+    produced += [f"time/rollout_{k}" for k in (*records.TIMING_KEYS, *records.SLOT_TIMING_KEYS)]
     a = np.array([1.0, 0.0])
     for panel in ("val", "val/holdout", "val_before", "val_before/holdout"):
         produced += list(panel_metrics(panel, a, a, a, a))

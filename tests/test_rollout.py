@@ -3,6 +3,7 @@ sampler, and with a scripted sampler that plays the games' oracle (so wins and r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -14,14 +15,17 @@ import environments
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_tokenizer
 from bipace_jax.rollout import (
     FIRST_TOKENS,
+    ActionKey,
     PromptTooLongError,
     RolloutConfig,
+    Scheduler,
     collect,
     encode_prompt,
     game_keys,
     turn_keys,
 )
-from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
+from bipace_jax.rollout.engine_adapter import Engine, SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.sampling import SamplerConfig
 from environments.base import Observation
 from environments.pool import EnvPool, Fault
 from environments.prompts import action_tag, build_prompt
@@ -82,7 +86,7 @@ class OracleSampler:
     def length_bucket(self, t):
         return next(b for b in self.config.length_buckets if b >= t)
 
-    def generate(self, actor, prompts, key):
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None):
         oracle = self.pool.oracle_actions(list(range(self.n_envs)))
         live = [i for i, a in enumerate(oracle) if a is not None]
         assert len(live) == len(prompts)
@@ -110,7 +114,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
         max_prompt_length=1024,
     )
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
-    res = collect(None, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(0), progress=False)
+    res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     eps = res.episodes
     assert [e.traj_id for e in eps] == [0, 1, 2, 3] and [e.group_id for e in eps] == [0, 0, 1, 1]
     assert [e.task_id for e in eps] == [16, 16, 12, 12] and eps[0].task_info["goal"] == "beetroot soup"
@@ -126,7 +130,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     np.testing.assert_array_equal(np.asarray(s.mask), np.arange(s.num_rows) < n)
     gid, tid, step = (np.asarray(x)[:n] for x in (s.group_id, s.traj_id, s.step))
     reward, penalty, obs_hash, akey = (np.asarray(x)[:n] for x in (s.reward, s.penalty, s.obs_hash, s.action_key))
-    assert res.stats["rows"] == n == res.response_ids.shape[0] == res.prompt_ids.shape[0]
+    assert res.stats.values()["rows"] == n == res.response_ids.shape[0] == res.prompt_ids.shape[0]
     order = np.lexsort((step, tid, gid))
     np.testing.assert_array_equal(order, np.arange(n))  # canonical order
     for e in eps:
@@ -139,9 +143,9 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
         np.testing.assert_allclose(penalty[rows], 0.1 if e.traj_id == 1 else 0.0, atol=1e-7)  # charged apart
         assert e.episode_return == pytest.approx(expected.sum() - penalty[rows].sum(), abs=1e-6)
     # Fallback action sent for the gibberish env; action keys: unparsable -> -1, equal tags -> equal ids.
-    assert all(a == "inventory" for a, t in zip(res.actions, tid) if t == 1)
+    assert all(a == "inventory" for a, t in zip([r.action for r in res.rows], tid) if t == 1)
     assert (akey[tid == 1] == -1).all() and (akey[tid != 1] >= 0).all()
-    tags = [action_tag(t) for t in res.responses]
+    tags = [action_tag(t) for t in [r.text for r in res.rows]]
     for a in range(n):
         for b in range(n):
             if tags[a] is not None and tags[b] is not None:
@@ -151,14 +155,16 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
     assert len(set(obs_hash[s0 & (gid == 0)])) == 1 and len(set(obs_hash[s0 & (gid == 1)])) == 1
     assert obs_hash[s0 & (gid == 0)][0] != obs_hash[s0 & (gid == 1)][0]
     # Token arrays: masks match lengths, prompts are the chat-formatted game prompts, left-padded.
-    assert (res.response_mask.sum(1) == np.array([len(tokenizer.encode(t)) + 1 for t in res.responses])).all()
+    assert (
+        res.response_mask.sum(1) == np.array([len(tokenizer.encode(t)) + 1 for t in [r.text for r in res.rows]])
+    ).all()
     assert (res.sample_logprobs[res.response_mask == 0] == 0).all()
     assert (res.prompt_mask[:, -1] == 1).all() and res.prompt_ids.shape[1] in (512, 1024)
     text0 = tokenizer.decode(res.prompt_ids[0][res.prompt_mask[0] == 1])
     assert text0.startswith("<|im_start|>system") and text0.endswith("<|im_start|>assistant\n")
     assert f"Goal: craft {eps[0].task_info['goal']}" in text0
-    assert res.stats["invalid_rate"] == pytest.approx(8 / n)
-    assert res.stats["success_rate"] == 0.75 and res.stats["env_errors"] == 0
+    assert res.stats.values()["invalid_rate"] == pytest.approx(8 / n)
+    assert res.stats.values()["success_rate"] == 0.75 and res.stats.values()["env_errors"] == 0
     assert set(res.timing) == {"sampling_s", "prefill_s", "decode_s", "env_s", "host_s", "total_s"}
     assert min(res.timing.values()) >= 0
     assert res.timing["total_s"] == pytest.approx(res.timing["sampling_s"] + res.timing["env_s"] + res.timing["host_s"])
@@ -170,8 +176,8 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
 def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, pool):
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens", max_prompt_length=1024)
     sampler = OracleSampler(tokenizer, pool, 4, bad={2})
-    res = collect(None, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(0), progress=False)
-    akey = np.asarray(res.steps.action_key)[: res.stats["rows"]]
+    res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
+    akey = np.asarray(res.steps.action_key)[: res.stats.values()["rows"]]
     firsts = [tuple(r[: min(FIRST_TOKENS, int(m.sum()))]) for r, m in zip(res.response_ids, res.response_mask)]
     assert (akey >= 0).all()
     for a in range(len(firsts)):
@@ -205,21 +211,6 @@ def test_encode_prompt_drops_oldest_history_first(tokenizer):
         )
 
 
-def test_collect_raises_naming_game_and_step_when_a_prompt_cannot_fit(tokenizer, pool):
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=40)
-    with pytest.raises(PromptTooLongError, match=r"textcraft env 0 \(task 16, seed 3\) step 0"):
-        collect(
-            None,
-            OracleSampler(tokenizer, pool, 4),
-            pool,
-            tokenizer,
-            GAMES,
-            rcfg,
-            jax.random.key(0),
-            progress=False,
-        )
-
-
 @pytest.mark.parametrize(
     "kw,match",
     [
@@ -233,26 +224,17 @@ def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
     rcfg = RolloutConfig(game=kw.pop("game", "textcraft"), group_size=2, max_steps=2, max_prompt_length=1024)
     args = {"games": GAMES, **kw}
     with pytest.raises(ValueError, match=match):
-        collect(
-            None,
-            OracleSampler(tokenizer, pool, 4),
-            pool,
-            tokenizer,
-            args["games"],
-            rcfg,
-            jax.random.key(0),
-            progress=False,
-        )
+        collect(None, OracleSampler(tokenizer, pool, 4), pool, args["games"], rcfg, jax.random.key(0))
 
 
 @pytest.mark.slow
 def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
-    res = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(1), progress=True)
-    n = res.stats["rows"]
+    res = collect(actor, sampler, pool, GAMES, rcfg, jax.random.key(1), progress=True)
+    n = res.stats.values()["rows"]
     assert n == 8 and res.response_ids.shape == (8, 8) and res.prompt_ids.shape == (8, 1024)
     fp = np.asarray(res.steps.fingerprint)[:n]
     assert res.steps.num_rows == 8 and fp.shape == (8, 64)
@@ -264,8 +246,8 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     # Random weights never produce "<action>...</action>": every step is invalid, reward 0 and penalty 0.1.
     np.testing.assert_allclose(np.asarray(res.steps.reward)[:n], 0.0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(res.steps.penalty)[:n], 0.1, atol=1e-6)
-    assert res.actions == ["inventory"] * 8 and res.stats["invalid_rate"] == 1.0
-    assert res.timing["sampling_s"] > 0 and res.stats["response_tokens"] == lengths.sum()
+    assert [r.action for r in res.rows] == ["inventory"] * 8 and res.stats.values()["invalid_rate"] == 1.0
+    assert res.timing["sampling_s"] > 0 and res.stats.values()["response_tokens"] == lengths.sum()
     assert 0 < res.timing["prefill_s"] + res.timing["decode_s"] <= res.timing["sampling_s"]
     # Turn 0 sampled all four games in one call: its rows equal a direct sampler call with each game's
     # own (game, turn) key.
@@ -294,13 +276,13 @@ def test_game_keys_depend_on_the_game_only():
 @pytest.mark.slow
 def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    sampler = Sampler(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
+    sampler = Engine(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
     key = jax.random.key(5)
-    both = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
-    alone = collect(actor, sampler, pool, tokenizer, GAMES[1:], rcfg, key, progress=False)
-    rows = np.asarray(both.steps.group_id)[: both.rows] == 1  # group (12, 4): envs 2, 3 here, 0, 1 alone
-    assert rows.sum() == alone.rows == 4
+    both = collect(actor, sampler, pool, GAMES, rcfg, key)
+    alone = collect(actor, sampler, pool, GAMES[1:], rcfg, key)
+    rows = np.asarray(both.steps.group_id)[: both.num_rows] == 1  # group (12, 4): envs 2, 3 here, 0, 1 alone
+    assert rows.sum() == alone.num_rows == 4
     np.testing.assert_array_equal(both.response_ids[rows], alone.response_ids)
     np.testing.assert_allclose(both.sample_logprobs[rows], alone.sample_logprobs, atol=1e-5)
     # Another game's tokens differ (the keys are its own): the check above can fail.
@@ -316,9 +298,11 @@ def _assert_same_result(a, b):
         np.testing.assert_array_equal(np.asarray(getattr(a.steps, f)), np.asarray(getattr(b.steps, f)), err_msg=f)
     np.testing.assert_allclose(np.asarray(a.steps.fingerprint), np.asarray(b.steps.fingerprint), atol=1e-5)
     assert a.episodes == b.episodes
-    assert (a.responses, a.actions, a.finish_reasons, a.labels) == (b.responses, b.actions, b.finish_reasons, b.labels)
-    assert (a.observations, a.states) == (b.observations, b.states) and len(a.states) == a.rows
-    assert {k: v for k, v in b.stats.items() if k != "slot_use"} == a.stats
+    fields = ("text", "action", "finish", "label", "observation", "state", "valid", "prompt", "length", "pace")
+    for f in fields:
+        assert [getattr(r, f) for r in a.rows] == [getattr(r, f) for r in b.rows], f
+    assert len(a.rows) == a.num_rows and a.labeled == b.labeled
+    assert {k: v for k, v in b.stats.values().items() if k != "slot_use"} == a.stats.values()
 
 
 @pytest.mark.slow
@@ -330,17 +314,17 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
     scfg = SamplerConfig(
         max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=greedy, eos_token_ids=eos
     )
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
     rcfg = RolloutConfig(
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
     key = jax.random.key(2)
-    lock = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
-    cont = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False, scheduler="continuous")
-    assert lock.rows == cont.rows == 12
+    lock = collect(actor, sampler, pool, GAMES, rcfg, key)
+    cont = collect(actor, sampler, pool, GAMES, dataclasses.replace(rcfg, scheduler="continuous"), key)
+    assert lock.num_rows == cont.num_rows == 12
     _assert_same_result(lock, cont)
-    assert cont.timing["decode_steps"] > 0 and 0 < cont.stats["slot_use"] <= 1
+    assert cont.timing["decode_steps"] > 0 and 0 < cont.stats.values()["slot_use"] <= 1
     if not greedy:  # responses of several lengths: the slots really ran out of step
         assert len(set(lock.response_mask.sum(1).tolist())) > 1
 
@@ -350,21 +334,22 @@ def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tokenizer), 5))
     base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
-    plain = Sampler(tokenizer, SamplerConfig(**base))
-    shared = Sampler(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
+    plain = Engine(tokenizer, SamplerConfig(**base))
+    shared = Engine(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
     calls = []
-    generate = shared.generate
+    inner = shared.sampler  # today's Sampler under the engine adapter: what it prefilled
+    generate = inner.generate
 
     def spy(actor, prompts, key, row_keys=None, groups=None):  # the groups it is given, what it prefilled
         out = generate(actor, prompts, key, row_keys=row_keys, groups=groups)
-        calls.append((list(groups), shared.last_timing["prefill_tokens"], shared.last_timing["prompt_tokens"]))
+        calls.append((list(groups), inner.last_timing["prefill_tokens"], inner.last_timing["prompt_tokens"]))
         return out
 
-    shared.generate = spy
+    inner.generate = spy
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024)
     key = jax.random.key(4)
-    a = collect(actor, plain, pool, tokenizer, GAMES, rcfg, key, progress=False)
-    b = collect(actor, shared, pool, tokenizer, GAMES, rcfg, key, progress=False)
+    a = collect(actor, plain, pool, GAMES, rcfg, key)
+    b = collect(actor, shared, pool, GAMES, rcfg, key)
     _assert_same_result(a, b)
     assert calls[0][0] == [0, 0, 1, 1]  # env i plays in task group i // G
     assert all(run < prompt for _, run, prompt in calls)  # every turn prefilled the groups' heads once
@@ -415,7 +400,7 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     scfg = SamplerConfig(
         max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=False, eos_token_ids=eos
     )
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
@@ -430,14 +415,11 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     factory = functools.partial(UnscorableEnv, "textcraft", task_id=12)  # task group 1's steps score NaN
     key = jax.random.key(2)
     with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=2, timeout_s=20.0) as pool:
-        lock = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
-        cont = collect(
-            actor, sampler, _SlowRecordingPool(pool, events), tokenizer, GAMES, rcfg, key, progress=False,
-            scheduler="continuous",
-        )  # fmt: skip
+        lock = collect(actor, sampler, pool, GAMES, rcfg, key)
+        cont = collect(actor, sampler, _SlowRecordingPool(pool, events), GAMES, dataclasses.replace(rcfg, scheduler="continuous"), key)  # fmt: skip
         assert pool.in_flight == 0
     assert [e.env_error for e in cont.episodes] == [None, None, Fault.EXCEPTION, Fault.EXCEPTION]
-    assert [e.length for e in cont.episodes] == [3, 3, 1, 1] and cont.rows == 6
+    assert [e.length for e in cont.episodes] == [3, 3, 1, 1] and cont.num_rows == 6
     _assert_same_result(lock, cont)
     # every submitted step came back exactly once, and some decode chunk ran while a step was in flight
     submitted = [t for kind, ts in events if kind == "submit" for t in ts]
@@ -450,12 +432,15 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     )
 
 
-def test_collect_rejects_an_unknown_scheduler(tokenizer, pool):
-    with pytest.raises(ValueError, match="RolloutConfig.scheduler"):
+def test_the_scheduler_is_stored_as_its_enum_and_an_unknown_one_is_refused():
+    with pytest.raises(ValueError, match=r"RolloutConfig.scheduler must be one of \('lockstep', 'continuous'\)"):
         RolloutConfig(scheduler="eager")
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
-    with pytest.raises(ValueError, match="scheduler must be one of"):
-        collect(None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, rcfg, jax.random.key(0), scheduler="x")
+    rcfg = RolloutConfig(scheduler="continuous", action_key="first_tokens")
+    assert rcfg.scheduler is Scheduler.CONTINUOUS and rcfg.action_key is ActionKey.FIRST_TOKENS
+    with pytest.raises(ValueError, match="RolloutConfig.scheduler must be one of"):
+        dataclasses.replace(rcfg, scheduler="x")
+    with pytest.raises(ValueError, match="RolloutConfig.action_key must be one of"):
+        RolloutConfig(action_key="tags")
 
 
 class FinishSampler(OracleSampler):
@@ -466,7 +451,7 @@ class FinishSampler(OracleSampler):
         super().__init__(tokenizer, pool, 3, max_new_tokens=m)
         self.config = SamplerConfig(max_new_tokens=m, length_buckets=(512, 1024), stop_strings=())
 
-    def generate(self, actor, prompts, key):
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None):
         oracle = self.pool.oracle_actions(list(range(self.n_envs)))
         live = [i for i, a in enumerate(oracle) if a is not None]
         m, b = self.config.max_new_tokens, len(prompts)
@@ -494,18 +479,18 @@ def test_finish_reasons_are_recorded_and_length_rows_are_scored_by_the_config(to
         length_finish=mode,
         invalid_penalty=0.1,
     )
-    res = collect(
-        None, FinishSampler(tokenizer, pool), pool, tokenizer, [(16, 3)], rcfg, jax.random.key(0), progress=False
+    res = collect(None, FinishSampler(tokenizer, pool), pool, [(16, 3)], rcfg, jax.random.key(0))
+    traj = np.asarray(res.steps.traj_id)[: res.num_rows]
+    reward = np.asarray(res.steps.reward)[: res.num_rows]
+    charged = np.asarray(res.steps.penalty)[: res.num_rows]
+    assert res.num_rows == 6 and list(traj) == [0, 0, 1, 1, 2, 2]
+    assert [r.finish for r in res.rows] == ["eos", "eos", "length", "length", "length", "length"]
+    assert (
+        res.stats.values()["finish_eos_rate"] == pytest.approx(1 / 3) and res.stats.values()["finish_stop_rate"] == 0.0
     )
-    traj = np.asarray(res.steps.traj_id)[: res.rows]
-    reward = np.asarray(res.steps.reward)[: res.rows]
-    charged = np.asarray(res.steps.penalty)[: res.rows]
-    assert res.rows == 6 and list(traj) == [0, 0, 1, 1, 2, 2]
-    assert res.finish_reasons == ["eos", "eos", "length", "length", "length", "length"]
-    assert res.stats["finish_eos_rate"] == pytest.approx(1 / 3) and res.stats["finish_stop_rate"] == 0.0
-    assert res.stats["finish_length_rate"] == pytest.approx(2 / 3)
+    assert res.stats.values()["finish_length_rate"] == pytest.approx(2 / 3)
     cut_ok = mode == "parse"  # env 1's cut response holds a whole action
-    assert [res.actions[k] == "inventory" for k in range(6)] == [False, False, not cut_ok, not cut_ok, True, True]
+    assert [res.rows[k].action == "inventory" for k in range(6)] == [False, False, not cut_ok, not cut_ok, True, True]
     # Oracle steps of a 5-6 step goal pay no game reward yet: a row's net reward is minus its penalty.
     penalty = {"parse": [0, 0, 0, 0, 0.1, 0.1], "invalid": [0, 0, 0.1, 0.1, 0.1, 0.1], "unpenalised": [0] * 6}[mode]
     np.testing.assert_allclose(reward, 0.0, atol=1e-7)
@@ -542,13 +527,15 @@ def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokeni
 
     # reset call 2 is env 1's (task group 0): it hangs; the pool flags it, the rollout resets group 0 again
     with _chaos_pool(tmp_path, [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]) as pool:
-        res = collect(
-            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, _faults_rcfg(), jax.random.key(0)
-        )
+        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(), jax.random.key(0))
     eps = res.episodes
     assert [e.seed for e in eps] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
     assert all(e.won and e.env_error is None for e in eps)
-    assert res.stats["reset_faults"] == 1 and res.stats["env_errors"] == 0 and res.stats["success_rate"] == 1.0
+    assert (
+        res.stats.values()["reset_faults"] == 1
+        and res.stats.values()["env_errors"] == 0
+        and res.stats.values()["success_rate"] == 1.0
+    )
     assert (tmp_path / "fired" / "h.json").exists()
 
 
@@ -559,7 +546,7 @@ def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tokenizer), 5))
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(1024,), greedy=True, eos_token_ids=eos)
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
@@ -569,48 +556,48 @@ def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp
         (tmp_path / scheduler).mkdir()
         with _chaos_pool(tmp_path / scheduler, plan) as pool:
             out[scheduler] = collect(
-                actor, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(6), progress=False, scheduler=scheduler
+                actor, sampler, pool, GAMES, dataclasses.replace(rcfg, scheduler=scheduler), jax.random.key(6)
             )
     lock, cont = out["lockstep"], out["continuous"]
     assert [e.seed for e in cont.episodes] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
-    assert lock.stats["reset_faults"] == cont.stats["reset_faults"] == 1
+    assert lock.stats.values()["reset_faults"] == cont.stats.values()["reset_faults"] == 1
     _assert_same_result(lock, cont)
 
 
 def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_path):
     with _chaos_pool(tmp_path, [{"id": "c", "call": "reset", "at": 2, "kind": "crash"}]) as pool:
         res = collect(
-            None,
-            OracleSampler(tokenizer, pool, 4),
-            pool,
-            tokenizer,
-            GAMES,
-            _faults_rcfg(reset_retries=0),
-            jax.random.key(0),
+            None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(reset_retries=0), jax.random.key(0)
         )
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, Fault.CRASH, None, None] and eps[1].length == 0
     assert [e.won for e in eps] == [True, False, True, True] and [e.seed for e in eps] == [3, 3, 4, 4]
-    n = res.stats["rows"]
+    n = res.stats.values()["rows"]
     assert sorted(set(np.asarray(res.steps.traj_id)[:n].tolist())) == [0, 2, 3]
-    assert res.stats["env_errors"] == 1 and res.stats["reset_faults"] == 1 and res.stats["env_error_rows"] == 0
-    assert res.stats["success_rate"] == 1.0  # of the 3 games played
+    assert (
+        res.stats.values()["env_errors"] == 1
+        and res.stats.values()["reset_faults"] == 1
+        and res.stats.values()["env_error_rows"] == 0
+    )
+    assert res.stats.values()["success_rate"] == 1.0  # of the 3 games played
 
 
 def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_path):
     # step calls 1-4 are turn 0 (envs 0-3); call 6 is env 1's second step
     with _chaos_pool(tmp_path, [{"id": "r", "call": "step", "at": 6, "kind": "raise"}]) as pool:
-        res = collect(
-            None, OracleSampler(tokenizer, pool, 4), pool, tokenizer, GAMES, _faults_rcfg(), jax.random.key(0)
-        )
+        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(), jax.random.key(0))
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, "exception", None, None] and eps[1].length == 2
-    n = res.stats["rows"]
+    n = res.stats.values()["rows"]
     tid = np.asarray(res.steps.traj_id)[:n]
     assert 1 not in tid.tolist() and n == sum(e.length for e in eps) - 2
-    assert np.asarray(res.steps.mask).sum() == n == res.response_ids.shape[0] == len(res.actions)
-    assert res.stats["env_errors"] == 1 and res.stats["env_error_rows"] == 2 and res.stats["reset_faults"] == 0
-    assert res.stats["env_errors_exception"] == 1 and res.stats["env_errors_lost"] == 0
+    assert np.asarray(res.steps.mask).sum() == n == res.response_ids.shape[0] == len([r.action for r in res.rows])
+    assert (
+        res.stats.values()["env_errors"] == 1
+        and res.stats.values()["env_error_rows"] == 2
+        and res.stats.values()["reset_faults"] == 0
+    )
+    assert res.stats.values()["env_errors_exception"] == 1 and res.stats.values()["env_errors_lost"] == 0
 
 
 def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unchanged(tokenizer, tmp_path):
@@ -621,7 +608,7 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
     def play(factory):
         with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=20.0) as pool:
             sampler = OracleSampler(tokenizer, pool, 4)
-            return collect(None, sampler, pool, tokenizer, GAMES, _faults_rcfg(), jax.random.key(0), progress=False)
+            return collect(None, sampler, pool, GAMES, _faults_rcfg(), jax.random.key(0))
 
     good = play(functools.partial(UnscorableEnv, "textcraft", task_id=-1))  # no task unscorable
     res = play(functools.partial(UnscorableEnv, "textcraft", task_id=12))  # task group 1 (envs 2, 3)
@@ -629,16 +616,20 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
     assert [e.env_error for e in eps] == [None, None, Fault.EXCEPTION, Fault.EXCEPTION]
     assert [e.length for e in eps[2:]] == [1, 1]  # its first step was unscorable
     assert "UnscorableEnv task 12: step 1 gave reward nan" in eps[2].env_error_detail
-    assert res.stats["env_errors"] == 2 and res.stats["env_errors_exception"] == 2 and res.stats["env_error_rows"] == 2
-    assert good.stats["env_errors"] == 0 and all(e.won for e in good.episodes)
+    assert (
+        res.stats.values()["env_errors"] == 2
+        and res.stats.values()["env_errors_exception"] == 2
+        and res.stats.values()["env_error_rows"] == 2
+    )
+    assert good.stats.values()["env_errors"] == 0 and all(e.won for e in good.episodes)
     # task group 0 played as without the fault: the same episodes, rows and rewards
     assert [(e.won, e.length, e.episode_return) for e in eps[:2]] == [
         (e.won, e.length, e.episode_return) for e in good.episodes[:2]
     ]
-    n = res.stats["rows"]
+    n = res.stats.values()["rows"]
     assert n == sum(e.length for e in eps[:2]) and set(np.asarray(res.steps.traj_id)[:n].tolist()) == {0, 1}
     np.testing.assert_array_equal(np.asarray(res.steps.reward)[:n], np.asarray(good.steps.reward)[:n])
-    assert np.isfinite(np.asarray(res.steps.reward)).all() and res.stats["success_rate"] == 1.0
+    assert np.isfinite(np.asarray(res.steps.reward)).all() and res.stats.values()["success_rate"] == 1.0
 
 
 def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalty(tokenizer, pool):
@@ -651,12 +642,12 @@ def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalt
         projection_chars=8,
     )
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
-    res = collect(None, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(0), progress=False)
-    n = res.stats["rows"]
+    res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
+    n = res.stats.values()["rows"]
     tid = np.asarray(res.steps.traj_id)[:n]
     # env 1 answers "I do not know.": the game gets its last 8 characters, lower-cased
-    assert [a for a, t in zip(res.actions, tid) if t == 1] == ["ot know."] * 3
-    assert all(a != "ot know." for a, t in zip(res.actions, tid) if t != 1)
+    assert [a for a, t in zip([r.action for r in res.rows], tid) if t == 1] == ["ot know."] * 3
+    assert all(a != "ot know." for a, t in zip([r.action for r in res.rows], tid) if t != 1)
     np.testing.assert_allclose(np.asarray(res.steps.reward)[:n][tid == 1], 0.0, atol=1e-6)  # the game's part
     np.testing.assert_allclose(np.asarray(res.steps.penalty)[:n][tid == 1], 0.1, atol=1e-6)  # the charge
     # the history shows the projected command, as verl-agent's memory does

@@ -1,10 +1,13 @@
 """The scheduler simulation: cases worked by hand, the schedulers as each other's oracle, and the design
 note's regime (one v5e host, Qwen2.5-7B roofline constants) reproduced within a tolerance."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from bipace_jax import schedule_sim
+from bipace_jax.rollout import schedule
 from bipace_jax.schedule_sim import SimConfig, simulate
 
 
@@ -274,7 +277,8 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
 
     from bipace_jax.models import Qwen2Actor
     from bipace_jax.rollout import RolloutConfig, collect
-    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.sampling import SamplerConfig
     from bipace_jax.slots import SlotSampler
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer
 
@@ -283,7 +287,7 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
     actor = Qwen2Actor(tiny_actor_config(len(tok), eos_token_id=None), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tok), 4))  # every 4th id ends a response: lengths of 1 to 12 tokens
     scfg = SamplerConfig(max_new_tokens=12, length_buckets=(1024,), batch_buckets=(4,), eos_token_ids=eos)
-    sampler = Sampler(tok, scfg)
+    sampler = Engine(tok, scfg)
     rcfg = RolloutConfig(
         game="textcraft", group_size=8, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
@@ -299,15 +303,12 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
         actor,
         sampler,
         _InstantPool(8, 3),
-        tok,
         [(0, 0)],
-        rcfg,
+        dataclasses.replace(rcfg, scheduler="continuous"),
         jax.random.key(0),
-        progress=False,
-        scheduler="continuous",
     )
     lengths = res.response_mask.sum(1)
-    traj = np.asarray(res.steps.traj_id)[: res.rows]
+    traj = np.asarray(res.steps.traj_id)[: res.num_rows]
     table = [lengths[traj == g].tolist() for g in range(8)]
     assert all(len(x) == 3 for x in table) and len({x for row in table for x in row}) > 2
     sim = simulate(
@@ -324,5 +325,40 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
     )
     assert sim["continuous"]["decode_steps"] == res.timing["decode_steps"]
     assert sim["continuous"]["prefill_calls"] == len(inserts) and sum(inserts) == 24
-    busy, offered = res.host_stats.rates["slot_use"]
+    busy, offered = res.stats.rates["slot_use"]
     assert sim["continuous"]["slot_use"] == pytest.approx(busy / offered)
+
+
+def test_the_simulation_is_the_rollout_loop_on_a_simulated_engine_pool_and_clock(monkeypatch):
+    # Both schedulers run rollout.schedule.run; a change to that loop changes the simulation with it.
+    cfg = SimConfig(
+        games=6,
+        slots=3,
+        turns=3,
+        response_lengths=[[4, 2, 6], [3, 3, 3], [5, 1, 2], [2, 6, 4], [1, 1, 5], [6, 2, 2]],
+        env_step_s=0.01,
+        decode_step_s=0.001,
+        prefill_s=0.02,
+        chunk_steps=3,
+    )
+    before = simulate(cfg)
+    runs = []
+    real_run = schedule.run
+
+    def spy(sched, pool, host, clock):
+        runs.append((type(sched).__name__, type(pool).__name__, type(host).__name__, type(clock).__name__))
+        return real_run(sched, pool, host, clock)
+
+    monkeypatch.setattr(schedule, "run", spy)
+    assert simulate(cfg) == before
+    assert runs == [
+        ("Lockstep", "SimPool", "SimTurns", "VirtualClock"),
+        ("Continuous", "SimPool", "SimTurns", "VirtualClock"),
+    ]
+    # the loop admitting one waiting game per pass: more inserts, each paying the prefill cost, later end
+    monkeypatch.setattr(schedule.Continuous, "free", lambda self: min(1, sum(e < 0 for e in self.slot_env)))
+    after = simulate(cfg)
+    assert after["lockstep"] == before["lockstep"]
+    assert after["continuous"]["prefill_calls"] == 18 > before["continuous"]["prefill_calls"]
+    assert after["continuous"]["stages_s"]["prefill"] == pytest.approx(18 * 0.02)
+    assert after["continuous"]["wall_s"] > before["continuous"]["wall_s"]

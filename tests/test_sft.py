@@ -15,7 +15,8 @@ from bipace_jax import demos
 from bipace_jax.learner import Learner
 from bipace_jax.models import Qwen2Actor, Qwen2Config
 from bipace_jax.rollout import Episode, RolloutConfig, collect
-from bipace_jax.sampling import SampleOutput, SamplerConfig
+from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.sampling import SamplerConfig
 from bipace_jax.sft import (
     Example,
     ResponseNLL,
@@ -157,13 +158,13 @@ class ScriptedSampler:
 
     def __init__(self, tok, script):
         self.config = SamplerConfig(max_new_tokens=24, length_buckets=(448,))
-        self.tok, self.script, self.turn = tok, script, 0
+        self.tok, self.tokenizer, self.script, self.turn = tok, tok, script, 0
         self.eos_token_ids, self.pad_id = (tok.eos_token_id,), tok.pad_token_id
 
     def length_bucket(self, t):
         return 448
 
-    def generate(self, actor, prompts, key):
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None):
         texts = self.script(self.turn, len(prompts))
         self.turn += 1
         m = self.config.max_new_tokens
@@ -185,33 +186,25 @@ def test_dagger_labels_every_visited_state_with_the_oracle_action_from_that_stat
         return ["<action>get 1 dirt</action>" if turn == 0 else f"<action>{pool.oracle_actions([0])[0]}</action>"]
 
     res = collect(
-        None,
-        ScriptedSampler(tok, script),
-        pool,
-        tok,
-        [(300, 7)],
-        RCFG,
-        jax.random.key(0),
-        progress=False,
-        labeler=pool.oracle_actions,
+        None, ScriptedSampler(tok, script), pool, [(300, 7)], RCFG, jax.random.key(0), labeler=pool.oracle_actions
     )
     ep = res.episodes[0]
-    assert ep.won and ep.invalid_count == 0 and ep.length == res.rows == len(res.labels)
+    assert ep.won and ep.invalid_count == 0 and ep.length == res.num_rows == len([r.label for r in res.rows])
     examples = [record_example(r, RCFG, tok) for r in dagger_records(res, 2, "textcraft")]
-    assert len(examples) == res.rows and all(e.source == "dagger" and e.depth == 2 for e in examples)
-    assert [e.key for e in examples] == [f"dagger2_{r}" for r in range(res.rows)]
+    assert len(examples) == res.num_rows and all(e.source == "dagger" and e.depth == 2 for e in examples)
+    assert [e.key for e in examples] == [f"dagger2_{r}" for r in range(res.num_rows)]
     # replay the actions sent: every label is the oracle's action from that state, every prompt the RL one
     env = environments.make("textcraft", max_steps=15)
     obs, history = env.reset(300, 7), []
-    for step, (ex, action) in enumerate(zip(examples, res.actions)):
+    for step, (ex, action) in enumerate(zip(examples, [r.action for r in res.rows])):
         want = env.oracle_action()
-        assert res.labels[step] == want
+        assert res.rows[step].label == want
         assert tok.decode(ex.response_ids) == f"<action>{want}</action><|im_end|>"
         user = build_prompt("textcraft", obs, history, step, history_length=0, show_inventory=True, template=TEMPLATE)
         assert tok.decode(ex.prompt_ids) == chat(tok, user)
         history.append((obs.text, action))
         obs, _, _, _ = env.step(action)
-    assert res.actions[0] == "get 1 dirt" and res.labels[0] != "get 1 dirt"
+    assert res.rows[0].action == "get 1 dirt" and res.rows[0].label != "get 1 dirt"
 
 
 @pytest.fixture(scope="module")
@@ -229,15 +222,13 @@ def dagger_run(tok, pool):
         None,
         ScriptedSampler(tok, script),
         pool,
-        tok,
         [(300, 7), (301, 2)],
         rcfg,
         jax.random.key(0),
-        progress=False,
         labeler=pool.oracle_actions,
     )
     assert [(e.won, e.length) for e in res.episodes] == [(True, res.episodes[0].length), (False, 15)]
-    assert res.stats["truncations"] > 0 and res.rows == res.episodes[0].length + 15
+    assert res.stats.values()["truncations"] > 0 and res.num_rows == res.episodes[0].length + 15
     return rcfg, res
 
 
@@ -250,11 +241,11 @@ def test_dagger_records_encode_to_exactly_the_token_ids_collect_fed_the_sampler(
         Example(
             res.prompt_ids[r][res.prompt_mask[r] == 1].tolist(), encode_response(tok, lab), 2, "dagger", f"dagger3_{r}"
         )
-        for r, lab in enumerate(res.labels)
+        for r, lab in enumerate([r.label for r in res.rows])
     ]
     demos.write_records(dagger_file(tmp_path, 3), dagger_records(res, 3, "textcraft"))
     got = read_dagger_examples(tmp_path, 3, rcfg, tok)
-    assert len(got) == res.rows == 22 and got == want
+    assert len(got) == res.num_rows == 22 and got == want
     assert max(len(demos.history_of(r)) for r in demos.read_records(dagger_file(tmp_path, 3))) == 14
 
 
@@ -275,10 +266,10 @@ def test_dagger_records_hold_the_state_the_history_and_the_oracle_label(dagger_r
             r, label = back[row], env.oracle_action()
             assert (r["game"], r["task_id"], r["seed"], r["turn"], r["depth"]) == ("textcraft", task, seed, turn, 2)
             assert demos.observation_of(r) == obs and demos.history_of(r) == history
-            assert r["action"] == label == res.labels[row] and r["response"] == f"<action>{label}</action>"
+            assert r["action"] == label == res.rows[row].label and r["response"] == f"<action>{label}</action>"
             assert (r["won"], r["oracle"], r["round"], r["row"]) == (won, oracle, 3, row)
-            history.append((obs.text, res.actions[row]))
-            obs = env.step(res.actions[row])[0]
+            history.append((obs.text, res.rows[row].action))
+            obs = env.step(res.rows[row].action)[0]
             row += 1
     assert row == len(back) and history[0][1] == "inventory"  # env 1 sent the fallback
 
@@ -297,18 +288,12 @@ def test_a_finished_round_without_its_records_is_refused_naming_the_old_format(t
 def test_unparsable_responses_count_as_invalid_and_send_the_fallback(tok, pool):
     rcfg = dataclasses.replace(RCFG, max_steps=3)
     res = collect(
-        None,
-        ScriptedSampler(tok, lambda turn, n: ["no tags"] * n),
-        pool,
-        tok,
-        [(300, 1), (301, 2)],
-        rcfg,
-        jax.random.key(0),
-        progress=False,
+        None, ScriptedSampler(tok, lambda turn, n: ["no tags"] * n), pool, [(300, 1), (301, 2)], rcfg, jax.random.key(0)
     )
     assert [e.won for e in res.episodes] == [False, False]
-    assert [e.invalid_count for e in res.episodes] == [3, 3] and set(res.actions) == {"inventory"}
-    assert res.stats["success_rate"] == 0.0 and res.stats["invalid_rate"] == 1.0  # what a DAgger round logs
+    assert [e.invalid_count for e in res.episodes] == [3, 3] and {r.action for r in res.rows} == {"inventory"}
+    stats = res.stats.values()
+    assert stats["success_rate"] == 0.0 and stats["invalid_rate"] == 1.0  # what a DAgger round logs
     assert [e.length for e in res.episodes] == [3, 3]
 
 

@@ -28,7 +28,8 @@ COVERED_ELSEWHERE = {
 
 # The data path, (file, qualified function): at most MAX_LINES lines each, docstring included.
 DATA_PATH = (
-    ("rollout.py", "collect"),
+    ("rollout/__init__.py", "collect"),
+    ("rollout/schedule.py", "run"),
     ("trainer.py", "Trainer.train_iteration"),
     ("ppo.py", "PPOLearner.update"),
     ("sft/loop.py", "_WarmStart.rounds"),

@@ -15,7 +15,8 @@ from bipace_jax import transcripts
 from bipace_jax.estimators import EstimatorConfig, compute_advantages, step_details
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import RolloutConfig, collect
-from bipace_jax.sampling import SampleOutput, SamplerConfig
+from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.sampling import SamplerConfig
 from environments.pool import EnvPool
 from launch.transcripts import show
 
@@ -35,7 +36,7 @@ class OracleSampler:
     def length_bucket(self, t):
         return next(b for b in self.config.length_buckets if b >= t)
 
-    def generate(self, actor, prompts, key):
+    def generate(self, actor, prompts, key, *, temperature=None, row_keys=None, groups=None):
         oracle = self.pool.oracle_actions(list(range(self.n_envs)))
         live = [i for i, a in enumerate(oracle) if a is not None]
         m, b = self.config.max_new_tokens, len(prompts)
@@ -55,7 +56,7 @@ def played():
     tok = load_tokenizer("bipace_jax/data/textcraft_tiny")
     with EnvPool("textcraft", 4, env_options={"max_steps": 6}, num_workers=1) as pool:
         rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=6, max_prompt_length=1024)
-        res = collect(None, OracleSampler(tok, pool, 4, bad={1}), pool, tok, GAMES, rcfg, jax.random.key(0), False)
+        res = collect(None, OracleSampler(tok, pool, 4, bad={1}), pool, GAMES, rcfg, jax.random.key(0))
     cfg = EstimatorConfig(name="bipace_q", gamma=GAMMA, epsilon=0.05)
     adv = res.row_values(compute_advantages(res.steps, cfg)[0])
     labels, kinds = (res.row_values(x).astype(np.int32) for x in step_details(res.steps, cfg))
@@ -70,11 +71,11 @@ def test_written_lines_equal_the_rollout_result(played, tmp_path):
     )
     transcripts.write(str(tmp_path), 3, "rollout", rows)
     back = transcripts.read(str(tmp_path), 3)
-    assert back == json.loads(json.dumps(rows)) and len(back) == res.rows
+    assert back == json.loads(json.dumps(rows)) and len(back) == res.num_rows
     assert transcripts.iterations(str(tmp_path)) == [3]
     steps = res.steps
-    traj, step = np.asarray(steps.traj_id)[: res.rows], np.asarray(steps.step)[: res.rows]
-    net = (np.asarray(steps.reward) - np.asarray(steps.penalty))[: res.rows]
+    traj, step = np.asarray(steps.traj_id)[: res.num_rows], np.asarray(steps.step)[: res.num_rows]
+    net = (np.asarray(steps.reward) - np.asarray(steps.penalty))[: res.num_rows]
     for r, line in enumerate(back):
         ep = res.episodes[line["game"]]
         assert (line["game"], line["turn"]) == (traj[r], step[r])
@@ -82,10 +83,14 @@ def test_written_lines_equal_the_rollout_result(played, tmp_path):
         assert line["episode_return"] == pytest.approx(ep.episode_return) and line["episode_length"] == ep.length
         assert line["advantage"] == pytest.approx(float(adv[r]), abs=1e-6)
         assert line["step_group"] == labels[r] and line["reward"] == pytest.approx(float(net[r]), abs=1e-6)
-        assert (line["response"], line["action"], line["valid"]) == (res.responses[r], res.actions[r], res.valid[r])
+        assert (line["response"], line["action"], line["valid"]) == (
+            res.rows[r].text,
+            res.rows[r].action,
+            res.rows[r].valid,
+        )
         ids = res.prompt_ids[r][res.prompt_mask[r] == 1].astype(np.int32)
         assert line["prompt_hash"] == hashlib.sha256(ids.tobytes()).hexdigest()[:16]
-        assert line["prompt_tokens"] == ids.size and res.observations[r] == line["observation"]
+        assert line["prompt_tokens"] == ids.size and res.rows[r].observation == line["observation"]
         assert (line["prompt"] is not None) == (line["turn"] == 0)
         assert line["pace_kind"] == {-1: "excluded", 1: "loo", 2: "pace"}.get(int(kinds[r]), line["pace_kind"])
     # the oracle games win on their last step (+10) and the return is 10 * gamma^(steps left)

@@ -12,7 +12,7 @@
 
 from bipace_jax.estimators import registry
 from bipace_jax.estimators.batch import StepBatch, assign_ids
-from bipace_jax.estimators.config import EstimatorConfig
+from bipace_jax.estimators.config import ActionKey, EstimatorConfig
 from bipace_jax.estimators.core import compute_advantages, step_details, step_group_labels
 from bipace_jax.estimators.diagnostics import DIAGNOSTIC_KEYS
 from bipace_jax.estimators.epsilon import EpsilonController, calibrate_epsilon
@@ -20,6 +20,7 @@ from bipace_jax.estimators.registry import EstimatorSpec
 from bipace_jax.estimators.similarity import similarity_groups
 
 __all__ = [
+    "ActionKey",
     "DIAGNOSTIC_KEYS",
     "EpsilonController",
     "EstimatorConfig",

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 from bipace_jax.estimators import registry
 
 NORMS = ("mean_std", "mean")
 CENTROIDS = ("mean", "leader")
-KEYS = ("action_tag", "first_tokens")
 PENALTIES = ("in_reward", "own_row")
 EPISODE_STATS = ("trajectory", "rows")
 STEP_NORMS = ("none", "std")
 PACE_FALLBACKS = ("same_key_cluster", "singleton_pool")
+
+
+class ActionKey(enum.StrEnum):
+    """The PACE action key the rollout puts in ``StepBatch.action_key`` (``docs/estimators.md``, "PACE
+    keys"): ``action_tag`` (the response's ``<action>`` text) or ``first_tokens`` (its first 8 token ids)."""
+
+    ACTION_TAG = "action_tag"
+    FIRST_TOKENS = "first_tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +41,7 @@ class EstimatorConfig:
       epsilon: cosine slack of the clustering, join when `cos >= 1 - epsilon - 1e-6`; in [0, 1).
         Only read by the clustering estimators; it is a traced value, so changing it does not recompile.
       centroid: "mean" (re-normalised running sum of members) or "leader" (the cluster's first member).
-      key: the PACE action key the rollout puts in `StepBatch.action_key` ("action_tag" or
+      key: the PACE action key the rollout puts in `StepBatch.action_key` (`ActionKey`: "action_tag" or
         "first_tokens"); carried for the caller, the estimators only read the integer ids.
       capacity: fixed number of clusters per task group (K), or None for the batch's row capacity per
         task group (which never overflows). Rows that would open a cluster beyond it become singletons
@@ -106,7 +114,7 @@ class EstimatorConfig:
         for field, allowed in (
             ("norm", NORMS),
             ("centroid", CENTROIDS),
-            ("key", KEYS),
+            ("key", tuple(map(str, ActionKey))),
             ("penalty", PENALTIES),
             ("episode_stats", EPISODE_STATS),
             ("step_norm", STEP_NORMS),

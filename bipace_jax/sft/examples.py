@@ -9,7 +9,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from etils import epath
 
 from bipace_jax import demos
@@ -107,7 +106,7 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
     """The labelled rows of a ``collect`` (DAgger round ``rnd`` of ``game``) as demonstration records
     (``demos.FIELDS`` + ``round``, ``row``), in row order; rows the oracle has no action for are left out.
 
-    Each record holds the state the row's prompt showed (``res.states[row]``), its history (the earlier
+    Each record holds the state the row's prompt showed (``res.rows[row].state``), its history (the earlier
     rows of its trajectory: observation text and the action sent, as ``collect`` built the prompt), its
     turn, and the oracle's label as ``action``; ``won`` is whether the policy's game was won, ``oracle``
     ``demos.oracle_version(game)``. ``record_example`` of a record gives the row's prompt tokens exactly.
@@ -116,17 +115,16 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
       ValueError: ``res`` has no labels or states (not a labelled ``collect``), or a trajectory's rows are
         not its steps 0, 1, ... in order.
     """
-    if res.labels is None or len(res.states) != res.rows:
+    if not res.labeled or any(row.state is None for row in res.rows):
         raise ValueError("dagger_records needs a RolloutResult of collect(..., labeler=...) with its states")
-    traj, step = np.asarray(res.steps.traj_id)[: res.rows], np.asarray(res.steps.step)[: res.rows]
     oracle, out = demos.oracle_version(game), []
     history: dict[int, list[tuple[str, str]]] = {}
-    for r, label in enumerate(res.labels):
-        t = int(traj[r])
+    for r, row in enumerate(res.rows):
+        t = row.traj
         past = history.setdefault(t, [])
-        if int(step[r]) != len(past):
-            raise ValueError(f"row {r}: trajectory {t} step {int(step[r])} follows {len(past)} earlier rows")
-        if label is not None:
+        if row.step != len(past):
+            raise ValueError(f"row {r}: trajectory {t} step {row.step} follows {len(past)} earlier rows")
+        if row.label is not None:
             ep = res.episodes[t]
             depth = int(ep.task_info.get("depth", 0))
             out.append(
@@ -134,18 +132,18 @@ def dagger_records(res: RolloutResult, rnd: int, game: str) -> list[dict[str, An
                     game,
                     ep.task_id,
                     ep.seed,
-                    step[r],
+                    row.step,
                     depth,
-                    res.states[r],
+                    row.state,
                     past,
-                    label,
+                    row.label,
                     ep.won,
                     oracle,
                     round=rnd,
                     row=r,
                 )
             )
-        past.append((res.observations[r], res.actions[r]))
+        past.append((row.observation, row.action))
     return out
 
 

@@ -24,7 +24,7 @@ from bipace_jax.learner import Learner, make_optimizer
 from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutResult, collect
-from bipace_jax.sampling import Sampler
+from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
 from bipace_jax.sft.batch import batches, make_batch, train_step
 from bipace_jax.sft.examples import (
     Example,
@@ -127,7 +127,7 @@ def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], dict[str
 
 
 class _WarmStart:
-    """The state of one warm-start run: data, learner, samplers, pool, metrics, update count."""
+    """The state of one warm-start run: data, learner, engines, pool, metrics, update count."""
 
     def __init__(self, spec: WarmStartSpec, run_dir: epath.Path, tokenizer, examples, progress: bool):
         self.spec, self.run_dir, self.tokenizer, self.progress = spec, run_dir, tokenizer, progress
@@ -155,24 +155,22 @@ class _WarmStart:
         self.metrics = MetricsLogger(os.fspath(run_dir), start_iteration=start)
         self.example_log = _ExampleLog(run_dir / EXAMPLES_FILE, self.step) if spec.train.log_examples else None
         temps = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
-        self.samplers = {k: Sampler(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
+        self.engines = {k: Engine(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
         self.pool, self.task_info = None, None  # set by ``run``: the games' pool and the game's task_info
 
     def fits(self, e: Example) -> bool:
         return len(e.prompt_ids) + len(e.response_ids) <= self.limit
 
     def play(self, kind: str, pairs, key, label: bool = False) -> RolloutResult:
-        """``rollout.collect`` of one game per (task_id, seed) with sampler ``kind`` (oracle labels on request)."""
+        """``rollout.collect`` of one game per (task_id, seed) with engine ``kind`` (oracle labels on request)."""
         learner, pool = self.learner, self.pool
         labeler = pool.oracle_actions if label else None
-        sampler, rcfg = self.samplers[kind], self.spec.rollout
         return collect(
             learner.actor,
-            sampler,
+            self.engines[kind],
             pool,
-            self.tokenizer,
             pairs,
-            rcfg,
+            self.spec.rollout,
             key,
             progress=self.progress,
             labeler=labeler,
