@@ -2,7 +2,7 @@
 
 ``collect`` plays ``len(games) * group_size`` games in lockstep (one task group per ``(task_id, seed)``). Each turn, for every game still
 running: the game's prompt (``environments.prompts.build_prompt``, wrapped in the tokenizer's chat
-template as the user message) is tokenized; one ``Sampler.generate`` call answers all of them; each
+template as the user message) is tokenized; one ``Engine.generate`` call answers all of them; each
 response is parsed into a command (``parse_action``); invalid responses are charged
 ``invalid_penalty`` and the game receives the fallback action instead (``RolloutConfig.fallback_action``,
 by default the game's ``GameSpec.fallback_action``); the pool steps every game at once. Games end when the game says so, when they reach ``max_steps``, or on an environment error.
@@ -46,8 +46,7 @@ import numpy as np
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
 from bipace_jax.metrics import HostStats
-from bipace_jax.sampling import SampleOutput, Sampler, key_data, truncate_at_stop
-from bipace_jax.slots import SlotSampler
+from bipace_jax.sampling import Engine, SampleOutput, key_data, truncate_at_stop
 from environments.pool import ENV_ERRORS, Fault, StepJob
 from environments.prompts import action_tag, build_prompt, invalid_command, parse_action
 from environments.registry import GameSpec, game_spec
@@ -80,7 +79,7 @@ RESEED_STRIDE = 1_000_003  # retry k of a task group's reset uses seed + k * RES
 
 class Scheduler(enum.StrEnum):
     """How ``collect`` batches the sampler: ``lockstep`` (one ``generate`` per turn over every live game,
-    then one pool step) or ``continuous`` (``slots.SlotSampler``: a finished response goes to its game
+    then one pool step) or ``continuous`` (``Engine.slots``: a finished response goes to its game
     while the other slots keep decoding)."""
 
     LOCKSTEP = "lockstep"
@@ -595,7 +594,7 @@ def _score(texts: list[str], finish: list[str], rcfg: RolloutConfig) -> tuple[li
     return actions, valid, penalised
 
 
-def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, key, labeler) -> float:
+def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, key, labeler, temperature) -> float:
     """Plays one turn of every live game: prompts, one sampler call, parsing, one pool step, the rows.
 
     Returns the sampler call's response tokens per second (for the progress bar).
@@ -608,13 +607,16 @@ def _play_turn(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConf
         row_keys = turn_keys(state.keys[live], [state.episodes[i].length for i in live])
         # a task group's games share their prompt head (the sampler prefills it once if configured to)
         kw = dict(groups=[state.episodes[i].group_id for i in live]) if _takes(sampler, "groups") else {}
+        if temperature is not None:
+            kw["temperature"] = temperature
         out = sampler.generate(actor, prompts, key, row_keys=row_keys, **kw)
     else:
         out = sampler.generate(actor, prompts, key)
     dt_sample = time.perf_counter() - t0
     state.timing["sampling_s"] += dt_sample
-    for k in ("prefill_s", "decode_s"):
-        state.timing[k] += float(getattr(sampler, "last_timing", {}).get(k, 0.0))
+    if out.timing is not None:
+        state.timing["prefill_s"] += out.timing.prefill_s
+        state.timing["decode_s"] += out.timing.decode_s
     state.live = _step_and_book(state, live, prompts, out, labels, sampler, pool, tokenizer, rcfg)
     state.stats["turns"] += 1
     return float(np.asarray(out.lengths).sum()) / max(dt_sample, 1e-9)
@@ -709,8 +711,8 @@ def _step_and_book(state: _Games, live, prompts, out: SampleOutput, labels, samp
     return [i for i, rep, res in zip(live, replies, results) if _book(state, i, rep, res, rcfg, max_new)]
 
 
-def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, labeler) -> None:
-    """Plays every live game to its end on a ``SlotSampler``: a game whose response is done is submitted to
+def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: RolloutConfig, labeler, temperature) -> None:
+    """Plays every live game to its end on ``Engine.slots``: a game whose response is done is submitted to
     the pool (``EnvPool.submit``) and its slot freed while the other slots keep decoding; answered games
     (``EnvPool.poll``) wait for a free slot, where their next prompt goes.
 
@@ -721,10 +723,12 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
     lands in ``decode_s`` (the wait for the chunk queued behind them).
     """
     n_slots = rcfg.num_slots or min(len(state.episodes), sampler.config.batch_buckets[-1])
-    slot_sampler = SlotSampler(sampler, n_slots, rcfg.max_prompt_length, rcfg.chunk_steps)
+    slot_sampler = sampler.slots(
+        actor, n_slots, max_prompt=rcfg.max_prompt_length, chunk=rcfg.chunk_steps, temperature=temperature
+    )
     max_new = int(sampler.config.max_new_tokens)
     t0, env_s0 = time.perf_counter(), state.timing["env_s"]
-    slots = slot_sampler.empty(actor)
+    slots = slot_sampler.empty()
     pending = collections.deque(state.live)  # games waiting for a slot, in order
     prepared: dict[int, list[int]] = {}  # a waiting game's next prompt, tokenized ahead
     slot_env = [-1] * n_slots
@@ -746,7 +750,7 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
             busy_steps += in_flight[1] * slot_sampler.steps_run(in_flight[0])
             state.timing["decode_s"] += time.perf_counter() - t1
             in_flight = None
-        done = np.array(slots.done)  # synced: no chunk is in flight here (a writable copy)
+        done = slot_sampler.done(slots)  # synced: no chunk is in flight here (a writable copy)
         ready = [k for k, e in enumerate(slot_env) if e >= 0 and done[k]]
         finished = None
         if ready:  # read before the next chunk: its call donates ``slots``
@@ -770,17 +774,16 @@ def _play_continuous(state: _Games, actor, sampler, pool, tokenizer, rcfg: Rollo
             keys = turn_keys(state.keys[envs], [state.episodes[i].length for i in envs])
             t1 = time.perf_counter()
             # not waited for: the chunk below queues behind it, the host goes on to the replies
-            slots = slot_sampler.insert(actor, slots, prompts, ids, keys)
+            slots = slot_sampler.insert(slots, prompts, ids, keys)
             state.timing["prefill_s"] += time.perf_counter() - t1
             done[ids] = False  # unknown until the chunk: one ending at its first token makes it run 0 steps
         busy = sum(e >= 0 for e in slot_env)
         if any(e >= 0 and not done[k] for k, e in enumerate(slot_env)):
-            slots, steps = slot_sampler.decode_chunk(actor, slots, False)
+            slots, steps = slot_sampler.decode(slots, False)
             in_flight = (steps, busy)
         if finished is None:
             continue
-        envs, (tokens, lengths, logps, fps) = finished
-        out = SampleOutput(tokens, lengths, logps, fps)
+        envs, out = finished
         prompts, labels = [state.prompts[i] for i in envs], [state.labels[i] for i in envs]
         replies = _replies(out, prompts, labels, sampler, tokenizer, rcfg)
         t1 = time.perf_counter()
@@ -919,7 +922,7 @@ def _kept_rows(state: _Games, game: str) -> list[StepRecord]:
 
 def collect(
     actor,
-    sampler: Sampler,
+    sampler: Engine,
     pool,
     tokenizer,
     games: Sequence[tuple[int, int]],
@@ -928,12 +931,13 @@ def collect(
     progress: bool | str = True,
     labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
     scheduler: str | None = None,
+    temperature: float | None = None,
 ) -> RolloutResult:
     """Plays G rollouts of every task in lockstep and returns the step rows.
 
     Args:
       actor: the current policy, passed to ``sampler.generate`` every turn.
-      sampler: a ``Sampler`` (or any object with ``generate(actor, prompts, key) -> SampleOutput`` and
+      sampler: an ``Engine`` (or any object with ``generate(actor, prompts, key) -> SampleOutput`` and
         ``config``).
       pool: an ``environments.pool.EnvPool`` with at least ``len(games) * group_size`` envs; envs
         ``0 .. n-1`` are used, env ``k * G + g`` plays rollout g of task group k. Lockstep calls its
@@ -950,7 +954,9 @@ def collect(
         for the state its prompt shows (DAgger: ``pool.oracle_actions``). Kept in ``RolloutResult.labels``.
       scheduler: ``"lockstep"`` or ``"continuous"`` (``Scheduler``); None takes ``rcfg.scheduler``. Both
         give the same ``RolloutResult`` (timing aside) for the same keys; continuous needs a real
-        ``Sampler`` (no mesh) and adds ``timing["decode_steps"]`` and ``stats["slot_use"]``.
+        ``Engine`` and adds ``timing["decode_steps"]`` and ``stats["slot_use"]``.
+      temperature: the sampling temperature of this collect (``Engine.generate``'s per-call argument);
+        None takes the engine's ``config.temperature``.
 
     Returns:
       ``RolloutResult`` (see its docstring).
@@ -970,12 +976,14 @@ def collect(
         raise ValueError("collect: scheduler='continuous' needs a pool with submit/poll (environments.pool.EnvPool)")
     state, reset_faults = _new_games(pool, rcfg, games, key)
     if scheduler == Scheduler.CONTINUOUS and state.live:
-        _play_continuous(state, actor, sampler, pool, tokenizer, rcfg, labeler)
-    _play_lockstep(state, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress)
+        _play_continuous(state, actor, sampler, pool, tokenizer, rcfg, labeler, temperature)
+    _play_lockstep(state, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress, temperature)
     return _result(state, sampler, tokenizer, len(games), rcfg, reset_faults, t_start, labeled=labeler is not None)
 
 
-def _play_lockstep(state: _Games, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress: bool | str) -> None:
+def _play_lockstep(
+    state: _Games, actor, sampler, pool, tokenizer, rcfg, key, labeler, progress: bool | str, temperature=None
+) -> None:
     """Every live game one turn per sampler call until none is left or ``rcfg.max_steps`` turns."""
     bar = None
     if progress and state.live:
@@ -987,7 +995,9 @@ def _play_lockstep(state: _Games, actor, sampler, pool, tokenizer, rcfg, key, la
         for turn in range(rcfg.max_steps):
             if not state.live:
                 break
-            tok_s = _play_turn(state, actor, sampler, pool, tokenizer, rcfg, jax.random.fold_in(key, turn), labeler)
+            tok_s = _play_turn(
+                state, actor, sampler, pool, tokenizer, rcfg, jax.random.fold_in(key, turn), labeler, temperature
+            )
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(live=len(state.live), tok_s=f"{tok_s:.0f}")

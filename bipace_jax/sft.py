@@ -54,7 +54,7 @@ from bipace_jax.learner import Learner, shard_rows, step_specs
 from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import Qwen2Actor, load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutConfig, RolloutResult, collect, encode_prompt
-from bipace_jax.sampling import Sampler, SamplerConfig
+from bipace_jax.sampling import Engine, SamplerConfig
 from bipace_jax.sharding import make_mesh
 from bipace_jax.tiny import ACTION_RESPONSE, oracle_steps, tiny_actor_config, warm_start_tokenizer
 from environments.pool import EnvPool
@@ -658,7 +658,7 @@ def _task_sets(spec: WarmStartSpec, env) -> tuple[list[int], list[int], list[tup
 
 
 class _WarmStart:
-    """The state of one warm-start run: data, learner, samplers, pool, metrics, update count."""
+    """The state of one warm-start run: data, learner, sampling engines, pool, metrics, update count."""
 
     def __init__(self, spec: WarmStartSpec, run_dir: epath.Path, tokenizer, examples, progress: bool):
         self.spec, self.run_dir, self.tokenizer, self.progress = spec, run_dir, tokenizer, progress
@@ -682,8 +682,9 @@ class _WarmStart:
         start = self.step + 1 if restored is not None else 0
         self.metrics = MetricsLogger(os.fspath(run_dir), start_iteration=start)
         self.example_log = _ExampleLog(run_dir / EXAMPLES_FILE, self.step) if spec.train.log_examples else None
-        temps = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
-        self.samplers = {k: Sampler(tokenizer, spec.sampler_at(t)) for k, t in temps.items()}
+        self.temperatures = {"dagger": spec.dagger.temperature, "val": spec.val.temperature, "greedy": 0.0}
+        # one engine samples at every temperature (a per-call argument); greedy is a compile-time setting
+        self.engines = {greedy: Engine(tokenizer, spec.sampler_at(0.0 if greedy else 1.0)) for greedy in (False, True)}
         self.pool = None
 
     def fits(self, e: Example) -> bool:
@@ -693,17 +694,18 @@ class _WarmStart:
         """``rollout.collect`` of one game per (task_id, seed) with sampler ``kind`` (oracle labels on request)."""
         learner, pool = self.learner, self.pool
         labeler = pool.oracle_actions if label else None
-        sampler, rcfg = self.samplers[kind], self.spec.rollout
+        temperature = self.temperatures[kind]
         return collect(
             learner.actor,
-            sampler,
+            self.engines[temperature == 0],
             pool,
             self.tokenizer,
             pairs,
-            rcfg,
+            self.spec.rollout,
             key,
             progress=self.progress,
             labeler=labeler,
+            temperature=temperature or None,
         )
 
     def save(self, rnd: int, key, data_stream: dict[str, Any] | None = None) -> None:

@@ -45,7 +45,7 @@ from bipace_jax.metrics import HostStats, MetricsLogger, StageTimer, make_plots,
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
-from bipace_jax.sampling import Sampler
+from bipace_jax.sampling import Engine
 from bipace_jax.tiny import build_game_tokenizer
 
 log = logging.getLogger(__name__)
@@ -167,17 +167,15 @@ class Trainer:
 
     def _start_rollout(self) -> None:
         """The env pools (``validation.start_pools``: one for training and the panels of the training
-        game, one per other panel game) and a sampler per temperature, with the checkpoint's and
-        tokenizer's stop ids."""
+        game, one per other panel game) and one sampling engine (validation passes its temperature per
+        call), with the checkpoint's and tokenizer's stop ids."""
         s = self.spec
         self.groups_per_host = s.num_groups // self.num_hosts
         train_games = self.groups_per_host * s.rollout.group_size
         self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)
-        vcfg = dataclasses.replace(s.val_sampler, eos_token_ids=eos)
-        self.sampler = Sampler(self.tokenizer, scfg, mesh=self.local_mesh)
-        self.val_sampler = Sampler(self.tokenizer, vcfg, mesh=self.local_mesh)
+        self.sampler = Engine(self.tokenizer, scfg, mesh=self.local_mesh)
         self.rollout_cfg, self.val_rollout_cfg = s.rollout, s.val_rollout
 
     def _load_tokenizer(self):
@@ -193,7 +191,7 @@ class Trainer:
         with runfolder.staged(path) as local:
             return build_game_tokenizer(self.spec.config, local)
 
-    def _play(self, sampler: Sampler, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None, label="rollout"):
+    def _play(self, sampler: Engine, rcfg, games: list[tuple[int, int]], key: jax.Array, pool=None, label="rollout"):
         """``rollout.collect`` of one task group per (task_id, game_seed) pair (on the training pool by
         default); ``label`` names the phase in the progress bar."""
         progress = (self.spec.log.progress and self.is_primary) and f"{label} {self.spec.env.name}"
@@ -357,7 +355,7 @@ class Trainer:
         ``val/tasks``) that no purchase can win, so the success rate reads against its ceiling.
         """
         progress = self.spec.log.progress and self.is_primary
-        args = (self.actor, self.val_sampler, self.val_pools, self.tokenizer, self.spec, self.panels)
+        args = (self.actor, self.sampler, self.val_pools, self.tokenizer, self.spec, self.panels)
         rec, results = validation.validate(*args, progress=progress, on_panel=self._phase)
         if self.spec.log.transcripts_every:
             for name, res in results.items():

@@ -170,10 +170,11 @@ def _per_task(res: RolloutResult | None, mine: list[int], num_tasks: int, group_
 def validate(
     actor, sampler, pools: dict, tokenizer, spec, panels: Panels, *, progress: bool = False, on_panel=None
 ) -> tuple[dict[str, Any], dict[str, RolloutResult | None]]:
-    """Play every non-empty panel at ``val.temperature`` (``sampler``) on its pool.
+    """Play every non-empty panel at ``val.temperature`` (``spec.val_sampler.temperature``, passed to
+    ``sampler`` per call) on its pool.
 
     Args:
-      actor, sampler, tokenizer: the policy and the validation sampler (``RunSpec.val_sampler``).
+      actor, sampler, tokenizer: the policy and the run's sampling engine (``sampling.Engine``).
       pools: panel name -> ``EnvPool`` (``start_pools``).
       progress: tqdm bars over turns (labelled "validation seen" / "validation held-out").
       on_panel: optional ``on_panel(label)`` called before each panel plays (the trainer's phase display).
@@ -197,7 +198,8 @@ def validate(
                 on_panel(_LABELS[name])
             label = progress and f"{_LABELS[name]} {spec.env.name}"
             games = [panel[i] for i in mine]
-            res = collect(actor, sampler, pools[name], tokenizer, games, spec.val_rollout, panel_key(spec, name), label)
+            key, temp = panel_key(spec, name), spec.val_sampler.temperature
+            res = collect(actor, sampler, pools[name], tokenizer, games, spec.val_rollout, key, label, temperature=temp)
         results[name] = res
         per_task = _per_task(res, mine, len(panel), G)
         out.update(panel_record(spec, name, panels, {k: distributed.allgather(a).sum(0) for k, a in per_task.items()}))

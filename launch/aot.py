@@ -7,7 +7,7 @@
 No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
 every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
 each program is the library's own ``ProgramSpec`` (``learner.step_specs``, ``ppo.logprobs_spec``,
-``sampling.prefill_spec`` / ``decode_spec``: the objects the trainer runs), and
+``sampling.abstract_programs``: the objects the sampling engine runs), and
 ``spec.lower().compile()`` runs the target's own compiler. A TPU topology
 (``v5e:4x4``, ``v5e:8x8``, ``v5p:2x2x4``, ``v4:2x2x4``, ``v6e:4x4``, ...) needs libtpu
 (``pip install -e ".[tpu]"``), not a TPU: ``jax.experimental.topologies`` describes the slice on any
@@ -18,7 +18,7 @@ Programs (the ones a run compiles, at their largest shapes):
   ppo_apply  the optimizer update (fp32 master weights and AdamW moments)
   logprobs   the old / reference log-prob pass of a micro-batch (host-local parameter copy)
   prefill    the sampler's prefill and first token, largest batch and prompt bucket
-  decode     the sampler's decode loop over ``sampler.max_new_tokens`` from that cache
+  decode     the sampler's decode loop over ``sampler.max_new_tokens`` from that prefilled state
   val_prefill, val_decode   the same at the validation batch each host really plays
              (ceil(panel x val.group_size / hosts), bucketed; ``same_as`` when it is the rollout's)
   estimator  the advantage estimator at the rollout's row capacity (one device per host)
@@ -31,10 +31,10 @@ The warm start's step (behaviour cloning on demonstrations, ``sft.sft_step_specs
   sft_grad   the micro-batch gradient (forward, response-token NLL, backward)
   sft_apply  the optimizer update
 
-The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``slots.SlotSampler``) on
+The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``sampling.Engine.slots``) on
 request only (``--programs=insert_1,insert,decode_chunk``), on the host's sampler mesh with the slot state
 (NS = ``rollout.num_slots`` or the host's games capped at the largest batch bucket, rounded up to the
-mesh's batch shards; S = T_max + M) sharded by ``slots.slot_shardings`` and donated; the report is
+mesh's batch shards; S = T_max + M) sharded by ``sampling.state.state_shardings`` and donated; the report is
 ``<config>__<topology>__slots.json``:
   insert_1   one prompt prefilled (padded to its batch bucket) at T_max and written into its slot
   insert     every slot's prompt at once (the first turn), same T_max
@@ -78,7 +78,7 @@ from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
 
-from bipace_jax import build, learner, ppo, sampling, sft, sharding, slots, step_time
+from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
 from bipace_jax import config as config_lib
 from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.estimators import StepBatch
@@ -109,7 +109,7 @@ PROGRAMS = (
 )
 #: The warm start's programs: compiled only when ``--programs`` names them.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
-#: The continuous scheduler's slot programs (``slots.insert_spec`` / ``decode_chunk_spec``): on request only.
+#: The continuous scheduler's slot programs (the engine's ``insert`` and ``decode`` chunk): on request only.
 SLOT_PROGRAMS = ("insert_1", "insert", "decode_chunk")
 GiB = 1 << 30
 # HBM per chip by `device_kind` substring (Cloud TPU data sheets); first match wins.
@@ -221,37 +221,25 @@ def _stats(compiled, compile_s: float, other_resident: int) -> dict:
     )
 
 
-def _slot_programs(c, report, run, programs, local_mesh, graphdef, state, static, table, num_eos, games, other) -> None:
-    """Compiles the slot programs (`SLOT_PROGRAMS`) on the host's sampler mesh into ``report``."""
+def _slot_programs(c, report, run, programs, local_mesh, sampler_specs, games, other) -> None:
+    """Compiles the slot programs (`SLOT_PROGRAMS`) on the host's sampler mesh into ``report``;
+    ``sampler_specs(**sizes)``: the engine's ``sampling.abstract_programs`` at this run's shapes."""
     s_cfg = build.sampler_config(c)
     dp_local = local_mesh.shape["data"] * local_mesh.shape["fsdp"]
     n_slots = c.rollout.num_slots or min(games, s_cfg.batch_buckets[-1])  # as `rollout._play_continuous`
-    rows = -(-n_slots // dp_local) * dp_local  # as `SlotSampler.rows`
-    abs_slots = slots.abstract_slots(graphdef, state, static, rows, table[0], local_mesh)
-    rep = jax.sharding.NamedSharding(local_mesh, P())
-    consts = (
-        jax.ShapeDtypeStruct(table, jnp.int32, sharding=rep),
-        jax.ShapeDtypeStruct((table[0],), jnp.int32, sharding=rep),
-        jax.ShapeDtypeStruct((num_eos,), jnp.int32, sharding=rep),
-    )
-    t_max = static.cache_length - static.max_new_tokens
-    state_bytes = _bytes_per_chip(abs_slots)
+    rows = -(-n_slots // dp_local) * dp_local  # as `SlotHandle.num_slots`
     one, every = _bucket(1, s_cfg.batch_buckets, dp_local), _bucket(n_slots, s_cfg.batch_buckets, dp_local)
+    engine = sampler_specs(slots=rows, insert_rows=sorted({one, every}), chunk=c.rollout.chunk_steps)
+    specs = dict(
+        insert_1=engine[f"insert_{one}"], insert=engine[f"insert_{every}"], decode_chunk=engine["decode_chunk"]
+    )
+    abs_slots = specs["decode_chunk"].args[3]  # the donated slot state
+    state_bytes = _bytes_per_chip(abs_slots)
+    columns = report["shapes"]["prompt_tokens"] + report["shapes"]["response_tokens"]
     report["shapes"].update(
-        slots=rows, slot_cache_columns=static.cache_length, chunk_steps=c.rollout.chunk_steps,
+        slots=rows, slot_cache_columns=columns, chunk_steps=c.rollout.chunk_steps,
         insert_1_batch=one, insert_batch=every, slot_state_bytes_per_chip=state_bytes,
     )  # fmt: skip
-    specs = dict(
-        insert_1=slots.insert_spec(
-            graphdef, state, static, abs_slots, batch=one, prompt_len=t_max, consts=consts, mesh=local_mesh
-        ),
-        insert=slots.insert_spec(
-            graphdef, state, static, abs_slots, batch=every, prompt_len=t_max, consts=consts, mesh=local_mesh
-        ),
-        decode_chunk=slots.decode_chunk_spec(
-            graphdef, state, static, abs_slots, chunk=c.rollout.chunk_steps, consts=consts, mesh=local_mesh
-        ),
-    )
     for name, spec in specs.items():
         if name == "insert" and name in programs and every == one and "insert_1" in report["programs"]:
             report["programs"]["insert"] = dict(report["programs"]["insert_1"], same_as="insert_1")  # one program
@@ -370,15 +358,10 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
         print(f"  compiled {name} in {report['programs'][name]['compile_s']} s", flush=True)
         return compiled
 
-    def sampler_programs(pre: ProgramSpec, prefill: str, decode: str) -> None:
-        """Compile a prefill spec and the decode loop that continues from its outputs."""
-        compiled = run(prefill, local_mesh, pre, other=host_other)
-        if decode in programs:
-            with jax.set_mesh(local_mesh):
-                lowered = pre.lower()
-                compiled = compiled or lowered.compile()
-            first = abstract(lowered.out_info, compiled.output_shardings)
-            run(decode, local_mesh, sampling.decode_spec(pre, first), other=host_other)
+    def sampler_programs(specs: dict[str, ProgramSpec], prefill: str, decode: str) -> None:
+        """Compile the engine's lockstep prefill and its decode-until-done over the prefilled state."""
+        run(prefill, local_mesh, specs["prefill"], other=host_other)
+        run(decode, local_mesh, specs["decode"], other=host_other)
 
     # The library's own program specs at the run's largest shapes: what compiles here is what runs.
     objective = ppo.PPOObjective(
@@ -399,16 +382,16 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
     lmb = abstract_micro_batch(local_mesh, lrows, prompt, response, logprobs=False)
     run("logprobs", local_mesh, ppo.logprobs_spec(graphdef, objective, local_params, rest, lmb), other=host_other)
 
-    static = sampling.StaticSettings.of(s, prompt, pad_id=0, support=cfg.vocab_size)
-    q = max([len(x.encode("utf-8")) for x in s.stop_strings], default=1)
     gdef_s, state_s = nnx.split(actor)  # the sampler merges the whole actor from one state
     state_s = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), state_s)
     state = abstract(state_s, sharding.param_shardings(state_s, local_mesh))
-    table = (len(s.stop_strings), q, cfg.vocab_size)
-    pre = sampling.prefill_spec(
-        gdef_s, state, static, local_mesh, batch=batch, stop_table_shape=table, num_eos=len(cfg.eos_token_ids)
-    )
-    sampler_programs(pre, "prefill", "decode")
+
+    def sampler_specs(**sizes) -> dict[str, ProgramSpec]:  # the engine's programs at this run's shapes
+        return sampling.abstract_programs(
+            s, gdef_s, state, vocab=cfg.vocab_size, prompt_len=prompt, mesh=local_mesh, **sizes
+        )
+
+    sampler_programs(sampler_specs(batch=batch), "prefill", "decode")
     # Validation: each panel is one sampler call per turn over the rows this host plays, as the trainer
     # sizes them (ceil(panel x val.group_size / hosts)), bucketed like the rollout's
     val_batch = _bucket(val_rows, s.batch_buckets, dp_local)
@@ -418,15 +401,11 @@ def compile_all(c, devices, local, programs=PROGRAMS) -> dict:
             if same in report["programs"] and name in programs:
                 report["programs"][name] = dict(report["programs"][same], same_as=same)
     elif val_rows:
-        vpre = sampling.prefill_spec(
-            gdef_s, state, static, local_mesh, batch=val_batch, stop_table_shape=table, num_eos=len(cfg.eos_token_ids)
-        )
-        sampler_programs(vpre, "val_prefill", "val_decode")
+        sampler_programs(sampler_specs(batch=val_batch), "val_prefill", "val_decode")
 
     if set(SLOT_PROGRAMS) & set(programs):
         # the trainer's long-lived arrays stay resident during a rollout, as for prefill / decode
-        slot_args = (gdef_s, state, static, table, len(cfg.eos_token_ids), games, host_other)
-        _slot_programs(c, report, run, programs, local_mesh, *slot_args)
+        _slot_programs(c, report, run, programs, local_mesh, sampler_specs, games, host_other)
         if devices[0].platform != "cpu":
             report["slot_step_time"] = _slot_step_time(c, report, cfg, devices, len(hosts), local_mesh)
 

@@ -38,7 +38,7 @@ flags.DEFINE_string("out", "benchmarks/rollout.json", "result file (its cpu_defa
 
 def main(_):
     from bipace_jax import tasks
-    from bipace_jax.sampling import Sampler
+    from bipace_jax.sampling import Engine
     from bipace_jax.trainer import Trainer
     from configs import textcraft_tiny
 
@@ -51,9 +51,9 @@ def main(_):
         scfg = trainer.sampler.config
         shared_tokens = scfg.shared_head_tokens or 64
         samplers = {
-            "lockstep_plain": Sampler(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
-            "lockstep_shared": Sampler(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=shared_tokens)),
-            "continuous": Sampler(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
+            "lockstep_plain": Engine(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
+            "lockstep_shared": Engine(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=shared_tokens)),
+            "continuous": Engine(trainer.tokenizer, dataclasses.replace(scfg, shared_head_tokens=0)),
         }
         groups = [
             tasks.train_task(trainer.train_ids, spec.seed, FLAGS.first_group + i)

@@ -86,7 +86,7 @@ def _policy(spec):
 
     from bipace_jax import build, distributed, sharding
     from bipace_jax import config as config_lib
-    from bipace_jax.sampling import Sampler
+    from bipace_jax.sampling import Engine
 
     c = spec.config
     layout = config_lib.process_layout(c, 1, jax.device_count(), jax.local_device_count())
@@ -96,7 +96,7 @@ def _policy(spec):
     model = dataclasses.replace(spec.model, param_dtype=spec.model.dtype)
     actor = build.build_actor(model, tokenizer, local, seed=spec.seed)
     eos = build.stop_token_ids(actor.config.eos_token_ids, tokenizer, spec.model.checkpoint) or None
-    sampler = Sampler(tokenizer, dataclasses.replace(spec.val_sampler, eos_token_ids=eos), mesh=local)
+    sampler = Engine(tokenizer, dataclasses.replace(spec.val_sampler, eos_token_ids=eos), mesh=local)
     return actor, sampler, tokenizer
 
 

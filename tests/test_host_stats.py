@@ -86,7 +86,7 @@ RUN_SCRIPT = textwrap.dedent(r"""
         distributed.initialize(coord, nproc, pid)
     import configs.textcraft_tiny
     from bipace_jax import metric_keys
-    from bipace_jax.sampling import Sampler
+    from bipace_jax.sampling import Engine
     from bipace_jax.trainer import Trainer
 
     c = configs.textcraft_tiny.get_config()
@@ -102,9 +102,7 @@ RUN_SCRIPT = textwrap.dedent(r"""
     c.log.progress = False
     tr = Trainer(c, workdir)
     # greedy: every host plays exactly the games one process plays (the sampling keys differ per host)
-    for name in ("sampler", "val_sampler"):
-        s = getattr(tr, name)
-        setattr(tr, name, Sampler(tr.tokenizer, dataclasses.replace(s.config, greedy=True), mesh=tr.local_mesh))
+    tr.sampler = Engine(tr.tokenizer, dataclasses.replace(tr.sampler.config, greedy=True), mesh=tr.local_mesh)
     rec = {metric_keys.before(k): v for k, v in tr.validate().items()}
     rec.update(tr.train_iteration())
     tr.close()

@@ -21,7 +21,7 @@ from bipace_jax.rollout import (
     game_keys,
     turn_keys,
 )
-from bipace_jax.sampling import SampleOutput, Sampler, SamplerConfig
+from bipace_jax.sampling import Engine, SampleOutput, SamplerConfig
 from environments.base import Observation
 from environments.pool import EnvPool, Fault
 from environments.prompts import action_tag, build_prompt
@@ -249,7 +249,7 @@ def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
 def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
     res = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, jax.random.key(1), progress=True)
     n = res.stats["rows"]
@@ -294,7 +294,7 @@ def test_game_keys_depend_on_the_game_only():
 @pytest.mark.slow
 def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    sampler = Sampler(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
+    sampler = Engine(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
     key = jax.random.key(5)
     both = collect(actor, sampler, pool, tokenizer, GAMES, rcfg, key, progress=False)
@@ -330,7 +330,7 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
     scfg = SamplerConfig(
         max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=greedy, eos_token_ids=eos
     )
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
     rcfg = RolloutConfig(
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
@@ -350,14 +350,14 @@ def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tokenizer), 5))
     base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
-    plain = Sampler(tokenizer, SamplerConfig(**base))
-    shared = Sampler(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
+    plain = Engine(tokenizer, SamplerConfig(**base))
+    shared = Engine(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
     calls = []
     generate = shared.generate
 
     def spy(actor, prompts, key, row_keys=None, groups=None):  # the groups it is given, what it prefilled
         out = generate(actor, prompts, key, row_keys=row_keys, groups=groups)
-        calls.append((list(groups), shared.last_timing["prefill_tokens"], shared.last_timing["prompt_tokens"]))
+        calls.append((list(groups), out.timing.prefill_tokens, out.timing.prompt_tokens))
         return out
 
     shared.generate = spy
@@ -407,7 +407,7 @@ class _SlowRecordingPool:
 def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulting_game(tokenizer, monkeypatch):
     import functools
 
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import SlotHandle
     from environments.testing import UnscorableEnv
 
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
@@ -415,18 +415,18 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     scfg = SamplerConfig(
         max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=False, eos_token_ids=eos
     )
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
     events = []
-    chunk = SlotSampler.decode_chunk
+    chunk = SlotHandle.decode
 
     def logged_chunk(self, *a):
         events.append(("chunk", None))
         return chunk(self, *a)
 
-    monkeypatch.setattr(SlotSampler, "decode_chunk", logged_chunk)
+    monkeypatch.setattr(SlotHandle, "decode", logged_chunk)
     factory = functools.partial(UnscorableEnv, "textcraft", task_id=12)  # task group 1's steps score NaN
     key = jax.random.key(2)
     with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=2, timeout_s=20.0) as pool:
@@ -559,7 +559,7 @@ def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tokenizer), 5))
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(1024,), greedy=True, eos_token_ids=eos)
-    sampler = Sampler(tokenizer, scfg)
+    sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from bipace_jax.sampling import (
-    SampleOutput,
     Engine,
+    SampleOutput,
     SamplerConfig,
     filter_logits,
     first_argmax,

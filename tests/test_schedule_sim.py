@@ -274,8 +274,7 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
 
     from bipace_jax.models import Qwen2Actor
     from bipace_jax.rollout import RolloutConfig, collect
-    from bipace_jax.sampling import Sampler, SamplerConfig
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import Engine, SamplerConfig, SlotHandle
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer
 
     corpus = [f"Crafting commands: craft {k} oak planks using 1 oak log. Goal: craft item {k}." for k in range(30)]
@@ -283,18 +282,18 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
     actor = Qwen2Actor(tiny_actor_config(len(tok), eos_token_id=None), rngs=nnx.Rngs(0))
     eos = tuple(range(3, len(tok), 4))  # every 4th id ends a response: lengths of 1 to 12 tokens
     scfg = SamplerConfig(max_new_tokens=12, length_buckets=(1024,), batch_buckets=(4,), eos_token_ids=eos)
-    sampler = Sampler(tok, scfg)
+    sampler = Engine(tok, scfg)
     rcfg = RolloutConfig(
         game="textcraft", group_size=8, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
     inserts = []
-    real_insert = SlotSampler.insert
+    real_insert = SlotHandle.insert
 
-    def counted(self, actor, slots, prompts, slot_ids, row_keys):
+    def counted(self, slots, prompts, slot_ids, row_keys):
         inserts.append(len(prompts))
-        return real_insert(self, actor, slots, prompts, slot_ids, row_keys)
+        return real_insert(self, slots, prompts, slot_ids, row_keys)
 
-    monkeypatch.setattr(SlotSampler, "insert", counted)
+    monkeypatch.setattr(SlotHandle, "insert", counted)
     res = collect(
         actor,
         sampler,

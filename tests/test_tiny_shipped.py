@@ -66,7 +66,7 @@ def test_shipped_warm_start_still_solves_validation_games():
     from bipace_jax.config import resolve_template, system_prompt_of
     from bipace_jax.models import load_hf_checkpoint, load_tokenizer
     from bipace_jax.rollout import RolloutConfig, collect
-    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.sampling import Engine, SamplerConfig
     from bipace_jax.sft import summarize
     from configs import textcraft_tasks as tasks
     from environments.pool import EnvPool
@@ -77,7 +77,7 @@ def test_shipped_warm_start_still_solves_validation_games():
     tok = load_tokenizer(os.path.join(SHIPPED, "tokenizer"))
     train_ids, held = tasks.split(environments.make(tasks.GAME, max_steps=tasks.MAX_STEPS))
     panel = tasks.validation_panel(train_ids, held)[:NUM_GAMES]
-    sampler = Sampler(
+    sampler = Engine(
         tok,
         SamplerConfig(max_new_tokens=32, greedy=True, batch_buckets=(NUM_GAMES,), length_buckets=(224, 288, 384, 448)),
     )

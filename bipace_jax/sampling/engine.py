@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax.buckets import Buckets
-from bipace_jax.programs import ProgramSpec, abstract
+from bipace_jax.programs import ProgramSpec
 from bipace_jax.sampling import heads as heads_lib
 from bipace_jax.sampling import programs
 from bipace_jax.sampling.config import SamplerConfig
