@@ -2,7 +2,7 @@
 
 Deterministic: the response lengths come from a seeded NumPy generator (or are given), and time
 advances only by the unit costs of `SimConfig`. The event order copies the host loops of
-``rollout._play_lockstep`` and ``rollout._play_continuous`` (with ``slots.SlotSampler``):
+``rollout._play_lockstep`` and ``rollout._play_continuous`` (with ``sampling.Engine.slots``):
 
 * **lockstep**, per turn: one prefill over the live games (``prefill_s(rows, prompt_tokens)``), then
   ``max(L) - 1`` decode steps (the first token comes from the prefill, and the loop runs until the
