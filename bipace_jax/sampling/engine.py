@@ -228,7 +228,8 @@ class Engine:
         self.row_shards = int(np.prod([mesh.shape[a] for a in self.batch_axes])) if mesh is not None else 1
         self._batch_buckets = Buckets(config.batch_buckets, "SamplerConfig.batch_buckets")
         self._device_consts: dict[int, DecodeConsts] = {}
-        self._specs: dict[tuple, ProgramSpec] = {}
+        #: the program specs built so far (each once), by (program, graphdef, static settings, shapes...)
+        self.specs: dict[tuple, ProgramSpec] = {}
 
     # -- sizes ------------------------------------------------------------------------------------
     def batch_bucket(self, n: int) -> int:
@@ -361,9 +362,9 @@ class Engine:
 
     def spec(self, key: tuple, build: Callable[[], ProgramSpec]) -> ProgramSpec:
         """The program spec cached under ``key`` (its program and shapes), built once by ``build``."""
-        if key not in self._specs:
-            self._specs[key] = build()
-        return self._specs[key]
+        if key not in self.specs:
+            self.specs[key] = build()
+        return self.specs[key]
 
     def placed(self):
         """The engine's mesh as the current mesh (the models' sharding constraints read it), if any."""

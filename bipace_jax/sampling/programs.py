@@ -44,8 +44,10 @@ from bipace_jax.sampling.state import (
 )
 
 __all__ = [
+    "abstract_consts",
     "abstract_empty",
     "abstract_prefilled",
+    "abstract_prompts",
     "decode",
     "decode_spec",
     "empty_state",
