@@ -1,5 +1,5 @@
 """`sampling.Engine`'s surface: temperature per call (one compiled program for every value), timing on the
-output, and `abstract_programs` giving the specs that run (the slot programs included)."""
+output, and `abstract_programs` giving the specs that run (the slot programs included, donated, sort-free)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_timing_comes_back_on_the_output_with_its_token_counts():
 def test_abstract_programs_are_the_specs_the_engine_runs():
     tok = small_tokenizer()
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(0))
-    engine = Engine(tok, _cfg(stop_strings=("</action>",)))
+    engine = Engine(tok, _cfg(stop_strings=("</action>",), top_k=20, top_p=0.9))
     graphdef, params = nnx.split(actor)
     specs = engine.abstract_programs(
         graphdef, abstract(params), vocab=len(tok), prompt_len=16, batch=8, slots=3, insert_rows=(1, 4), chunk=2
@@ -90,7 +90,9 @@ def test_abstract_programs_are_the_specs_the_engine_runs():
         shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(ran[name].args[2:]) if hasattr(x, "dtype")]
         assert shapes == [(x.shape, x.dtype) for x in jax.tree.leaves(got.args[2:]) if hasattr(x, "dtype")], name
     assert specs["decode_chunk"].args[6:] == (2, True) and specs["decode"].args[6:] == (8, False)
-    # and the abstract specs compile: the slot state is donated (aliased to the output) in both slot programs
+    # and the abstract specs compile: the slot state is donated (aliased to the output) in both slot
+    # programs, and no decode step sorts the vocabulary (top-k / top-p thresholds are bisected)
     for name in ("insert_1", "decode_chunk"):
         compiled = specs[name].lower().compile()
         assert compiled.memory_analysis().alias_size_in_bytes > 0, name
+        assert " sort(" not in compiled.as_text(), name
