@@ -14,7 +14,7 @@ each with the resident arrays it does not take as arguments. Every size comes fr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from bipace_jax import build, learner, ppo, sampling, sft, sharding, slots, step_time
+from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
 from bipace_jax.batch import abstract_micro_batch
 from bipace_jax.config import OldLogprobs
 from bipace_jax.estimators import StepBatch
@@ -62,7 +62,7 @@ PROGRAMS = (
 )
 #: The warm start's programs (``sft.sft_step_specs``): on request only.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
-#: The continuous scheduler's slot programs (``slots.insert_spec`` / ``decode_chunk_spec``): on request only.
+#: The continuous scheduler's slot programs (the engine's ``insert`` and ``decode`` chunk): on request only.
 SLOT_PROGRAMS = ("insert_1", "insert", "decode_chunk")
 
 
@@ -80,11 +80,8 @@ class Program:
     Attributes:
       name: its name in the report (`PROGRAMS`, `SFT_PROGRAMS`, `SLOT_PROGRAMS`).
       mesh: the mesh it is compiled under (the training mesh or a host's sampler mesh).
-      spec: the program; None when it is built from another's compiled outputs (``after``).
+      spec: the program (None for one reported ``same_as`` another).
       other: keys of ``AbstractRun.resident`` that stay resident beside it (not its arguments).
-      after, build: the decode loop continues from a prefill's outputs: ``build(prefill_spec, lowered,
-        compiled)`` gives its spec once program ``after`` is compiled (compiled, unreported, when only
-        this one is asked for).
       same_as: the same program at the same shapes as that one: reported as it, not compiled again,
         when that one was compiled (else compiled from ``spec``; without one, left out).
       slot_state_bytes: a slot program's chip share of the donated slot state (0: not a slot program).
@@ -94,8 +91,6 @@ class Program:
     mesh: Any
     spec: ProgramSpec | None = None
     other: tuple[str, ...] = ()
-    after: str = ""
-    build: Callable[..., ProgramSpec] | None = None
     same_as: str = ""
     slot_state_bytes: int = 0
 
@@ -219,61 +214,47 @@ def engine_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Progra
     """The sampler's programs of ``names`` (prefill / decode at the rollout's batch, at the validation
     batch, and the slot programs) on the host's sampler mesh, with the slot shapes for the report.
 
-    The one place that calls the sampling engine's program specs (``sampling.prefill_spec`` /
-    ``decode_spec``, ``slots.abstract_slots`` / ``insert_spec`` / ``decode_chunk_spec``).
+    The one place that asks the sampling engine for its programs (``sampling.abstract_programs``: the
+    specs ``Engine.generate`` and ``SlotHandle`` run).
     """
     p, arch, mesh = run.plan, run.arch, run.local_mesh
     s = dataclasses.replace(run.spec.sampler, eos_token_ids=tuple(arch.eos_token_ids))
-    static = sampling.StaticSettings.of(s, p.prompt_bucket, pad_id=0, support=arch.vocab_size)
-    q = max([len(x.encode("utf-8")) for x in s.stop_strings], default=1)
-    table, num_eos = (len(s.stop_strings), q, arch.vocab_size), len(arch.eos_token_ids)
     gdef, state = nnx.split(run.actor)  # the sampler merges the whole actor from one state
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, s_dtype(run)), state)
     state = abstract(state, sharding.param_shardings(state, mesh))
     other = run.host_other
 
-    def prefill(batch):
-        return sampling.prefill_spec(gdef, state, static, mesh, batch=batch, stop_table_shape=table, num_eos=num_eos)
+    def specs(**sizes) -> dict[str, ProgramSpec]:
+        return sampling.abstract_programs(
+            s, gdef, state, vocab=arch.vocab_size, prompt_len=p.prompt_bucket, mesh=mesh, **sizes
+        )
 
-    def decode(pre, lowered, compiled):
-        return sampling.decode_spec(pre, abstract(lowered.out_info, compiled.output_shardings))
-
+    lockstep = specs(batch=p.sampler_batch)
     out = [
-        Program("prefill", mesh, prefill(p.sampler_batch), other),
-        Program("decode", mesh, None, other, after="prefill", build=decode),
+        Program("prefill", mesh, lockstep["prefill"], other),
+        Program("decode", mesh, lockstep["decode"], other),
     ]
     # Validation: each panel is one sampler call per turn over the rows this host plays, bucketed like
     # the rollout's; at the rollout's batch the rollout's programs serve it
     if p.val_sampler_batch == p.sampler_batch:
         out += [Program("val_prefill", mesh, same_as="prefill"), Program("val_decode", mesh, same_as="decode")]
     elif p.val_rows_per_host:
-        out += [
-            Program("val_prefill", mesh, prefill(p.val_sampler_batch), other),
-            Program("val_decode", mesh, None, other, after="val_prefill", build=decode),
-        ]
+        val = specs(batch=p.val_sampler_batch)
+        out += [Program("val_prefill", mesh, val["prefill"], other), Program("val_decode", mesh, val["decode"], other)]
     slot_shapes: dict[str, int] = {}
     if set(SLOT_PROGRAMS) & set(names):
-        abs_slots = slots.abstract_slots(gdef, state, static, p.slot_rows, table[0], mesh)
-        rep = jax.sharding.NamedSharding(mesh, P())
-        consts = (
-            jax.ShapeDtypeStruct(table, jnp.int32, sharding=rep),
-            jax.ShapeDtypeStruct((table[0],), jnp.int32, sharding=rep),
-            jax.ShapeDtypeStruct((num_eos,), jnp.int32, sharding=rep),
-        )
-        t_max = static.cache_length - static.max_new_tokens
-        state_bytes = bytes_per_chip(abs_slots)
         one, every = p.batch_bucket(1), p.batch_bucket(p.slots)
+        slot = specs(slots=p.slot_rows, insert_rows=sorted({one, every}), chunk=p.chunk_steps)
+        chunk = slot["decode_chunk"]
+        state_bytes = bytes_per_chip(chunk.args[chunk.donate_argnums[0]])  # the donated slot state
         slot_shapes = dict(
-            slots=p.slot_rows, slot_cache_columns=static.cache_length, chunk_steps=p.chunk_steps,
+            slots=p.slot_rows, slot_cache_columns=p.prompt_bucket + p.response_tokens, chunk_steps=p.chunk_steps,
             insert_1_batch=one, insert_batch=every, slot_state_bytes_per_chip=state_bytes,
         )  # fmt: skip
-        kw = dict(consts=consts, mesh=mesh)
-        insert = lambda b: slots.insert_spec(gdef, state, static, abs_slots, batch=b, prompt_len=t_max, **kw)  # noqa: E731
-        chunk = slots.decode_chunk_spec(gdef, state, static, abs_slots, chunk=p.chunk_steps, **kw)
         same = "insert_1" if every == one else ""  # one program when both batches are one bucket
         out += [
-            Program("insert_1", mesh, insert(one), other, slot_state_bytes=state_bytes),
-            Program("insert", mesh, insert(every), other, same_as=same, slot_state_bytes=state_bytes),
+            Program("insert_1", mesh, slot[f"insert_{one}"], other, slot_state_bytes=state_bytes),
+            Program("insert", mesh, slot[f"insert_{every}"], other, same_as=same, slot_state_bytes=state_bytes),
             Program("decode_chunk", mesh, chunk, other, slot_state_bytes=state_bytes),
         ]
     return out, slot_shapes
@@ -285,7 +266,7 @@ def s_dtype(run: AbstractRun):
 
 
 def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Program], dict[str, int]]:
-    """The programs of ``names`` in compile order (the decode loops' prefills too, see `Program`),
+    """The programs of ``names`` in compile order (see `Program`),
     and the slot programs' shapes for the report ({} without them)."""
     spec, p, mesh = run.spec, run.plan, run.mesh
     ppo_objective = ppo.PPOObjective(

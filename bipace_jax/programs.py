@@ -2,8 +2,8 @@
 
 A ``ProgramSpec`` is one jitted program together with abstract arguments (``jax.ShapeDtypeStruct``
 carrying the ``NamedSharding`` the library places each argument on) for one set of sizes, and which
-arguments are static or donated. The sampler (``sampling.prefill_spec`` / ``decode_spec``), the slot sampler
-(``slots.insert_spec`` / ``decode_chunk_spec``) and the
+arguments are static or donated. The sampling engine (``sampling.programs``: ``prefill_spec``,
+``insert_spec``, ``decode_spec``; ``sampling.abstract_programs`` for ``launch.aot``) and the
 learners (``learner.step_specs``, ``ppo.logprobs_spec``) build their specs with these functions and
 call ``spec(*args)``, and ``launch.aot`` lowers the same specs with ``spec.lower()``: what is compiled
 ahead of time is what runs.

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bipace_jax.rollout import RolloutConfig, Scheduler, schedule
-from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
+from bipace_jax.sampling import SampleOutput
 from environments.base import Observation
 from environments.pool import ResetResult, StepResult, TaskInfoResult
 

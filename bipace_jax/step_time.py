@@ -233,7 +233,7 @@ class RunShape:
       batch_buckets: ``sampler.batch_buckets`` (a lockstep call pads its rows to the first bucket that
         holds them, rounded up to the host's row shards).
       insert_buckets: row buckets of the continuous insert (empty: 1, 2, 4, ... up to the largest
-        batch bucket, as ``SlotSampler.insert_rows`` pads).
+        batch bucket, as ``SlotHandle.insert_rows`` pads).
       response_mean, response_sigma, response_cap, response_min: the lognormal response lengths
         (arithmetic mean tokens, log-space sigma, cap: 0 = ``response_tokens``, floor).
       rollout_prompt_tokens: tokens of each prefilled prompt (0: ``prompt_tokens``, the bound); the
@@ -359,7 +359,7 @@ def prefill_cost(m: ModelShape, r: RunShape, rows: int, tokens: int) -> Cost:
     )
 
 
-# prompt_heads' plan rule (a layer above this module: its values restated; tests check head_split
+# sampling.heads' plan rule (a layer above this module: its values restated; tests check head_split
 # against plan_heads): the suffix widths (32, 128, 512, ...) and the largest cost fraction of a plan
 HEAD_MIN_SUFFIX = 32
 HEAD_SUFFIX_STEP = 4
@@ -376,7 +376,7 @@ def _suffix_ladder(prompt: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSplit:
-    """The shared-head layout of one lockstep prefill (``prompt_heads.plan_heads`` on equal rows).
+    """The shared-head layout of one lockstep prefill (``sampling.heads.plan_heads`` on equal rows).
 
     Attributes:
       head_width, suffix_width: Th and Ts (tokens), ``Th + Ts`` = the prompt bucket P.
@@ -397,9 +397,9 @@ def head_split(prompt: int, head: int, suffix: int, rows: int, head_rows: int) -
     """The split ``plan_heads`` takes for ``rows`` (padded) prompts in a bucket of ``prompt`` tokens, every
     row holding a shared ``head`` and a ``suffix`` of its own (``head + suffix <= prompt``), the distinct
     heads padded to ``head_rows`` (the sampler's batch bucket of their count, at most ``rows``): the
-    smallest suffix width Ts on ``prompt_heads.suffix_ladder(prompt)`` (32, 128, 512, ... up to P / 2)
+    smallest suffix width Ts on ``sampling.heads.suffix_ladder(prompt)`` (32, 128, 512, ... up to P / 2)
     that holds the suffix (a head longer than Th = P - Ts is cut to Th, its rest
-    joins the suffix), if it prefills at most ``prompt_heads.MAX_COST_FRACTION`` (0.75) of the plain
+    joins the suffix), if it prefills at most ``sampling.heads.MAX_COST_FRACTION`` (0.75) of the plain
     tokens; else None (no width fits: the suffix is longer than P / 2, or the plan saves too little),
     and the call prefills plainly.
 
@@ -516,7 +516,7 @@ def rollout_model(
     With ``share_heads`` and ``r.shared_head_tokens`` > 0 on a host whose sampler does not split rows,
     a lockstep prefill of n games is the shared-head prefill (`head_split`, `shared_prefill_cost`) with
     ``ceil(n / r.group_size)`` heads (padded to a batch bucket) when ``plan_heads`` would take it; the continuous insert never
-    shares heads (``SlotSampler.insert`` prefills every row whole).
+    shares heads (``SlotHandle.insert`` prefills every row whole).
 
     Returns a JSON-ready dict: per scheduler the mean ``wall_s``, ``decode_steps``, ``slot_use``,
     ``prefill_calls`` and ``stages_s``; ``speedup_wall``, ``speedup_decode_steps`` (lockstep over
@@ -560,7 +560,7 @@ def rollout_model(
         calls = -(-rows // largest)
         return calls * sec(decode_cost(m, r, rows_of.fit(min(rows, largest), dp_local), context))
 
-    inserts = Buckets(r.insert_buckets or _powers_of_two(largest), "insert_buckets")  # SlotSampler.insert_rows
+    inserts = Buckets(r.insert_buckets or _powers_of_two(largest), "insert_buckets")  # SlotHandle.insert_rows
 
     def insert(rows, tokens):
         return sec(prefill_cost(m, r, inserts.fit(rows, dp_local), tokens))

@@ -47,7 +47,7 @@ from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.plots import make_plots
 from bipace_jax.ppo import NonFiniteError
 from bipace_jax.rollout import Episode, collect
-from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+from bipace_jax.sampling import Engine
 from bipace_jax.stats import HostStats, StageTimer
 from bipace_jax.tiny import build_game_tokenizer
 

@@ -20,7 +20,7 @@ Programs (the ones a run compiles, at their largest shapes):
   ppo_apply  the optimizer update (fp32 master weights and AdamW moments)
   logprobs   the old / reference log-prob pass of a micro-batch (host-local parameter copy)
   prefill    the sampler's prefill and first token, largest batch and prompt bucket
-  decode     the sampler's decode loop over ``sampler.max_new_tokens`` from that cache
+  decode     the sampler's decode loop over ``sampler.max_new_tokens`` from that prefilled state
   val_prefill, val_decode   the same at the validation batch each host really plays
              (ceil(panel x val.group_size / hosts), bucketed; ``same_as`` when it is the rollout's)
   estimator  the advantage estimator at the rollout's row capacity (one device per host)
@@ -33,10 +33,10 @@ The warm start's step (behaviour cloning on demonstrations, ``sft.sft_step_specs
   sft_grad   the micro-batch gradient (forward, response-token NLL, backward)
   sft_apply  the optimizer update
 
-The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``slots.SlotSampler``) on
+The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``sampling.Engine.slots``) on
 request only (``--programs=insert_1,insert,decode_chunk``), on the host's sampler mesh with the slot state
 (NS = ``rollout.num_slots`` or the host's games capped at the largest batch bucket, rounded up to the
-mesh's batch shards; S = T_max + M) sharded by ``slots.slot_shardings`` and donated; the report is
+mesh's batch shards; S = T_max + M) sharded by ``sampling.state.state_shardings`` and donated; the report is
 ``<config>__<topology>__slots.json``:
   insert_1   one prompt prefilled (padded to its batch bucket) at T_max and written into its slot
   insert     every slot's prompt at once (the first turn), same T_max
@@ -222,24 +222,17 @@ def compile_all(spec, devices, local, programs=PROGRAMS) -> dict:
     )
     specs, slot_shapes = aot.abstract_programs(run, programs)
     report["shapes"].update(slot_shapes)
-    compiled = {}  # name -> (spec, lowered, compiled), for the decode loops that continue from a prefill
     for p in specs:
-        if p.name not in programs and not any(q.after == p.name and q.name in programs for q in specs):
+        if p.name not in programs:
             continue
         if p.same_as and p.same_as in report["programs"]:
-            if p.name in programs:
-                report["programs"][p.name] = dict(report["programs"][p.same_as], same_as=p.same_as)
+            report["programs"][p.name] = dict(report["programs"][p.same_as], same_as=p.same_as)
             continue
-        spec_ = p.spec if p.spec is not None else p.build(*compiled[p.after]) if p.after in compiled else None
-        if spec_ is None:
+        if p.spec is None:
             continue
         t0 = time.perf_counter()
         with jax.set_mesh(p.mesh):
-            lowered = spec_.lower()
-            done = lowered.compile()
-        compiled[p.name] = (spec_, lowered, done)
-        if p.name not in programs:
-            continue
+            done = p.spec.lower().compile()
         other = sum(run.resident[k] for k in p.other)
         report["programs"][p.name] = stats = _stats(done, time.perf_counter() - t0, other)
         print(f"  compiled {p.name} in {stats['compile_s']} s", flush=True)

@@ -77,7 +77,7 @@ def length_tokens(n: int) -> list[str]:
 class LengthScriptedActor(nnx.Module):
     """A ``Qwen2Actor`` whose next token is scripted: real compute, logits replaced by a countdown.
 
-    The actor contract of ``sampling.Sampler`` and ``slots.SlotSampler`` (``config``, ``init_cache``,
+    The actor contract of ``sampling.Engine`` (lockstep and slots) (``config``, ``init_cache``,
     ``prefill``, ``decode_step``). Token ids ``base`` .. ``base + top`` are the length tokens; ``base``
     is the EOS id. ``prefill`` answers (the last length token of each row's real prompt - 1) (``base``
     when the prompt has none), ``decode_step`` answers (its input token - 1), floored at ``base``. The
@@ -214,7 +214,7 @@ def _median_time(fn, reps: int = 3) -> float:
 
 def unit_costs(actor, sampler, slot_sampler, prompt_of, n_slots: int, row_buckets) -> dict:
     """Measured unit costs: decode step s at ``n_slots`` rows (lockstep ``generate``'s decode loop;
-    continuous full-slot ``decode_chunk`` calls), prefill / insert s per call by rows, all compiled first."""
+    continuous full-slot ``SlotHandle.decode`` chunks), prefill / insert s per call by rows, all compiled first."""
     import jax
 
     m = sampler.config.max_new_tokens
@@ -222,8 +222,7 @@ def unit_costs(actor, sampler, slot_sampler, prompt_of, n_slots: int, row_bucket
     key = jax.random.key(0)
 
     def lock_decode():
-        sampler.generate(actor, full, key)
-        return sampler.last_timing["decode_s"]
+        return sampler.generate(actor, full, key).timing.decode_s
 
     lock_decode()
     lock_step = statistics.median(lock_decode() for _ in range(3)) / (m - 1)
@@ -231,28 +230,26 @@ def unit_costs(actor, sampler, slot_sampler, prompt_of, n_slots: int, row_bucket
     for n in row_buckets:
         rows = [prompt_of(1) for _ in range(n)]  # first token is EOS: prefill only
         sampler.generate(actor, rows, key)
-        prefill[n] = statistics.median(
-            (sampler.generate(actor, rows, key), sampler.last_timing["prefill_s"])[1] for _ in range(3)
-        )
+        prefill[n] = statistics.median(sampler.generate(actor, rows, key).timing.prefill_s for _ in range(3))
     keys = np.zeros((n_slots, 2), np.uint32)
     inserts = {}
     for n in row_buckets:
-        slots = slot_sampler.empty(actor)
+        slots = slot_sampler.empty()
         rows = [prompt_of(m)] * n
-        slots = slot_sampler.insert(actor, slots, rows, list(range(n)), keys[:n])  # compile
+        slots = slot_sampler.insert(slots, rows, list(range(n)), keys[:n])  # compile
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            slots = slot_sampler.insert(actor, slots, rows, list(range(n)), keys[:n])
+            slots = slot_sampler.insert(slots, rows, list(range(n)), keys[:n])
             slots.done.block_until_ready()
             times.append(time.perf_counter() - t0)
         inserts[n] = statistics.median(times)
-    slots = slot_sampler.empty(actor)
-    slots = slot_sampler.insert(actor, slots, full, list(range(n_slots)), keys)
-    slots, _ = slot_sampler.decode_chunk(actor, slots)  # compile
+    slots = slot_sampler.empty()
+    slots = slot_sampler.insert(slots, full, list(range(n_slots)), keys)
+    slots, _ = slot_sampler.decode(slots)  # compile
     t0, steps = time.perf_counter(), 0
     while steps < m - 2 * slot_sampler.chunk:
-        slots, k = slot_sampler.decode_chunk(actor, slots)
+        slots, k = slot_sampler.decode(slots)
         steps += k
     cont_step = (time.perf_counter() - t0) / max(steps, 1)
     return dict(
@@ -269,12 +266,12 @@ def warm_programs(actor, sampler, slot_sampler, prompt_of, row_buckets, length_b
 
     for t in length_buckets:
         sampler.generate(actor, [prompt_of(2, pad=t)] * slot_sampler.num_slots, jax.random.key(0))
-    slots = slot_sampler.empty(actor)
+    slots = slot_sampler.empty()
     keys = np.zeros((max(row_buckets), 2), np.uint32)
     for t in length_buckets:
         for n in row_buckets:
             rows = [prompt_of(1, pad=t) for _ in range(n)]
-            slots = slot_sampler.insert(actor, slots, rows, list(range(n)), keys[:n])
+            slots = slot_sampler.insert(slots, rows, list(range(n)), keys[:n])
     slots.done.block_until_ready()
 
 
@@ -283,9 +280,7 @@ def main(_):
 
     from bipace_jax.models import Qwen2Actor
     from bipace_jax.rollout import RolloutConfig, Scheduler, collect, encode_prompt
-    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
-    from bipace_jax.sampling import SamplerConfig
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import Engine, SamplerConfig
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer
     from environments.base import Observation
 
@@ -304,7 +299,6 @@ def main(_):
         eos_token_ids=(base,),
     )
     engine = Engine(tok, scfg)
-    sampler = engine.sampler  # the slot sampler and unit costs below time today's programs directly
     groups = [(k, k) for k in range(max(1, FLAGS.games // 8))]
     n_games = len(groups) * 8
     rcfg = RolloutConfig(
@@ -327,9 +321,9 @@ def main(_):
         return ids
 
     row_buckets = [b for b in scfg.batch_buckets if b <= FLAGS.slots]
-    slot_sampler = SlotSampler(sampler, FLAGS.slots, max_prompt, FLAGS.chunk)
-    warm_programs(actor, sampler, slot_sampler, prompt_of, row_buckets, [b for b in length_buckets if b <= max_prompt])
-    units = unit_costs(actor, sampler, slot_sampler, prompt_of, FLAGS.slots, row_buckets)
+    slot_sampler = engine.slots(actor, FLAGS.slots, max_prompt=max_prompt, chunk=FLAGS.chunk)
+    warm_programs(actor, engine, slot_sampler, prompt_of, row_buckets, [b for b in length_buckets if b <= max_prompt])
+    units = unit_costs(actor, engine, slot_sampler, prompt_of, FLAGS.slots, row_buckets)
     lock_step = units["decode_step_s"]["lockstep"]
     latency = FLAGS.latency_s if FLAGS.latency_s is not None else FLAGS.latency_steps * lock_step
     lengths = draw_lengths(n_games, FLAGS.turns, FLAGS.mean_tokens, FLAGS.sigma, m, FLAGS.seed)

@@ -39,7 +39,7 @@ flags.DEFINE_string("out", "benchmarks/rollout.json", "result file (its cpu_defa
 def main(_):
     from bipace_jax import tasks
     from bipace_jax.rollout import Scheduler
-    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.sampling import Engine
     from bipace_jax.trainer import Trainer
     from configs import textcraft_tiny
 

@@ -87,7 +87,7 @@ def _ours_runner(actor, tok, prompts, new_tokens):
     """(run, compile_s): ``run()`` -> (SampleOutput, total_s, prefill_s, decode_s), compiled and warm."""
     import jax
 
-    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.sampling import Engine, SamplerConfig
 
     cfg = SamplerConfig(
         max_new_tokens=new_tokens,
@@ -96,14 +96,14 @@ def _ours_runner(actor, tok, prompts, new_tokens):
         batch_buckets=(len(prompts),),
         length_buckets=(max(FLAGS.prompt_max, 8),),
     )
-    sampler = Sampler(tok, cfg)
+    sampler = Engine(tok, cfg)
     key = jax.random.key(0)
 
     def run():
         t0 = time.perf_counter()
         out = sampler.generate(actor, prompts, key)
         total = time.perf_counter() - t0
-        return out, total, sampler.last_timing["prefill_s"], sampler.last_timing["decode_s"]
+        return out, total, out.timing.prefill_s, out.timing.decode_s
 
     return run, seconds(run)  # compile + warm-up
 
@@ -248,7 +248,7 @@ def run_gpu() -> dict:
     from flax import nnx
 
     from bipace_jax.models import Qwen2Actor, Qwen2Config
-    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.sampling import Engine, SamplerConfig
 
     kind = str(jax.devices()[0].device_kind)
     gbps = FLAGS.hbm_gbps or next((v for k, v in _HBM_GBPS.items() if k in kind), 0.0)
@@ -269,12 +269,12 @@ def run_gpu() -> dict:
                 batch_buckets=(b,),
                 length_buckets=(FLAGS.gpu_prompt,),
             )
-            sampler = Sampler(tok, scfg)
+            sampler = Engine(tok, scfg)
             sampler.generate(actor, prompts, jax.random.key(0))
             times = []
             for _ in range(FLAGS.reps):
                 res = sampler.generate(actor, prompts, jax.random.key(0))
-                times.append(dict(sampler.last_timing))
+                times.append(dataclasses.asdict(res.timing))
             t = {k: statistics.median(x[k] for x in times) for k in times[0]}
             steps = FLAGS.gpu_new_tokens - 1
             kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k+v, bf16

@@ -85,7 +85,7 @@ def _policy(spec):
     import jax
 
     from bipace_jax import build, distributed, plan, sharding
-    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.sampling import Engine
 
     layout = plan.HostLayout.of(spec, 1, jax.device_count(), jax.local_device_count())
     mesh = sharding.make_mesh(*layout.mesh_shape)

@@ -29,7 +29,7 @@ from absl import app, flags
 
 import environments
 from bipace_jax.models.tokenizer import qwen2_5_chat_template
-from bipace_jax.prompt_heads import common_prefix_length
+from bipace_jax.sampling.heads import common_prefix_length
 from environments import alfworld as alf
 from environments.prompts import build_prompt
 from launch import cli

@@ -8,7 +8,7 @@ buckets and ``rollout.chunk_steps`` from its config file (``configs/<config>.py`
 `step_time.estimate` runs again (analytic, under a second a report): the iteration at the config's
 bounds as committed, and the rollout with drawn response lengths under lockstep and continuous
 scheduling (`step_time.rollout_model`). Two continuous rows: inserts padded to ``sampler.batch_buckets``
-(what ``SlotSampler.insert`` does today) and inserts at power-of-two row buckets (1, 2, 4, ...: the
+(what ``SlotHandle.insert`` does today) and inserts at power-of-two row buckets (1, 2, 4, ...: the
 design note's n-buckets), the what-if. Prints a markdown table; writes JSON to ``--out``, headline
 ratios under ``speedup_*`` keys.
 

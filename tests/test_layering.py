@@ -49,7 +49,7 @@ LAYERS = (
     ),
     ("models", ("bipace_jax.models",)),
     ("estimators", ("bipace_jax.estimators",)),
-    ("sampling", ("bipace_jax.prompt_heads", "bipace_jax.sampling", "bipace_jax.slots")),
+    ("sampling", ("bipace_jax.sampling",)),
     ("batch", ("bipace_jax.batch",)),
     ("rollout", ("bipace_jax.rollout",)),
     # the run's sizes and speed: the simulation drives the rollout loop itself, the plan prices its
@@ -187,7 +187,7 @@ def test_the_order_check_sees_planted_violations(tmp_path):
         "bipace_jax.estimators.core": "from bipace_jax import ppo\n",
         "bipace_jax.config": "import os\n\nfrom bipace_jax.models import Qwen2Config\n",
         "bipace_jax.ppo": "from bipace_jax import losses\nfrom bipace_jax.rollout import TokenBatch\n",
-        "bipace_jax.rollout": "from bipace_jax.sampling import Sampler\nfrom bipace_jax.estimators import StepBatch\n",
+        "bipace_jax.rollout": "from bipace_jax.sampling import Engine\nfrom bipace_jax.estimators import StepBatch\n",
     }
     graph = {}
     for m, text in planted.items():

@@ -24,8 +24,7 @@ from bipace_jax.rollout import (
     game_keys,
     turn_keys,
 )
-from bipace_jax.rollout.engine_adapter import Engine, SampleOutput  # the merge: bipace_jax.sampling
-from bipace_jax.sampling import SamplerConfig
+from bipace_jax.sampling import Engine, SampleOutput, SamplerConfig
 from environments.base import Observation
 from environments.pool import EnvPool, Fault
 from environments.prompts import action_tag, build_prompt
@@ -337,15 +336,14 @@ def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
     plain = Engine(tokenizer, SamplerConfig(**base))
     shared = Engine(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
     calls = []
-    inner = shared.sampler  # today's Sampler under the engine adapter: what it prefilled
-    generate = inner.generate
+    generate = shared.generate
 
-    def spy(actor, prompts, key, row_keys=None, groups=None):  # the groups it is given, what it prefilled
-        out = generate(actor, prompts, key, row_keys=row_keys, groups=groups)
-        calls.append((list(groups), inner.last_timing["prefill_tokens"], inner.last_timing["prompt_tokens"]))
+    def spy(actor, prompts, key, **kw):  # the groups it is given, what it prefilled
+        out = generate(actor, prompts, key, **kw)
+        calls.append((list(kw["groups"]), out.timing.prefill_tokens, out.timing.prompt_tokens))
         return out
 
-    inner.generate = spy
+    shared.generate = spy
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024)
     key = jax.random.key(4)
     a = collect(actor, plain, pool, GAMES, rcfg, key)
@@ -392,7 +390,7 @@ class _SlowRecordingPool:
 def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulting_game(tokenizer, monkeypatch):
     import functools
 
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import SlotHandle
     from environments.testing import UnscorableEnv
 
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
@@ -405,13 +403,13 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
         game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
     events = []
-    chunk = SlotSampler.decode_chunk
+    chunk = SlotHandle.decode
 
     def logged_chunk(self, *a):
         events.append(("chunk", None))
         return chunk(self, *a)
 
-    monkeypatch.setattr(SlotSampler, "decode_chunk", logged_chunk)
+    monkeypatch.setattr(SlotHandle, "decode", logged_chunk)
     factory = functools.partial(UnscorableEnv, "textcraft", task_id=12)  # task group 1's steps score NaN
     key = jax.random.key(2)
     with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=2, timeout_s=20.0) as pool:

@@ -12,9 +12,8 @@ import pytest
 
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import PROMPT_TOO_LONG, RolloutConfig, Scheduler, collect
-from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
 from bipace_jax.rollout.turns import clean_observation, clean_text
-from bipace_jax.sampling import SamplerConfig
+from bipace_jax.sampling import SampleOutput, SamplerConfig
 from environments.base import Observation
 from environments.pool import ResetResult, StepResult, TaskInfoResult
 

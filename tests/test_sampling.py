@@ -1,4 +1,4 @@
-"""Sampler tests on small fake causal models with the actor's cache contract (prefill/decode_step)
+"""Engine tests on small fake causal models with the actor's cache contract (prefill/decode_step)
 and a small byte-level BPE tokenizer trained here. The real Qwen2 actor is tested in
 tests/test_sampling_actor.py."""
 
@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from bipace_jax.sampling import (
+    Engine,
     SampleOutput,
-    Sampler,
     SamplerConfig,
     filter_logits,
     first_argmax,
@@ -342,7 +342,7 @@ def test_generate_draws_independently_per_row_and_step_from_the_filtered_distrib
     logits = np.full(len(tok), -8.0, np.float32)
     logits[[10, 20, 30, 40, 50, 60]] = [2.0, 1.6, 1.2, 0.8, 0.4, 0.0]
     cfg = _cfg(max_new_tokens=24, temperature=0.8, top_k=5, top_p=0.9, batch_buckets=(64,), eos_token_ids=(2,))
-    out = Sampler(tok, cfg).generate(ConstLM(logits), [[5]] * 64, jax.random.key(99))
+    out = Engine(tok, cfg).generate(ConstLM(logits), [[5]] * 64, jax.random.key(99))
     assert (out.lengths == 24).all()
     probs = _filtered_probs_oracle(logits.astype(np.float64), 0.8, 5, 0.9)
     counts = np.bincount(out.tokens.ravel(), minlength=len(tok))
@@ -363,7 +363,7 @@ def test_ids_the_tokenizer_lacks_are_never_drawn_and_are_outside_the_softmax(gre
     logits = np.random.default_rng(0).normal(size=n + 4).astype(np.float32)
     logits[n + 2] = 9.0
     cfg = _cfg(max_new_tokens=16, temperature=1.0, greedy=greedy, batch_buckets=(64,), eos_token_ids=(n + 3,))
-    out = Sampler(tok, cfg).generate(ConstLM(logits), [[5]] * 64, jax.random.key(7))
+    out = Engine(tok, cfg).generate(ConstLM(logits), [[5]] * 64, jax.random.key(7))
     assert (out.tokens < n).all() and (out.lengths == 16).all()
     if greedy:
         assert (out.tokens == int(np.argmax(logits[:n]))).all()
@@ -395,7 +395,7 @@ def test_first_argmax_equals_numpy_argmax_with_ties_infinities_and_nan():
     )
 
 
-# -- the Sampler on fake models ------------------------------------------------------------------
+# -- the Engine on fake models ------------------------------------------------------------------
 
 
 def _cfg(**kw):
@@ -408,7 +408,7 @@ def _cfg(**kw):
 def test_greedy_generate_equals_stepwise_argmax_over_the_full_forward():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=16, seed=3)
-    sampler = Sampler(tok, _cfg(greedy=True))
+    sampler = Engine(tok, _cfg(greedy=True))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, len(tok), size=n)) for n in (3, 8, 5, 11, 1)]
     out = sampler.generate(model, prompts, jax.random.key(0))
@@ -452,7 +452,7 @@ def test_sampling_stops_right_after_stop_text_and_at_eos():
         script[r, prompt_len : prompt_len + len(ids)] = ids
     script[1, prompt_len + len(tok.encode(texts[1]))] = tok.eos_token_id
     model = ScriptedLM(script, v)
-    sampler = Sampler(tok, _cfg(stop_strings=("</action>",), max_new_tokens=40, eos_token_ids=None, temperature=0.5))
+    sampler = Engine(tok, _cfg(stop_strings=("</action>",), max_new_tokens=40, eos_token_ids=None, temperature=0.5))
     out = sampler.generate(model, [[5, 6, 7]] * 4, jax.random.key(0))
     decoded = [tok.decode(out.tokens[r, : out.lengths[r]], skip_special_tokens=True) for r in range(4)]
     assert decoded[0] == "<think>x</think><action>get 2 iron ingot</action>."[: len(decoded[0])]
@@ -470,7 +470,7 @@ def test_padding_rows_and_neighbours_never_change_a_row():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=16, seed=5, scale=1.0)
     cfg = _cfg(max_new_tokens=10, batch_buckets=(1, 4, 8))
-    sampler = Sampler(tok, cfg)
+    sampler = Engine(tok, cfg)
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(3, len(tok), size=n)) for n in (4, 15, 2, 7, 9)]
     key = jax.random.key(7)
@@ -478,7 +478,7 @@ def test_padding_rows_and_neighbours_never_change_a_row():
     for i in (2, 4):  # alone: (batch bucket 4, T bucket 8) and (8 with 3 padding rows more, 16)
         p = prompts[i]
         # Row i alone: bucket 1 or 4, T bucket 8 or 16; the row's key is fold_in(key, row index).
-        alone = Sampler(tok, cfg).generate(model, [[3]] * i + [p], key)
+        alone = Engine(tok, cfg).generate(model, [[3]] * i + [p], key)
         np.testing.assert_array_equal(alone.tokens[i], together.tokens[i])
         assert alone.lengths[i] == together.lengths[i]
         np.testing.assert_allclose(alone.logprobs[i], together.logprobs[i], atol=1e-5)
@@ -491,8 +491,8 @@ def test_more_prompts_than_the_largest_bucket_are_served_in_chunks_with_the_same
     model = FakeLM(vocab=len(tok), dim=8, seed=2, scale=1.0)
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(3, len(tok), size=int(rng.integers(1, 8)))) for _ in range(11)]
-    small = Sampler(tok, _cfg(max_new_tokens=4, batch_buckets=(4,))).generate(model, prompts, jax.random.key(3))
-    big = Sampler(tok, _cfg(max_new_tokens=4, batch_buckets=(16,))).generate(model, prompts, jax.random.key(3))
+    small = Engine(tok, _cfg(max_new_tokens=4, batch_buckets=(4,))).generate(model, prompts, jax.random.key(3))
+    big = Engine(tok, _cfg(max_new_tokens=4, batch_buckets=(16,))).generate(model, prompts, jax.random.key(3))
     assert small.tokens.shape == (11, 4)
     np.testing.assert_array_equal(small.tokens, big.tokens)
     np.testing.assert_array_equal(small.lengths, big.lengths)
@@ -501,7 +501,7 @@ def test_more_prompts_than_the_largest_bucket_are_served_in_chunks_with_the_same
 def test_max_new_tokens_one_returns_the_prefill_token():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=8, seed=4)
-    out = Sampler(tok, _cfg(max_new_tokens=1, greedy=True)).generate(model, [[5, 9, 4]], jax.random.key(0))
+    out = Engine(tok, _cfg(max_new_tokens=1, greedy=True)).generate(model, [[5, 9, 4]], jax.random.key(0))
     assert out.tokens.shape == (1, 1) and out.lengths.tolist() == [1]
     assert out.tokens[0, 0] == greedy_reference(model, [5, 9, 4], 1, ())[0]
 
@@ -518,7 +518,7 @@ def test_max_new_tokens_one_returns_the_prefill_token():
 )
 def test_generate_rejects_bad_prompts_with_the_field_named(prompts, match):
     tok = small_tokenizer()
-    sampler = Sampler(tok, _cfg())
+    sampler = Engine(tok, _cfg())
     with pytest.raises(ValueError, match=match):
         sampler.generate(FakeLM(vocab=len(tok)), prompts, jax.random.key(0))
 
@@ -543,7 +543,7 @@ def test_sampler_config_rejects_bad_values(kw, match):
 def test_row_keys_make_a_row_depend_on_its_own_key_and_prompt_only():
     tok = small_tokenizer()
     model = FakeLM(vocab=len(tok), dim=16, seed=5, scale=1.0)
-    sampler = Sampler(tok, _cfg(max_new_tokens=10, batch_buckets=(1, 4, 8)))
+    sampler = Engine(tok, _cfg(max_new_tokens=10, batch_buckets=(1, 4, 8)))
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(3, len(tok), size=n)) for n in (4, 15, 2)]
     keys = jax.random.split(jax.random.key(11), 3)
@@ -553,7 +553,7 @@ def test_row_keys_make_a_row_depend_on_its_own_key_and_prompt_only():
     np.testing.assert_allclose(alone.logprobs[0], together.logprobs[2], atol=1e-5)
     # The default keys are fold_in(key, row): the same draw as passing them explicitly.
     default = sampler.generate(model, prompts, jax.random.key(0))
-    explicit = sampler.generate(model, prompts, jax.random.key(9), row_keys=Sampler.row_key_data(jax.random.key(0), 3))
+    explicit = sampler.generate(model, prompts, jax.random.key(9), row_keys=Engine.row_key_data(jax.random.key(0), 3))
     np.testing.assert_array_equal(default.tokens, explicit.tokens)
     assert not np.array_equal(default.tokens, together.tokens)
     with pytest.raises(ValueError, match="row_keys must be 3 keys"):

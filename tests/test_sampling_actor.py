@@ -1,4 +1,4 @@
-"""Sampler tests on the real Qwen2 actor: greedy parity with the full forward and with HF generate(),
+"""Engine tests on the real Qwen2 actor: greedy parity with the full forward and with HF generate(),
 and sharded over 8 emulated CPU devices equal to one device."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from bipace_jax.models import load_hf_checkpoint, load_tokenizer
-from bipace_jax.sampling import Sampler, SamplerConfig
+from bipace_jax.sampling import Engine, SamplerConfig
 from tests.devices import run_on_cpu_devices
 
 pytestmark = pytest.mark.parity
@@ -35,7 +35,7 @@ def test_greedy_equals_full_forward_argmax_and_hf_generate(tiny_folder):
     actor.matmul_precision = "highest"  # greedy ties must not depend on the backend's matmul mode
     tok = load_tokenizer(tiny_folder)
     m = 10
-    sampler = Sampler(
+    sampler = Engine(
         tok, SamplerConfig(max_new_tokens=m, greedy=True, stop_strings=(), batch_buckets=(4,), length_buckets=(16, 48))
     )
     prompts = [
@@ -92,7 +92,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from flax import nnx
     from bipace_jax.models import Qwen2Actor, Qwen2Config
     from bipace_jax.sharding import make_mesh, shard_params
-    from bipace_jax.sampling import Sampler, SamplerConfig
+    from bipace_jax.sampling import Engine, SamplerConfig
     from tests.test_sampling import small_tokenizer
 
     tok = small_tokenizer()
@@ -103,13 +103,13 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     result = {"n_dev": len(jax.devices())}
     # One device (mesh=None: everything on device 0), then the mesh data=2 x fsdp=2 x tensor=2.
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(3))
-    out = Sampler(tok, cfg).generate(actor, prompts, jax.random.key(11))
-    result["one"] = {k: np.asarray(v).tolist() for k, v in out._asdict().items()}
+    out = Engine(tok, cfg).generate(actor, prompts, jax.random.key(11))
+    result["one"] = {k: np.asarray(v).tolist() for k, v in out._asdict().items() if k != "timing"}
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     shard_params(actor, mesh)
     result["devices_per_param"] = len(actor.embed.embedding[...].sharding.device_set)
-    out = Sampler(tok, cfg, mesh=mesh).generate(actor, prompts, jax.random.key(11))
-    result["eight"] = {k: np.asarray(v).tolist() for k, v in out._asdict().items()}
+    out = Engine(tok, cfg, mesh=mesh).generate(actor, prompts, jax.random.key(11))
+    result["eight"] = {k: np.asarray(v).tolist() for k, v in out._asdict().items() if k != "timing"}
     json.dump(result, sys.stdout)
 """)
 

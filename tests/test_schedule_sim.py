@@ -277,9 +277,7 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
 
     from bipace_jax.models import Qwen2Actor
     from bipace_jax.rollout import RolloutConfig, collect
-    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
-    from bipace_jax.sampling import SamplerConfig
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import Engine, SamplerConfig, SlotHandle
     from bipace_jax.tiny import tiny_actor_config, train_tokenizer
 
     corpus = [f"Crafting commands: craft {k} oak planks using 1 oak log. Goal: craft item {k}." for k in range(30)]
@@ -292,13 +290,13 @@ def test_the_simulation_takes_the_real_continuous_loops_decode_steps_and_inserts
         game="textcraft", group_size=8, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
     )
     inserts = []
-    real_insert = SlotSampler.insert
+    real_insert = SlotHandle.insert
 
-    def counted(self, actor, slots, prompts, slot_ids, row_keys):
+    def counted(self, slots, prompts, slot_ids, row_keys):
         inserts.append(len(prompts))
-        return real_insert(self, actor, slots, prompts, slot_ids, row_keys)
+        return real_insert(self, slots, prompts, slot_ids, row_keys)
 
-    monkeypatch.setattr(SlotSampler, "insert", counted)
+    monkeypatch.setattr(SlotHandle, "insert", counted)
     res = collect(
         actor,
         sampler,

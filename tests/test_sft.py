@@ -15,8 +15,7 @@ from bipace_jax import demos
 from bipace_jax.learner import Learner
 from bipace_jax.models import Qwen2Actor, Qwen2Config
 from bipace_jax.rollout import Episode, RolloutConfig, collect
-from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
-from bipace_jax.sampling import SamplerConfig
+from bipace_jax.sampling import SampleOutput, SamplerConfig
 from bipace_jax.sft import (
     Example,
     ResponseNLL,

@@ -86,7 +86,7 @@ RUN_SCRIPT = textwrap.dedent(r"""
         distributed.initialize(coord, nproc, pid)
     import configs.textcraft_tiny
     from bipace_jax import metric_keys
-    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+    from bipace_jax.sampling import Engine
     from bipace_jax.trainer import Trainer
 
     c = configs.textcraft_tiny.get_config()

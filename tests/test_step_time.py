@@ -134,7 +134,7 @@ def test_varied_lengths_favour_continuous_once_inserts_are_not_padded_to_the_who
     chip = step_time.CHIPS["v5e"]
     r = _seven_b_on_v5e_8x8(val_games_per_host=8, val_every=5, val_panels=2, sim_seeds=2)
     padded = step_time.estimate(m, dataclasses.replace(r, insert_buckets=(8,)), chip)
-    exact = step_time.estimate(m, r, chip)  # SlotSampler.insert_rows: 1, 2, 4, 8
+    exact = step_time.estimate(m, r, chip)  # SlotHandle.insert_rows: 1, 2, 4, 8
     lock = padded["schedulers"]["rollout"]["lockstep"]
     assert exact["rollout_s_lockstep"] == padded["rollout_s_lockstep"]
     # lockstep waits for the longest of 8 lognormal responses each turn: ~2x the continuous steps
@@ -190,13 +190,13 @@ def test_head_split_hand_cases():
     [(32, 4, 475, 118, 1024), (32, 4, 400, 100, 512), (8, 1, 475, 118, 1024), (32, 4, 105, 236, 512)],
 )
 def test_head_split_is_what_plan_heads_takes_for_equal_rows(rows, groups, head, suffix, bucket):
-    from bipace_jax import prompt_heads
-    from bipace_jax.prompt_heads import plan_heads
+    from bipace_jax.sampling import heads
+    from bipace_jax.sampling.heads import plan_heads
 
-    assert step_time.HEAD_MIN_SUFFIX == prompt_heads.MIN_SUFFIX
-    assert step_time.HEAD_SUFFIX_STEP == prompt_heads.SUFFIX_STEP
-    assert step_time.HEAD_MAX_COST_FRACTION == prompt_heads.MAX_COST_FRACTION
-    assert step_time._suffix_ladder(bucket) == list(prompt_heads.suffix_ladder(bucket))
+    assert step_time.HEAD_MIN_SUFFIX == heads.MIN_SUFFIX
+    assert step_time.HEAD_SUFFIX_STEP == heads.SUFFIX_STEP
+    assert step_time.HEAD_MAX_COST_FRACTION == heads.MAX_COST_FRACTION
+    assert step_time._suffix_ladder(bucket) == list(heads.suffix_ladder(bucket))
     buckets = (8, 16, 32, 64, 128)  # the paper configs' sampler.batch_buckets
 
     def head_bucket(n):

@@ -66,8 +66,7 @@ def test_shipped_warm_start_still_solves_validation_games():
     from bipace_jax.config import resolve_template, system_prompt_of
     from bipace_jax.models import load_hf_checkpoint, load_tokenizer
     from bipace_jax.rollout import RolloutConfig, collect
-    from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
-    from bipace_jax.sampling import SamplerConfig
+    from bipace_jax.sampling import Engine, SamplerConfig
     from configs import textcraft_tasks as tasks
     from environments.pool import EnvPool
 

@@ -15,8 +15,7 @@ from bipace_jax import transcripts
 from bipace_jax.estimators import EstimatorConfig, compute_advantages, step_details
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import RolloutConfig, collect
-from bipace_jax.rollout.engine_adapter import SampleOutput  # the merge: bipace_jax.sampling
-from bipace_jax.sampling import SamplerConfig
+from bipace_jax.sampling import SampleOutput, SamplerConfig
 from environments.pool import EnvPool
 from launch.transcripts import show
 

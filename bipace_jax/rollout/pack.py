@@ -8,10 +8,10 @@ import numpy as np
 from bipace_jax.batch import TokenBatch
 from bipace_jax.buckets import Buckets
 from bipace_jax.estimators import StepBatch, assign_ids, similarity_groups
-from bipace_jax.metrics import HostStats
 from bipace_jax.rollout.config import RolloutConfig
 from bipace_jax.rollout.records import Episode, StepRecord
 from bipace_jax.rollout.turns import PROMPT_TOO_LONG
+from bipace_jax.stats import HostStats
 from environments.pool import ENV_ERRORS
 
 __all__ = ["ERROR_KINDS", "episode_stats", "kept_rows", "step_batch", "token_batch"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from bipace_jax.batch import TokenBatch
 from bipace_jax.estimators import StepBatch
-from bipace_jax.metrics import HostStats
+from bipace_jax.stats import HostStats
 from environments.pool import Fault
 
 __all__ = ["Episode", "RolloutResult", "StepRecord", "TIMING_KEYS", "SLOT_TIMING_KEYS"]
@@ -96,7 +96,7 @@ class RolloutResult:
       rows: the N ``StepRecord``s, row i of ``tokens`` and ``steps`` (texts, actions, finish reasons,
         validity, labels, observations and states of the rows).
       episodes: one ``Episode`` per trajectory, in traj order.
-      stats: ``metrics.HostStats`` (rates as numerator and denominator, ``turns`` and ``prompt_tokens_max``
+      stats: ``stats.HostStats`` (rates as numerator and denominator, ``turns`` and ``prompt_tokens_max``
         as maxima, the rest counts; ``stats.values()`` this host's values): ``truncations`` (prompts whose
         history was cut), ``history_dropped`` (entries cut), ``turns``, ``rows``, ``response_tokens``,
         ``prompt_tokens_max``, ``finish_eos_rate``, ``finish_stop_rate``, ``finish_length_rate`` (why

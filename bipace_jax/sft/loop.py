@@ -24,7 +24,7 @@ from bipace_jax.learner import Learner, make_optimizer
 from bipace_jax.metrics import MetricsLogger, read_metrics
 from bipace_jax.models import load_tokenizer, save_hf_checkpoint
 from bipace_jax.rollout import Episode, RolloutResult, collect
-from bipace_jax.rollout.engine_adapter import Engine  # the merge: bipace_jax.sampling.Engine
+from bipace_jax.sampling import Engine
 from bipace_jax.sft.batch import batches, make_batch, train_step
 from bipace_jax.sft.examples import (
     Example,

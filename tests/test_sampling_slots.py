@@ -1,4 +1,5 @@
-"""`slots.SlotSampler` under a host sampler mesh: the sharded slot programs draw what the unsharded ones do.
+"""`Engine.slots` (the `SlotHandle`) under a host sampler mesh: the sharded slot programs draw what the unsharded
+ones do; an idle slot serves its next prompt exactly.
 
 (The slot programs' equality with the lockstep sampler is tested through the rollout, in
 tests/test_rollout.py -k continuous.)
@@ -18,8 +19,7 @@ _SCRIPT = textwrap.dedent("""
     from flax import nnx
     from bipace_jax.models import Qwen2Actor, Qwen2Config
     from bipace_jax.sharding import make_mesh, shard_params
-    from bipace_jax.sampling import Sampler, SamplerConfig
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import Engine, SamplerConfig
     from tests.test_sampling import small_tokenizer
 
     tok = small_tokenizer()
@@ -30,31 +30,31 @@ _SCRIPT = textwrap.dedent("""
     prompts = [rng.integers(3, len(tok), size=int(rng.integers(1, 16))).tolist() for _ in range(5)]
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(5), 5)))
 
-    def play(sampler, actor):
+    def play(engine, actor):
         # 3 slots for 5 prompts, chunks of 2 steps: a finished slot gets the next prompt
-        ss = SlotSampler(sampler, 3, 16, chunk=2)
-        slots = ss.insert(actor, ss.empty(actor), prompts[:3], [0, 1, 2], keys[:3])
+        ss = engine.slots(actor, 3, max_prompt=16, chunk=2)
+        slots = ss.insert(ss.empty(), prompts[:3], [0, 1, 2], keys[:3])
         owner, out, nxt = {0: 0, 1: 1, 2: 2}, {}, 3
         while len(out) < 5:
-            slots, _ = ss.decode_chunk(actor, slots)
-            done = np.asarray(slots.done)
+            slots, _ = ss.decode(slots)
+            done = ss.done(slots)
             for k in [k for k in owner if done[k]]:
-                out[owner.pop(k)] = [np.asarray(x[0]).tolist() for x in ss.read(slots, [k])]
+                out[owner.pop(k)] = [np.asarray(x[0]).tolist() for x in ss.read(slots, [k])[:4]]
             free = [k for k in range(3) if k not in owner][: 5 - nxt]
             if free:
-                slots = ss.insert(actor, slots, prompts[nxt:nxt + len(free)], free, keys[nxt:nxt + len(free)])
+                slots = ss.insert(slots, prompts[nxt:nxt + len(free)], free, keys[nxt:nxt + len(free)])
                 owner.update({k: nxt + j for j, k in enumerate(free)})
                 nxt += len(free)
         return [out[i] for i in range(5)], ss, slots
 
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(3))
-    one, _, _ = play(Sampler(tok, cfg), actor)
+    one, _, _ = play(Engine(tok, cfg), actor)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     shard_params(actor, mesh)
-    eight, ss, slots = play(Sampler(tok, cfg, mesh=mesh), actor)
+    eight, ss, slots = play(Engine(tok, cfg, mesh=mesh), actor)
     specs = {n: str(x.sharding.spec) for n, x in
              dict(k=slots.cache.k[0], v=slots.cache.v[0], index=slots.cache.index, tokens=slots.tokens).items()}
-    json.dump(dict(one=one, eight=eight, rows=ss.rows, inserts=ss.counters["insert_calls"], specs=specs), sys.stdout)
+    json.dump(dict(one=one, eight=eight, rows=ss.num_slots, inserts=ss.counters["insert_calls"], specs=specs), sys.stdout)
 """)
 
 
@@ -85,29 +85,29 @@ def test_a_slot_left_idle_for_longer_than_its_cache_serves_its_next_prompt_exact
     from flax import nnx
 
     from bipace_jax.models import Qwen2Actor, Qwen2Config
-    from bipace_jax.sampling import Sampler, SamplerConfig
-    from bipace_jax.slots import SlotSampler
+    from bipace_jax.sampling import Engine, SamplerConfig
     from tests.test_sampling import small_tokenizer
 
     tok = small_tokenizer()
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(0))
     cfg = SamplerConfig(max_new_tokens=8, greedy=True, batch_buckets=(1, 2), length_buckets=(16,), eos_token_ids=(1,))
-    sampler = Sampler(tok, cfg)
-    ss = SlotSampler(sampler, 2, 16, chunk=8)  # S = 16 + 8 columns per slot
+    sampler = Engine(tok, cfg)
+    ss = sampler.slots(actor, 2, max_prompt=16, chunk=8)  # S = 16 + 8 columns per slot
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
     prompts = [[5 + i, 9, 12 + i, 7] for i in range(8)]
-    slots = ss.insert(actor, ss.empty(actor), prompts[:1], [0], keys[:1])
+    slots = ss.insert(ss.empty(), prompts[:1], [0], keys[:1])
     steps = 0
     for j in range(1, 7):  # slot 0 ends after <= 8 tokens; slot 1 keeps decoding 6 prompts of 8 tokens
-        slots = ss.insert(actor, slots, prompts[j : j + 1], [1], keys[j : j + 1])
-        while not bool(np.asarray(slots.done)[1]):
-            slots, n = ss.decode_chunk(actor, slots)
+        slots = ss.insert(slots, prompts[j : j + 1], [1], keys[j : j + 1])
+        while not ss.done(slots)[1]:
+            slots, n = ss.decode(slots)
             steps += n
     assert steps > 24  # slot 0 sat through more steps than its columns
-    slots = ss.insert(actor, slots, prompts[7:], [0], keys[7:])
-    while not bool(np.asarray(slots.done)[0]):
-        slots, _ = ss.decode_chunk(actor, slots)
-    tokens, lengths, logps, _ = ss.read(slots, [0])
+    slots = ss.insert(slots, prompts[7:], [0], keys[7:])
+    while not ss.done(slots)[0]:
+        slots, _ = ss.decode(slots)
+    tokens, lengths, logps, _, timing = ss.read(slots, [0])
+    assert timing is None  # rows read from slots carry no call timing
     ref = sampler.generate(actor, prompts[7:], jax.random.key(1), row_keys=keys[7:])
     assert np.isfinite(logps).all()
     np.testing.assert_array_equal(tokens, ref.tokens)

@@ -4,8 +4,8 @@ The G games of a task group start from the same prompt, and on later turns their
 begin with the same head (system prompt, instructions, goal, recipes; the history comes after it).
 A plain prefill runs that head once per row. With shared heads, the sampler prefills each distinct
 head once (H head rows), copies its KV into the rows that share it, and prefills only each row's
-suffix on top (``Qwen2Actor.extend``). This module makes the host-side plan; the device program is
-``sampling._shared_prefill_program``.
+suffix on top (``Qwen2Actor.extend``). This module makes the host-side plan and the head arrays; the
+device side is the ``prefill`` program given a ``PromptBatch`` with ``heads`` (``sampling.programs``).
 
 Layout (static shapes): the call's prompt bucket P is split into a head width Th and a suffix width
 Ts = P - Th, Ts from a short ladder (32, 128, 512, ...). Row b's cache columns are its head, left-padded
@@ -25,7 +25,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["HeadPlan", "MAX_COST_FRACTION", "MIN_SUFFIX", "common_prefix_length", "plan_heads", "suffix_ladder"]
+__all__ = [
+    "HeadPlan",
+    "MAX_COST_FRACTION",
+    "MIN_SUFFIX",
+    "common_prefix_length",
+    "head_arrays",
+    "plan_heads",
+    "suffix_ladder",
+]
 
 MAX_COST_FRACTION = 0.75  # below a 25% saving the extra program (and its compile) is not worth it
 MIN_SUFFIX = 32  # the smallest suffix width: a turn's new text and the generation prompt
@@ -169,3 +177,17 @@ def plan_heads(
         tokens=int(cost),
         plain_tokens=int(plain),
     )
+
+
+def head_arrays(plan: HeadPlan, rows: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's heads left-padded into (head_ids, head_mask) int32[rows, Th], ``rows`` >= H (the
+    sampler passes the batch bucket of H, at most its rows' bucket); a padding head holds one pad token
+    so no attention row is empty."""
+    h = len(plan.heads)
+    ids = np.full((rows, plan.head_width), pad_id, np.int32)
+    mask = np.zeros((rows, plan.head_width), np.int32)
+    for i, a in enumerate(plan.heads):
+        ids[i, plan.head_width - a.size :] = a
+        mask[i, plan.head_width - a.size :] = 1
+    mask[h:, -1] = 1
+    return ids, mask

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from bipace_jax.models import Qwen2Actor, Qwen2Config
-from bipace_jax.prompt_heads import common_prefix_length, plan_heads, suffix_ladder
-from bipace_jax.sampling import Sampler, SamplerConfig
+from bipace_jax.sampling import Engine, SamplerConfig
+from bipace_jax.sampling.heads import common_prefix_length, plan_heads, suffix_ladder
 from tests.test_sampling import small_tokenizer
 
 
@@ -100,8 +100,8 @@ def test_shared_head_prefill_equals_the_plain_prefill(fingerprint_layer):
     prompts, groups = _prompts(len(tok))
     base = dict(max_new_tokens=12, batch_buckets=(4, 16), length_buckets=(128,))
     for greedy in (True, False):
-        plain = Sampler(tok, SamplerConfig(**base, greedy=greedy))
-        shared = Sampler(tok, SamplerConfig(**base, greedy=greedy, shared_head_tokens=32))
+        plain = Engine(tok, SamplerConfig(**base, greedy=greedy))
+        shared = Engine(tok, SamplerConfig(**base, greedy=greedy, shared_head_tokens=32))
         plan = shared.head_plan([np.asarray(p, np.int32) for p in prompts], groups, 128)
         assert plan is not None and len(plan.heads) == 4 and plan.shared_rows == 12
         keys = jax.random.split(jax.random.key(3), len(prompts))
@@ -111,15 +111,15 @@ def test_shared_head_prefill_equals_the_plain_prefill(fingerprint_layer):
         np.testing.assert_array_equal(a.lengths, b.lengths)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         np.testing.assert_allclose(a.fingerprints, b.fingerprints, atol=1e-5)
-        assert shared.last_timing["prefill_tokens"] < 0.5 * plain.last_timing["prefill_tokens"]
-        assert plain.last_timing["prefill_tokens"] == plain.last_timing["prompt_tokens"] == sum(map(len, prompts))
+        assert b.timing.prefill_tokens < 0.5 * a.timing.prefill_tokens
+        assert a.timing.prefill_tokens == a.timing.prompt_tokens == sum(map(len, prompts))
     assert len(set(a.lengths.tolist())) > 1  # rows of several lengths were decoded after the shared prefill
 
 
 def test_generate_rejects_groups_of_the_wrong_length():
     tok = small_tokenizer()
     actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(0))
-    sampler = Sampler(tok, SamplerConfig(max_new_tokens=2, shared_head_tokens=8))
+    sampler = Engine(tok, SamplerConfig(max_new_tokens=2, shared_head_tokens=8))
     with pytest.raises(ValueError, match=r"groups must hold one int per prompt \(2\), got 1"):
         sampler.generate(actor, [[5, 6], [5, 7]], jax.random.key(0), groups=[0])
 
