@@ -312,3 +312,18 @@ def test_jitted_hgpo_matches_its_numpy_twin_on_random_padded_batches(seed, varia
     np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-4, atol=1e-4)
     for k, v in ref_diag.items():
         np.testing.assert_allclose(float(diag[k]), float(v), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_run_config_fields_reach_the_estimator_and_bad_ones_name_the_config_field():
+    import configs.textcraft_tiny
+    from bipace_jax.build import estimator_config
+    from bipace_jax.config import ConfigError
+
+    c = configs.textcraft_tiny.get_config()
+    c.estimator.name = "hgpo"
+    c.estimator.hgpo_history, c.estimator.hgpo_alpha, c.estimator.hgpo_base_group = 3, 0.5, True
+    ecfg = estimator_config(c)
+    assert (ecfg.name, ecfg.hgpo_history, ecfg.hgpo_alpha, ecfg.hgpo_base_group) == ("hgpo", 3, 0.5, True)
+    c.estimator.hgpo_history = -2
+    with pytest.raises(ConfigError, match=r"config\.estimator\.hgpo_history: expected an int >= 0, got -2"):
+        estimator_config(c)
