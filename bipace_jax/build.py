@@ -475,6 +475,9 @@ def estimator_config(c: ml_collections.ConfigDict, epsilon: float | None = None)
         step_norm=e.step_norm,
         pace_fallback=e.pace_fallback,
         similarity_thresh=e.similarity_thresh,
+        hgpo_history=e.hgpo_history,
+        hgpo_alpha=e.hgpo_alpha,
+        hgpo_base_group=e.hgpo_base_group,
     )
 
 

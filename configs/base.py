@@ -110,7 +110,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- advantages (EstimatorConfig) ------------------------------------------------------
     c.estimator = ml_collections.ConfigDict()
-    c.estimator.name = "bipace_q"  # grpo | gigpo | bigpo | bipace_q | bipace_diff
+    c.estimator.name = "bipace_q"  # grpo | gigpo | bigpo | bipace_q | bipace_diff | hgpo
     c.estimator.gamma = 0.95
     c.estimator.omega = 1.0
     c.estimator.norm = "mean_std"  # mean_std | mean (WebShop)
@@ -126,6 +126,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.estimator.step_norm = "none"  # none | std (bipace_* step term / cluster std, under norm=mean_std)
     c.estimator.pace_fallback = "same_key_cluster"  # same_key_cluster | singleton_pool (per-row LOO, paper)
     c.estimator.similarity_thresh = 0.0  # gigpo step groups: 0 exact text; (0, 1) verl-agent difflib ratio >= it
+    # HGPO (name="hgpo"; docs/estimators.md "HGPO"): groups by the last k anchor observations, k = 1 .. history + 1,
+    # mixed with weights (k + 1) ** alpha; base_group adds A_ep as a level-0 item. verl-agent: 2, 1.0, False.
+    c.estimator.hgpo_history = 2
+    c.estimator.hgpo_alpha = 1.0
+    c.estimator.hgpo_base_group = False
     # One-shot calibration (the paper's sweep; clustering estimators only): on the first iteration, epsilon becomes the smallest
     # grid value whose singleton step-group rate on that batch's fingerprints is <= the target
     # (paper, TextCraft-7B: clusters 22.4% singletons vs 50.3% for exact hashing). Off: epsilon as set.

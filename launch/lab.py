@@ -353,7 +353,7 @@ def run_grid(c) -> dict:
         if scatter is None and m >= 8 and sigma > 0:
             keep = batch.rollouts.seed == 0
             est = {}
-            for n in ("gigpo", "bigpo", "bipace_q", "bipace_diff"):
+            for n in ("gigpo", "bigpo", "bipace_q", "bipace_diff", "hgpo"):
                 if n in cfgs:
                     est[n] = lab.estimate(batch, cfgs[n])[0][keep].tolist()
             scatter = dict(cell=f"m={m}, sigma={sigma}", a_star=batch.a_star[keep].tolist(), est=est)

@@ -17,6 +17,7 @@ from bipace_jax.lab import (
     learn,
     policy_values,
     sample_rollouts,
+    score_estimators,
     score_rows,
     singleton_rates,
     success_probability,
@@ -271,3 +272,18 @@ def test_anchor_reads_the_committed_textcraft_report_and_interpolates_m_and_sigm
     assert a["m_matching_hash_rate"] == pytest.approx(8 + (h - 0.5) / 0.4 * 56)
     assert a["sigma_matching_cluster_rate"] == pytest.approx(0.2 + (c - 0.1) / 0.4 * 0.2)
     assert anchor("no/such/report.json", m_rows, s_rows, root=ROOT)["error"] == "not found"
+
+
+def test_hgpo_arm_is_scored_on_its_whole_advantage():
+    """HGPO mixes A_ep into its own terms, so its step_ scores are those of its whole advantage and its
+    no-signal rows are those with A = 0 (`docs/lab.md`, "Scores")."""
+    _, _, b = _batch(LabView(paraphrases=2, sigma=0.0, dim=16))
+    cfgs = {n: EstimatorConfig(name=n, norm="mean", gamma=0.9) for n in ("gigpo", "hgpo")}
+    scores, _ = score_estimators(b, cfgs)
+    h = scores["hgpo"]
+    np.testing.assert_array_equal(h["step_corr"], h["corr"])
+    np.testing.assert_array_equal(h["step_nmse"], h["nmse"])
+    adv = estimate(b, cfgs["hgpo"])[0]
+    zero = np.bincount(b.rollouts.seed, weights=adv == 0, minlength=SEEDS) / np.bincount(b.rollouts.seed)
+    np.testing.assert_allclose(h["no_signal"], zero)
+    assert (h["corr"] > 0).all() and not np.array_equal(h["corr"], scores["gigpo"]["corr"])

@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, GiGPO, BiGPO, BiPACE_Q, BiPACE_diff (contract: `docs/estimators.md`).
+"""Advantage estimators: GRPO, GiGPO, BiGPO, BiPACE_Q, BiPACE_diff, HGPO (contract: `docs/estimators.md`).
 
     from bipace_jax.estimators import StepBatch, EstimatorConfig, compute_advantages, assign_ids
     batch = StepBatch.from_numpy(group_id=..., traj_id=..., step=..., reward=..., obs_hash=...,

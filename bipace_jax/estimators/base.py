@@ -31,6 +31,13 @@ class StepInputs(NamedTuple):
     norm: static "mean_std" or "mean" (`EstimatorConfig.norm`).
     step_norm, pace_fallback: static `EstimatorConfig.step_norm` / `pace_fallback` ("Protocol
       options"); only step levels whose spec sets `uses_pace_options` read them.
+    step: int32 position of each row in its trajectory (0 for the first step); the rows of one
+      trajectory are consecutive in canonical order, so row i - 1 is step `step[i] - 1` of the same
+      trajectory whenever `step[i] > 0`.
+    episode_advantage: float32 A_ep of each row (0 where not `include`), the episode level as
+      configured (`norm`, `penalty`, `episode_stats`).
+    options: static `((field, value), ...)` of the `EstimatorConfig` fields named by the spec's
+      `options`, in that order; () for a spec without options.
     """
 
     returns: Any
@@ -41,6 +48,9 @@ class StepInputs(NamedTuple):
     norm: str
     step_norm: str = "none"
     pace_fallback: str = "same_key_cluster"
+    step: Any = None
+    episode_advantage: Any = None
+    options: tuple = ()
 
 
 class StepOutput(NamedTuple):
@@ -73,6 +83,16 @@ class EstimatorSpec:
       uses_pace_options: the step level honours `EstimatorConfig.step_norm` and `pace_fallback`
         (`StepInputs` always carries them; `reference_step` then also receives them as the keyword
         arguments `step_norm=` and `pace_fallback=`); otherwise both options are ignored.
+      options: names of further `EstimatorConfig` fields the step level reads (e.g. hgpo's
+        `hgpo_history`); they reach `StepInputs.options` (static: each value compiles once) and
+        `reference_rows` as keyword arguments.
+      owns_episode_level: the step level returns each row's whole advantage from
+        `StepInputs.episode_advantage` and its own terms: A = A_step, `omega` is not applied.
+      reference_rows: None, or the NumPy twin of a step level that looks across the rows of a
+        trajectory (`reference_step` only sees one step group): `fn(task_groups, norm, dtype,
+        **options) -> list`, `task_groups` a list (one per task group) of lists (one per trajectory,
+        ascending traj_id) of lists (one per step, ascending) of `(obs_hash, R, A_ep)` in `dtype`;
+        returns A_step with the same nesting. When set, the oracle calls it instead of `reference_step`.
     """
 
     name: str
@@ -81,6 +101,9 @@ class EstimatorSpec:
     reference_step: Callable[..., StepOutput]
     uses_action_keys: bool = False
     uses_pace_options: bool = False
+    options: tuple[str, ...] = ()
+    owns_episode_level: bool = False
+    reference_rows: Callable[..., list] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -90,7 +113,11 @@ class EstimatorSpec:
         for field in ("step_advantage", "reference_step"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"EstimatorSpec.{field}: expected a callable, got {getattr(self, field)!r}")
-        for field in ("uses_action_keys", "uses_pace_options"):
+        if self.reference_rows is not None and not callable(self.reference_rows):
+            raise ValueError(f"EstimatorSpec.reference_rows: expected None or a callable, got {self.reference_rows!r}")
+        if not isinstance(self.options, tuple) or not all(isinstance(f, str) for f in self.options):
+            raise ValueError(f"EstimatorSpec.options: expected a tuple of field names, got {self.options!r}")
+        for field in ("uses_action_keys", "uses_pace_options", "owns_episode_level"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"EstimatorSpec.{field}: expected a bool, got {getattr(self, field)!r}")
 

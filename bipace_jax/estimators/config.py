@@ -30,10 +30,11 @@ class EstimatorConfig:
 
     Attributes:
       name: a registered estimator, `registry.names()` (built-in: "grpo", "gigpo", "bigpo",
-        "bipace_q", "bipace_diff").
+        "bipace_q", "bipace_diff", "hgpo").
       gamma: discount of the step return `R[t] = reward[t] + gamma * R[t+1]`, in [0, 1]
         (`docs/estimators.md`, "Returns").
-      omega: weight of the step level, `A = A_ep + omega * A_step`; any finite float (verl-agent's
+      omega: weight of the step level, `A = A_ep + omega * A_step` (not read by hgpo, whose step
+        level gives the whole advantage); any finite float (verl-agent's
         `step_advantage_w` is not restricted either; a negative omega rewards the opposite of the
         step ranking, which is only useful for ablations).
       norm: "mean_std" (divide by the unbiased std + 1e-6) or "mean" (centre only); governs the episode
@@ -60,12 +61,21 @@ class EstimatorConfig:
         0.0 (default) exact text, or a float in (0, 1), verl-agent's `similarity_thresh`
         (`similarity_groups`: greedy clusters of `difflib` ratio >= it per task group). Carried for
         the caller like `key` (the rollout reads it from `RolloutConfig.similarity_thresh`); it
-        changes the groups of the `obs_hash` estimators (gigpo), not the clusters of the others.
+        changes the groups of the `obs_hash` estimators (gigpo, hgpo), not the clusters of the others.
+      hgpo_history, hgpo_alpha, hgpo_base_group: HGPO's options (`docs/estimators.md`, "HGPO"), read
+        by hgpo only; each value compiles once.
+        hgpo_history: H >= 0, the history levels: rows are grouped by their last k anchor
+          observations for k = 1 .. H + 1 (verl-agent's `env.history_length`, default 2).
+        hgpo_alpha: finite float, the level weight (k + 1) ** alpha (verl-agent's
+          `length_weight_alpha`, default 1.0; 0 weighs the levels equally).
+        hgpo_base_group: bool, whether A_ep joins the mixture as a level-0 item (verl-agent's
+          `base_group`, default False).
 
     Raises:
       ValueError: on an unknown name, norm, centroid, key, penalty, episode_stats, step_norm or
         pace_fallback, gamma outside [0, 1], epsilon outside [0, 1), a non-finite omega, a capacity
-        below 1, similarity_thresh outside [0, 1) or > 0 for an estimator that does not group by
+        below 1, hgpo_history not an int >= 0, a non-finite hgpo_alpha, hgpo_base_group not a bool,
+        similarity_thresh outside [0, 1) or > 0 for an estimator that does not group by
         observation, or penalty="own_row" with episode_stats="trajectory".
     """
 
@@ -82,6 +92,9 @@ class EstimatorConfig:
     step_norm: str = "none"
     pace_fallback: str = "same_key_cluster"
     similarity_thresh: float = 0.0
+    hgpo_history: int = 2
+    hgpo_alpha: float = 1.0
+    hgpo_base_group: bool = False
 
     def __post_init__(self):
         if self.name not in registry.names():
@@ -91,9 +104,16 @@ class EstimatorConfig:
             ("omega", self.omega),
             ("epsilon", self.epsilon),
             ("similarity_thresh", self.similarity_thresh),
+            ("hgpo_alpha", self.hgpo_alpha),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"EstimatorConfig.{field}: expected a float, got {value!r}")
+        if not math.isfinite(self.hgpo_alpha):
+            raise ValueError(f"EstimatorConfig.hgpo_alpha: expected a finite float, got {self.hgpo_alpha!r}")
+        if isinstance(self.hgpo_history, bool) or not isinstance(self.hgpo_history, int) or self.hgpo_history < 0:
+            raise ValueError(f"EstimatorConfig.hgpo_history: expected an int >= 0, got {self.hgpo_history!r}")
+        if not isinstance(self.hgpo_base_group, bool):
+            raise ValueError(f"EstimatorConfig.hgpo_base_group: expected True or False, got {self.hgpo_base_group!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"EstimatorConfig.gamma: expected a value in [0, 1], got {self.gamma!r}")
         if not math.isfinite(self.omega):

@@ -2,8 +2,8 @@
 
 The estimator's `registry.EstimatorSpec` chooses the step grouping and the step level; everything
 else (canonical order, returns, episode level, diagnostics) is shared. One compiled function per
-(estimator, norm, centroid, capacity, protocol options, batch shapes and capacities, whether the
-batch has a penalty, mesh); gamma, omega and epsilon are traced scalars, so tuning them (e.g. `EpsilonController`) never recompiles.
+(estimator, norm, centroid, capacity, protocol options, the estimator's own options, batch shapes
+and capacities, whether the batch has a penalty, mesh); gamma, omega and epsilon are traced scalars, so tuning them (e.g. `EpsilonController`) never recompiles.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from bipace_jax.estimators import clustering, diagnostics, registry
 from bipace_jax.estimators.batch import StepBatch
 from bipace_jax.estimators.config import EstimatorConfig
-from bipace_jax.estimators.episodes import canonical_rows, discounted_returns, episode_advantage, hash_labels
+from bipace_jax.estimators.episodes import (
+    canonical_rows,
+    discounted_returns,
+    episode_advantage,
+    hash_labels,
+    trajectory_steps,
+)
 
 #: ``step_details`` row kinds: a valid row whose step term took neither PACE branch, the leave-one-out
 #: fallback, the PACE value; -1 marks padding and invalid rows.
@@ -34,6 +40,7 @@ def _advantages(
     centroid: str,
     capacity: int | None,
     protocol: tuple[str, str, str, str],
+    options: tuple,
     mesh,
     data_axis: str,
 ):
@@ -70,7 +77,19 @@ def _advantages(
         diag.update(diagnostics.partition_stats(step_label, include, num_segments))
     action_key = rows.action_key if spec.uses_action_keys else None
     out = spec.step_advantage(
-        registry.StepInputs(returns, step_label, action_key, include, num_segments, norm, step_norm, pace_fallback)
+        registry.StepInputs(
+            returns,
+            step_label,
+            action_key,
+            include,
+            num_segments,
+            norm,
+            step_norm,
+            pace_fallback,
+            step=trajectory_steps(rows),
+            episode_advantage=a_ep,
+            options=options,
+        )
     )
     zero_rate = jnp.float32(0.0)
     diag.update(
@@ -80,7 +99,10 @@ def _advantages(
         degenerate_rows=deg_rows,
         invalid_rows=rows.invalid_rows,
     )
-    a = jnp.where(include, a_ep + jnp.asarray(omega, jnp.float32) * out.advantage, 0.0)
+    if spec.owns_episode_level:
+        a = jnp.where(include, out.advantage, 0.0)
+    else:
+        a = jnp.where(include, a_ep + jnp.asarray(omega, jnp.float32) * out.advantage, 0.0)
     adv = jnp.zeros((n,), jnp.float32).at[rows.perm].set(a)
     labels = jnp.zeros((n,), jnp.int32).at[rows.perm].set(jnp.where(include, step_label, -1))
     kind = jnp.zeros((n,), jnp.int32)
@@ -91,9 +113,11 @@ def _advantages(
 
 
 @functools.cache
-def _jitted(spec, norm, centroid, capacity, protocol, mesh, data_axis):
+def _jitted(spec, norm, centroid, capacity, protocol, options, mesh, data_axis):
     # Keyed by the spec itself, so re-registering a name never reuses a stale compiled function.
-    static = dict(spec=spec, norm=norm, centroid=centroid, capacity=capacity, protocol=protocol, mesh=mesh)
+    static = dict(
+        spec=spec, norm=norm, centroid=centroid, capacity=capacity, protocol=protocol, options=options, mesh=mesh
+    )
     return jax.jit(functools.partial(_advantages, data_axis=data_axis, **static))
 
 
@@ -113,7 +137,9 @@ def jitted_advantages(cfg: EstimatorConfig, *, mesh=None, data_axis: str = "data
     `step_details`); for benchmarks that lower and compile it themselves.
     """
     spec = registry.get(cfg.name)
-    fn = _jitted(spec, cfg.norm, cfg.centroid, cfg.capacity, _protocol(cfg), mesh if spec.clusters else None, data_axis)
+    options = tuple((field, getattr(cfg, field)) for field in spec.options)
+    mesh = mesh if spec.clusters else None
+    fn = _jitted(spec, cfg.norm, cfg.centroid, cfg.capacity, _protocol(cfg), options, mesh, data_axis)
     return fn, (jnp.float32(cfg.gamma), jnp.float32(cfg.omega), clustering.join_threshold(cfg.epsilon))
 
 
@@ -158,7 +184,8 @@ def compute_advantages(batch: StepBatch, cfg: EstimatorConfig, *, mesh=None, dat
     """Advantages of every row and the batch diagnostics, jitted (`docs/estimators.md`).
 
     A = A_ep + omega * A_step for valid real rows, 0 for padding and invalid rows: A_ep is GRPO over
-    each task group's trajectories, A_step the step level of the registered estimator `cfg.name`. One
+    each task group's trajectories, A_step the step level of the registered estimator `cfg.name`
+    (a spec with `owns_episode_level`, e.g. hgpo, returns the whole advantage: A = A_step). One
     compile per config (name, norm, centroid, capacity, protocol options), batch shapes/dtypes/capacities
     and mesh (gamma, omega and epsilon are traced); results do not depend on the row order.
 

@@ -202,6 +202,17 @@ def episode_advantage(rows: Rows, norm: str, penalty: str = "in_reward", stats: 
     return jnp.where(rows.valid, a_traj[traj], 0.0)
 
 
+def trajectory_steps(rows: Rows) -> jax.Array:
+    """Position of each valid row in its trajectory (its `step`); int32[N], 0 where not valid.
+
+    A valid trajectory's rows are consecutive in canonical order with steps 0..T-1, so the position
+    is the distance to the trajectory's first row.
+    """
+    k = jnp.arange(rows.reward.shape[0], dtype=jnp.int32)
+    start = lax.cummax(jnp.where(rows.first_of_traj, k, 0))
+    return jnp.where(rows.valid, k - start, 0)
+
+
 def hash_labels(rows: Rows):
     """Dense ids of the exact-hash partition over (group_id, obs_hash); int32[N] in [0, N).
 

@@ -246,7 +246,20 @@ def compute_advantages_reference(batch, cfg, dtype=np.float32, return_groups: bo
     # Step level ("Step level"): the estimator's NumPy twin, one step group at a time.
     a_step = {i: dtype(0.0) for i in rows}
     loo_rows = pace_rows = 0
-    for members in step_groups:
+    if spec.reference_rows is not None:
+        # A step level across the rows of a trajectory: every task group's trajectories at once.
+        groups = [[by_traj[t] for t in sorted(trajs)] for _, trajs in sorted(trajs_of_group.items())]
+        nested = [[[(int(a["obs_hash"][i]), step_return[i], a_ep[i]) for i in m] for m in g] for g in groups]
+        options = {field: getattr(cfg, field) for field in spec.options}
+        out = spec.reference_rows(nested, cfg.norm, dtype, **options)
+        for g, g_out in zip(groups, out):
+            for m, m_out in zip(g, g_out):
+                for i, v in zip(m, m_out):
+                    a_step[i] = dtype(v)
+        step_groups_for_level = []
+    else:
+        step_groups_for_level = step_groups
+    for members in step_groups_for_level:
         keys = None
         if spec.uses_action_keys:
             # An unparsable (negative) key matches no other row: give each such row its own key.
@@ -263,7 +276,7 @@ def compute_advantages_reference(batch, cfg, dtype=np.float32, return_groups: bo
 
     adv = np.zeros((n,), dtype)
     for i in rows:
-        adv[i] = a_ep[i] + omega * a_step[i]
+        adv[i] = a_step[i] if spec.owns_episode_level else a_ep[i] + omega * a_step[i]
 
     diag = size_stats(hash_groups, num_rows, prefix="hash_")
     if spec.grouping == base.NO_GROUPS:

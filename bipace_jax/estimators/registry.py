@@ -6,13 +6,13 @@ estimator is one module defining `SPEC` plus its entry in `BUILTINS`, and outsid
 `register(spec)` call does the same. Contract: `docs/estimators.md`, "Registry".
 
     from bipace_jax.estimators import registry
-    registry.names()            # ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff")
+    registry.names()            # ("grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "hgpo")
     registry.get("bipace_q")    # EstimatorSpec(name="bipace_q", grouping="cluster", ...)
 """
 
 from __future__ import annotations
 
-from bipace_jax.estimators import bigpo, bipace_diff, bipace_q, gigpo, grpo
+from bipace_jax.estimators import bigpo, bipace_diff, bipace_q, gigpo, grpo, hgpo
 from bipace_jax.estimators.base import (
     CLUSTER,
     GROUPINGS,
@@ -38,7 +38,7 @@ __all__ = [
     "unregister",
 ]
 
-BUILTINS = (grpo.SPEC, gigpo.SPEC, bigpo.SPEC, bipace_q.SPEC, bipace_diff.SPEC)
+BUILTINS = (grpo.SPEC, gigpo.SPEC, bigpo.SPEC, bipace_q.SPEC, bipace_diff.SPEC, hgpo.SPEC)
 """The built-in estimators, registered at import in this order."""
 
 _SPECS: dict[str, EstimatorSpec] = {}

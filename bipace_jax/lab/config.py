@@ -56,7 +56,17 @@ def default_config() -> ml_collections.ConfigDict:
     )
     c.batch = ml_collections.ConfigDict(dict(seeds=200, groups=4, group_size=8))
     c.estimator = ml_collections.ConfigDict(
-        dict(names="", gamma=0.95, omega=1.0, norm="mean", epsilon=0.05, centroid="mean")
+        dict(
+            names="",
+            gamma=0.95,
+            omega=1.0,
+            norm="mean",
+            epsilon=0.05,
+            centroid="mean",
+            hgpo_history=2,
+            hgpo_alpha=1.0,
+            hgpo_base_group=False,
+        )
     )
     c.learn = ml_collections.ConfigDict(dict(iterations=20, lr=2.0, policy="latent"))
     c.grid = ml_collections.ConfigDict(
@@ -224,7 +234,15 @@ def estimator_configs(c: ml_collections.ConfigDict) -> dict[str, EstimatorConfig
     for n in names:
         try:
             out[n] = EstimatorConfig(
-                name=n, gamma=e.gamma, omega=e.omega, norm=e.norm, epsilon=e.epsilon, centroid=e.centroid
+                name=n,
+                gamma=e.gamma,
+                omega=e.omega,
+                norm=e.norm,
+                epsilon=e.epsilon,
+                centroid=e.centroid,
+                hgpo_history=e.hgpo_history,
+                hgpo_alpha=e.hgpo_alpha,
+                hgpo_base_group=e.hgpo_base_group,
             )
         except ValueError as err:
             field = str(err).split(":")[0].split(".")[-1]

@@ -55,8 +55,9 @@ def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta
 
     Returns: {name: {key: float64[seeds]}} and {name: pooled batch diagnostics}; keys: `SCORE_KEYS`
     of the whole advantage (what trains), the same with prefix "step_" (but no_signal) of the step
-    term alone, (A - A_ep) / omega, and "singleton_row_rate", "singleton_group_rate". The episode
-    level A_ep comes from a grpo config with the same gamma, norm and protocol options.
+    term alone, (A - A_ep) / omega (the whole A for a spec with `owns_episode_level`, e.g. hgpo), and
+    "singleton_row_rate", "singleton_group_rate". The episode level A_ep comes from a grpo config with
+    the same gamma, norm and protocol options.
     """
     ro = batch.rollouts
     out, diags, episode = {}, {}, {}
@@ -65,9 +66,13 @@ def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta
         if ep_cfg not in episode:
             episode[ep_cfg] = estimate(batch, ep_cfg)[0]
         adv, diag, labels = estimate(batch, cfg)
-        s = score_rows(adv, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta, episode_adv=episode[ep_cfg])
-        # The step term alone (A - A_ep) is each estimator's own estimate of Q - V.
-        step = (adv - episode[ep_cfg]) / cfg.omega if cfg.omega > 0 else np.zeros_like(adv)
+        # The step term alone (A - A_ep) is each estimator's own estimate of Q - V; an estimator that
+        # mixes A_ep into its own terms (hgpo) has no separate step term: its whole A is that estimate,
+        # and its no-signal rows are those with A = 0.
+        owns = cfg.spec.owns_episode_level
+        ep = np.zeros_like(adv) if owns else episode[ep_cfg]
+        s = score_rows(adv, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta, episode_adv=ep)
+        step = adv if owns else (adv - ep) / cfg.omega if cfg.omega > 0 else np.zeros_like(adv)
         for k, v in score_rows(step, batch.a_star, batch.cell, ro.seed, ro.seeds, delta=delta).items():
             if k != "no_signal":
                 s["step_" + k] = v
