@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from bipace_jax import metric_keys, runfolder
+from bipace_jax import checkpointing, metric_keys, runfolder
 from bipace_jax.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -137,22 +137,61 @@ def check_config_change(
     return changes
 
 
+def checkpoint_changes(workdir: str, config: dict[str, Any]) -> tuple[int, list[tuple[str, Any, Any]]] | None:
+    """The newest checkpoint in ``workdir`` against ``config`` (a ``to_dict()``): ``(its iteration, the
+    changed fields)`` by the config it recorded (``changed_fields``), or, for a checkpoint that recorded
+    none, by its seed and estimator name; None when the folder has no readable checkpoint."""
+    record = checkpointing.latest_record(workdir)
+    if record is None:
+        return None
+    step, meta = record
+    if isinstance(meta.get("config"), dict):
+        return int(meta.get("iteration", step)), changed_fields(meta["config"], config)
+    recorded = {"seed": meta.get("seed"), "estimator.name": meta.get("estimator") or None}
+    current = flatten(_canonical(config))
+    changes = [(f, v, current.get(f)) for f, v in recorded.items() if v is not None and v != current.get(f)]
+    return int(meta.get("iteration", step)), sorted(changes)
+
+
 def check_resume(workdir: str, config: dict[str, Any], num_iterations: int, allow_change: bool) -> str | None:
     """``launch.train``'s resume rule for a run of ``config`` (a ``to_dict()``) and ``num_iterations``
-    in ``workdir``: ``check_config_change`` against its ``config.json``. Returns the finished-run line
-    when the folder's metrics already reach ``num_iterations``, else None.
+    in ``workdir``: ``check_config_change`` against its ``config.json``, then the same rule against the
+    newest checkpoint's own record (its config, or its seed and estimator), which holds when
+    ``config.json`` or ``metrics.jsonl`` is damaged or gone. Returns the finished-run line when the
+    folder's metrics already reach ``num_iterations``, else None.
 
     Raises:
-      ConfigChangeError: the folder holds a run of another config and not ``allow_change``.
+      ConfigChangeError: the folder holds a run or a checkpoint of another config and not ``allow_change``.
     """
     old = stored_config(workdir)
-    if old is None:
-        return None
-    done = logged(workdir)
+    done = logged(workdir) if old is not None else 0
     check_config_change(workdir, old, config, done, allow_change)
+    found = checkpoint_changes(workdir, config)
+    if found is not None and found[1]:
+        iteration, changes = found
+        if not allow_change:
+            raise ConfigChangeError(
+                f"--workdir={workdir} holds a checkpoint (iteration {iteration}) of another config: "
+                f"{describe(changes)}; use a new --workdir, or {ALLOW_FLAG} to continue it"
+            )
+        log.warning("resuming a checkpoint of another config (%s)", describe(changes))
     if done >= num_iterations and done > 0:
         return f"the run in {workdir} is finished ({done} of {num_iterations} iterations); its report, from disk:"
     return None
+
+
+def fields_behind(workdir: str, config: dict[str, Any]) -> str:
+    """For an error about state on disk that another config wrote (a checkpoint of other shapes): the
+    config fields that differ from the folder's ``config.json`` (``"config.model.hidden_size: 4 -> 8"``),
+    or the newest checkpoint's recorded config when ``config.json`` is gone; a sentence saying they are
+    unknown when neither names one."""
+    old = stored_config(workdir)
+    changes = changed_fields(old, config) if old is not None else []
+    if not changes and (found := checkpoint_changes(workdir, config)) is not None:
+        changes = found[1]
+    if not changes:
+        return f"which config field changed is unknown ({CONFIG_FILE} and the checkpoint's record name none)"
+    return f"config fields changed since: {describe(changes)}"
 
 
 def report_from_disk(workdir: str) -> dict[str, Any]:

@@ -158,7 +158,7 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         spec = build.build_spec(config)
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
-    from bipace_jax import distributed, runfolder
+    from bipace_jax import checkpointing, distributed, runfolder
     from bipace_jax import trainer as trainer_lib
 
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
@@ -190,6 +190,10 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         tr = trainer_lib.Trainer(spec, workdir, resume=resume, env_factory=env_factory)
     except (config_lib.ConfigError, runfolder.RunFolderError, FileExistsError) as e:
         sys.exit(f"error: {e}")
+    except checkpointing.CheckpointMismatchError as e:  # steps stay in place; name the fields if config.json can
+        from bipace_jax import resume as resume_lib
+
+        cli.fail(f"{e} ({resume_lib.fields_behind(workdir, spec.config.to_dict())})")
     stopped = None
     try:
         summary = tr.run()

@@ -197,3 +197,59 @@ def test_help_lists_the_config_fields_with_their_defaults(module, field):
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Fields of "))
     assert "(override as --config.<field>=<value>)" in line and f" {field}" in line
     assert line.endswith(".") and line.count("=") > 50  # every field of the config file, on one line
+
+
+def _checkpointed_run(folder, **meta):
+    """A run folder holding one RL checkpoint (iteration 1) whose meta records ``meta``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bipace_jax.checkpointing import Checkpointer
+
+    params = {"w": jnp.zeros(4)}
+    ck = Checkpointer(str(folder))
+    ck.save(1, params, optax.sgd(0.1).init(params), jax.random.PRNGKey(0), {"iteration": 1, **meta})
+    ck.close()
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["config_cut", "metrics_removed"])
+def test_a_checkpoint_of_another_seed_and_estimator_is_refused_by_its_own_record(tmp_path, damage):
+    # the issue's case 8: run A (seed 1, bipace_q) checkpointed; config.json cut to 100 bytes (or
+    # metrics.jsonl removed); run B (seed 2, grpo) in the same folder resumed A's checkpoint without a word
+    import configs.textcraft_tiny
+
+    a = configs.textcraft_tiny.get_config()
+    a.seed, a.estimator.name = 1, "bipace_q"
+    run = _checkpointed_run(tmp_path, seed=1, estimator="bipace_q")
+    text = a.to_json_best_effort()
+    if damage == "config_cut":
+        (run / "config.json").write_text(text[:100])
+        (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    else:
+        (run / "config.json").write_text(text)
+    b = configs.textcraft_tiny.get_config()
+    b.seed, b.estimator.name = 2, "grpo"
+    with pytest.raises(resume.ConfigChangeError) as e:
+        resume.check_resume(str(run), b.to_dict(), 5, allow_change=False)
+    assert str(e.value) == (
+        f"--workdir={run} holds a checkpoint (iteration 1) of another config: config.estimator.name: "
+        "'bipace_q' -> 'grpo', config.seed: 1 -> 2; use a new --workdir, or --allow_config_change to continue it"
+    )
+    assert resume.check_resume(str(run), a.to_dict(), 5, allow_change=False) is None  # run A itself resumes
+    assert resume.check_resume(str(run), b.to_dict(), 5, allow_change=True) is None  # told to: it goes on
+
+
+def test_a_checkpoint_recording_its_config_names_every_changed_field(tmp_path):
+    import configs.textcraft_tiny
+
+    a = configs.textcraft_tiny.get_config()
+    run = _checkpointed_run(tmp_path, seed=a.seed, estimator=a.estimator.name, config=a.to_dict())
+    b = configs.textcraft_tiny.get_config()
+    b.model.hidden_size, b.env.num_workers = 2 * a.model.hidden_size, 3  # the worker count is neutral
+    with pytest.raises(resume.ConfigChangeError, match=r"config\.model\.hidden_size: \d+ -> \d+; use a new"):
+        resume.check_resume(str(run), b.to_dict(), 5, allow_change=False)
+    assert resume.fields_behind(str(run), b.to_dict()) == (
+        f"config fields changed since: config.model.hidden_size: {a.model.hidden_size} -> {b.model.hidden_size}"
+    )
