@@ -253,3 +253,32 @@ def test_a_checkpoint_recording_its_config_names_every_changed_field(tmp_path):
     assert resume.fields_behind(str(run), b.to_dict()) == (
         f"config fields changed since: config.model.hidden_size: {a.model.hidden_size} -> {b.model.hidden_size}"
     )
+
+
+@pytest.mark.slow
+def test_a_second_train_in_a_held_run_folder_refuses_and_writes_nothing(tmp_path):
+    # the case 4: the second launch.train joined the first (both exited 0, one config, two
+    # TensorBoard writers); here this test process holds the folder's lock as a live first run would
+    from bipace_jax import runfolder
+
+    run = tmp_path / "run"
+    lock = runfolder.RunLock(str(run), "process_0", "launch.train").acquire()
+    try:
+        before = sorted(os.listdir(run))
+        for extra in ([], ["--dry_run"]):
+            line = _one_error_line(_run("launch.train", f"--workdir={run}", *extra, timeout=240))
+            assert f"--workdir={run} is in use by launch.train (host" in line and f"pid {os.getpid()}" in line
+            assert sorted(os.listdir(run)) == before
+    finally:
+        lock.release()
+
+
+@pytest.mark.slow
+def test_dry_run_refuses_a_folder_it_cannot_write_and_creates_nothing(tmp_path):
+    (tmp_path / "file").write_text("x")
+    line = _one_error_line(_run("launch.train", f"--workdir={tmp_path}/file/run", "--dry_run", timeout=240))
+    assert "cannot create or write the run folder" in line
+    proc = _run("launch.train", f"--workdir={tmp_path}/new/run", "--dry_run", timeout=240)
+    assert proc.returncode == 0 and "run folder and resume checked" in proc.stdout
+    assert proc.stdout.startswith("devices: ")  # which chips, first
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # a dry run makes no folder
