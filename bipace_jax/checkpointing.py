@@ -13,7 +13,6 @@ for (``CheckpointMismatchError``: another model or optimizer, never set aside).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any
@@ -25,12 +24,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bipace_jax import runfolder
+from bipace_jax import resume, runfolder
 
 log = logging.getLogger(__name__)
 
-#: The file orbax writes into a step folder once the step is complete.
-COMMIT_MARKER = "commit_success.txt"
+#: The file orbax writes into a step folder once the step is complete (``resume`` reads the folder too).
+COMMIT_MARKER = resume.COMMIT_MARKER
 
 
 class CheckpointMismatchError(ValueError):
@@ -74,28 +73,6 @@ class CheckpointMeta:
         missing ones take their defaults, so checkpoints of older runs restore)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in meta.items() if k in names})
-
-
-#: Where orbax's ``JsonSave`` puts a step's ``meta`` item (read without orbax by ``latest_record``).
-_META_FILE = ("meta", "metadata")
-
-
-def latest_record(workdir: str) -> tuple[int, dict[str, Any]] | None:
-    """``(step, meta)`` of the newest committed checkpoint in ``workdir`` whose ``meta`` reads (the
-    dict ``Checkpointer.save`` wrote: ``CheckpointMeta`` fields, ``step``, ``rng``), or None when there
-    is none. Reads one small JSON file per step tried, without orbax; local or ``gs://``."""
-    root = runfolder.path(workdir) / "checkpoints"
-    if not root.exists():
-        return None
-    for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
-        folder = root / str(step)
-        if not (folder / COMMIT_MARKER).exists():
-            continue
-        try:
-            return step, json.loads(runfolder.read_text(folder.joinpath(*_META_FILE)) or "")
-        except json.JSONDecodeError:
-            continue
-    return None
 
 
 class Checkpointer:

@@ -17,12 +17,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from bipace_jax import checkpointing, metric_keys, runfolder
+from bipace_jax import metric_keys, runfolder
 from bipace_jax.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+#: The file orbax writes into a checkpoint's step folder once the step is complete.
+COMMIT_MARKER = "commit_success.txt"
 ALLOW_FLAG = "--allow_config_change"
 
 #: Field prefixes (dotted, ``config.`` left off) a resume may change without changing the run.
@@ -59,7 +61,9 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _neutral(field: str, neutral: Sequence[str] = NEUTRAL) -> bool:
+def is_neutral(field: str, neutral: Sequence[str] = NEUTRAL) -> bool:
+    """Whether the dotted ``field`` (``config.`` left off) falls under ``neutral``: a field a resume may
+    change without changing the run (so it never tells two runs apart, e.g. in ``launch.report``'s arms)."""
     return any(field == p.rstrip(".") or field.startswith(p if p.endswith(".") else p + ".") for p in neutral)
 
 
@@ -75,7 +79,7 @@ def changed_fields(
     counts as changed (its other value None)."""
     a, b = flatten(_canonical(old)), flatten(_canonical(new))
     return [
-        (f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not _neutral(f, neutral) and a.get(f) != b.get(f)
+        (f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not is_neutral(f, neutral) and a.get(f) != b.get(f)
     ]
 
 
@@ -137,11 +141,33 @@ def check_config_change(
     return changes
 
 
+#: Where a checkpoint step keeps its ``meta`` item (orbax's ``JsonSave``; read here without orbax).
+META_FILE = ("meta", "metadata")
+
+
+def latest_record(workdir: str) -> tuple[int, dict[str, Any]] | None:
+    """``(step, meta)`` of the newest committed checkpoint in ``workdir`` whose ``meta`` reads (the
+    dict ``Checkpointer.save`` wrote: ``CheckpointMeta`` fields, ``step``, ``rng``), or None when there
+    is none. Reads one small JSON file per step tried, without orbax; local or ``gs://``."""
+    root = runfolder.path(workdir) / "checkpoints"
+    if not root.exists():
+        return None
+    for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
+        folder = root / str(step)
+        if not (folder / COMMIT_MARKER).exists():
+            continue
+        try:
+            return step, json.loads(runfolder.read_text(folder.joinpath(*META_FILE)) or "")
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
 def checkpoint_changes(workdir: str, config: dict[str, Any]) -> tuple[int, list[tuple[str, Any, Any]]] | None:
     """The newest checkpoint in ``workdir`` against ``config`` (a ``to_dict()``): ``(its iteration, the
     changed fields)`` by the config it recorded (``changed_fields``), or, for a checkpoint that recorded
     none, by its seed and estimator name; None when the folder has no readable checkpoint."""
-    record = checkpointing.latest_record(workdir)
+    record = latest_record(workdir)
     if record is None:
         return None
     step, meta = record

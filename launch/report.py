@@ -3,7 +3,8 @@
     python -m launch.report runs/study [more run folders or studies] [--threshold=0.9] [--out=DIR]
 
 Run folders are found as given or one level down (a folder with ``metrics.jsonl`` and
-``config.json``). Runs whose configs differ only in ``seed`` form one *arm*; an arm is named by the
+``config.json``). Runs whose configs differ only in ``seed`` or in fields a resume may change
+(``bipace_jax.resume.NEUTRAL``: worker counts, logging, checkpoint cadence, the iteration budget) form one *arm*; an arm is named by the
 fields that tell the arms apart (e.g. ``estimator.name=bipace_q``; plots label it by the values,
 e.g. ``bipace_q``). Per arm, over its seeds (std: sample standard deviation, ddof 1; none for one
 seed, printed "(n = 1)"):
@@ -39,7 +40,7 @@ from typing import Any
 from absl import app, flags
 
 from bipace_jax import metric_keys as mk
-from bipace_jax import runfolder
+from bipace_jax import resume, runfolder
 
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
 _OUT = flags.DEFINE_string(
@@ -86,12 +87,13 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def arms_of(runs: list[str]) -> dict[str, list[str]]:
-    """Runs grouped by their config without ``seed``; each arm named by the fields that differ."""
+    """Runs grouped by their config without ``seed`` and the fields a resume may change
+    (``resume.is_neutral``); each arm named by the fields that differ."""
     configs = {}
     for r in runs:
         text = runfolder.read_text(runfolder.path(r) / "config.json")
         configs[r] = _flatten(json.loads(text)) if text is not None else {}
-    keys = sorted({k for c in configs.values() for k in c} - {"seed"})
+    keys = sorted(k for k in {k for c in configs.values() for k in c} - {"seed"} if not resume.is_neutral(k))
     differing = [k for k in keys if len({c.get(k) for c in configs.values()}) > 1]
     arms: dict[str, list[str]] = {}
     for r, c in configs.items():

@@ -101,3 +101,25 @@ def test_default_out_is_beside_the_runs_never_inside_one(tmp_path):
     assert "70.0 (n = 1)" in proc.stdout and "+- 0.0" not in proc.stdout.split("diagnostics")[0]
     assert sorted(os.listdir(tmp_path / "study" / "s0")) == ["config.json", "metrics.jsonl"]  # nothing written inside
     assert os.path.exists(tmp_path / "study" / "s0_report" / "report.md")
+
+
+def test_fields_a_resume_may_change_do_not_split_an_arm(tmp_path):
+    # the case 6: three seeds of one config, seed 2 resumed with env.num_workers=4 (a field
+    # resume treats as neutral) showed as two arms, n = 2 and n = 1
+    import json
+
+    from tests.synthetic_run import write_run
+
+    for seed in range(3):
+        write_run(tmp_path / "study" / f"grpo_s{seed}", seed=seed, estimator="grpo")
+    resumed = tmp_path / "study" / "grpo_s2" / "config.json"
+    config = json.loads(resumed.read_text())
+    config["env"], config["log"] = {"num_workers": 4}, {"progress": False}
+    resumed.write_text(json.dumps(config))
+    write_run(tmp_path / "study" / "bq_s0", seed=0, estimator="bipace_q")
+    arms = report.arms_of(report.find_runs([str(tmp_path / "study")]))
+    study = str(tmp_path / "study")
+    assert arms == {
+        "estimator.name=bipace_q": [f"{study}/bq_s0"],
+        "estimator.name=grpo": [f"{study}/grpo_s{s}" for s in range(3)],
+    }
