@@ -44,9 +44,12 @@ def fail(message: str, code: int = USAGE_EXIT) -> None:
     head, tb, rest = str(message).partition("Traceback (most recent call last):")
     if tb:  # a parser that quotes a traceback: its head and the exception line
         message = f"{head.strip().rstrip(':')}: {rest.strip().splitlines()[-1]}"
-    sys.stderr.write(f"error: {one_line(message)}\n")
+    line = one_line(message)
+    sys.stderr.write(f"error: {line}\n")
     sys.stderr.flush()
-    raise SystemExit(code)
+    exit_ = SystemExit(code)
+    exit_.printed = line  # said already; distributed.failures_shared passes it to the other hosts
+    raise exit_
 
 
 def _overrides(name: str, argv: list[str]) -> list[str]:

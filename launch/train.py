@@ -172,10 +172,19 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         spec = build.build_spec(config)
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
-    from bipace_jax import distributed, runfolder
+    from bipace_jax import distributed
 
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
+    with distributed.failures_shared():  # one host's error ends every host, naming it (host 0's log too)
+        _train_started(spec, workdir, resume, env_factory, t_start)
+
+
+def _train_started(spec, workdir: str, resume: bool, env_factory, t_start: float) -> None:
+    """``train`` once JAX has started: check the devices and the run folder, take its lock, train."""
     import jax
+
+    from bipace_jax import config as config_lib
+    from bipace_jax import runfolder
 
     if _PRINT_CONFIG.value:
         print(spec.config.to_json_best_effort(indent=2))
