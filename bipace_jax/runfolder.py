@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -116,6 +117,51 @@ def prepare(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
             f"{flag}={os.fspath(folder)}: cannot create or write the run folder ({type(e).__name__}: {detail}); "
             f"expected {EXPECTED}"
         ) from e
+    return p
+
+
+#: The file naming the command (and its inputs) whose results a results folder holds (``claim_output``).
+OWNER_FILE = ".written_by.json"
+
+
+def claim_output(
+    folder: str | os.PathLike, flag: str, command: str, source: str, own_files: tuple[str, ...] = ()
+) -> epath.Path:
+    """``prepare`` a results folder for ``command`` run on ``source`` (e.g. a checkpoint or study path),
+    refusing any folder whose files are another run's or another command's; returns ``path(folder)``.
+
+    A folder is this command's when its ``OWNER_FILE`` names the same ``command`` and ``source`` (a
+    re-run replaces its own results), or when it is empty or holds only names among ``own_files``
+    (glob patterns of the command's outputs, written before folders were claimed). It is then claimed (``OWNER_FILE``
+    written); any other folder is refused before anything is written.
+
+    Raises:
+      RunFolderError: as ``prepare``; or one line naming ``flag``, the folder and who wrote it (or the
+        first files that would be overwritten).
+    """
+    p = prepare(folder, flag)
+    mine = {"command": command, "source": source}
+    text = read_text(p / OWNER_FILE)
+    if text is not None:
+        try:
+            owner = json.loads(text)
+        except json.JSONDecodeError:
+            owner = {}
+        if owner != mine:
+            raise RunFolderError(
+                f"{flag}={os.fspath(folder)} holds the results of {owner.get('command', '?')} on "
+                f"{owner.get('source', '?')}, not of {command} on {source}; use another {flag}"
+            )
+        return p
+    held = sorted(c.name for c in p.iterdir() if not c.name.startswith(".write_probe"))
+    foreign = [name for name in held if not any(fnmatch.fnmatch(name, pattern) for pattern in own_files)]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise RunFolderError(
+            f"{flag}={os.fspath(folder)} holds files {command} did not write ({shown}): they would be mixed "
+            f"with or overwritten by its results; use another {flag} (a new or empty folder)"
+        )
+    write_text(p / OWNER_FILE, json.dumps(mine))
     return p
 
 

@@ -332,6 +332,10 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
     return files
 
 
+#: What ``launch.report`` writes into ``--out``, as glob patterns (a folder holding only these is an earlier report's).
+OUT_FILES = ("report.md", "report.json", "*.png")
+
+
 def default_out(first: str) -> str:
     """``--out``'s default for the first folder given: ``<first>_report`` beside it when it is a run
     folder itself (holds ``metrics.jsonl``), else ``<first>/report`` (a study: beside its runs)."""
@@ -355,8 +359,9 @@ def main(argv):
         excluded = {r: why for a in report["arms"].values() for r, why in a["excluded"].items()}
         sys.exit(f"error: no complete run to report: {excluded}")
     out = _OUT.value or default_out(paths[0])
-    try:
-        folder = runfolder.prepare(out, "--out")
+    try:  # never over another command's files (a run folder, an eval): one report folder per set of inputs
+        source = ", ".join(sorted(os.fspath(runfolder.path(p, "run folder")) for p in paths))
+        folder = runfolder.claim_output(out, "--out", "launch.report", source, OUT_FILES)
     except runfolder.RunFolderError as e:
         sys.exit(f"error: {e}")
     md = to_markdown(report)

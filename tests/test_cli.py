@@ -43,6 +43,9 @@ def _one_error_line(proc) -> str:
         ("launch.sweep", ["--workdir=/tmp/x", "--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
         ("launch.report", [], "give one or more run folders"),
         ("launch.aot", ["--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
+        ("launch.lab", ["--config.batch.sedes=5"], "--config.batch.sedes: config.batch has no field 'sedes'; did you"),
+        ("launch.lab", ["--config.batch.seeds=-5"], "config.batch.seeds must be an int >= 2"),
+        ("launch.lab", ["--config.mode=grid", f"--config.out={ROOT}/launch"], "holds files launch.lab did not write"),
     ],
 )
 def test_config_errors_are_one_line_naming_the_flag(module, args, expected):

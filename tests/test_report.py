@@ -123,3 +123,15 @@ def test_fields_a_resume_may_change_do_not_split_an_arm(tmp_path):
         "estimator.name=bipace_q": [f"{study}/bq_s0"],
         "estimator.name=grpo": [f"{study}/grpo_s{s}" for s in range(3)],
     }
+
+
+def test_the_report_refuses_an_out_folder_of_another_run_or_command(tmp_path):
+    # the case 9: --out=<a run folder> mixed the report's files into the run's
+    _run(tmp_path / "study" / "s0", 0, [0.7])
+    _run(tmp_path / "other", 1, [0.5])
+    cmd = [sys.executable, "-m", "launch.report", str(tmp_path / "study"), f"--out={tmp_path / 'other'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: --out={tmp_path / 'other'} holds files launch.report did not write (config.json, metrics.jsonl)"
+    )
+    assert sorted(os.listdir(tmp_path / "other")) == ["config.json", "metrics.jsonl"]

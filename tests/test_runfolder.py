@@ -430,3 +430,62 @@ def test_check_writable_creates_nothing_and_refuses_what_prepare_refuses(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing made, no probe left
     with pytest.raises(runfolder.RunFolderError, match=r"--workdir=/proc/run: cannot create or write"):
         runfolder.check_writable("/proc/run")  # a read-only file system, even for root
+
+
+def test_results_never_go_over_another_run_or_command_and_a_rerun_replaces_its_own(tmp_path):
+    # the case 9: results written into a folder never overwrite another run's or command's files
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "config.json").write_text("{}")
+    with pytest.raises(
+        runfolder.RunFolderError, match=r"--out=.*run holds files launch.eval did not write \(metrics.jsonl\)"
+    ):
+        runfolder.claim_output(str(run), "--out", "launch.eval", "ckpt A", ("eval.json", "report.md", "config.json"))
+    assert sorted(os.listdir(run)) == ["config.json", "metrics.jsonl"]  # nothing written
+
+    out = str(tmp_path / "out")
+    runfolder.claim_output(out, "--out", "launch.eval", "ckpt A", ("eval.json",))
+    (tmp_path / "out" / "eval.json").write_text("{}")
+    runfolder.claim_output(out, "--out", "launch.eval", "ckpt A", ("eval.json",))  # its own re-run
+    with pytest.raises(
+        runfolder.RunFolderError, match=r"holds the results of launch.eval on ckpt A, not of launch.eval on ckpt B"
+    ):
+        runfolder.claim_output(out, "--out", "launch.eval", "ckpt B", ("eval.json",))
+    with pytest.raises(
+        runfolder.RunFolderError, match=r"holds the results of launch.eval on ckpt A, not of launch.report"
+    ):
+        runfolder.claim_output(out, "--out", "launch.report", "ckpt A", ("*.json",))
+
+    older = tmp_path / "older_report"  # a report folder written before folders were claimed: still its own
+    older.mkdir()
+    for name in ("report.md", "report.json", "learning_curves.png"):
+        (older / name).write_text("x")
+    runfolder.claim_output(str(older), "--out", "launch.report", "study", ("report.md", "report.json", "*.png"))
+
+
+def test_two_checkpoints_never_share_a_default_eval_folder(tmp_path):
+    import subprocess
+    import sys
+
+    # launch.eval defines its flags on import (its --out would clash with launch.report's here)
+    script = (
+        "import json, sys; from launch.eval import default_out as d; "
+        "print(json.dumps([d('a/run/hf_final'), d('b/run/hf_final'), d('a/run/hf_final/'), d(sys.argv[1]), "
+        "d('gs://b/x/ckpt'), d('gs://c/x/ckpt')]))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a/run/hf_final")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b, a_slash, a_abs, gs_b, gs_c = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert a != b and a.startswith("runs/eval/run_hf_final~") and b.startswith("runs/eval/run_hf_final~")
+    assert a == a_slash == a_abs  # one checkpoint, however it is spelt
+    assert gs_b != gs_c
