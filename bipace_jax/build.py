@@ -205,7 +205,7 @@ class ModelConfig:
                     fail(
                         "model.checkpoint",
                         f"be a local or gs:// Hugging Face folder, not a hub id (download it once: "
-                        f"huggingface-cli download {m.checkpoint} --local-dir /ckpt/{m.checkpoint.split('/')[1]}, "
+                        f"hf download {m.checkpoint} --local-dir /ckpt/{m.checkpoint.split('/')[1]}, "
                         f"then --config.model.checkpoint=/ckpt/{m.checkpoint.split('/')[1]})",
                         m.checkpoint,
                     )

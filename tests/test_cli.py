@@ -57,7 +57,7 @@ def test_hub_id_checkpoint_says_how_to_download():
     line = _one_error_line(
         _run("launch.train", "--workdir=/tmp/x", "--config.model.checkpoint=Qwen/Qwen2.5-7B-Instruct", "--dry_run")
     )
-    assert "huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir" in line
+    assert "hf download Qwen/Qwen2.5-7B-Instruct --local-dir /ckpt/Qwen2.5-7B-Instruct" in line
 
 
 @pytest.mark.slow
