@@ -1,7 +1,8 @@
-"""What several entry points share: the project root, a stopwatch, the JSON report writer."""
+"""What several entry points share: the project root, a stopwatch, the JSON report writer, the CPU default."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -22,3 +23,19 @@ def write_json(path: str, obj, **dump_kwargs) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, **dump_kwargs)
     print(f"wrote {path}")
+
+
+#: Device files of the accelerators JAX drives: TPU VMs (/dev/accel*: v4, v5e; /dev/vfio/<n>: v5p, v6e),
+#: NVIDIA GPUs (/dev/nvidia<n>), AMD GPUs (/dev/kfd).
+ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def cpu_unless_accelerator() -> bool:
+    """Set ``JAX_PLATFORMS=cpu`` when it is unset and this machine has no accelerator device file
+    (``ACCELERATOR_DEVICES``); returns whether it did. Without it, libtpu (installed by ``.[tpu]``)
+    probes for a TPU on every command and prints five ``E0000 ... INVALID_ARGUMENT`` lines on a
+    machine with none. An explicit ``JAX_PLATFORMS`` always wins. Call it before JAX is imported."""
+    if "JAX_PLATFORMS" in os.environ or any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES):
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return True

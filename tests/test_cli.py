@@ -285,3 +285,26 @@ def test_dry_run_refuses_a_folder_it_cannot_write_and_creates_nothing(tmp_path):
     assert proc.returncode == 0 and "run folder and resume checked" in proc.stdout
     assert proc.stdout.startswith("devices: ")  # which chips, first
     assert sorted(os.listdir(tmp_path)) == ["file"]  # a dry run makes no folder
+
+
+@pytest.mark.slow
+def test_cpu_commands_start_without_libtpus_probe_lines(tmp_path):
+    # the newcomer's report: with [tpu] installed, every CPU train / eval / dry run began with five
+    # "E0000 ... INVALID_ARGUMENT" lines from libtpu looking for a TPU
+    import glob
+
+    from launch._common import ACCELERATOR_DEVICES
+
+    if any(glob.glob(p) for p in ACCELERATOR_DEVICES):
+        pytest.skip("this machine has an accelerator: JAX_PLATFORMS is left to JAX")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}/run", "--dry_run"],
+        cwd=ROOT,
+        env=dict(env, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == "" and proc.stdout.startswith("devices: 1 x cpu (cpu), 1 process")
