@@ -308,3 +308,15 @@ def test_cpu_commands_start_without_libtpus_probe_lines(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == "" and proc.stdout.startswith("devices: 1 x cpu (cpu), 1 process")
+
+
+@pytest.mark.slow
+def test_a_gs_workdir_without_the_gcp_extra_is_one_line():
+    # the newcomer's regression: the resume check read config.json (through gcsfs) before the extra
+    # was checked, a 65-line traceback
+    from bipace_jax import runfolder
+
+    if not runfolder._missing_gcp_packages():
+        pytest.skip("the [gcp] extra is installed here")
+    line = _one_error_line(_run("launch.train", "--workdir=gs://some-bucket/run", timeout=240))
+    assert line.startswith("error: --workdir=gs://some-bucket/run: a gs:// folder needs") and "[gcp]" in line
