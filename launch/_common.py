@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,4 +39,16 @@ def cpu_unless_accelerator() -> bool:
     if "JAX_PLATFORMS" in os.environ or any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES):
         return False
     os.environ["JAX_PLATFORMS"] = "cpu"
+    return True
+
+
+def no_bars_off_terminal() -> bool:
+    """Set ``TQDM_DISABLE=1`` when it is unset and stderr is not a terminal (a log file, a pipe, a
+    sweep cell's ``train.log``); returns whether it did. A bar redraws itself with ``\\r`` several times
+    a second, which a log file keeps as hundreds of frames per phase; the commands' one line per
+    iteration and validation (``bipace_jax.loglines``) still reach the log. A ``TQDM_DISABLE`` that is
+    set is left alone (tqdm reads any non-empty value as true: ``TQDM_DISABLE=`` keeps the bars)."""
+    if "TQDM_DISABLE" in os.environ or sys.stderr.isatty():
+        return False
+    os.environ["TQDM_DISABLE"] = "1"
     return True

@@ -320,3 +320,25 @@ def test_a_gs_workdir_without_the_gcp_extra_is_one_line():
         pytest.skip("the [gcp] extra is installed here")
     line = _one_error_line(_run("launch.train", "--workdir=gs://some-bucket/run", timeout=240))
     assert line.startswith("error: --workdir=gs://some-bucket/run: a gs:// folder needs") and "[gcp]" in line
+
+
+def test_a_command_writing_to_a_log_file_draws_no_bars_and_a_terminal_keeps_them(tmp_path):
+    # the newcomer's report: logs written outside a terminal held hundreds of tqdm frames ("\r")
+    script = (
+        "import launch, time\nfrom tqdm import tqdm\nfor _ in tqdm(range(50), mininterval=0):\n    time.sleep(0.002)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env["PYTHONPATH"] = ROOT
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=f, stderr=f, timeout=120, check=True)
+    assert b"\r" not in log.read_bytes()  # bytes: text mode would read each "\r" as a newline
+    kept = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=dict(env, TQDM_DISABLE=""),
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    assert kept.stderr.count(b"\r") > 10  # asked for: the bar is drawn, frame by frame
