@@ -333,9 +333,10 @@ def test_a_gs_checkpoint_without_config_json_fails_naming_the_field(fake_gcs, ur
     (root / "fake-bucket" / "models" / "no_config" / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError) as e:
         build.build_spec(_with_checkpoint(url))
+    why = "it has none" if url.endswith("no_config") else "no such folder"
     assert str(e.value) == (
-        "config.model.checkpoint must be a Hugging Face folder holding config.json (a warm start from "
-        f"launch/sft.py; --config.model.checkpoint= for a random tiny init), got '{url}'"
+        f"config.model.checkpoint must be a Hugging Face folder holding config.json ({why}; e.g. a run's "
+        f"hf_final/ or a downloaded model; --config.model.checkpoint= for a random tiny init), got '{url}'"
     )
     assert os.listdir(tmp) == []
 
