@@ -327,8 +327,8 @@ class RunLock:
 
     The file records the holder (host, process id, command, start time) and a heartbeat, rewritten
     every ``beat_s`` seconds by a daemon thread. A lock is stale, and ``acquire`` takes it over (a
-    crashed run's resume), when its holder ran on this host and its process is gone, or when its
-    heartbeat is older than ``stale_s`` seconds (a holder on another host, or on GCS). GCS has no
+    crashed run's resume), when its holder ran on this host and its process is gone, or ran on
+    another host and its heartbeat is older than ``stale_s`` seconds. GCS has no
     exclusive create: a new holder writes its record and reads it back after ``settle_s`` seconds; of
     two starting at once the later write wins and the other refuses.
 
@@ -375,9 +375,10 @@ class RunLock:
         if not isinstance(held, dict) or held.get("token") == self.token:
             return None
         age = time.time() - float(held.get("heartbeat", 0))
-        if held.get("host") == socket.gethostname() and not _process_alive(int(held.get("pid", -1))):
-            return None
-        if age > self.stale_s:
+        if held.get("host") == socket.gethostname():  # this host: its process decides, whatever its heartbeat
+            if not _process_alive(int(held.get("pid", -1))):
+                return None
+        elif age > self.stale_s:
             return None
         return (
             f"{held.get('command', '?')} (host {held.get('host')}, pid {held.get('pid')}, "

@@ -404,6 +404,10 @@ def test_a_second_run_refuses_a_held_folder_and_a_crashed_runs_lock_is_taken_ove
     resumed = runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire()
     assert json.loads(first.file.read_text())["token"] == resumed.token
     resumed.release()
+    # a live holder on this host holds it, however old its heartbeat (a process stopped for a while)
+    runfolder.write_text(first.file, json.dumps({**record, "pid": os.getpid(), "heartbeat": 0.0}))
+    with pytest.raises(runfolder.RunFolderBusy, match=f"pid {os.getpid()}"):
+        runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire()
     # a holder on another host is judged by its heartbeat: fresh -> busy, older than stale_s -> taken over
     far = {**record, "host": "other-host", "pid": 1}
     runfolder.write_text(first.file, json.dumps({**far, "heartbeat": __import__("time").time()}))
