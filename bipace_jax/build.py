@@ -209,14 +209,15 @@ class ModelConfig:
                     fail(
                         "model.checkpoint",
                         f"be a local or gs:// Hugging Face folder, not a hub id (download it once: "
-                        f"huggingface-cli download {m.checkpoint} --local-dir /ckpt/{m.checkpoint.split('/')[1]}, "
+                        f"hf download {m.checkpoint} --local-dir /ckpt/{m.checkpoint.split('/')[1]}, "
                         f"then --config.model.checkpoint=/ckpt/{m.checkpoint.split('/')[1]})",
                         m.checkpoint,
                     )
+                exists = _folder_has("model.checkpoint", resolve_path(m.checkpoint))
                 fail(
                     "model.checkpoint",
-                    "be a Hugging Face folder holding config.json (a warm start from launch/sft.py; "
-                    "--config.model.checkpoint= for a random tiny init)",
+                    f"be a Hugging Face folder holding config.json ({'it has none' if exists else 'no such folder'}; "
+                    "e.g. a run's hf_final/ or a downloaded model; --config.model.checkpoint= for a random tiny init)",
                     m.checkpoint,
                 )
         elif m.preset != "tiny" and not abstract:

@@ -5,7 +5,9 @@ from step s starts iteration s), holding ``state`` (``{"params", "opt_state"}`` 
 ``ocp.args.StandardSave``: every process calls ``save``/``restore``, orbax writes each shard once) and
 ``meta`` (JSON: the fields of ``CheckpointMeta`` plus ``"step"`` and ``"rng"``: the uint32 key data).
 Atomicity is orbax's: a step is written to a temporary folder and renamed when complete, so a process
-killed mid-save (SIGKILL included) leaves the previous step as the latest.
+killed mid-save (SIGKILL included) leaves the previous step as the latest. A step that does not restore
+is either torn (set aside, the previous one is tried) or intact but of other arrays than the run asks
+for (``CheckpointMismatchError``: another model or optimizer, never set aside).
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bipace_jax import runfolder
+from bipace_jax import resume, runfolder
 
 log = logging.getLogger(__name__)
 
-#: The file orbax writes into a step folder once the step is complete.
-COMMIT_MARKER = "commit_success.txt"
+#: The file orbax writes into a step folder once the step is complete (``resume`` reads the folder too).
+COMMIT_MARKER = resume.COMMIT_MARKER
+
+
+class CheckpointMismatchError(ValueError):
+    """An intact checkpoint holds other arrays (shape or tree) than the run restores into: another run's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,8 @@ class CheckpointMeta:
       seed: the run's seed.
       data_stream: warm start, a checkpoint inside a round: the round's updates done, its examples and
         its ``demo_stream.BucketStream.get_state()`` (``sft/loop.py``); None at a round's end (and in RL).
+      config: RL: the run's config (``to_dict()`` as JSON holds it), so a resume can check the
+        checkpoint against its own config when ``config.json`` is gone; None when not recorded.
     """
 
     iteration: int = 0
@@ -54,6 +62,7 @@ class CheckpointMeta:
     estimator: str = ""
     seed: int = 0
     data_stream: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,6 +121,11 @@ class Checkpointer:
         A step without orbax's commit marker (a save that never finished) or one that fails to restore
         (a truncated or missing file) is named in a WARNING and moved to ``<checkpoints>/torn/<step>.<n>``,
         so it is kept for inspection and a later save of the same step succeeds.
+
+        Raises:
+          CheckpointMismatchError: a committed step whose recorded arrays differ from ``params_like`` /
+            ``opt_state_like`` (a shape, or an array stored or requested on one side only): one line
+            naming the step, the first differing array and both shapes; every step stays in place.
         """
         for step in sorted(self.all_steps(), reverse=True):
             path = epath.Path(self.directory) / str(step)
@@ -120,6 +134,12 @@ class Checkpointer:
                     raise FileNotFoundError(f"no {COMMIT_MARKER}: the save never committed")
                 return step, self.restore(step, params_like, opt_state_like)
             except Exception as e:  # noqa: BLE001 (any failure makes the step unusable; the next one is tried)
+                if (path / COMMIT_MARKER).exists() and (diff := self._mismatch(step, params_like, opt_state_like)):
+                    raise CheckpointMismatchError(
+                        f"checkpoint step {step} in {self.directory} is intact but holds other arrays than this "
+                        f"run's model and optimizer ({diff}): it was saved by a run of another config; "
+                        "use a new --workdir, or the config it was saved with"
+                    ) from None
                 log.warning(
                     "checkpoint step %d in %s does not restore (%s: %s); set aside, trying the previous one",
                     step,
@@ -129,6 +149,26 @@ class Checkpointer:
                 )
                 self._set_aside(path)
         return None
+
+    def _mismatch(self, step: int, params_like: Any, opt_state_like: Any) -> str:
+        """The first difference between step ``step``'s recorded array shapes and the requested trees
+        ("" when its record does not read, a torn step, or when they agree)."""
+        try:
+            stored = _shapes(self._manager.item_metadata(step)["state"])
+        except Exception:  # noqa: BLE001 (an unreadable record is a torn step, not another run's)
+            return ""
+        wanted = _shapes(jax.tree.map(_abstract, {"params": params_like, "opt_state": opt_state_like}))
+        diffs = []
+        for name in sorted(set(stored) | set(wanted)):
+            old, new = stored.get(name), wanted.get(name)
+            if old is None:
+                diffs.append(f"{name}: not stored, requested {new}")
+            elif new is None:
+                diffs.append(f"{name}: stored {old}, not requested")
+            elif old.split("[")[1] != new.split("[")[1]:  # dtypes are cast on restore; shapes must agree
+                diffs.append(f"{name}: stored {old}, requested {new}")
+        more = f", and {len(diffs) - 1} more arrays differ" if len(diffs) > 1 else ""
+        return diffs[0] + more if diffs else ""
 
     def _set_aside(self, path: epath.Path) -> None:
         if jax.process_index() == 0:
@@ -182,6 +222,18 @@ def _key_data(key: jax.Array) -> jax.Array:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(key)
     return key
+
+
+def _shapes(tree: Any) -> dict[str, str]:
+    """``{"params.w": "float32[4]"}`` for every array leaf of ``tree`` (orbax's recorded metadata or
+    ShapeDtypeStructs): the dotted names agree whether a node was saved as a dict, a list or a namedtuple."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        out[".".join(parts)] = f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
+    return out
 
 
 def _abstract(x):

@@ -1,4 +1,5 @@
-"""Multi-host plumbing: ``jax.distributed`` start-up, host gathers, host-local <-> global placement.
+"""Multi-host plumbing: ``jax.distributed`` start-up, host gathers, host-local <-> global placement,
+and a failure on one host stopping them all (``failures_shared``).
 
 One process: the gathers are trivial stacks and the placements keep arrays where they are (or
 reshard / cast them on device), so single-host code calls them unconditionally.
@@ -6,9 +7,13 @@ reshard / cast them on device), so single-host code calls them unconditionally.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -284,3 +289,111 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
             f"within {timeout_s} s; config.checkpoint.shared_workdir=True needs a folder every host sees "
             "(or use gs://...)"
         )
+
+
+#: Key prefix in the ``jax.distributed`` key-value store under which a failing process posts its reason.
+FAILURE_KEY = "bipace/failed/"
+
+
+def _kv_client() -> Any:
+    """The ``jax.distributed`` coordination client (its key-value store), or None without one."""
+    from jax._src import distributed as jax_distributed  # the store has no public API in jax 0.10
+
+    return getattr(jax_distributed.global_state, "client", None)
+
+
+def post_failure(reason: str) -> None:
+    """Post this process's failure (``reason``, one line) for the other processes' ``failures_shared``
+    watch. Nothing with one process; never raises (the store may be gone already)."""
+    client = _kv_client()
+    if client is None or jax.process_count() == 1:
+        return
+    try:
+        client.key_value_set(f"{FAILURE_KEY}{jax.process_index()}", " ".join(str(reason).split())[:2000])
+    except Exception:  # noqa: BLE001 (the process is failing anyway; its exit still ends the run)
+        pass
+
+
+def posted_failures() -> dict[int, str]:
+    """``{process index: reason}`` of every process that posted a failure (``post_failure``)."""
+    client = _kv_client()
+    if client is None:
+        return {}
+    out = {}
+    for key, value in client.key_value_dir_get(FAILURE_KEY):
+        out[int(key.rsplit("/", 1)[-1])] = value
+    return out
+
+
+def _stop_now(line: str, code: int = 1) -> None:
+    """Print ``line`` on stderr and leave at once: the main thread may sit in a collective that never
+    returns, and ``jax.distributed``'s exit barrier would wait minutes for the failed process."""
+    sys.stdout.flush()
+    if line:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def failures_shared(
+    grace_s: float = 5.0, every_s: float = 0.5, stop: Callable[[str, int], None] = _stop_now
+) -> Iterator[None]:
+    """One host's failure ends every process of a multi-process run, each saying which host and why.
+
+    Inside the block, a daemon thread reads the key-value store every ``every_s`` seconds; when another
+    process has posted a failure it calls ``stop("error: process <k> of <n> failed: <reason>; process
+    <i> stops too", 1)`` (the default prints it and leaves with ``os._exit``: the main thread may wait
+    in a collective forever). An exception leaving the block after another process posted a failure
+    (e.g. a collective that the failed process left) stops the same way, naming that process. Any
+    other exception leaving the block (``SystemExit`` with a non-zero code and
+    ``KeyboardInterrupt`` included) is posted (``post_failure``: its type and message, one line); then
+    an exception or failed ``SystemExit`` calls ``stop("error: <reason>", 1)`` (``stop("", code)`` for an
+    exit whose line was printed: ``launch.cli.fail`` marks it ``printed``) and a ``KeyboardInterrupt``
+    is raised on: at once on process 1 and up, after ``grace_s`` seconds on process 0, whose exit
+    ends the store the others read. One process: the block runs as it is.
+    """
+    if jax.process_count() == 1:
+        yield
+        return
+    me, n = jax.process_index(), jax.process_count()
+    done = threading.Event()
+
+    def others() -> str:
+        """The line naming the first other process that posted a failure ("" when none has)."""
+        try:
+            failed = {k: v for k, v in posted_failures().items() if k != me}
+        except Exception:  # noqa: BLE001 (the coordinator is gone: its own process reports why)
+            return ""
+        k = min(failed, default=None)
+        return "" if k is None else f"error: process {k} of {n} failed: {failed[k]}; process {me} stops too"
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            if (line := others()) and not done.is_set():
+                stop(line, 1)
+                return
+
+    watcher = threading.Thread(target=watch, name="failures_shared", daemon=True)
+    watcher.start()
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, SystemExit) and e.code in (None, 0):
+            raise
+        if line := others():  # this error followed another host's (a collective it left): name the cause
+            done.set()
+            stop(line, 1)
+        printed = getattr(e, "printed", None)  # a SystemExit whose line the command printed (launch.cli.fail)
+        message = printed or (str(e.code) if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}")
+        reason = " ".join(message.removeprefix("error: ").split()) or type(e).__name__
+        post_failure(f"{reason} (process {me})" if isinstance(e, KeyboardInterrupt) else reason)
+        done.set()
+        if me == 0:  # the key-value store lives in this process: the others read the reason first
+            time.sleep(grace_s)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        stop("" if printed else f"error: {reason}", e.code if isinstance(e, SystemExit) and printed else 1)
+        raise
+    finally:
+        done.set()

@@ -155,7 +155,8 @@ def ppo_loss_from_logprobs(
     Args:
       logprobs: float32 ``[B, M]`` current-policy log-probs (at ``cfg.temperature``) of the response
         tokens; entropy: float32 ``[B, M]`` the policy's entropy at each position, nats.
-      mask: bool ``[B, M]`` real response tokens.
+      mask: bool ``[B, M]`` real response tokens (elsewhere every input is ignored, values and
+        gradients alike, however large or non-finite).
       old_logprobs, ref_logprobs: float32 ``[B, M]`` behaviour- and reference-policy log-probs
         (ref may be None: KL term 0, ``cfg.kl_coef`` must be 0).
       advantages: float32 ``[B]``, one per row; cfg: coefficients.
@@ -170,6 +171,12 @@ def ppo_loss_from_logprobs(
     """
     if ref_logprobs is None and cfg.kl_coef > 0:
         raise ValueError(f"ref_logprobs is None but kl_coef={cfg.kl_coef} > 0")
+    # masked positions never reach an exponent: exp of a padding token's log-ratio can overflow to
+    # inf, and the mask's zero times inf is a NaN gradient; there the log-probs are taken as equal
+    live = mask.astype(bool)
+    logprobs = jnp.where(live, logprobs, 0.0)
+    old_logprobs = jnp.where(live, old_logprobs, 0.0)
+    ref_logprobs = None if ref_logprobs is None else jnp.where(live, ref_logprobs, 0.0)
     pg, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], cfg.clip_eps, cfg.dual_clip)
     pg_loss = token_mean(pg, mask, denom)
     entropy = token_mean(entropy, mask, denom)

@@ -23,6 +23,8 @@ from bipace_jax.metrics import read_metrics
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+#: The file orbax writes into a checkpoint's step folder once the step is complete.
+COMMIT_MARKER = "commit_success.txt"
 ALLOW_FLAG = "--allow_config_change"
 
 #: Field prefixes (dotted, ``config.`` left off) a resume may change without changing the run.
@@ -59,7 +61,9 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _neutral(field: str, neutral: Sequence[str] = NEUTRAL) -> bool:
+def is_neutral(field: str, neutral: Sequence[str] = NEUTRAL) -> bool:
+    """Whether the dotted ``field`` (``config.`` left off) falls under ``neutral``: a field a resume may
+    change without changing the run (so it never tells two runs apart, e.g. in ``launch.report``'s arms)."""
     return any(field == p.rstrip(".") or field.startswith(p if p.endswith(".") else p + ".") for p in neutral)
 
 
@@ -75,7 +79,7 @@ def changed_fields(
     counts as changed (its other value None)."""
     a, b = flatten(_canonical(old)), flatten(_canonical(new))
     return [
-        (f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not _neutral(f, neutral) and a.get(f) != b.get(f)
+        (f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not is_neutral(f, neutral) and a.get(f) != b.get(f)
     ]
 
 
@@ -137,22 +141,83 @@ def check_config_change(
     return changes
 
 
+#: Where a checkpoint step keeps its ``meta`` item (orbax's ``JsonSave``; read here without orbax).
+META_FILE = ("meta", "metadata")
+
+
+def latest_record(workdir: str) -> tuple[int, dict[str, Any]] | None:
+    """``(step, meta)`` of the newest committed checkpoint in ``workdir`` whose ``meta`` reads (the
+    dict ``Checkpointer.save`` wrote: ``CheckpointMeta`` fields, ``step``, ``rng``), or None when there
+    is none. Reads one small JSON file per step tried, without orbax; local or ``gs://``."""
+    root = runfolder.path(workdir) / "checkpoints"
+    if not root.exists():
+        return None
+    for step in sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True):
+        folder = root / str(step)
+        if not (folder / COMMIT_MARKER).exists():
+            continue
+        try:
+            return step, json.loads(runfolder.read_text(folder.joinpath(*META_FILE)) or "")
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def checkpoint_changes(workdir: str, config: dict[str, Any]) -> tuple[int, list[tuple[str, Any, Any]]] | None:
+    """The newest checkpoint in ``workdir`` against ``config`` (a ``to_dict()``): ``(its iteration, the
+    changed fields)`` by the config it recorded (``changed_fields``), or, for a checkpoint that recorded
+    none, by its seed and estimator name; None when the folder has no readable checkpoint."""
+    record = latest_record(workdir)
+    if record is None:
+        return None
+    step, meta = record
+    if isinstance(meta.get("config"), dict):
+        return int(meta.get("iteration", step)), changed_fields(meta["config"], config)
+    recorded = {"seed": meta.get("seed"), "estimator.name": meta.get("estimator") or None}
+    current = flatten(_canonical(config))
+    changes = [(f, v, current.get(f)) for f, v in recorded.items() if v is not None and v != current.get(f)]
+    return int(meta.get("iteration", step)), sorted(changes)
+
+
 def check_resume(workdir: str, config: dict[str, Any], num_iterations: int, allow_change: bool) -> str | None:
     """``launch.train``'s resume rule for a run of ``config`` (a ``to_dict()``) and ``num_iterations``
-    in ``workdir``: ``check_config_change`` against its ``config.json``. Returns the finished-run line
-    when the folder's metrics already reach ``num_iterations``, else None.
+    in ``workdir``: ``check_config_change`` against its ``config.json``, then the same rule against the
+    newest checkpoint's own record (its config, or its seed and estimator), which holds when
+    ``config.json`` or ``metrics.jsonl`` is damaged or gone. Returns the finished-run line when the
+    folder's metrics already reach ``num_iterations``, else None.
 
     Raises:
-      ConfigChangeError: the folder holds a run of another config and not ``allow_change``.
+      ConfigChangeError: the folder holds a run or a checkpoint of another config and not ``allow_change``.
     """
     old = stored_config(workdir)
-    if old is None:
-        return None
-    done = logged(workdir)
+    done = logged(workdir) if old is not None else 0
     check_config_change(workdir, old, config, done, allow_change)
+    found = checkpoint_changes(workdir, config)
+    if found is not None and found[1]:
+        iteration, changes = found
+        if not allow_change:
+            raise ConfigChangeError(
+                f"--workdir={workdir} holds a checkpoint (iteration {iteration}) of another config: "
+                f"{describe(changes)}; use a new --workdir, or {ALLOW_FLAG} to continue it"
+            )
+        log.warning("resuming a checkpoint of another config (%s)", describe(changes))
     if done >= num_iterations and done > 0:
         return f"the run in {workdir} is finished ({done} of {num_iterations} iterations); its report, from disk:"
     return None
+
+
+def fields_behind(workdir: str, config: dict[str, Any]) -> str:
+    """For an error about state on disk that another config wrote (a checkpoint of other shapes): the
+    config fields that differ from the folder's ``config.json`` (``"config.model.hidden_size: 4 -> 8"``),
+    or the newest checkpoint's recorded config when ``config.json`` is gone; a sentence saying they are
+    unknown when neither names one."""
+    old = stored_config(workdir)
+    changes = changed_fields(old, config) if old is not None else []
+    if not changes and (found := checkpoint_changes(workdir, config)) is not None:
+        changes = found[1]
+    if not changes:
+        return f"which config field changed is unknown ({CONFIG_FILE} and the checkpoint's record name none)"
+    return f"config fields changed since: {describe(changes)}"
 
 
 def report_from_disk(workdir: str) -> dict[str, Any]:

@@ -7,6 +7,9 @@ temporary file renamed over the old one). Writers that only take a local folder 
 is copied up and removed; readers that need one read a local copy (``local_copy``; ``local_folder`` for
 a model folder: copied once per process, kept until it exits).
 
+One run at a time: ``RunLock`` is a lock file in the run folder that a second run (or command) refuses
+on, and that a crashed run's resume takes over (its process is gone, or its heartbeat stopped).
+
 ``gs://`` needs the ``[gcp]`` extra (``pip install -e '.[gcp]'``: gcsfs for etils.epath,
 google-cloud-storage for orbax) and credentials (``gcloud auth application-default login`` or the VM's
 service account).
@@ -16,10 +19,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fnmatch
+import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -33,6 +40,10 @@ _CHUNK = 16 * 1024 * 1024  # bytes per read when copying (HF shard files reach 5
 
 class RunFolderError(ValueError):
     """The run folder cannot be used: a scheme other than gs://, a missing package, no write access."""
+
+
+class RunFolderBusy(RunFolderError):
+    """Another live run (or command) holds the run folder's lock (``RunLock``)."""
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -104,6 +115,79 @@ def prepare(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
         detail = str(e).splitlines()[0][:300] if str(e) else ""
         raise RunFolderError(
             f"{flag}={os.fspath(folder)}: cannot create or write the run folder ({type(e).__name__}: {detail}); "
+            f"expected {EXPECTED}"
+        ) from e
+    return p
+
+
+#: The file naming the command (and its inputs) whose results a results folder holds (``claim_output``).
+OWNER_FILE = ".written_by.json"
+
+
+def claim_output(
+    folder: str | os.PathLike, flag: str, command: str, source: str, own_files: tuple[str, ...] = ()
+) -> epath.Path:
+    """``prepare`` a results folder for ``command`` run on ``source`` (e.g. a checkpoint or study path),
+    refusing any folder whose files are another run's or another command's; returns ``path(folder)``.
+
+    A folder is this command's when its ``OWNER_FILE`` names the same ``command`` and ``source`` (a
+    re-run replaces its own results), or when it is empty or holds only names among ``own_files``
+    (glob patterns of the command's outputs, written before folders were claimed). It is then claimed (``OWNER_FILE``
+    written); any other folder is refused before anything is written.
+
+    Raises:
+      RunFolderError: as ``prepare``; or one line naming ``flag``, the folder and who wrote it (or the
+        first files that would be overwritten).
+    """
+    p = prepare(folder, flag)
+    mine = {"command": command, "source": source}
+    text = read_text(p / OWNER_FILE)
+    if text is not None:
+        try:
+            owner = json.loads(text)
+        except json.JSONDecodeError:
+            owner = {}
+        if owner != mine:
+            raise RunFolderError(
+                f"{flag}={os.fspath(folder)} holds the results of {owner.get('command', '?')} on "
+                f"{owner.get('source', '?')}, not of {command} on {source}; use another {flag}"
+            )
+        return p
+    held = sorted(c.name for c in p.iterdir() if not c.name.startswith(".write_probe"))
+    foreign = [name for name in held if not any(fnmatch.fnmatch(name, pattern) for pattern in own_files)]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise RunFolderError(
+            f"{flag}={os.fspath(folder)} holds files {command} did not write ({shown}): they would be mixed "
+            f"with or overwritten by its results; use another {flag} (a new or empty folder)"
+        )
+    write_text(p / OWNER_FILE, json.dumps(mine))
+    return p
+
+
+def check_writable(folder: str | os.PathLike, flag: str = "--workdir") -> epath.Path:
+    """``prepare``'s check without creating anything (for a dry run): locally a probe file is written
+    and removed in the nearest existing folder on the way to ``folder``; a ``gs://`` folder gets
+    ``prepare``'s probe object. Returns ``path(folder)``.
+
+    Raises:
+      RunFolderError: as ``prepare``.
+    """
+    p = path(folder, flag)
+    if is_remote(p):
+        return prepare(folder, flag)
+    existing = os.fspath(p)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a folder")
+        fd, probe = tempfile.mkstemp(prefix=".write_probe.", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise RunFolderError(
+            f"{flag}={os.fspath(folder)}: cannot create or write the run folder ({type(e).__name__}: {e}); "
             f"expected {EXPECTED}"
         ) from e
     return p
@@ -236,3 +320,141 @@ def drop_local_folders() -> None:
 
 
 atexit.register(drop_local_folders)
+
+
+class RunLock:
+    """A lock file ``<folder>/.lock.<name>`` held while a run writes the folder (local or ``gs://``).
+
+    The file records the holder (host, process id, command, start time) and a heartbeat, rewritten
+    every ``beat_s`` seconds by a daemon thread. A lock is stale, and ``acquire`` takes it over (a
+    crashed run's resume), when its holder ran on this host and its process is gone, or ran on
+    another host and its heartbeat is older than ``stale_s`` seconds. GCS has no
+    exclusive create: a new holder writes its record and reads it back after ``settle_s`` seconds; of
+    two starting at once the later write wins and the other refuses.
+
+    Args:
+      folder: the run folder (created when missing, locally).
+      name: the lock's name: one lock per name (e.g. ``"process_0"``: each process of a run holds its own).
+      command: what holds it, for the refusal message (e.g. ``"launch.train"``).
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        name: str,
+        command: str,
+        *,
+        flag: str = "--workdir",
+        beat_s: float = 10.0,
+        stale_s: float = 60.0,
+        settle_s: float = 1.0,
+    ):
+        self.folder, self.flag = os.fspath(folder), flag
+        self.file = path(folder, flag) / f".lock.{name}"
+        self.command, self.beat_s, self.stale_s, self.settle_s = command, beat_s, stale_s, settle_s
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> dict:
+        return {
+            "token": self.token,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "command": self.command,
+            "heartbeat": time.time(),
+        }
+
+    def holder(self) -> str | None:
+        """A line naming the live holder of the lock (its command, host, pid, heartbeat age), or None
+        when the lock is free or stale."""
+        try:
+            held = json.loads(read_text(self.file) or "null")
+        except json.JSONDecodeError:  # a write cut short: that holder is gone
+            return None
+        if not isinstance(held, dict) or held.get("token") == self.token:
+            return None
+        age = time.time() - float(held.get("heartbeat", 0))
+        if held.get("host") == socket.gethostname():  # this host: its process decides, whatever its heartbeat
+            if not _process_alive(int(held.get("pid", -1))):
+                return None
+        elif age > self.stale_s:
+            return None
+        return (
+            f"{held.get('command', '?')} (host {held.get('host')}, pid {held.get('pid')}, "
+            f"heartbeat {max(age, 0):.0f} s ago)"
+        )
+
+    def busy_message(self, who: str) -> str:
+        return (
+            f"{self.flag}={self.folder} is in use by {who}; wait for it to end, or use another {self.flag} "
+            f"(a crashed run's lock {self.file.name} is taken over once its process is gone or "
+            f"{self.stale_s:.0f} s after its last heartbeat)"
+        )
+
+    def acquire(self) -> RunLock:
+        """Take the lock (see the class) and start its heartbeat; returns self.
+
+        Raises:
+          RunFolderBusy: a live holder has it (one line naming it and the folder).
+        """
+        if (who := self.holder()) is not None:
+            raise RunFolderBusy(self.busy_message(who))
+        record = json.dumps(self._record())
+        if is_remote(self.file):
+            self.file.write_text(record)
+            time.sleep(self.settle_s)  # another starter's later write wins: read back who holds it
+            if (who := self.holder()) is not None:
+                raise RunFolderBusy(self.busy_message(who))
+        else:
+            os.makedirs(self.file.parent, exist_ok=True)
+            try:  # exclusive create: of two starters, one wins
+                fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                with os.fdopen(fd, "w") as f:
+                    f.write(record)
+            except FileExistsError:  # a stale holder's file (checked above): take it over, then check
+                write_text(self.file, record)
+                time.sleep(self.settle_s)  # of two taking it over at once, the later write wins
+                if (who := self.holder()) is not None:
+                    raise RunFolderBusy(self.busy_message(who)) from None
+        self._thread = threading.Thread(target=self._beat, name=f"runlock-{self.file.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            try:
+                write_text(self.file, json.dumps(self._record()))
+            except Exception:  # noqa: BLE001 (a missed beat only ages the lock; the next one retries)
+                pass
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock file if it is still this holder's. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.beat_s + 5)
+            self._thread = None
+            try:
+                held = json.loads(read_text(self.file) or "null")
+                if isinstance(held, dict) and held.get("token") == self.token:
+                    self.file.unlink()
+            except Exception:  # noqa: BLE001 (a lock left behind is stale once this process is gone)
+                pass
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

@@ -462,6 +462,7 @@ class Trainer:
             controller=self.controller.state_dict() if self.controller is not None else None,
             estimator=self.spec.estimator.name,
             seed=self.spec.seed,
+            config=json.loads(self.spec.config.to_json_best_effort()),  # a resume checks it (resume.py)
         )
         self.checkpointer.save(self.iteration, self.learner.params, self.learner.opt_state, self.rng, meta)
 

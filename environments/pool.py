@@ -16,7 +16,8 @@ message per involved worker and returns a ticket per job at once; each worker an
 by one, in the order submitted; ``poll`` hands back whatever has been answered (or has faulted).
 ``step`` / ``reset`` are ``submit`` followed by waiting for their own tickets. A job must be answered
 within ``timeout_s`` of the moment its worker could start it: its submit, or the answer to the job
-queued ahead of it on the same worker, whichever is later.
+queued ahead of it on the same worker (by the worker's clock), whichever is later. A job the worker
+answered is never a fault, however late the host polls (a compile or a long decode chunk in between).
 
 Faults never raise: every submitted job gets exactly one result, and the result's typed ``fault``
 field (a ``Fault``, None when the env answered) names the kind of each faulted one, ``detail`` says
@@ -206,25 +207,28 @@ def _worker_main() -> None:
                 if cmd == "step":
                     i, action = item
                     obs, reward, done, info = envs[i].step(action)
-                    reply = ("ok", (obs, float(reward), bool(done), dict(info)))
+                    reply = ("ok", (obs, float(reward), bool(done), dict(info)), "")
                 elif cmd == "reset":
                     i, task_id, seed = item
-                    reply = ("ok", envs[i].reset(task_id, seed))
+                    reply = ("ok", envs[i].reset(task_id, seed), "")
                 elif cmd == "oracle":
                     (i,) = item
-                    reply = ("ok", envs[i].oracle_action())
+                    reply = ("ok", envs[i].oracle_action(), "")
                 elif cmd == "task_info":
                     i, task_id = item
-                    reply = ("ok", envs[i].task_info(task_id))
+                    reply = ("ok", envs[i].task_info(task_id), "")
                 else:
                     raise ValueError(f"unknown command {cmd!r}")
             except Exception as e:  # noqa: BLE001  (reported to the parent, never kills the worker)
                 reply = ("error", _portable(e), traceback.format_exc())
+            # when it answered (CLOCK_MONOTONIC is one clock for every process of a host): the next job's
+            # time starts here, however late the parent reads it
+            answered_at = time.monotonic()
             try:
-                conn.send(reply)  # pickles fully before writing: a pickling error leaves the stream intact
+                conn.send((*reply, answered_at))  # pickles fully before writing: an error leaves the stream intact
             except (TypeError, AttributeError, pickle.PicklingError) as e:
                 err = RuntimeError(f"{cmd} result could not be sent to the parent: {_describe(e)}")
-                conn.send(("error", err, ""))
+                conn.send(("error", err, "", answered_at))
 
 
 def _kill(worker: _Worker) -> None:
@@ -447,14 +451,18 @@ class EnvPool:
         is in flight, or ``wait_s`` seconds pass (None: no limit; 0: only what is already there)."""
         end = None if wait_s is None else time.monotonic() + wait_s
         while True:
-            now = time.monotonic()
-            for w, queue in enumerate(self._queue):
-                if queue and self._head_since[w] + self.timeout_s <= now:
-                    cmd = queue[0].cmd
-                    self._fault(w, Fault.TIMEOUT, f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
+            # answers first: a job answered while the host was busy elsewhere is an answer, never a hang
             conns = {self._workers[w].conn: w for w, queue in enumerate(self._queue) if queue}
             for conn in wait(list(conns), timeout=0) if conns else ():
                 self._drain(conns[conn], conn)
+            now = time.monotonic()
+            for w, queue in enumerate(self._queue):
+                if queue and self._head_since[w] + self.timeout_s <= now:
+                    if self._workers[w].conn.poll():  # answered since the drain above
+                        self._drain(w, self._workers[w].conn)
+                        continue
+                    cmd = queue[0].cmd
+                    self._fault(w, Fault.TIMEOUT, f"worker {w} did not answer {cmd} within timeout_s={self.timeout_s}")
             if enough() or not any(self._queue):
                 return
             now = time.monotonic()
@@ -470,9 +478,9 @@ class EnvPool:
         queue = self._queue[w]
         try:
             while queue:
-                status, value, *_tb = conn.recv()
+                status, value, _tb, answered_at = conn.recv()
                 t = queue.popleft()
-                self._head_since[w] = time.monotonic()
+                self._head_since[w] = answered_at  # the next job's time started with this answer
                 if status == "ok":
                     self._finish(t, "ok", value)
                 else:

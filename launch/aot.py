@@ -60,7 +60,8 @@ Per chip, a program needs its own peak (``memory_analysis``) plus the long-lived
 as arguments (master weights, AdamW moments, the reference and sampler copies): ``total_bytes_per_chip``.
 The config fits when every program's total and every transient is at most ``--budget`` (0.9) of the chip's HBM; otherwise the
 command exits with status 1. Writes a table to stdout and JSON to
-``--out/<config>__<topology>.json`` (``benchmarks/aot/``).
+``--out/<config>__<topology>.json`` (default ``runs/aot/``, so the committed reports in ``benchmarks/aot/``
+change only when asked: ``--out=benchmarks/aot``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ from launch._common import ROOT, write_json
 
 _CONFIG = cli.define_config_file("config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "Run config.")
 _TOPOLOGY = flags.DEFINE_string("topology", "cpu:8", "TPU topology (e.g. v5e:4x4, v5p:2x2x4) or cpu:N.")
-_OUT = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "aot"), "Folder of the JSON report.")
+_OUT = flags.DEFINE_string(
+    "out", os.path.join("runs", "aot"), "Folder of the JSON report (--out=benchmarks/aot updates the committed ones)."
+)
 _BUDGET = flags.DEFINE_float("budget", 0.9, "Largest fraction of a chip's HBM a program may use.")
 _PROGRAMS = flags.DEFINE_list("programs", "", "Compile only these programs (default: all).")
 _SLICES = flags.DEFINE_integer(

@@ -12,10 +12,13 @@ runs of one config and seed, each ``launch.train``'s job with the game wrapped i
 ``environments.testing.ChaosEnv`` (faults on a call-count schedule, each fired once):
 
 1. ``reference``: undisturbed; it also counts the game calls, so the faults below land inside the run.
-2. ``process``: the trainer is SIGKILLed while it saves a checkpoint, then the newest committed
-   checkpoint is torn (a data file truncated) before the restart. The restarted run must resume
-   from the newest complete checkpoint, record every iteration once and end with the reference's
-   final parameters (no game fault, so no episode differs).
+2. ``process``: a second run started in its folder while it trains must refuse; its host reads the
+   env pools' answers late (twice per process, 6 s, past ``env.timeout_s``), which must drop no
+   answered game; the trainer is SIGKILLed while it saves a checkpoint (its folder lock is left
+   behind), then the newest committed checkpoint is torn (a data file truncated) before the restart.
+   The restarted run must take the lock over, resume from the newest complete checkpoint, record
+   every iteration once and end with the reference's final parameters (no game dropped, so no
+   episode differs).
 3. ``games``: a hung reset, a hung step, an exception and a segfault inside a game, and SIGKILL of a
    pool worker. The run must finish with every iteration recorded once; the episodes dropped are
    listed (fault, task, seed, step; a crashed or hung worker also ends its other games, "lost"),
@@ -72,6 +75,7 @@ TINY = (
     "--config.log.progress=False",
     "--config.log.plots=False",
 )
+LATE_POLL_EVERY, LATE_POLL_S = 25, 6.0  # the process run's host reads its pools' answers late (> env.timeout_s=4)
 GAME_FAULTS = (  # (call, kind, where in the reference run's calls: a fraction of its count)
     ("reset", "hang", 0.35),
     ("step", "hang", 0.3),
@@ -81,10 +85,38 @@ GAME_FAULTS = (  # (call, kind, where in the reference run's calls: a fraction o
 )
 
 
+def _late_polls(plan_dir: str) -> None:
+    """Make the host read its env pools' answers late when ``<plan_dir>/late_poll.json`` asks
+    (``{"every": k, "sleep_s": t, "times": n}``): every k-th time the pool takes in answers while jobs
+    are in flight, n times per process, it first sleeps ``t`` seconds, past ``env.timeout_s`` (a
+    compile or a long decode chunk in between). Each is noted in ``late_polls.jsonl``; answered jobs
+    must stay answers (no fault, no game dropped)."""
+    spec = os.path.join(plan_dir, "late_poll.json")
+    if not os.path.exists(spec):
+        return
+    from environments import pool as pool_lib
+
+    with open(spec) as f:
+        plan = json.load(f)
+    pump, count, fired = pool_lib.EnvPool._pump, [0], [0]
+
+    def late(self, wait_s, enough):
+        count[0] += 1
+        if count[0] % plan["every"] == 0 and self.in_flight and fired[0] < plan["times"]:
+            fired[0] += 1
+            time.sleep(plan["sleep_s"])
+            with open(os.path.join(plan_dir, "late_polls.jsonl"), "a") as f:
+                f.write(json.dumps({"pump": count[0], "in_flight": self.in_flight, "sleep_s": plan["sleep_s"]}) + "\n")
+        return pump(self, wait_s, enough)
+
+    pool_lib.EnvPool._pump = late
+
+
 def _child() -> None:
     """The trainer child: ``launch.train``'s job with the game wrapped in the fault injector."""
     from environments.testing import ChaosEnv
 
+    _late_polls(_CHILD_PLAN.value)
     config = train_launch._CONFIG.value
     factory = functools.partial(ChaosEnv, config.env.name, os.path.abspath(_CHILD_PLAN.value))
     train_launch.train(config, train_launch._WORKDIR.value, resume=True, env_factory=factory)
@@ -186,6 +218,22 @@ def _kill_during_save(proc: subprocess.Popen, ckpt_dir: str, step: int, deadline
     raise RuntimeError(f"checkpoint {step} never started within {deadline_s} s (exit code {proc.poll()})")
 
 
+def _second_run(first: subprocess.Popen, run_dir: str, cmd: list[str], env: dict[str, str], log: str) -> dict:
+    """Once ``first`` holds ``run_dir``'s lock, the same command again: it must refuse at start-up,
+    naming the run that holds the folder, and write nothing there."""
+    lock = os.path.join(run_dir, ".lock.process_0")
+    t_end = time.monotonic() + 600
+    while not os.path.exists(lock):
+        if first.poll() is not None or time.monotonic() > t_end:
+            raise RuntimeError(f"the first run never took {lock} (exit code {first.poll()})")
+        time.sleep(0.05)
+    rc, wall = _run(cmd, env, log)
+    said = open(log).read()
+    refused = rc != 0 and "is in use by launch.train" in said and first.poll() is None
+    line = said.strip().splitlines()[-1].replace(run_dir, "<process run>")  # no machine path in the JSON
+    return {"exit_code": rc, "refused": refused, "wall_s": wall, "said": line[:200]}
+
+
 def _tear_newest(ckpt_dir: str) -> dict[str, Any]:
     """Truncate the largest data file of the newest committed checkpoint to half its size."""
     steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
@@ -244,14 +292,18 @@ def main(argv):
     runs["reference"]["game_calls"] = calls
     reference = _final_params(run_dir)
 
-    # 2. process faults: SIGKILL during a save, then a torn newest checkpoint
+    # 2. process faults: late polls of the env pool, a second run started in the same folder, SIGKILL
+    # during a save (its lock is left behind), then a torn newest checkpoint
     run_dir, plan_dir, cmd = prepare("process", None)
+    with open(os.path.join(plan_dir, "late_poll.json"), "w") as f:
+        json.dump({"every": LATE_POLL_EVERY, "sleep_s": LATE_POLL_S, "times": 2}, f)
     log = os.path.join(base, "process.log")
     t0 = time.perf_counter()
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
         kill_step = n_iter - 1
         try:
+            second = _second_run(proc, run_dir, cmd, env, os.path.join(base, "second.log"))
             hit = _kill_during_save(proc, os.path.join(run_dir, "checkpoints"), kill_step, 1200)
         finally:
             proc.wait(timeout=60)
@@ -263,13 +315,25 @@ def main(argv):
     aside = os.path.join(run_dir, "checkpoints", "torn")
     diff = _max_diff(_final_params(run_dir), reference)
     restart_line = next((ln for ln in open(log) if ln.startswith("Run folder:")), "")
+    late = (
+        [json.loads(ln) for ln in open(os.path.join(plan_dir, "late_polls.jsonl"))]
+        if os.path.exists(os.path.join(plan_dir, "late_polls.jsonl"))
+        else []
+    )
+    dropped = _metrics_sum(run_dir, "rollout/", "/env_errors") + _metrics_sum(run_dir, "val", "/env_errors")
+    ok = rc == 0 and out["iterations_lost"] == 0
     runs["process"] = dict(
         out,
         faults=[
             {"fault": "SIGKILL of the trainer during a checkpoint save", "step": kill_step, "hit_the_save": hit},
             {"fault": "torn newest checkpoint before the restart", **torn},
+            {"fault": "a second run started in the same folder", **second},
+            {"fault": f"late polls: the host reads answers {LATE_POLL_S} s late", "fired": len(late)},
         ],
-        faults_survived=2 if rc == 0 and out["iterations_lost"] == 0 else 0,
+        # late polls survive when no answered game was dropped for them; the second run when it refused
+        faults_survived=(2 if ok else 0) + int(ok and second["refused"]) + int(ok and bool(late) and dropped == 0),
+        late_polls=late,
+        episodes_dropped=dropped,
         iterations_in_metrics_when_killed=killed_after,
         torn_steps_set_aside=sorted(os.listdir(aside)) if os.path.isdir(aside) else [],
         restart=restart_line[restart_line.find("(iterations") :].strip(),  # no machine path in the JSON

@@ -44,9 +44,12 @@ def fail(message: str, code: int = USAGE_EXIT) -> None:
     head, tb, rest = str(message).partition("Traceback (most recent call last):")
     if tb:  # a parser that quotes a traceback: its head and the exception line
         message = f"{head.strip().rstrip(':')}: {rest.strip().splitlines()[-1]}"
-    sys.stderr.write(f"error: {one_line(message)}\n")
+    line = one_line(message)
+    sys.stderr.write(f"error: {line}\n")
     sys.stderr.flush()
-    raise SystemExit(code)
+    exit_ = SystemExit(code)
+    exit_.printed = line  # said already; distributed.failures_shared passes it to the other hosts
+    raise exit_
 
 
 def _overrides(name: str, argv: list[str]) -> list[str]:
@@ -142,11 +145,30 @@ def define_config_file(name: str, default: str | None, help_string: str, argv: l
     return holder
 
 
+_CONFIG_DICTS: dict = {}  # name -> the ConfigDict of each flag defined through define_config_dict
+
+
+def define_config_dict(name: str, config, help_string: str):
+    """``config_flags.DEFINE_config_dict`` whose bad overrides are one line (``fail``): an unknown
+    ``--<name>.<field>`` names the field and the closest existing ones. Returns the flag holder."""
+    try:  # ml_collections parses the overrides here, at definition (see define_config_file)
+        holder = config_flags.DEFINE_config_dict(name, config, help_string)
+    except Exception as e:
+        fail(unknown_field_message(config, name, _overrides(name, sys.argv)) or f"--{name}: {one_line(e)}")
+    _CONFIG_DICTS[name] = config
+    return holder
+
+
 def _parse(argv: list[str]) -> list[str]:
     """absl parsing; a flag error or a config file that does not load -> one line."""
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
+        fail(str(e))
+    except Exception as e:  # ml_collections raises AttributeError/KeyError for a field a config dict lacks
+        for name, config in _CONFIG_DICTS.items():
+            if msg := unknown_field_message(config, name, _overrides(name, argv)):
+                fail(msg)
         fail(str(e))
     for name in _CONFIG_FLAGS:
         path = _config_file(name, argv, flags.FLAGS[name].default_as_str.strip("'"))

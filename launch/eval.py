@@ -6,7 +6,7 @@
 Plays exactly the games of the trainer's validation (``bipace_jax.validation``: same panels, same
 sampler keys, same means), so the numbers equal what a run of that config logs for the same policy.
 No optimizer, no reference copy and no orbax checkpoint are made. ``--out`` (default
-``runs/eval/<checkpoint folder>``) receives ``eval.json`` (the record, the checkpoint, the panels),
+``runs/eval/<checkpoint folder>~<8 hex of its path>``; a folder of another run or command is refused) receives ``eval.json`` (the record, the checkpoint, the panels),
 ``report.md`` (a markdown table, the 95% Wilson interval of each panel), ``config.json`` and, unless
 ``--notranscripts``, the panels' episode transcripts ``episodes/0.jsonl`` (``log.transcripts_max_games``
 games per panel; ``python -m launch.transcripts --run=<out>`` renders them). One process.
@@ -15,6 +15,7 @@ games per panel; ``python -m launch.transcripts --run=<out>`` renders them). One
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -36,10 +37,21 @@ _TRANSCRIPTS = flags.DEFINE_bool("transcripts", True, "Write the panels' transcr
 
 
 def default_out(checkpoint: str) -> str:
-    """``runs/eval/<name>``: the checkpoint folder's name, with its parent's for a run's ``hf_final``."""
+    """``runs/eval/<name>~<8 hex>``: the checkpoint folder's name (with its parent's for a run's
+    ``hf_final``) and 8 hex digits of the SHA-1 of its absolute path or URL, so two checkpoints never
+    share a default folder (``a/run/hf_final`` and ``b/run/hf_final``)."""
     parts = os.path.normpath(checkpoint.rstrip("/")).split(os.sep)
     name = "_".join(parts[-2:]) if parts[-1] == "hf_final" and len(parts) > 1 else parts[-1]
-    return os.path.join("runs", "eval", name)
+    return os.path.join("runs", "eval", f"{name}~{hashlib.sha1(_where(checkpoint).encode()).hexdigest()[:8]}")
+
+
+def _where(checkpoint: str) -> str:
+    """A checkpoint's identity: its absolute local path, or its URL, without a trailing slash."""
+    return checkpoint.rstrip("/") if "://" in checkpoint else os.path.abspath(checkpoint).rstrip("/")
+
+
+#: The files ``evaluate`` writes (a folder holding only these is an earlier evaluation's, see ``claim_output``).
+OUT_FILES = ("eval.json", "report.md", "config.json", "episodes")
 
 
 def _ci(rate, games: int) -> str:
@@ -124,7 +136,8 @@ def evaluate(config, config_file: str, out: str, write_transcripts: bool = True)
     panels = validation.select(spec, spec.env.name)
     if not any(panels.games.values()):
         raise config_lib.ConfigError("config.val.num_tasks: the config selects no panel game (and num_holdout_tasks)")
-    runfolder.prepare(out, "--out")
+    # never over another run's or command's files; one folder per checkpoint and config file
+    runfolder.claim_output(out, "--out", "launch.eval", f"{_where(spec.model.checkpoint)} ({config_file})", OUT_FILES)
     actor, engine, tokenizer = _policy(spec)
     pool, pools = validation.start_pools(spec, spec.env.name, panels, 1, validating=True)
     try:

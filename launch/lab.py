@@ -21,17 +21,16 @@ import sys
 import time
 
 import numpy as np
-from absl import app
-from ml_collections import config_flags
 
 import bipace_jax.lab as lab
+from bipace_jax import runfolder
+from bipace_jax.config import ConfigError
 from bipace_jax.lab import config as lab_config
 from bipace_jax.lab.scores import interval as lab_interval
+from launch import cli
 from launch._common import ROOT, write_json
 
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config", lab_config.default_config(), "Lab config (bipace_jax/lab/config.py)."
-)
+_CONFIG = cli.define_config_dict("config", lab_config.default_config(), "Lab config (bipace_jax/lab/config.py).")
 
 SHOWN = (
     "corr",
@@ -313,7 +312,8 @@ def run_grid(c) -> dict:
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
     out = c.out or os.path.join(ROOT, "docs", "results", "lab")
-    os.makedirs(out, exist_ok=True)
+    # never over another run's or command's files (a folder of only a grid report's files is one)
+    runfolder.claim_output(out, "--config.out", "launch.lab", "grid", ("report.md", "report.json", "*.png"))
     game = lab_config.game(c)
     cfgs = lab_config.estimator_configs(c)
     names = list(cfgs)
@@ -450,10 +450,13 @@ def run_cell(c) -> dict:
 
 def main(argv):
     c = _CONFIG.value
-    lab_config.validate(c)
-    del argv  # absl already parsed the flags
-    run_grid(c) if c.mode == "grid" else run_cell(c)
+    try:
+        lab_config.validate(c)
+        del argv  # absl already parsed the flags
+        run_grid(c) if c.mode == "grid" else run_cell(c)
+    except (ConfigError, runfolder.RunFolderError) as e:  # one line, never a traceback
+        cli.fail(str(e))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -3,7 +3,8 @@
     python -m launch.report runs/study [more run folders or studies] [--threshold=0.9] [--out=DIR]
 
 Run folders are found as given or one level down (a folder with ``metrics.jsonl`` and
-``config.json``). Runs whose configs differ only in ``seed`` form one *arm*; an arm is named by the
+``config.json``). Runs whose configs differ only in ``seed`` or in fields a resume may change
+(``bipace_jax.resume.NEUTRAL``: worker counts, logging, checkpoint cadence, the iteration budget) form one *arm*; an arm is named by the
 fields that tell the arms apart (e.g. ``estimator.name=bipace_q``; plots label it by the values,
 e.g. ``bipace_q``). Per arm, over its seeds (std: sample standard deviation, ddof 1; none for one
 seed, printed "(n = 1)"):
@@ -42,7 +43,7 @@ from typing import Any
 from absl import app, flags
 
 from bipace_jax import metric_keys as mk
-from bipace_jax import runfolder
+from bipace_jax import resume, runfolder
 
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Validation success that counts as reached (0..1).")
 _OUT = flags.DEFINE_string(
@@ -110,12 +111,13 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def arms_of(runs: list[str]) -> dict[str, list[str]]:
-    """Runs grouped by their config without ``seed``; each arm named by the fields that differ."""
+    """Runs grouped by their config without ``seed`` and the fields a resume may change
+    (``resume.is_neutral``); each arm named by the fields that differ."""
     configs = {}
     for r in runs:
         text = runfolder.read_text(runfolder.path(r) / "config.json")
         configs[r] = _flatten(json.loads(text)) if text is not None else {}
-    keys = sorted({k for c in configs.values() for k in c} - {"seed"})
+    keys = sorted(k for k in {k for c in configs.values() for k in c} - {"seed"} if not resume.is_neutral(k))
     differing = [k for k in keys if len({c.get(k) for c in configs.values()}) > 1]
     arms: dict[str, list[str]] = {}
     for r, c in configs.items():
@@ -377,6 +379,10 @@ def plot(report: dict[str, Any], out: str) -> list[str]:
     return files
 
 
+#: What ``launch.report`` writes into ``--out``, as glob patterns (a folder holding only these is an earlier report's).
+OUT_FILES = ("report.md", "report.json", "*.png")
+
+
 def default_out(first: str) -> str:
     """``--out``'s default for the first folder given: ``<first>_report`` beside it when it is a run
     folder itself (holds ``metrics.jsonl``), else ``<first>/report`` (a study: beside its runs)."""
@@ -400,8 +406,9 @@ def main(argv):
         excluded = {r: why for a in report["arms"].values() for r, why in a["excluded"].items()}
         sys.exit(f"error: no complete run to report: {excluded}")
     out = _OUT.value or default_out(paths[0])
-    try:
-        folder = runfolder.prepare(out, "--out")
+    try:  # never over another command's files (a run folder, an eval): one report folder per set of inputs
+        source = ", ".join(sorted(os.fspath(runfolder.path(p, "run folder")) for p in paths))
+        folder = runfolder.claim_output(out, "--out", "launch.report", source, OUT_FILES)
     except runfolder.RunFolderError as e:
         sys.exit(f"error: {e}")
     md = to_markdown(report)

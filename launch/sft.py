@@ -5,7 +5,8 @@ r"""Warm start by behaviour cloning and DAgger on TextCraft's oracle (`bipace_ja
 
 Running the same command again resumes from the last finished round; with a config that changes the
 run (``bipace_jax.resume.SFT_NEUTRAL`` lists what may change) it is refused, naming the fields, unless
-``--allow_config_change``. See docs/warm_start.md.
+``--allow_config_change``. While it runs, a second warm start in the same ``--workdir`` refuses
+(``runfolder.RunLock``). See docs/warm_start.md.
 """
 
 from __future__ import annotations
@@ -33,10 +34,15 @@ def main(argv):
     from bipace_jax.sft import run
 
     f = flags.FLAGS
+    lock = runfolder.RunLock(f.workdir, "sft", "launch.sft")
     try:
+        runfolder.prepare(f.workdir)
+        lock.acquire()  # one warm start per folder: a second one refuses before it writes anything
         report = run(f.config, f.workdir, f.out or None, progress=f.progress, allow_config_change=f.allow_config_change)
     except (config_lib.ConfigError, runfolder.RunFolderError, resume.ConfigChangeError) as e:
         cli.fail(str(e))
+    finally:
+        lock.release()
     v, nan = report["final_val"], float("nan")
     print(
         f"validation success: seen goals {v.get('val/success_rate', nan):.3f}, held-out goals "

@@ -69,7 +69,8 @@ def parse_grid(specs: list[str], seeds: list[str]) -> list[list[tuple[str, str]]
 
     Raises:
       ValueError: a spec without ``field=values``, an empty value, a field given twice or the field
-        ``seed`` (use ``--seeds``), or a seed that is not an int.
+        ``seed`` (use ``--seeds``), a seed that is not an int, or a repeated value or seed (two cells
+        would share one run folder).
     """
     axes: list[list[tuple[str, str]]] = []
     seen = set()
@@ -83,11 +84,15 @@ def parse_grid(specs: list[str], seeds: list[str]) -> list[list[tuple[str, str]]
         vals = split_values(values)
         if any(not v for v in vals):
             raise ValueError(f"--grid {field}: empty value in {values!r}")
+        if len(set(vals)) != len(vals):
+            raise ValueError(f"--grid {field}: a value is repeated in {values!r} (two cells would share a run folder)")
         seen.add(field)
         axes.append([(field, v) for v in vals])
     for s in seeds:
         if not re.fullmatch(r"-?\d+", s.strip()):
             raise ValueError(f"--seeds must be ints, got {s!r}")
+    if len({int(s) for s in seeds}) != len(seeds):
+        raise ValueError(f"--seeds: a seed is repeated in {','.join(seeds)} (two cells would share a run folder)")
     # seed-major: every grid point of seed 0 runs before any of seed 1, so a partial sweep is balanced
     return [[*point, ("seed", s.strip())] for s in seeds for point in itertools.product(*axes)]
 

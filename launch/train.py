@@ -7,7 +7,9 @@
 Every config field can be overridden with ``--config.<field>=<value>``. The run folder receives
 ``metrics.jsonl``, TensorBoard events (``tb/``), plots (``plots/``), orbax checkpoints
 (``checkpoints/``) and, at the end, the policy as a Hugging Face folder (``hf_final/``). Starting again
-with the same ``--workdir`` resumes from the latest checkpoint (``--noresume`` refuses instead).
+with the same ``--workdir`` resumes from the latest checkpoint (``--noresume`` refuses instead); while a
+run is on, a second one in its folder refuses (its lock, ``.lock.process_<i>``, is taken over by the
+resume of a crashed run).
 ``--workdir=gs://bucket/run`` writes all of it to GCS (needs ``pip install -e '.[gcp]'``).
 
 Multi-host (one process per host): ``--coordinator_address=host0:1234 --num_processes=N
@@ -123,6 +125,18 @@ def run_plan(spec):
     return plan.plan(spec, layout, validation.select(spec, spec.env.name).games)
 
 
+def devices_line() -> str:
+    """``"devices: 8 x TPU v5 lite (tpu), 1 process"``: the devices JAX sees, their kind and backend."""
+    import jax
+
+    kinds = sorted({d.device_kind for d in jax.devices()})
+    procs = jax.process_count()
+    return (
+        f"devices: {jax.device_count()} x {', '.join(kinds)} ({jax.default_backend()}), "
+        f"{procs} process{'es' if procs > 1 else ''}"
+    )
+
+
 def check_resume(spec, workdir: str, allow_change: bool) -> str | None:
     """``resume.check_resume`` for ``spec`` (a ``RunSpec``): refuse (one line, ``SystemExit``) a resume
     whose config differs in a field that changes the run; with ``allow_change`` keep the old config
@@ -162,12 +176,20 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         spec = build.build_spec(config)
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")
-    from bipace_jax import distributed, runfolder
-    from bipace_jax import plan as plan_lib
-    from bipace_jax import trainer as trainer_lib
+    from bipace_jax import distributed
 
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
+    with distributed.failures_shared():  # one host's error ends every host, naming it (host 0's log too)
+        _train_started(spec, workdir, resume, env_factory, t_start)
+
+
+def _train_started(spec, workdir: str, resume: bool, env_factory, t_start: float) -> None:
+    """``train`` once JAX has started: check the devices and the run folder, take its lock, train."""
     import jax
+
+    from bipace_jax import config as config_lib
+    from bipace_jax import plan as plan_lib
+    from bipace_jax import runfolder
 
     if _PRINT_CONFIG.value:
         print(spec.config.to_json_best_effort(indent=2), flush=True)
@@ -180,14 +202,41 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         sizes = run_plan(spec)
         plan_lib.check_workdir(spec, workdir, jax.process_count())
         runfolder.path(workdir)
+        if message := runfolder.missing_extra(workdir, "--workdir"):  # before anything reads the folder
+            raise runfolder.RunFolderError(message)
+        lock = runfolder.RunLock(workdir, f"process_{jax.process_index()}", "launch.train")
+        if _DRY_RUN.value:  # checked, not taken; nothing is created
+            runfolder.check_writable(workdir)
+            if (who := lock.holder()) is not None:
+                raise runfolder.RunFolderBusy(lock.busy_message(who))
+        else:
+            runfolder.prepare(workdir)
+            lock.acquire()  # one run per folder: a second one refuses here, before it writes anything
     except (config_lib.ConfigError, runfolder.RunFolderError) as e:
         sys.exit(f"error: {e}")
+    try:
+        _train_locked(spec, sizes, workdir, resume, env_factory, t_start)
+    finally:
+        lock.release()
+
+
+def _train_locked(spec, sizes, workdir: str, resume: bool, env_factory, t_start: float) -> None:
+    """``train`` once the run folder is checked and its lock held (or checked, for ``--dry_run``);
+    ``sizes``: the run's ``plan.RunPlan``."""
+    import jax
+
+    from bipace_jax import checkpointing, runfolder
+    from bipace_jax import config as config_lib
+    from bipace_jax import trainer as trainer_lib
+
     finished = check_resume(spec, workdir, _ALLOW_CHANGE.value) if resume else None
     if finished is not None:
         if jax.process_index() == 0:
             report = dict(report_from_disk(workdir), val_temperature=spec.val.temperature)
             print(finished + "\n" + format_report(report), flush=True)
         return
+    if jax.process_index() == 0:  # which chips the run uses, before anything long starts
+        print(devices_line(), flush=True)
     if _DRY_RUN.value:
         print(
             "dry run: config, devices, games, run folder and resume checked, nothing compiled; "
@@ -200,6 +249,10 @@ def train(config, workdir: str, resume: bool = True, env_factory=None) -> None:
         tr = trainer_lib.Trainer(spec, workdir, resume=resume, env_factory=env_factory)
     except (config_lib.ConfigError, runfolder.RunFolderError, FileExistsError) as e:
         sys.exit(f"error: {e}")
+    except checkpointing.CheckpointMismatchError as e:  # steps stay in place; name the fields if config.json can
+        from bipace_jax import resume as resume_lib
+
+        cli.fail(f"{e} ({resume_lib.fields_behind(workdir, spec.config.to_dict())})")
     stopped = None
     try:
         summary = tr.run()

@@ -43,6 +43,9 @@ def _one_error_line(proc) -> str:
         ("launch.sweep", ["--workdir=/tmp/x", "--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
         ("launch.report", [], "give one or more run folders"),
         ("launch.aot", ["--config.estimator.nme=grpo"], "did you mean --config.estimator.name"),
+        ("launch.lab", ["--config.batch.sedes=5"], "--config.batch.sedes: config.batch has no field 'sedes'; did you"),
+        ("launch.lab", ["--config.batch.seeds=-5"], "config.batch.seeds must be an int >= 2"),
+        ("launch.lab", ["--config.mode=grid", f"--config.out={ROOT}/launch"], "holds files launch.lab did not write"),
     ],
 )
 def test_config_errors_are_one_line_naming_the_flag(module, args, expected):
@@ -54,7 +57,7 @@ def test_hub_id_checkpoint_says_how_to_download():
     line = _one_error_line(
         _run("launch.train", "--workdir=/tmp/x", "--config.model.checkpoint=Qwen/Qwen2.5-7B-Instruct", "--dry_run")
     )
-    assert "huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir" in line
+    assert "hf download Qwen/Qwen2.5-7B-Instruct --local-dir /ckpt/Qwen2.5-7B-Instruct" in line
 
 
 @pytest.mark.slow
@@ -230,3 +233,145 @@ def test_the_train_report_header_names_the_validation_temperature():
     assert lines[1] == "Validation success (T=0.4)" + " " * 18 + "before RL   after RL"
     assert lines[2].split() == ["val/success_rate", "50.0%", "75.0%"]
     assert lines[4] == "Validation success" + " " * 26 + "before RL   after RL"  # a summary without it: no T
+
+
+def _checkpointed_run(folder, **meta):
+    """A run folder holding one RL checkpoint (iteration 1) whose meta records ``meta``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bipace_jax.checkpointing import Checkpointer
+
+    params = {"w": jnp.zeros(4)}
+    ck = Checkpointer(str(folder))
+    ck.save(1, params, optax.sgd(0.1).init(params), jax.random.PRNGKey(0), {"iteration": 1, **meta})
+    ck.close()
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["config_cut", "metrics_removed"])
+def test_a_checkpoint_of_another_seed_and_estimator_is_refused_by_its_own_record(tmp_path, damage):
+    # the issue's case 8: run A (seed 1, bipace_q) checkpointed; config.json cut to 100 bytes (or
+    # metrics.jsonl removed); run B (seed 2, grpo) in the same folder resumed A's checkpoint without a word
+    import configs.textcraft_tiny
+
+    a = configs.textcraft_tiny.get_config()
+    a.seed, a.estimator.name = 1, "bipace_q"
+    run = _checkpointed_run(tmp_path, seed=1, estimator="bipace_q")
+    text = a.to_json_best_effort()
+    if damage == "config_cut":
+        (run / "config.json").write_text(text[:100])
+        (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    else:
+        (run / "config.json").write_text(text)
+    b = configs.textcraft_tiny.get_config()
+    b.seed, b.estimator.name = 2, "grpo"
+    with pytest.raises(resume.ConfigChangeError) as e:
+        resume.check_resume(str(run), b.to_dict(), 5, allow_change=False)
+    assert str(e.value) == (
+        f"--workdir={run} holds a checkpoint (iteration 1) of another config: config.estimator.name: "
+        "'bipace_q' -> 'grpo', config.seed: 1 -> 2; use a new --workdir, or --allow_config_change to continue it"
+    )
+    assert resume.check_resume(str(run), a.to_dict(), 5, allow_change=False) is None  # run A itself resumes
+    assert resume.check_resume(str(run), b.to_dict(), 5, allow_change=True) is None  # told to: it goes on
+
+
+def test_a_checkpoint_recording_its_config_names_every_changed_field(tmp_path):
+    import configs.textcraft_tiny
+
+    a = configs.textcraft_tiny.get_config()
+    run = _checkpointed_run(tmp_path, seed=a.seed, estimator=a.estimator.name, config=a.to_dict())
+    b = configs.textcraft_tiny.get_config()
+    b.model.hidden_size, b.env.num_workers = 2 * a.model.hidden_size, 3  # the worker count is neutral
+    with pytest.raises(resume.ConfigChangeError, match=r"config\.model\.hidden_size: \d+ -> \d+; use a new"):
+        resume.check_resume(str(run), b.to_dict(), 5, allow_change=False)
+    assert resume.fields_behind(str(run), b.to_dict()) == (
+        f"config fields changed since: config.model.hidden_size: {a.model.hidden_size} -> {b.model.hidden_size}"
+    )
+
+
+@pytest.mark.slow
+def test_a_second_train_in_a_held_run_folder_refuses_and_writes_nothing(tmp_path):
+    # the issue's case 4: the second launch.train joined the first (both exited 0, one config, two
+    # TensorBoard writers); here this test process holds the folder's lock as a live first run would
+    from bipace_jax import runfolder
+
+    run = tmp_path / "run"
+    lock = runfolder.RunLock(str(run), "process_0", "launch.train").acquire()
+    try:
+        before = sorted(os.listdir(run))
+        for extra in ([], ["--dry_run"]):
+            line = _one_error_line(_run("launch.train", f"--workdir={run}", *extra, timeout=240))
+            assert f"--workdir={run} is in use by launch.train (host" in line and f"pid {os.getpid()}" in line
+            assert sorted(os.listdir(run)) == before
+    finally:
+        lock.release()
+
+
+@pytest.mark.slow
+def test_dry_run_refuses_a_folder_it_cannot_write_and_creates_nothing(tmp_path):
+    (tmp_path / "file").write_text("x")
+    line = _one_error_line(_run("launch.train", f"--workdir={tmp_path}/file/run", "--dry_run", timeout=240))
+    assert "cannot create or write the run folder" in line
+    proc = _run("launch.train", f"--workdir={tmp_path}/new/run", "--dry_run", timeout=240)
+    assert proc.returncode == 0 and "run folder and resume checked" in proc.stdout
+    assert proc.stdout.startswith("devices: ")  # which chips, first
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # a dry run makes no folder
+
+
+@pytest.mark.slow
+def test_cpu_commands_start_without_libtpus_probe_lines(tmp_path):
+    # the newcomer's report: with [tpu] installed, every CPU train / eval / dry run began with five
+    # "E0000 ... INVALID_ARGUMENT" lines from libtpu looking for a TPU
+    import glob
+
+    from launch._common import ACCELERATOR_DEVICES
+
+    if any(glob.glob(p) for p in ACCELERATOR_DEVICES):
+        pytest.skip("this machine has an accelerator: JAX_PLATFORMS is left to JAX")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}/run", "--dry_run"],
+        cwd=ROOT,
+        env=dict(env, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == "" and proc.stdout.startswith("devices: 1 x cpu (cpu), 1 process")
+
+
+@pytest.mark.slow
+def test_a_gs_workdir_without_the_gcp_extra_is_one_line():
+    # the newcomer's regression: the resume check read config.json (through gcsfs) before the extra
+    # was checked, a 65-line traceback
+    from bipace_jax import runfolder
+
+    if not runfolder._missing_gcp_packages():
+        pytest.skip("the [gcp] extra is installed here")
+    line = _one_error_line(_run("launch.train", "--workdir=gs://some-bucket/run", timeout=240))
+    assert line.startswith("error: --workdir=gs://some-bucket/run: a gs:// folder needs") and "[gcp]" in line
+
+
+def test_a_command_writing_to_a_log_file_draws_no_bars_and_a_terminal_keeps_them(tmp_path):
+    # the newcomer's report: logs written outside a terminal held hundreds of tqdm frames ("\r")
+    script = (
+        "import launch, time\nfrom tqdm import tqdm\nfor _ in tqdm(range(50), mininterval=0):\n    time.sleep(0.002)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env["PYTHONPATH"] = ROOT
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=f, stderr=f, timeout=120, check=True)
+    assert b"\r" not in log.read_bytes()  # bytes: text mode would read each "\r" as a newline
+    kept = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=dict(env, TQDM_DISABLE=""),
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    assert kept.stderr.count(b"\r") > 10  # asked for: the bar is drawn, frame by frame

@@ -192,7 +192,8 @@ def test_command_line_overrides_reach_nested_fields():
         (
             "model.checkpoint",
             "/nonexistent/ckpt",
-            "config.model.checkpoint must be a Hugging Face folder holding config.json",
+            "config.model.checkpoint must be a Hugging Face folder holding config.json (no such folder; e.g. a "
+            "run's hf_final/ or a downloaded model",
         ),
         ("mesh.data", 0, "config.mesh.data must be an int >= 1 or -1"),
         ("val.panel", "grid", "config.val.panel must be one of ['spread', 'random'], got 'grid'"),

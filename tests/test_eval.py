@@ -65,7 +65,13 @@ def test_eval_equals_the_trainers_before_rl_validation_and_writes_no_training_st
     proc = _run(f"--out={out}", *(f"--config.{k}={v}" for k, v in OVERRIDES.items()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
-    assert sorted(os.listdir(out)) == ["config.json", "episodes", "eval.json", "report.md"]  # no checkpoints/
+    assert sorted(os.listdir(out)) == [
+        ".written_by.json",
+        "config.json",
+        "episodes",
+        "eval.json",
+        "report.md",
+    ]  # no checkpoints/
     assert result["checkpoint"].endswith("bipace_jax/data/textcraft_tiny") and result["seed"] == 0
 
     from bipace_jax.trainer import Trainer

@@ -25,12 +25,12 @@ def test_the_page_has_three_snippets():
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_snippet_runs(index, tmp_path):
     code = _blocks()[index]
-    # each block runs from a project-root-like folder: the shipped model, and runs/main for snippet 3
+    # each block runs from a project-root-like folder: the shipped model, and runs/textcraft_tiny (the README's main job) for snippet 3
     os.makedirs(tmp_path / "bipace_jax" / "data")
     os.symlink(
         os.path.join(ROOT, "bipace_jax", "data", "textcraft_tiny"), tmp_path / "bipace_jax" / "data" / "textcraft_tiny"
     )
-    write_run(tmp_path / "runs" / "main")
+    write_run(tmp_path / "runs" / "textcraft_tiny")
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600

@@ -154,3 +154,32 @@ def test_low_var_kl_is_never_negative_near_zero():
     kl = np.asarray(losses.low_var_kl(jnp.zeros_like(d), jnp.asarray(d), bound=np.inf))
     assert kl.min() >= 0.0
     np.testing.assert_allclose(kl, np.expm1(d.astype(np.float64)) - d, rtol=1e-3, atol=2e-9)  # float32 ulps of d
+
+
+@pytest.mark.parametrize("gap", [80.0, 100.0, 1e4])
+def test_a_masked_token_with_a_huge_ratio_gives_the_gradient_of_the_real_tokens_alone(gap):
+    # the issue: a masked (padding) token whose ratio is e^100 gave a NaN gradient (e^80 was fine):
+    # exp(100) overflows float32 and the mask's zero times inf is NaN in the backward pass
+    import jax
+
+    cfg = losses.PPOLossConfig(kl_coef=0.01, entropy_coef=0.0)
+    logprobs = jnp.array([[-1.0, -0.5, 0.0]])
+    old = jnp.array([[-1.2, -0.5, -gap]])  # the third token is padding: its ratio is e^gap
+    ref = jnp.array([[-1.0, -0.7, -gap]])
+    mask = jnp.array([[True, True, False]])
+    adv = jnp.array([-1.5])
+
+    def loss(lp, m):
+        return losses.ppo_loss_from_logprobs(lp, jnp.zeros_like(lp), m, old, ref, adv, cfg)[0]
+
+    grad = jax.grad(loss)(logprobs, mask)
+    assert np.isfinite(np.asarray(grad)).all(), grad
+    assert float(grad[0, 2]) == 0.0  # a masked token moves nothing
+    # the real tokens' gradient equals the gradient of the same loss with the padding cut off
+    short = jax.grad(
+        lambda lp: losses.ppo_loss_from_logprobs(lp, jnp.zeros_like(lp), mask[:, :2], old[:, :2], ref[:, :2], adv, cfg)[
+            0
+        ]
+    )(logprobs[:, :2])
+    np.testing.assert_allclose(np.asarray(grad[:, :2]), np.asarray(short), rtol=1e-6)
+    assert np.isfinite(float(loss(logprobs, mask)))

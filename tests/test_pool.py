@@ -496,3 +496,31 @@ def test_bad_submits_raise_before_anything_is_sent(faulty_pool):
         pool.poll(timeout=-1)
     assert pool.in_flight == n == 0 and pool.poll() == []
     assert pool.step([0], ["a"])[0].obs.text == "task 1 seed 1 step 1: a"  # nothing was queued for env 0
+
+
+def test_a_late_poll_never_turns_answered_jobs_into_faults():
+    # the case 2: two steps answer in ~1 ms, but the host is busy 1.8 s (a compile, a long
+    # decode chunk) before it polls, with timeout_s=1: both are answers, not hangs, and nothing is replaced
+    with EnvPool(FaultyEnv, 2, num_workers=1, timeout_s=1.0) as pool:
+        pool.reset([0, 1], [0, 1], [0, 0])
+        pid = pool.worker_pids()
+        tickets = pool.submit([StepJob(0, "a"), StepJob(1, "b")])
+        time.sleep(1.8)
+        results = dict(t for batch in _poll_all(pool, tickets) for t in batch)
+        assert [results[t].fault for t in tickets] == [None, None]
+        assert [results[t].obs.text for t in tickets] == ["task 0 seed 0 step 1: a", "task 1 seed 0 step 1: b"]
+        assert pool.fault_count == 0 and pool.worker_pids() == pid
+
+
+def test_a_late_poll_still_finds_the_job_that_hung_behind_an_answered_one():
+    # the answered job is the worker's; the hang queued behind it is timed from that answer, not from the poll
+    with EnvPool(FaultyEnv, 2, num_workers=1, timeout_s=1.0) as pool:
+        pool.reset([0, 1], [0, 1], [0, 0])
+        tickets = pool.submit([StepJob(0, "a"), StepJob(1, "hang")])
+        time.sleep(1.8)
+        t0 = time.monotonic()
+        results = dict(t for batch in _poll_all(pool, tickets) for t in batch)
+        assert time.monotonic() - t0 < 0.9  # already past its timeout when the host polled: no second wait
+        assert results[tickets[0]].fault is None and results[tickets[0]].obs.text == "task 0 seed 0 step 1: a"
+        assert results[tickets[1]].fault == "timeout" and "timeout_s=1.0" in results[tickets[1]].detail
+        assert pool.fault_count == 1

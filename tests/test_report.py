@@ -134,3 +134,37 @@ def test_before_rl_and_gain_columns_and_no_cluster_numbers_for_grpo(tmp_path):
     # a study of GRPO arms alone draws no singleton-rate or PACE plot
     only = {k: v for k, v in r["arms"].items() if k == "estimator.name=grpo"}
     assert report.plot(dict(r, arms=only), str(tmp_path)) == ["learning_curves.png"]
+
+
+def test_fields_a_resume_may_change_do_not_split_an_arm(tmp_path):
+    # the case 6: three seeds of one config, seed 2 resumed with env.num_workers=4 (a field
+    # resume treats as neutral) showed as two arms, n = 2 and n = 1
+    import json
+
+    from tests.synthetic_run import write_run
+
+    for seed in range(3):
+        write_run(tmp_path / "study" / f"grpo_s{seed}", seed=seed, estimator="grpo")
+    resumed = tmp_path / "study" / "grpo_s2" / "config.json"
+    config = json.loads(resumed.read_text())
+    config["env"], config["log"] = {"num_workers": 4}, {"progress": False}
+    resumed.write_text(json.dumps(config))
+    write_run(tmp_path / "study" / "bq_s0", seed=0, estimator="bipace_q")
+    arms = report.arms_of(report.find_runs([str(tmp_path / "study")]))
+    study = str(tmp_path / "study")
+    assert arms == {
+        "estimator.name=bipace_q": [f"{study}/bq_s0"],
+        "estimator.name=grpo": [f"{study}/grpo_s{s}" for s in range(3)],
+    }
+
+
+def test_the_report_refuses_an_out_folder_of_another_run_or_command(tmp_path):
+    # the case 9: --out=<a run folder> mixed the report's files into the run's
+    _run(tmp_path / "study" / "s0", 0, [0.7])
+    _run(tmp_path / "other", 1, [0.5])
+    cmd = [sys.executable, "-m", "launch.report", str(tmp_path / "study"), f"--out={tmp_path / 'other'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: --out={tmp_path / 'other'} holds files launch.report did not write (config.json, metrics.jsonl)"
+    )
+    assert sorted(os.listdir(tmp_path / "other")) == ["config.json", "metrics.jsonl"]

@@ -334,9 +334,10 @@ def test_a_gs_checkpoint_without_config_json_fails_naming_the_field(fake_gcs, ur
     (root / "fake-bucket" / "models" / "no_config" / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError) as e:
         build.build_spec(_with_checkpoint(url))
+    why = "it has none" if url.endswith("no_config") else "no such folder"
     assert str(e.value) == (
-        "config.model.checkpoint must be a Hugging Face folder holding config.json (a warm start from "
-        f"launch/sft.py; --config.model.checkpoint= for a random tiny init), got '{url}'"
+        f"config.model.checkpoint must be a Hugging Face folder holding config.json ({why}; e.g. a run's "
+        f"hf_final/ or a downloaded model; --config.model.checkpoint= for a random tiny init), got '{url}'"
     )
     assert os.listdir(tmp) == []
 
@@ -366,3 +367,131 @@ def test_a_model_folder_of_another_scheme_is_refused_naming_the_field():
         match=r"^config\.model\.checkpoint must be a local or gs:// folder \(unsupported scheme\), got 's3://b/q'$",
     ):
         build.build_spec(_with_checkpoint("s3://b/q"))
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_a_second_run_refuses_a_held_folder_and_a_crashed_runs_lock_is_taken_over(tmp_path, where, request):
+    # the case 4: a second launch.train with the same --workdir joined the first
+    if where == "gs":
+        request.getfixturevalue("fake_gcs")
+        folder = RUN
+    else:
+        folder = str(tmp_path / "run")
+    first = runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire()
+    second = runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05)
+    with pytest.raises(
+        runfolder.RunFolderBusy, match=r"--workdir=.*(run|r1) is in use by launch.train \(host .*, pid \d+"
+    ):
+        second.acquire()
+    assert "\n" not in second.busy_message("x")
+    other = runfolder.RunLock(folder, "process_1", "launch.train", settle_s=0.05).acquire()  # another name: its own
+    other.release()
+    first.release()
+    assert not first.file.exists()
+    second.acquire().release()  # released: free again
+
+    # a crashed run: its record stays, its process is gone (this host) -> the resume takes over at once
+    record = {"token": "t", "host": __import__("socket").gethostname(), "pid": _dead_pid(), "command": "launch.train"}
+    runfolder.write_text(first.file, json.dumps({**record, "heartbeat": __import__("time").time()}))
+    resumed = runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire()
+    assert json.loads(first.file.read_text())["token"] == resumed.token
+    resumed.release()
+    # a live holder on this host holds it, however old its heartbeat (a process stopped for a while)
+    runfolder.write_text(first.file, json.dumps({**record, "pid": os.getpid(), "heartbeat": 0.0}))
+    with pytest.raises(runfolder.RunFolderBusy, match=f"pid {os.getpid()}"):
+        runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire()
+    # a holder on another host is judged by its heartbeat: fresh -> busy, older than stale_s -> taken over
+    far = {**record, "host": "other-host", "pid": 1}
+    runfolder.write_text(first.file, json.dumps({**far, "heartbeat": __import__("time").time()}))
+    with pytest.raises(runfolder.RunFolderBusy, match="host other-host"):
+        runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire()
+    runfolder.write_text(first.file, json.dumps({**far, "heartbeat": __import__("time").time() - 61}))
+    runfolder.RunLock(folder, "process_0", "launch.train", settle_s=0.05).acquire().release()
+
+
+def test_a_held_lock_keeps_beating(tmp_path):
+    import time
+
+    lock = runfolder.RunLock(str(tmp_path), "process_0", "launch.train", beat_s=0.1, stale_s=0.5).acquire()
+    first = json.loads(lock.file.read_text())["heartbeat"]
+    time.sleep(0.6)
+    assert json.loads(lock.file.read_text())["heartbeat"] > first  # a live holder never goes stale
+    lock.release()
+
+
+def test_check_writable_creates_nothing_and_refuses_what_prepare_refuses(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=.*file/run: cannot create or write"):
+        runfolder.check_writable(str(tmp_path / "file" / "run"))
+    runfolder.check_writable(str(tmp_path / "new" / "run"))
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing made, no probe left
+    with pytest.raises(runfolder.RunFolderError, match=r"--workdir=/proc/run: cannot create or write"):
+        runfolder.check_writable("/proc/run")  # a read-only file system, even for root
+
+
+def test_results_never_go_over_another_run_or_command_and_a_rerun_replaces_its_own(tmp_path):
+    # the case 9: results written into a folder never overwrite another run's or command's files
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "config.json").write_text("{}")
+    with pytest.raises(
+        runfolder.RunFolderError, match=r"--out=.*run holds files launch.eval did not write \(metrics.jsonl\)"
+    ):
+        runfolder.claim_output(str(run), "--out", "launch.eval", "ckpt A", ("eval.json", "report.md", "config.json"))
+    assert sorted(os.listdir(run)) == ["config.json", "metrics.jsonl"]  # nothing written
+
+    out = str(tmp_path / "out")
+    runfolder.claim_output(out, "--out", "launch.eval", "ckpt A", ("eval.json",))
+    (tmp_path / "out" / "eval.json").write_text("{}")
+    runfolder.claim_output(out, "--out", "launch.eval", "ckpt A", ("eval.json",))  # its own re-run
+    with pytest.raises(
+        runfolder.RunFolderError, match=r"holds the results of launch.eval on ckpt A, not of launch.eval on ckpt B"
+    ):
+        runfolder.claim_output(out, "--out", "launch.eval", "ckpt B", ("eval.json",))
+    with pytest.raises(
+        runfolder.RunFolderError, match=r"holds the results of launch.eval on ckpt A, not of launch.report"
+    ):
+        runfolder.claim_output(out, "--out", "launch.report", "ckpt A", ("*.json",))
+
+    older = tmp_path / "older_report"  # a report folder written before folders were claimed: still its own
+    older.mkdir()
+    for name in ("report.md", "report.json", "learning_curves.png"):
+        (older / name).write_text("x")
+    runfolder.claim_output(str(older), "--out", "launch.report", "study", ("report.md", "report.json", "*.png"))
+
+
+def test_two_checkpoints_never_share_a_default_eval_folder(tmp_path):
+    import subprocess
+    import sys
+
+    # launch.eval defines its flags on import (its --out would clash with launch.report's here)
+    script = (
+        "import json, sys; from launch.eval import default_out as d; "
+        "print(json.dumps([d('a/run/hf_final'), d('b/run/hf_final'), d('a/run/hf_final/'), d(sys.argv[1]), "
+        "d('gs://b/x/ckpt'), d('gs://c/x/ckpt')]))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a/run/hf_final")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b, a_slash, a_abs, gs_b, gs_c = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert a != b and a.startswith("runs/eval/run_hf_final~") and b.startswith("runs/eval/run_hf_final~")
+    assert a == a_slash == a_abs  # one checkpoint, however it is spelt
+    assert gs_b != gs_c

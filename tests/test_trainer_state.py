@@ -374,3 +374,25 @@ def test_async_saves_commit_in_order_and_keep_the_buffers_they_were_given(tmp_pa
     ck.close()
     assert step == 3 and meta["iteration"] == 3
     np.testing.assert_array_equal(p["w"], params["w"] + 3)
+
+
+@pytest.mark.parametrize("change", ["shape", "structure"])
+def test_an_intact_checkpoint_of_another_shape_is_refused_in_one_line_and_left_in_place(tmp_path, change):
+    # the case 3: steps saved with float32[4], restored with float32[8] (a changed hidden size
+    # and no config.json to say so) were both moved to torn/ and the run restarted at iteration 0
+    from bipace_jax.checkpointing import CheckpointMismatchError
+
+    params = {"w": jnp.zeros(4), "b": jnp.ones(2)}
+    opt = optax.sgd(0.1).init(params)
+    ck = Checkpointer(str(tmp_path), keep=5)
+    for step in (1, 2):
+        ck.save(step, params, opt, jax.random.PRNGKey(step), {"iteration": step})
+    if change == "shape":
+        wanted, match = {"w": jnp.zeros(8), "b": jnp.ones(2)}, r"params\.w: stored float32\[4\], requested float32\[8\]"
+    else:
+        wanted, match = {"w": jnp.zeros(4), "b": jnp.ones(2), "extra": jnp.ones(3)}, r"params\.extra: not stored"
+    with pytest.raises(CheckpointMismatchError, match=match) as info:
+        Checkpointer(str(tmp_path)).restore_latest(wanted, optax.sgd(0.1).init(wanted))
+    assert "\n" not in str(info.value) and "step 2" in str(info.value)
+    assert ck.all_steps() == [1, 2] and not os.path.exists(os.path.join(ck.directory, "torn"))
+    assert ck.restore_latest(params, opt)[0] == 2  # the run that saved them still resumes
