@@ -89,8 +89,11 @@ def test_report_of_hand_written_runs_gives_hand_computed_numbers(tmp_path):
     # diagnostics: the mean over iterations, then over seeds: (0.3 + 0.1) / 2
     assert grpo["diagnostics"]["estimator/cluster_singleton_group_rate"][0] == pytest.approx(0.2)
     md = report.to_markdown(r)
-    assert "| estimator.name=grpo | 2 | 75.0 +- 7.1 | 85.0 +- 7.1 | 1 (n = 1) (1/2) |" in md
-    assert "| estimator.name=bipace_q | 1 | 95.0 (n = 1) | 95.0 (n = 1) |" in md
+    # before RL 0.5 for every seed; gains 0.3 and 0.2 (grpo), 0.45 (bipace_q), in points
+    assert (
+        "| estimator.name=grpo | 2 | 75.0 +- 7.1 | 50.0 +- 0.0 | +25.0 +- 7.1 | 85.0 +- 7.1 | 1 (n = 1) (1/2) |" in md
+    )
+    assert "| estimator.name=bipace_q | 1 | 95.0 (n = 1) | 50.0 (n = 1) | +45.0 (n = 1) | 95.0 (n = 1) |" in md
     assert report.plot(r, str(tmp_path)) == ["learning_curves.png", "singleton_rates.png", "pace_rows.png"]
 
 
