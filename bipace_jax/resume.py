@@ -41,6 +41,15 @@ NEUTRAL = (
     "compile_cache_dir",
 )
 
+#: Fields added to the config after run folders were written, with the value that reproduces a run
+#: whose stored config lacks them: resuming such a run with that value is no change (another value is).
+ADDED = {
+    "optim.schedule": "constant",  # the warm start's warmup_cosine joined the RL config's optimizer
+    "estimator.hgpo_history": 2,  # HGPO's options: read only by the hgpo estimator
+    "estimator.hgpo_alpha": 1.0,
+    "estimator.hgpo_base_group": False,
+}
+
 #: The warm start's (``bipace_jax.sft``) fields a resume may change: how often it logs and saves, its
 #: worker count, its example log. Any other change (a round count, a learning rate, the data) alters
 #: the updates a resumed run makes (the LR schedule spans all rounds).
@@ -76,8 +85,13 @@ def changed_fields(
 ) -> list[tuple[str, Any, Any]]:
     """``(field, old value, new value)`` for every field outside ``neutral`` (dotted prefixes; a trailing
     "." covers a section) that differs between two configs (nested dicts); a field present in one only
-    counts as changed (its other value None)."""
+    counts as changed (its other value None), unless it is one of ``ADDED`` at its added value (a run
+    stored before that field existed)."""
     a, b = flatten(_canonical(old)), flatten(_canonical(new))
+    for side, other in ((a, b), (b, a)):
+        for f, v in ADDED.items():
+            if f not in side and other.get(f) == v:
+                side[f] = v
     return [
         (f, a.get(f), b.get(f)) for f in sorted(set(a) | set(b)) if not is_neutral(f, neutral) and a.get(f) != b.get(f)
     ]

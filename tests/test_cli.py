@@ -98,6 +98,11 @@ def test_changed_fields_ignores_what_does_not_change_the_run():
     new = {"seed": 1, "estimator": {"name": "bipace_q"}, "log": {"progress": False}, "num_iterations": 20, "b": [1, 2]}
     assert resume.changed_fields(old, new) == [("seed", 0, 1)]
     assert resume.changed_fields(old, {**old, "x": 1}) == [("x", None, 1)]
+    # a field added after the run was stored: its added value reproduces the old run, another value does not
+    assert resume.changed_fields(old, {**old, "optim": {"schedule": "constant"}}) == []
+    assert resume.changed_fields(old, {**old, "optim": {"schedule": "warmup_cosine"}}) == [
+        ("optim.schedule", None, "warmup_cosine")
+    ]
     assert resume.describe([("seed", 0, 1)]) == "config.seed: 0 -> 1"
 
 
