@@ -579,4 +579,7 @@ def ppo_learner(spec: RunSpec, actor: Qwen2Actor, mesh, local_mesh, *, support: 
         prompt_buckets=spec.sampler.length_buckets,
         support=min(support, actor.config.vocab_size),
         logprob_chunk=p.logprob_chunk,
+        pack=p.pack,
+        pack_width=p.pack_width,
+        pack_response_width=p.pack_response_width,
     )

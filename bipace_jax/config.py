@@ -428,6 +428,12 @@ class LearnerConfig:
       micro_batch_rows: rows per forward/backward (>= 1; gradient accumulation).
       logprob_chunk: response positions per LM-head chunk (>= 0; 0 = all at once).
       old_logprobs: an ``OldLogprobs``; ``FUSED`` needs one optimizer step (epochs 1, mini_batch_rows 0).
+      pack: packed, token-budget micro-batches in the log-prob pass and the update (``PPOLearner``):
+        ``micro_batch_rows`` lines of ``pack_width`` tokens, each holding as many rows' real tokens as
+        fit, instead of ``micro_batch_rows`` padded rows; same values and optimizer steps.
+      pack_width: tokens per packed line (>= 0; 0 = the batch's row width, widest prompt + response).
+      pack_response_width: response tokens per packed line, the LM head's positions (>= 0; 0 =
+        min(pack width, 2 x the response width)).
     """
 
     SECTION: ClassVar[str] = "ppo"
@@ -436,6 +442,9 @@ class LearnerConfig:
     micro_batch_rows: int = 8
     logprob_chunk: int = 0
     old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTE
+    pack: bool = False
+    pack_width: int = 0
+    pack_response_width: int = 0
 
     @classmethod
     def from_config(cls, c: Any) -> LearnerConfig:
@@ -447,6 +456,9 @@ class LearnerConfig:
         check_int("ppo.mini_batch_rows", self.mini_batch_rows, 0)
         check_int("ppo.micro_batch_rows", self.micro_batch_rows, 1)
         check_int("ppo.logprob_chunk", self.logprob_chunk, 0)
+        check_bool("ppo.pack", self.pack)
+        check_int("ppo.pack_width", self.pack_width, 0)
+        check_int("ppo.pack_response_width", self.pack_response_width, 0)
         if self.mini_batch_rows % self.micro_batch_rows:
             fail(
                 "ppo.mini_batch_rows",
