@@ -467,6 +467,7 @@ def provenance(commit: str) -> dict:
         python=platform.python_version(),
         machine=platform.machine(),
         cpu_count=os.cpu_count(),
+        load_1min_at_start=os.getloadavg()[0],  # other processes' share of the cores (CPU timings move with it)
     )
 
 
