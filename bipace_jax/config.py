@@ -211,12 +211,36 @@ def system_prompt_of(value: str) -> str | None:
     return None if value == "default" else value
 
 
-def enable_compile_cache(c: Any) -> None:
-    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (nothing when it is "").
-    ``c``: a run config or a ``RunSpec`` (both have the field)."""
-    folder = getattr(c, "compile_cache_dir", "")
+#: ``compile_cache_dir = "auto"``'s folder on accelerators: ``$BIPACE_COMPILE_CACHE``, else the user cache
+#: dir (``$XDG_CACHE_HOME`` or ``~/.cache``) / ``bipace_jax/xla``. Entries are keyed by program, compiler
+#: version and device kind, so runs of several configs and machines can share it.
+COMPILE_CACHE_ENV = "BIPACE_COMPILE_CACHE"
+
+
+def compile_cache_folder(value: str, backend: str) -> str:
+    """The persistent compilation cache folder of a ``compile_cache_dir`` value on ``backend`` ("cpu",
+    "gpu", "tpu"): "" = off; "auto" = off on CPU (its compiles take seconds), else
+    `COMPILE_CACHE_ENV` or ``<user cache dir>/bipace_jax/xla``; any other value is the folder itself."""
+    if value != "auto":
+        return resolve_path(value) if value else ""
+    if backend == "cpu":
+        return ""
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return os.environ[COMPILE_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "bipace_jax", "xla")
+
+
+def enable_compile_cache(c: Any) -> str:
+    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (`compile_cache_folder`:
+    "" off, "auto" a user cache dir on accelerators) and return the folder ("" when off). Call it after
+    ``jax.distributed.initialize`` (it asks for the default backend). ``c``: a run config or a
+    ``RunSpec`` (both have the field)."""
+    value = getattr(c, "compile_cache_dir", "")
+    folder = compile_cache_folder(value, jax.default_backend() if value == "auto" else "")
     if folder:
-        jax.config.update("jax_compilation_cache_dir", resolve_path(folder))
+        jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------------------------

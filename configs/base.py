@@ -18,8 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # one seed: model init, task order, rollout keys, mini-batch shuffles
     c.num_iterations = 150  # RL iterations in the run (paper: 150)
-    # JAX's persistent compilation cache folder (restarts and later runs skip XLA compiles); "" = off
-    c.compile_cache_dir = ""
+    # JAX's persistent compilation cache folder (restarts and later runs skip XLA compiles): "auto" = on
+    # accelerators $BIPACE_COMPILE_CACHE or ~/.cache/bipace_jax/xla, off on CPU; "" = off; else the folder
+    c.compile_cache_dir = "auto"
 
     # --- the actor -------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
