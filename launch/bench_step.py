@@ -358,9 +358,8 @@ class Bench:
         # one micro-batch's gradient program alone, its inputs on the device (no host work)
         mb = shard_rows(learner.mesh, batch.take(np.arange(min(p.micro_batch, p.rows)), p.prompt_tokens, p.micro_batch))
         specs = learner.step_specs(learner.objective, mb, STAT_KEYS)
-        zeros = jax.jit(lambda x: jax.tree.map(jnp.zeros_like, x), out_shardings=learner.param_shardings)
-        state = {"g": zeros(learner.params)}
-        s0 = {k: jnp.zeros((), jnp.float32) for k in (*STAT_KEYS, "loss")}
+        g0, s0 = learner._zero_accumulators(tuple(STAT_KEYS))(learner.params)  # the learner's own placement
+        state = {"g": g0}
 
         def acc():
             state["g"], st = specs["accumulate"](learner.params, learner.rest, state["g"], s0, mb, jnp.float32(1.0))
