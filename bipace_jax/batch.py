@@ -18,7 +18,7 @@ import numpy as np
 
 from bipace_jax import sharding
 
-__all__ = ["MicroBatch", "TokenBatch", "abstract_micro_batch"]
+__all__ = ["MicroBatch", "PackedMicroBatch", "TokenBatch", "abstract_micro_batch", "pack_lines"]
 
 
 @flax.struct.dataclass
@@ -34,6 +34,66 @@ class MicroBatch:
     old_logprobs: jax.Array | None = None  # float32[B, M]
     ref_logprobs: jax.Array | None = None  # float32[B, M]
     advantages: jax.Array | None = None  # float32[B]
+
+
+@flax.struct.dataclass
+class PackedMicroBatch:
+    """L packed lines of C columns, several rows per line (``TokenBatch.take_packed``), a pytree.
+
+    Each row's real tokens (prompt, then response) are one contiguous run of a line with its own
+    segment id (1, 2, ... within the line; 0 = padding); the model attends within a run and restarts
+    positions at its start (``Qwen2Actor.forward_packed``). The response tokens of a line's rows are
+    R slots: slot r is predicted by the hidden state at column ``head_index[l, r]``. Empty slots have
+    ``response_mask`` False and zeros elsewhere.
+    """
+
+    input_ids: jax.Array  # int32[L, C]
+    segment_ids: jax.Array  # int32[L, C]
+    head_index: jax.Array  # int32[L, R]
+    response_ids: jax.Array  # int32[L, R]
+    response_mask: jax.Array  # bool[L, R]
+    old_logprobs: jax.Array | None = None  # float32[L, R]
+    ref_logprobs: jax.Array | None = None  # float32[L, R]
+    advantages: jax.Array | None = None  # float32[L, R], each slot its row's advantage
+
+
+def pack_lines(
+    rows: np.ndarray, tokens: np.ndarray, responses: np.ndarray, width: int, response_width: int
+) -> list[list[int]]:
+    """Rows packed into lines of at most ``width`` tokens and ``response_width`` response tokens each:
+    first fit, longest rows first (deterministic: ties keep ``rows``' order).
+
+    Args:
+      rows: int[n] row indices; tokens, responses: int[N] real tokens and response tokens of every row
+        (indexed by row index).
+
+    Returns:
+      the lines, each a list of row indices in packing order.
+
+    Raises:
+      ValueError: a row alone exceeds ``width`` tokens (``ppo.pack_width``) or ``response_width``
+        response tokens (``ppo.pack_response_width``).
+    """
+    rows = np.asarray(rows, np.int64)
+    order = rows[np.argsort(-np.asarray(tokens)[rows], kind="stable")]
+    lines: list[list[int]] = []
+    room: list[list[int]] = []  # [tokens, response tokens] left per line
+    for r in order:
+        t, m = int(tokens[r]), int(responses[r])
+        if t > width:
+            raise ValueError(f"pack_lines: row {r} has {t} real tokens > ppo.pack_width={width}")
+        if m > response_width:
+            raise ValueError(f"pack_lines: row {r} has {m} response tokens > ppo.pack_response_width={response_width}")
+        for line, left in zip(lines, room):
+            if t <= left[0] and m <= left[1]:
+                line.append(int(r))
+                left[0] -= t
+                left[1] -= m
+                break
+        else:
+            lines.append([int(r)])
+            room.append([width - t, response_width - m])
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +182,71 @@ class TokenBatch:
             response_mask=_pad_rows(self.response_mask[rows], size),
             **opt,
         )
+
+    def real_tokens(self) -> np.ndarray:
+        """int64[N] real tokens (prompt and response) of each row."""
+        return self.attention_mask.sum(1).astype(np.int64)
+
+    def take_packed(
+        self, lines: list[list[int]], width: int, response_width: int, num_lines: int
+    ) -> tuple[PackedMicroBatch, np.ndarray, np.ndarray]:
+        """The packed micro-batch of ``lines`` (``pack_lines``), padded to ``num_lines`` lines of
+        ``width`` columns and ``response_width`` response slots; NumPy arrays.
+
+        Returns:
+          (micro-batch, slot_rows int64[L, R], slot_cols int64[L, R]): the row and response column of
+          each slot (-1 for an empty slot), to scatter per-slot values back to [N, M].
+
+        Raises:
+          ValueError: more than ``num_lines`` lines, a line over ``width`` / ``response_width``, or a
+            response token whose column is not a real token of ``attention_mask``.
+        """
+        if len(lines) > num_lines:
+            raise ValueError(f"TokenBatch.take_packed: {len(lines)} lines do not fit a micro-batch of {num_lines}")
+        L, C, R, P = num_lines, width, response_width, self.prompt_len
+        ids = np.zeros((L, C), np.int32)
+        seg = np.zeros((L, C), np.int32)
+        head = np.zeros((L, R), np.int32)
+        resp = np.zeros((L, R), np.int32)
+        rmask = np.zeros((L, R), bool)
+        slot_rows = np.full((L, R), -1, np.int64)
+        slot_cols = np.full((L, R), -1, np.int64)
+        for i, line in enumerate(lines):
+            o = s = 0
+            for k, r in enumerate(line):
+                real = np.flatnonzero(self.attention_mask[r])
+                n, cols = len(real), np.flatnonzero(self.response_mask[r])
+                if o + n > C or s + len(cols) > R:
+                    raise ValueError(f"TokenBatch.take_packed: line {i} overflows width {C} / response width {R}")
+                ids[i, o : o + n] = self.input_ids[r, real]
+                seg[i, o : o + n] = k + 1
+                at = np.searchsorted(real, P + cols)
+                if len(cols) and not np.array_equal(real[np.minimum(at, n - 1)], P + cols):
+                    raise ValueError(f"TokenBatch.take_packed: row {r} has response tokens outside attention_mask")
+                sl = slice(s, s + len(cols))
+                head[i, sl] = o + at - 1  # the column before a token predicts it
+                resp[i, sl] = self.response_ids[r, cols]
+                rmask[i, sl] = True
+                slot_rows[i, sl], slot_cols[i, sl] = r, cols
+                o, s = o + n, s + len(cols)
+        valid = slot_rows >= 0
+        r_, c_ = np.maximum(slot_rows, 0), np.maximum(slot_cols, 0)
+
+        def per_slot(x):
+            return None if x is None else np.where(valid, x[r_, c_], 0.0).astype(np.float32)
+
+        adv = None if self.advantages is None else np.where(valid, self.advantages[r_], 0.0).astype(np.float32)
+        mb = PackedMicroBatch(
+            input_ids=ids,
+            segment_ids=seg,
+            head_index=head,
+            response_ids=resp,
+            response_mask=rmask,
+            old_logprobs=per_slot(self.old_logprobs),
+            ref_logprobs=per_slot(self.ref_logprobs),
+            advantages=adv,
+        )
+        return mb, slot_rows, slot_cols
 
 
 def abstract_micro_batch(

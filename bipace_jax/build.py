@@ -240,7 +240,8 @@ class RunSpec:
     Attributes:
       seed: model init, task order, rollout keys, mini-batch shuffles.
       num_iterations: RL iterations of the run.
-      compile_cache_dir: JAX's persistent compilation cache folder ("" = off).
+      compile_cache_dir: JAX's persistent compilation cache folder ("" = off, "auto" = a user cache dir
+        on accelerators, off on CPU: ``config.compile_cache_folder``).
       num_groups: task groups per iteration over all hosts (``config.rollout.num_groups``).
       controller: the online epsilon controller's initial state (None: off or a non-clustering
         estimator); ``new_controller()`` copies it.
@@ -317,7 +318,9 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
     seed = check_int("seed", get(c, "seed"), 0)
     iterations = check_int("num_iterations", get(c, "num_iterations"), 0)
     cache = check_str(
-        "compile_cache_dir", get(c, "compile_cache_dir"), "a folder path string ('' = no persistent compilation cache)"
+        "compile_cache_dir",
+        get(c, "compile_cache_dir"),
+        "a folder path string ('' = no persistent compilation cache, 'auto' = the user cache dir on accelerators)",
     )
     model = ModelConfig.from_config(c, abstract=abstract)
     env = EnvConfig.from_config(c)
@@ -594,4 +597,7 @@ def ppo_learner(spec: RunSpec, actor: Qwen2Actor, mesh, local_mesh, *, support: 
         prompt_buckets=spec.sampler.length_buckets,
         support=min(support, actor.config.vocab_size),
         logprob_chunk=p.logprob_chunk,
+        pack=p.pack,
+        pack_width=p.pack_width,
+        pack_response_width=p.pack_response_width,
     )

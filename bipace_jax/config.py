@@ -210,12 +210,36 @@ def system_prompt_of(value: str) -> str | None:
     return None if value == "default" else value
 
 
-def enable_compile_cache(c: Any) -> None:
-    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (nothing when it is "").
-    ``c``: a run config or a ``RunSpec`` (both have the field)."""
-    folder = getattr(c, "compile_cache_dir", "")
+#: ``compile_cache_dir = "auto"``'s folder on accelerators: ``$BIPACE_COMPILE_CACHE``, else the user cache
+#: dir (``$XDG_CACHE_HOME`` or ``~/.cache``) / ``bipace_jax/xla``. Entries are keyed by program, compiler
+#: version and device kind, so runs of several configs and machines can share it.
+COMPILE_CACHE_ENV = "BIPACE_COMPILE_CACHE"
+
+
+def compile_cache_folder(value: str, backend: str) -> str:
+    """The persistent compilation cache folder of a ``compile_cache_dir`` value on ``backend`` ("cpu",
+    "gpu", "tpu"): "" = off; "auto" = off on CPU (its compiles take seconds), else
+    `COMPILE_CACHE_ENV` or ``<user cache dir>/bipace_jax/xla``; any other value is the folder itself."""
+    if value != "auto":
+        return resolve_path(value) if value else ""
+    if backend == "cpu":
+        return ""
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return os.environ[COMPILE_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "bipace_jax", "xla")
+
+
+def enable_compile_cache(c: Any) -> str:
+    """Point JAX's persistent compilation cache at ``c.compile_cache_dir`` (`compile_cache_folder`:
+    "" off, "auto" a user cache dir on accelerators) and return the folder ("" when off). Call it after
+    ``jax.distributed.initialize`` (it asks for the default backend). ``c``: a run config or a
+    ``RunSpec`` (both have the field)."""
+    value = getattr(c, "compile_cache_dir", "")
+    folder = compile_cache_folder(value, jax.default_backend() if value == "auto" else "")
     if folder:
-        jax.config.update("jax_compilation_cache_dir", resolve_path(folder))
+        jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,6 +430,12 @@ class LearnerConfig:
       micro_batch_rows: rows per forward/backward (>= 1; gradient accumulation).
       logprob_chunk: response positions per LM-head chunk (>= 0; 0 = all at once).
       old_logprobs: an ``OldLogprobs``; ``FUSED`` needs one optimizer step (epochs 1, mini_batch_rows 0).
+      pack: packed, token-budget micro-batches in the log-prob pass and the update (``PPOLearner``):
+        ``micro_batch_rows`` lines of ``pack_width`` tokens, each holding as many rows' real tokens as
+        fit, instead of ``micro_batch_rows`` padded rows; same values and optimizer steps.
+      pack_width: tokens per packed line (>= 0; 0 = the batch's row width, widest prompt + response).
+      pack_response_width: response tokens per packed line, the LM head's positions (>= 0; 0 =
+        min(pack width, 2 x the response width)).
     """
 
     SECTION: ClassVar[str] = "ppo"
@@ -414,6 +444,9 @@ class LearnerConfig:
     micro_batch_rows: int = 8
     logprob_chunk: int = 0
     old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTE
+    pack: bool = False
+    pack_width: int = 0
+    pack_response_width: int = 0
 
     @classmethod
     def from_config(cls, c: Any) -> LearnerConfig:
@@ -425,6 +458,9 @@ class LearnerConfig:
         check_int("ppo.mini_batch_rows", self.mini_batch_rows, 0)
         check_int("ppo.micro_batch_rows", self.micro_batch_rows, 1)
         check_int("ppo.logprob_chunk", self.logprob_chunk, 0)
+        check_bool("ppo.pack", self.pack)
+        check_int("ppo.pack_width", self.pack_width, 0)
+        check_int("ppo.pack_response_width", self.pack_response_width, 0)
         if self.mini_batch_rows % self.micro_batch_rows:
             fail(
                 "ppo.mini_batch_rows",

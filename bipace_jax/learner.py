@@ -286,8 +286,7 @@ class Learner:
         """
         fns = _step_programs(self.graphdef, loss_fn, self.tx)
         with mesh_context(self.mesh):
-            grads = fns.zeros(self.params)
-            stats = {k: jnp.zeros((), jnp.float32) for k in (*stat_keys, "loss")}
+            grads, stats = self._zero_accumulators(tuple(stat_keys))(self.params)
             specs = None
             for mb in micro_batches:
                 specs = specs or self.step_specs(loss_fn, mb, stat_keys)
@@ -302,6 +301,20 @@ class Learner:
                 )
             self.params, self.opt_state = specs["apply"](self.params, self.opt_state, grads)
         return stats, gnorm
+
+    def _zero_accumulators(self, stat_keys: tuple[str, ...]) -> Callable:
+        """``params -> (zero gradients, zero stats)`` placed as the accumulate program returns them
+        (the parameters' shardings; stats replicated), so its first and later micro-batches share one
+        compiled program (uncommitted zeros would compile it a second time)."""
+        cache = self.__dict__.setdefault("_zeros_programs", {})
+        if stat_keys not in cache:
+            rep = NamedSharding(self.mesh, P())
+            keys = (*stat_keys, "loss")
+            cache[stat_keys] = jax.jit(
+                lambda p: (jax.tree.map(jnp.zeros_like, p), {k: jnp.zeros((), jnp.float32) for k in keys}),
+                out_shardings=(self.param_shardings, {k: rep for k in keys}),
+            )
+        return cache[stat_keys]
 
     def step_specs(self, loss_fn: LossFn, micro_batch: Any, stat_keys: Sequence[str]) -> dict[str, ProgramSpec]:
         """``step_specs`` of this learner's model, optimizer, mesh and state for ``micro_batch``'s shape."""

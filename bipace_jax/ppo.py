@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 
 from bipace_jax import distributed, losses, sharding
-from bipace_jax.batch import MicroBatch, TokenBatch
+from bipace_jax.batch import MicroBatch, PackedMicroBatch, TokenBatch, pack_lines
 from bipace_jax.buckets import Buckets
 from bipace_jax.config import LearnerConfig, OldLogprobs
 from bipace_jax.learner import Learner, NonFiniteError, mesh_context, shard_rows
@@ -62,8 +62,28 @@ def response_logprobs(
     live (at 512 x 152k that is 311 MB per row). Same values as ``chunk=0`` (all M at once).
     """
     h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
-    b, m = response_ids.shape
+    m = response_ids.shape[1]
     h = h[:, input_ids.shape[1] - m - 1 : -1]  # the M positions that predict the response
+    return head_logprobs(model, h, response_ids, temperature=temperature, support=support, chunk=chunk)
+
+
+def packed_response_logprobs(
+    model, mb: PackedMicroBatch, *, temperature: float = 1.0, support: int | None = None, chunk: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """(log-probs, entropy), float32[L, R] each, of a packed micro-batch's response slots
+    (``PackedMicroBatch``): the forward over the packed lines, the hidden states at ``head_index``,
+    then the LM head as in ``response_logprobs``. Empty slots hold meaningless finite values."""
+    h = model.forward_packed(mb.input_ids, mb.segment_ids)  # [L, C, D]
+    h = jnp.take_along_axis(h, mb.head_index[..., None], axis=1)  # [L, R, D]
+    return head_logprobs(model, h, mb.response_ids, temperature=temperature, support=support, chunk=chunk)
+
+
+def head_logprobs(
+    model, h: jax.Array, response_ids: jax.Array, *, temperature: float, support: int | None, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """(log-probs, entropy) float32[B, M] of ``response_ids`` int32[B, M] from the hidden states h
+    [B, M, D] that predict them, ``chunk`` positions at a time (see ``response_logprobs``)."""
+    b, m = response_ids.shape
 
     def head(h_c, ids_c):
         logits = model.lm_logits(h_c)[..., :support] / temperature
@@ -94,32 +114,35 @@ class PPOObjective:
     support: int | None = None
     chunk: int = 0
 
-    def __call__(self, model, mb: MicroBatch, denom):
+    def __call__(self, model, mb: MicroBatch | PackedMicroBatch, denom):
         cfg = self.cfg
-        logp, ent = response_logprobs(
-            model,
-            mb.input_ids,
-            mb.attention_mask,
-            mb.response_ids,
-            temperature=cfg.temperature,
-            support=self.support,
-            chunk=self.chunk,
-        )
-        old, gap = mb.old_logprobs, jnp.zeros((), jnp.float32)
+        kw = dict(temperature=cfg.temperature, support=self.support, chunk=self.chunk)
+        old, ref, adv, mask = mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask
+        if isinstance(mb, PackedMicroBatch):
+            logp, ent = packed_response_logprobs(model, mb, **kw)
+            # every slot its own row of one token: the token sums (and so the token mean) are the rows'
+            logp, ent, old, mask = (x.reshape(-1, 1) for x in (logp, ent, old, mask))
+            ref = None if ref is None else ref.reshape(-1, 1)
+            adv = adv.reshape(-1)
+        else:
+            logp, ent = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, **kw)
+        gap = jnp.zeros((), jnp.float32)
         if self.fused_old:
-            gap = losses.token_mean(jnp.abs(old - logp), mb.response_mask, denom)
+            gap = losses.token_mean(jnp.abs(old - logp), mask, denom)
             old = jax.lax.stop_gradient(logp)
-        ref = mb.ref_logprobs if cfg.kl_coef > 0 else None
-        loss, stats = losses.ppo_loss_from_logprobs(logp, ent, mb.response_mask, old, ref, mb.advantages, cfg, denom)
+        ref = ref if cfg.kl_coef > 0 else None
+        loss, stats = losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, cfg, denom)
         return loss, dict(stats, sampler_gap=gap)
 
 
 @functools.lru_cache(maxsize=16)
 def _logprobs_program(graphdef, temperature: float, support: int | None, chunk: int = 0):
     @jax.jit
-    def logprobs(params, rest, mb: MicroBatch):
+    def logprobs(params, rest, mb: MicroBatch | PackedMicroBatch):
         model = nnx.merge(graphdef, params, rest)
         kw = dict(temperature=temperature, support=support, chunk=chunk)
+        if isinstance(mb, PackedMicroBatch):
+            return packed_response_logprobs(model, mb, **kw)[0]
         return response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, **kw)[0]
 
     return logprobs
@@ -210,6 +233,13 @@ class PPOLearner(Learner):
       support: ids below it form the policy's distribution (the tokenizer's size, as the sampler's);
         None: all of the logits' V columns.
       logprob_chunk: response positions per LM-head chunk (``response_logprobs``); 0: all at once.
+      pack: packed, token-budget micro-batches (``pack_lines``, ``TokenBatch.take_packed``) in the
+        log-prob pass and the update: each micro-batch is ``micro_batch_rows`` lines of ``pack_width``
+        tokens, each line holding as many rows (their real tokens only) as fit; the same mini-batches,
+        token-mean denominators and optimizer steps as unpacked, the same values up to float order.
+      pack_width: C, tokens per packed line; 0: the batch's row width (widest prompt + M).
+      pack_response_width: R, response tokens per packed line (the LM head runs on R slots a line);
+        0: min(C, 2 M).
 
     Raises:
       ConfigError: ``fused_old_logprobs`` with more than one optimizer step per update
@@ -231,6 +261,9 @@ class PPOLearner(Learner):
         prompt_buckets: Sequence[int] = (),
         support: int | None = None,
         logprob_chunk: int = 0,
+        pack: bool = False,
+        pack_width: int = 0,
+        pack_response_width: int = 0,
     ):
         mode = OldLogprobs.FUSED if fused_old_logprobs else OldLogprobs.RECOMPUTE
         LearnerConfig.check_old_logprobs(mode, epochs, mini_batch_rows)
@@ -239,6 +272,10 @@ class PPOLearner(Learner):
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
         self._widths = Buckets(self.prompt_buckets, "sampler.length_buckets") if self.prompt_buckets else None
+        self.pack, self.pack_width, self.pack_response_width = bool(pack), int(pack_width), int(pack_response_width)
+        #: tokens of the last `logprobs` / `update` call: ``real`` (rows' real tokens, per pass) and
+        #: ``processed`` (micro-batch columns run, padding included), summed over its micro-batches
+        self.last_tokens: dict[str, dict[str, int]] = {}
 
     def logprobs(self, params_local, batch: TokenBatch) -> np.ndarray:
         """float32[N, M] log-probs of the responses under ``params_local`` (host-local, micro-batched).
@@ -249,6 +286,8 @@ class PPOLearner(Learner):
         dp = math.prod(sharding.mesh_axis_sizes(self.local_mesh)[a] for a in ("data", "fsdp"))
         size = -(-self.micro_batch_rows // dp) * dp
         bare = batch.with_(old_logprobs=None, ref_logprobs=None, advantages=None)
+        if self.pack:
+            return self._packed_logprobs(params_local, bare, size)
         (plan,) = plan_micro_batches(
             [np.arange(batch.rows)],
             batch.prompt_lengths(),
@@ -266,6 +305,33 @@ class PPOLearner(Learner):
                 )
                 spec = spec or logprobs_spec(self.graphdef, self.objective, params_local, self.rest, mb)
                 out[rows] = np.asarray(spec(params_local, self.rest, mb))[: len(rows)]
+        processed = sum(size * (w + batch.response_ids.shape[1]) for _, w in plan)
+        self.last_tokens["logprobs"] = dict(real=int(batch.real_tokens().sum()), processed=int(processed))
+        return out
+
+    def _pack_widths(self, batch: TokenBatch, widest: int) -> tuple[int, int]:
+        """(C, R) of the packed lines for rows of ``widest`` prompt columns (``pack_width``, ...)."""
+        m = batch.response_ids.shape[1]
+        width = self.pack_width or widest + m
+        return width, self.pack_response_width or min(width, 2 * m)
+
+    def _packed_logprobs(self, params_local, batch: TokenBatch, lines: int) -> np.ndarray:
+        """`logprobs` over packed micro-batches of ``lines`` lines (``pack``)."""
+        width, rwidth = self._pack_widths(batch, batch.prompt_len)
+        real = batch.real_tokens()
+        packed = pack_lines(np.arange(batch.rows), real, batch.response_mask.sum(1), width, rwidth)
+        out = np.zeros(batch.response_ids.shape, np.float32)
+        spec, n = None, 0
+        with mesh_context(self.local_mesh):
+            for start in range(0, max(len(packed), 1), lines):
+                mb, rows, cols = batch.take_packed(packed[start : start + lines], width, rwidth, lines)
+                mb = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(self.local_mesh, x.ndim)), mb)
+                spec = spec or logprobs_spec(self.graphdef, self.objective, params_local, self.rest, mb)
+                lp = np.asarray(spec(params_local, self.rest, mb))
+                ok = rows >= 0
+                out[rows[ok], cols[ok]] = lp[ok]
+                n += 1
+        self.last_tokens["logprobs"] = dict(real=int(real.sum()), processed=n * lines * width)
         return out
 
     def _prompt_width(self, need: int, widest: int) -> int:
@@ -306,14 +372,25 @@ class PPOLearner(Learner):
         # Every process's micro-batch must have the same shape: the widest prompt length of all.
         widest = int(distributed.allgather(np.array(batch.prompt_len, np.int64)).max())
         totals, gnorms = dict.fromkeys((*STAT_KEYS, "loss"), 0.0), []
+        real, processed = 0, 0
         for epoch in range(self.epochs):
             minis = mini_batches(counts, jax.process_index(), self.mini_batch_rows, jax.random.fold_in(key, epoch))
             tokens = distributed.host_sum([batch.response_mask[r].sum() for r in minis])
-            plans = plan_micro_batches(
-                minis, plen, B, lambda need: self._prompt_width(need, widest), across_processes=True
-            )
+            real += int(sum(batch.real_tokens()[r].sum() for r in minis))
+            if self.pack:
+                plans = self._packed_plans(batch, minis, widest)
+                processed += sum(B * w for plan in plans for _, w in plan)
+            else:
+                plans = plan_micro_batches(
+                    minis, plen, B, lambda need: self._prompt_width(need, widest), across_processes=True
+                )
+                processed += sum(B * (w + batch.response_ids.shape[1]) for plan in plans for _, w in plan)
             for j, plan in enumerate(plans):
-                micro = (shard_rows(self.mesh, batch.take(rows, width, B)) for rows, width in plan)
+                if self.pack:
+                    width, rwidth = self._pack_widths(batch, widest)
+                    micro = (shard_rows(self.mesh, batch.take_packed(lines, width, rwidth, B)[0]) for lines, _ in plan)
+                else:
+                    micro = (shard_rows(self.mesh, batch.take(rows, width, B)) for rows, width in plan)
                 stats, gnorm = self.step(
                     self.objective,
                     micro,
@@ -323,11 +400,22 @@ class PPOLearner(Learner):
                 )
                 totals = {k: v + stats[k] for k, v in totals.items()}
                 gnorms.append(gnorm)
+        self.last_tokens["update"] = dict(real=real, processed=processed)
         out = {f"loss/{k}": v / len(gnorms) for k, v in totals.items()}
         out["loss/grad_norm"] = float(np.mean(gnorms))
         out["loss/grad_norm_max"] = float(np.max(gnorms))
         out["loss/updates"] = len(gnorms)
         return out
+
+    def _packed_plans(self, batch: TokenBatch, minis: list[np.ndarray], widest: int) -> list[list]:
+        """Per mini-batch, its packed micro-batches as (lines, line width) pairs: the mini-batch's rows
+        packed (``pack_lines``), ``micro_batch_rows`` lines a micro-batch; the micro-batch counts are
+        agreed over processes (the largest), a process short of lines runs empty micro-batches."""
+        width, rwidth = self._pack_widths(batch, widest)
+        real, resp, B = batch.real_tokens(), batch.response_mask.sum(1), self.micro_batch_rows
+        packed = [pack_lines(r, real, resp, width, rwidth) for r in minis]
+        counts = distributed.allgather(np.array([-(-len(p) // B) for p in packed], np.int64)).max(0)
+        return [[(p[m * B : (m + 1) * B], width) for m in range(max(int(k), 1))] for p, k in zip(packed, counts)]
 
     def _checked(self, batch: TokenBatch, key: jax.Array) -> TokenBatch:
         """``batch`` with the fields ``update`` needs (the reference dropped when ``kl_coef == 0``)."""

@@ -704,3 +704,65 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
         run_hours_continuous=r.iterations * per["continuous"]["iteration"] / 3600,
         speedup_continuous_iteration=per["lockstep"]["iteration"] / per["continuous"]["iteration"],
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Calibration: per-program efficiency factors measured on hardware (`launch.bench_step`).
+
+# bench_step's programs -> this model's (the update's ratio covers its gradient and its AdamW step)
+_CALIBRATED = {"logprobs": ("logprobs",), "update": ("ppo_grad", "ppo_apply"), "prefill": ("prefill",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured / modelled seconds per program on one device (``launch.bench_step``'s report).
+
+    Attributes:
+      factors: program name (`program_costs`' keys) -> measured seconds / roofline seconds, the median
+        over the report's presets (and decode batches); an expected time is roofline x factor.
+      device, date, commit: the report's provenance (the hardware and code that calibrated it).
+    """
+
+    factors: dict[str, float]
+    device: str
+    date: str
+    commit: str
+
+    @classmethod
+    def from_report(cls, report: dict) -> Calibration:
+        """The factors of a ``benchmarks/step_<device>.json`` dict (programs that failed are skipped).
+
+        Raises:
+          ValueError: the report has no provenance or no measured program.
+        """
+        prov = report.get("provenance")
+        if not prov:
+            raise ValueError("Calibration.from_report: the report has no provenance (not launch.bench_step's)")
+        ratios: dict[str, list[float]] = {}
+        for preset in report.get("presets", {}).values():
+            progs = preset.get("programs", {})
+            for name, targets in _CALIBRATED.items():
+                r = progs.get("sampler" if name == "prefill" else name, {})
+                if name == "prefill":
+                    vals = [
+                        b["prefill"]["measured_over_model"]
+                        for b in r.values()
+                        if isinstance(b, dict) and "prefill" in b
+                    ]
+                else:
+                    vals = [r["measured_over_model"]] if "measured_over_model" in r else []
+                for t in targets:
+                    ratios.setdefault(t, []).extend(vals)
+            dec = progs.get("sampler", {})
+            ratios.setdefault("decode_step", []).extend(
+                b["decode"]["measured_over_model"] for b in dec.values() if isinstance(b, dict) and "decode" in b
+            )
+        factors = {k: float(np.median(v)) for k, v in ratios.items() if v}
+        if not factors:
+            raise ValueError("Calibration.from_report: no program of the report was measured")
+        return cls(factors, str(prov.get("device")), str(prov.get("date")), str(prov.get("commit")))
+
+    def expected(self, programs: dict[str, float]) -> dict[str, float]:
+        """Expected seconds of ``programs`` (name -> roofline seconds): each times its factor (1 where the
+        report measured no such program)."""
+        return {k: v * self.factors.get(k, 1.0) for k, v in programs.items()}

@@ -18,8 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # one seed: model init, task order, rollout keys, mini-batch shuffles
     c.num_iterations = 150  # RL iterations in the run (paper: 150)
-    # JAX's persistent compilation cache folder (restarts and later runs skip XLA compiles); "" = off
-    c.compile_cache_dir = ""
+    # JAX's persistent compilation cache folder (restarts and later runs skip XLA compiles): "auto" = on
+    # accelerators $BIPACE_COMPILE_CACHE or ~/.cache/bipace_jax/xla, off on CPU; "" = off; else the folder
+    c.compile_cache_dir = "auto"
 
     # --- the actor -------------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
@@ -166,6 +167,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.ppo.logprob_chunk = 0
     c.ppo.old_logprobs = "recompute"  # recompute (a forward of the current policy) | sampler (the sampler's own) |
     # fused (stop_gradient inside the gradient pass; needs epochs 1, mini_batch_rows 0)
+    # packed, token-budget micro-batches in the log-prob pass and the update: micro_batch_rows lines of
+    # pack_width tokens (0 = the batch's row width), each holding as many rows' real tokens as fit (each row
+    # its own attention segment, positions restarting); same values, same optimizer steps (PPOLearner.pack)
+    c.ppo.pack = False
+    c.ppo.pack_width = 0
+    c.ppo.pack_response_width = 0  # response tokens (LM-head positions) per line; 0 = min(pack_width, 2 M)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-6  # AdamW, constant (paper)

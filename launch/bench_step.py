@@ -14,6 +14,11 @@ Programs (``--programs``, each in its own try/except, the JSON rewritten after e
   ``accumulate_s``: one micro-batch's gradient program alone, its inputs already on the device.
 * ``sampler``: ``Sampler.generate`` at each of ``--decode_batches`` (prompts of ``--decode_prompt``
   tokens, ``--new_tokens`` new, greedy, no stop text): the prefill program and the decode loop.
+* ``pack``: the update unpacked vs packed (``PPOLearner.pack``) on 2 x ``--rows`` rows of paper-like
+  lengths (prompts uniform in 0.156-0.288 P real tokens, 320-590 at P 2048; responses lognormal with
+  mean 0.293 M, log-sigma 0.8, cut to 1..M: mean 150 at M 512) in a batch whose prompt width is their
+  smallest power-of-two bucket, unpacked micro-batches cut to the prompt buckets 128 ... P as the
+  trainer does: ``speedup_update`` and each arm's real-token share of the processed tokens.
 
 Presets: ``0.5b`` / ``1.5b`` are the ALFWorld paper config's learner shapes (configs/
 alfworld_qwen2_5_1_5b.py: prompt P 2048, response M 512, micro-batch 8, bf16 compute over fp32
@@ -62,7 +67,7 @@ from flax import nnx
 from bipace_jax import step_time
 from launch._common import ROOT, write_json
 
-PROGRAMS = ("logprobs", "update", "sampler")
+PROGRAMS = ("logprobs", "update", "sampler", "pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,9 +358,8 @@ class Bench:
         # one micro-batch's gradient program alone, its inputs on the device (no host work)
         mb = shard_rows(learner.mesh, batch.take(np.arange(min(p.micro_batch, p.rows)), p.prompt_tokens, p.micro_batch))
         specs = learner.step_specs(learner.objective, mb, STAT_KEYS)
-        zeros = jax.jit(lambda x: jax.tree.map(jnp.zeros_like, x))
-        state = {"g": zeros(learner.params)}
-        s0 = {k: jnp.zeros((), jnp.float32) for k in (*STAT_KEYS, "loss")}
+        g0, s0 = learner._zero_accumulators(tuple(STAT_KEYS))(learner.params)  # the learner's own placement
+        state = {"g": g0}
 
         def acc():
             state["g"], st = specs["accumulate"](learner.params, learner.rest, state["g"], s0, mb, jnp.float32(1.0))
@@ -429,6 +433,42 @@ class Bench:
             del sampler
         return out
 
+    def pack(self) -> dict:
+        from bipace_jax.batch import TokenBatch
+
+        p, learner = self.p, self.learner()
+        n, m = 2 * p.rows, p.response_tokens
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(max(int(0.156 * p.prompt_tokens), 1), int(0.288 * p.prompt_tokens) + 1, n)
+        mu = np.log(0.293 * m) - 0.8**2 / 2  # lognormal with arithmetic mean 0.293 M
+        responses = np.clip(np.round(rng.lognormal(mu, 0.8, n)), 1, m).astype(int)
+        width = 1 << int(prompts.max() - 1).bit_length()  # the rows' prompt bucket
+        ids = np.zeros((n, width + m), np.int32)
+        mask = np.zeros_like(ids)
+        for i, (lp, lr) in enumerate(zip(prompts, responses)):
+            ids[i, width - lp : width + lr] = rng.integers(0, self.cfg.vocab_size, lp + lr)
+            mask[i, width - lp : width + lr] = 1
+        rmask = mask[:, width:].astype(bool)
+        batch = TokenBatch(ids, mask, ids[:, width:] * rmask, rmask, width)
+        lp = rng.normal(-8.0, 1.0, (n, m)).astype(np.float32)
+        batch = batch.with_(old_logprobs=lp, ref_logprobs=lp + 0.01, advantages=rng.normal(size=n))
+        key, buckets = jax.random.key(0), learner.prompt_buckets
+        learner.prompt_buckets = tuple(1 << k for k in range(7, 16) if 1 << k <= p.prompt_tokens)
+        out = dict(rows=n, prompt_width=width, real_tokens=int(mask.sum()), response_mean=float(responses.mean()))
+        try:
+            for arm, flag in (("unpacked", False), ("packed", True)):
+                learner.pack = flag
+                t, _ = timed(lambda: learner.update(batch, key), self.reps)
+                tok = dict(learner.last_tokens["update"])
+                out[arm] = dict(t, tokens=tok, real_share=tok["real"] / tok["processed"])
+                out[arm]["tokens_per_s"] = tok["real"] / t["median_s"]
+                out[arm]["memory"] = memory()
+        finally:
+            learner.pack, learner.prompt_buckets = False, buckets
+        out["speedup_update"] = out["unpacked"]["median_s"] / out["packed"]["median_s"]
+        out["pack_width"], out["pack_response_width"] = learner._pack_widths(batch, width)
+        return out
+
 
 class _Vocabulary:
     """The sampler's view of a tokenizer for random ids: V ids, one EOS, no text (no stop strings)."""
@@ -467,6 +507,7 @@ def provenance(commit: str) -> dict:
         python=platform.python_version(),
         machine=platform.machine(),
         cpu_count=os.cpu_count(),
+        load_1min_at_start=os.getloadavg()[0],  # other processes' share of the cores (CPU timings move with it)
     )
 
 
@@ -497,6 +538,15 @@ def table(result: dict) -> str:
                 continue
             mem = _fmt(r.get("memory", {}).get("peak_gib"), ".1f")
             rows = []
+            if prog == "pack":
+                for arm in ("unpacked", "packed"):
+                    a = r[arm]
+                    lines.append(
+                        f"{name:<6} {'update ' + arm:<16} {a['first_s']:>8.3f} {a['median_s']:>9.4f} {'':>9} {'':>10} "
+                        f"{'':>6} {a['tokens_per_s']:>10.0f} {'':>5} {mem:>8}   real share {a['real_share']:.2f}"
+                    )
+                lines.append(f"{name:<6} {'  speedup_update':<16} {r['speedup_update']:.2f}x")
+                continue
             if prog == "sampler":
                 for b, s in r.items():
                     if b == "memory":

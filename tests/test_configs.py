@@ -256,7 +256,7 @@ def test_compile_cache_dir_is_checked_and_sets_jax_cache(tmp_path):
     import jax
 
     c = _load("base")
-    assert c.compile_cache_dir == ""
+    assert c.compile_cache_dir == "auto"
     with c.unlocked():  # a non-string value (the command line keeps the field's type)
         del c["compile_cache_dir"]
         c.compile_cache_dir = 3
@@ -264,7 +264,7 @@ def test_compile_cache_dir_is_checked_and_sets_jax_cache(tmp_path):
         configs.validate(c)
     before = jax.config.jax_compilation_cache_dir
     c = _load("base")
-    configs.enable_compile_cache(c)
+    assert configs.enable_compile_cache(c) == ""  # "auto" on CPU: off
     assert jax.config.jax_compilation_cache_dir == before
     c.compile_cache_dir = str(tmp_path / "xla")
     try:
@@ -272,6 +272,19 @@ def test_compile_cache_dir_is_checked_and_sets_jax_cache(tmp_path):
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_compile_cache_auto_is_a_user_cache_dir_on_accelerators_only(monkeypatch, tmp_path):
+    from bipace_jax.config import COMPILE_CACHE_ENV, compile_cache_folder
+
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache_folder("auto", "cpu") == ""
+    assert compile_cache_folder("auto", "gpu") == str(tmp_path / "bipace_jax" / "xla")
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "/scratch/xla")
+    assert compile_cache_folder("auto", "tpu") == "/scratch/xla"
+    assert compile_cache_folder("", "tpu") == ""
+    assert compile_cache_folder(str(tmp_path / "mine"), "cpu") == str(tmp_path / "mine")
 
 
 def test_paper_config_without_checkpoint_fails_before_anything_runs():

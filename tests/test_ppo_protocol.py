@@ -71,6 +71,7 @@ SCRIPT = textwrap.dedent(r"""
     from bipace_jax import distributed
 
     coord, nproc, pid, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    pack = sys.argv[5] == "pack"
     if nproc > 1:
         distributed.initialize(coord, nproc, pid)
     import numpy as np, optax
@@ -99,7 +100,7 @@ SCRIPT = textwrap.dedent(r"""
     mesh = sharding.make_mesh(1, 2, 1)  # 2 devices: both on one process, or one per process
     L = PPOLearner(Qwen2Actor(cfg, rngs=nnx.Rngs(1)), mesh, losses.PPOLossConfig(kl_coef=0.01), optax.sgd(0.5),
                    micro_batch_rows=4 // nproc,  # per host: the gradient program's global batch is 4 either way
-                   mini_batch_rows=5, epochs=2)
+                   mini_batch_rows=5, epochs=2, pack=pack, pack_width=16, pack_response_width=8)
     before = [np.asarray(x) for x in jax.tree.leaves(distributed.local_copy(L.params))]
     old = L.logprobs(L.params_local, mine) - 0.05
     ref = L.logprobs(L.ref_params_local, mine)
@@ -110,9 +111,10 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def _spawn(nproc, tmp_path):
-    outs = [str(tmp_path / f"n{nproc}_p{pid}.json") for pid in range(nproc)]
-    run_processes(SCRIPT, [[str(nproc), str(pid), outs[pid]] for pid in range(nproc)], devices=2 // nproc)
+def _spawn(nproc, tmp_path, pack=False):
+    outs = [str(tmp_path / f"n{nproc}_p{pid}_{pack}.json") for pid in range(nproc)]
+    arm = "pack" if pack else "rows"
+    run_processes(SCRIPT, [[str(nproc), str(pid), outs[pid], arm] for pid in range(nproc)], devices=2 // nproc)
     return [json.load(open(o)) for o in outs]
 
 
@@ -130,3 +132,17 @@ def test_one_and_two_processes_make_the_same_optimizer_steps_from_the_same_rows(
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(one["after"], one["before"]))
     assert moved > 1e-3  # the update is not a no-op that any split would reproduce
+
+
+@pytest.mark.slow
+def test_packed_updates_agree_over_process_counts_and_with_unpacked_rows(tmp_path):
+    # each process packs its own rows (lines of 16 tokens, 8 response slots), micro-batch counts agreed
+    (plain,) = _spawn(1, tmp_path)
+    (one,) = _spawn(1, tmp_path, pack=True)
+    two = _spawn(2, tmp_path, pack=True)
+    for r in (one, *two):
+        assert r["stats"]["loss/updates"] == 6
+        for k, v in plain["stats"].items():
+            assert r["stats"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+        for a, b in zip(plain["after"], r["after"]):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)

@@ -306,3 +306,35 @@ def test_the_committed_step_table_is_the_model_of_the_committed_reports():
         # prompts at the bucket: no head under P / 2 has a plan; measured prompts: never slower
         assert new["rollout_s_lockstep_shared_heads"] == new["rollout_s_lockstep"]
         assert new["rollout_s_lockstep_measured_prompts_shared_heads"] <= new["rollout_s_lockstep_measured_prompts"]
+
+
+def test_calibration_takes_the_median_measured_over_modelled_ratio_per_program():
+    from bipace_jax.step_time import Calibration
+
+    def preset(lp, upd, pre, dec):
+        return {
+            "programs": {
+                "logprobs": {"measured_over_model": lp},
+                "update": {"measured_over_model": upd},
+                "sampler": {
+                    str(b): {"prefill": {"measured_over_model": p}, "decode": {"measured_over_model": d}}
+                    for b, p, d in zip((16, 64), pre, dec)
+                },
+            }
+        }
+
+    report = {
+        "provenance": {"device": "NVIDIA H200", "date": "2026-12-04", "commit": "abc"},
+        "presets": {
+            "0.5b": preset(8.0, 9.0, (2.0, 3.0), (4.0, 5.0)),
+            "1.5b": preset(4.0, 3.0, (1.0, 1.5), (2.5, 2.0)),
+            "broken": {"programs": {"logprobs": {"error": "OOM"}}},
+        },
+    }
+    c = Calibration.from_report(report)
+    # medians: log-prob (8, 4) -> 6; update (9, 3) -> 6; prefill (2, 3, 1, 1.5) -> 1.75; decode (4, 5, 2.5, 2) -> 3.25
+    assert c.factors == {"logprobs": 6.0, "ppo_grad": 6.0, "ppo_apply": 6.0, "prefill": 1.75, "decode_step": 3.25}
+    assert (c.device, c.commit) == ("NVIDIA H200", "abc")
+    assert c.expected({"logprobs": 0.5, "sync": 2.0}) == {"logprobs": 3.0, "sync": 2.0}
+    with pytest.raises(ValueError, match="no provenance"):
+        Calibration.from_report({"presets": {}})

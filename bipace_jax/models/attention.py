@@ -43,6 +43,7 @@ __all__ = [
     "causal_blocks",
     "choose_schedule",
     "attention",
+    "segments_of_mask",
     "splash_attention",
     "fused_attention",
 ]
@@ -158,9 +159,10 @@ def attention(
     s = mask.shape[-1]
     if schedule is None and causal and not cache_layout:
         platform = device_platform()
-        # The last query column of causal self-attention sees every real key: the padding mask.
+        # A causal mask's first allowed key of each query column names its segment (the first real
+        # token of a left-padded row, the start of a packed sequence): the splash kernel's segment ids.
         if platform == "tpu" and t % SPLASH_BLOCK == 0:
-            return splash_attention(q, k, v, mask[:, -1, :])
+            return splash_attention(q, k, v, mask[:, -1, :], segment_ids=segments_of_mask(mask))
         if platform == "gpu":
             return fused_attention(q, k, v, mask)
     if schedule is None:
@@ -232,9 +234,21 @@ def _attend(q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Ar
 SPLASH_BLOCK = 128  # the splash kernel's smallest query/key block
 
 
-def splash_attention(q: Array, k: Array, v: Array, key_mask: Array, *, interpret: bool = False) -> Array:
+def segments_of_mask(mask: Array) -> Array:
+    """int32 [B, T]: the first key each query column of a causal self-attention mask bool [B, T, T]
+    may attend (0 where it attends none). Columns attending the same keys' run share an id, so for a
+    causal mask restricted to segments (padding, packed sequences) these are segment ids."""
+    return jnp.argmax(mask, axis=-1).astype(jnp.int32)
+
+
+def splash_attention(
+    q: Array, k: Array, v: Array, key_mask: Array, *, segment_ids: Array | None = None, interpret: bool = False
+) -> Array:
     """Causal self-attention of q [B, T, N, Hd] over k, v [B, T, K, Hd] with padding `key_mask`
     bool [B, T] (True = real token), by the Pallas TPU splash-attention kernel -> [B, T, N, Hd].
+
+    `segment_ids` int32 [B, T] (e.g. `segments_of_mask`): a column attends only earlier columns of
+    its own id (packed sequences); None: the ids are `key_mask` (real tokens one segment).
 
     Real query columns get the reference values; padding columns attend other padding columns only
     (meaningless either way). Under a mesh the kernel runs per device (`jax.shard_map`: rows over
@@ -247,7 +261,7 @@ def splash_attention(q: Array, k: Array, v: Array, key_mask: Array, *, interpret
     if t % SPLASH_BLOCK:
         raise ValueError(f"splash_attention: T={t} must be a multiple of {SPLASH_BLOCK}")
 
-    def local(q, k, v, key_mask):
+    def local(q, k, v, seg):
         kh = k.shape[2]
         g = q.shape[2] // kh
         block = next(x for x in (512, 256, SPLASH_BLOCK) if t % x == 0)
@@ -259,7 +273,6 @@ def splash_attention(q: Array, k: Array, v: Array, key_mask: Array, *, interpret
         kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
         qg = (q * hd**-0.5).reshape(q.shape[0], t, kh, g, hd).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Hd]
         kk, vv = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, Hd]
-        seg = key_mask.astype(jnp.int32)
 
         def one(qh, kh_, vh, s):
             return kernel(qh, kh_, vh, segment_ids=sk.SegmentIds(q=s, kv=s))
@@ -267,20 +280,25 @@ def splash_attention(q: Array, k: Array, v: Array, key_mask: Array, *, interpret
         out = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qg, kk, vv, seg)  # [B, K, G, T, Hd]
         return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
+    seg = key_mask.astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or getattr(mesh, "empty", True):
-        return local(q, k, v, key_mask)
+        return local(q, k, v, seg)
     qs = sharding.logical_to_spec(("batch", "seq", "heads", "head_dim"), q.shape, mesh)
     ks = sharding.logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape, mesh)
     if qs[2] != ks[2]:  # heads and KV heads must split alike, or a device lacks its group's keys
         qs = jax.sharding.PartitionSpec(qs[0], None, None, None)
         ks = jax.sharding.PartitionSpec(ks[0], None, None, None)
     ms = jax.sharding.PartitionSpec(qs[0], None)
-    return jax.shard_map(local, in_specs=(qs, ks, ks, ms), out_specs=qs, check_vma=False)(q, k, v, key_mask)
+    return jax.shard_map(local, in_specs=(qs, ks, ks, ms), out_specs=qs, check_vma=False)(q, k, v, seg)
 
 
 def fused_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """Self-attention of q [B, T, N, Hd] over k, v [B, S, K, Hd] where mask bool [B, T, S], by
     `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, grouped heads natively)
-    -> [B, T, N, Hd]. Same values as the reference at every column that attends a key."""
+    -> [B, T, N, Hd]. Same values as the reference at every column that attends a key.
+
+    Packed sequences come as the dense mask (causal and same segment): `jax.nn.dot_product_attention`
+    takes no segment ids, so the mask is the segments' route on GPU (no kernel skips other segments'
+    blocks)."""
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)

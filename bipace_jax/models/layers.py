@@ -93,6 +93,15 @@ def positions_from_mask(attention_mask: Array) -> Array:
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
 
 
+def positions_in_segments(segment_ids: Array) -> Array:
+    """int32 [B, T]: each column's offset from the start of its run of equal ``segment_ids`` (packed
+    sequences: positions restart at 0 where the id changes)."""
+    seg = jnp.asarray(segment_ids)
+    idx = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
+    start = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
+
+
 def normal_init(stddev: float):
     return jax.nn.initializers.normal(stddev)
 

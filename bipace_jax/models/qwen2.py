@@ -52,6 +52,7 @@ from bipace_jax.models.layers import (
     normal_init,
     param_value,
     positions_from_mask,
+    positions_in_segments,
     rope_cos_sin,
 )
 
@@ -245,19 +246,29 @@ class Qwen2Actor(nnx.Module):
         fingerprint_index: Array,
         output_hidden_states: bool,
         last_query_only: bool = False,
+        segment_ids: Array | None = None,
     ):
         """Full causal forward over [B, T]; returns (final normed h, fingerprint, hidden, ks, vs).
 
         With `last_query_only` (prefill), the last layer runs its attention output and MLP only at
         column `fingerprint_index` of each row (every layer's keys/values still cover all T): h is
         [B, 1, D] and the fingerprint, if taken from the final state, is read there.
+
+        With `segment_ids` int32 [B, T] (packed rows, `forward_packed`): a column attends the
+        columns up to it with the same id, positions restart at 0 where the id changes, and
+        `attention_mask` is ``segment_ids > 0``.
         """
         mask = attention_mask.astype(bool)
         t = input_ids.shape[1]
-        positions = positions_from_mask(mask)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, num_positions=t)
         causal = jnp.tril(jnp.ones((t, t), bool))
-        attn_mask = causal[None] & mask[:, None, :]
+        if segment_ids is None:
+            positions = positions_from_mask(mask)
+            attn_mask = causal[None] & mask[:, None, :]
+        else:
+            positions = positions_in_segments(segment_ids)
+            # padding (id 0) attends padding: every query column keeps at least itself (no empty softmax)
+            attn_mask = causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, num_positions=t)
         fp_at = self.fingerprint_hidden_index
         n_layers = self.config.num_hidden_layers
         # Padding columns may hold any id (e.g. -1): they are read as token 0 and masked out.
@@ -398,6 +409,32 @@ class Qwen2Actor(nnx.Module):
         )
         h, fingerprint, _, _, _ = self._run(input_ids, attention_mask, fingerprint_index, False)
         return h, fingerprint
+
+    @_with_precision
+    def forward_packed(self, input_ids: Array, segment_ids: Array) -> Array:
+        """The forward over packed lines, without the LM head: final normed hidden [B, T, D] in `dtype`.
+
+        Args:
+          input_ids: int32 [B, T], several sequences per line, one after the other.
+          segment_ids: int32 [B, T]: 1, 2, ... for the sequences of a line (each a contiguous run of
+            columns), 0 for padding. A column attends only the columns before it in its own run, and
+            its position (RoPE) counts from the run's start: every sequence gets the values it gets
+            alone in a row (up to float summation order).
+
+        Raises:
+          ValueError: shapes differ or are not rank 2.
+        """
+        if np.ndim(input_ids) != 2 or np.shape(segment_ids) != np.shape(input_ids):
+            raise ValueError(
+                f"Qwen2Actor.forward_packed: input_ids and segment_ids must be int32[B, T] of one shape, "
+                f"got {np.shape(input_ids)} and {np.shape(segment_ids)}"
+            )
+        seg = jnp.asarray(segment_ids, jnp.int32)
+        b = seg.shape[0]
+        h, _, _, _, _ = self._run(
+            jnp.asarray(input_ids, jnp.int32), seg > 0, jnp.zeros((b,), jnp.int32), False, segment_ids=seg
+        )
+        return h
 
     # ----------------------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
