@@ -48,6 +48,9 @@ ADDED = {
     "estimator.hgpo_history": 2,  # HGPO's options: read only by the hgpo estimator
     "estimator.hgpo_alpha": 1.0,
     "estimator.hgpo_base_group": False,
+    "ppo.pack": False,  # packed micro-batches: off reproduces the unpacked update
+    "ppo.pack_width": 0,
+    "ppo.pack_response_width": 0,
 }
 
 #: The warm start's (``bipace_jax.sft``) fields a resume may change: how often it logs and saves, its
