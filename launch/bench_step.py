@@ -12,7 +12,7 @@ Programs (``--programs``, each in its own try/except, the JSON rewritten after e
 * ``update``: ``PPOLearner.update`` over the same rows, one optimizer step (``mini_batch_rows`` 0):
   the host-copy release, every micro-batch's gradient, the AdamW step, the host-copy refresh. Also
   ``accumulate_s``: one micro-batch's gradient program alone, its inputs already on the device.
-* ``sampler``: ``Sampler.generate`` at each of ``--decode_batches`` (prompts of ``--decode_prompt``
+* ``sampler``: ``sampling.Engine.generate`` at each of ``--decode_batches`` (prompts of ``--decode_prompt``
   tokens, ``--new_tokens`` new, greedy, no stop text): the prefill program and the decode loop.
 * ``pack``: the update unpacked vs packed (``PPOLearner.pack``) on 2 x ``--rows`` rows of paper-like
   lengths (prompts uniform in 0.156-0.288 P real tokens, 320-590 at P 2048; responses lognormal with
@@ -375,7 +375,7 @@ class Bench:
         return out
 
     def sampler(self) -> dict:
-        from bipace_jax.sampling import Sampler, SamplerConfig
+        from bipace_jax.sampling import Engine, SamplerConfig
 
         p, cfg = self.p, self.cfg
         # the learner's compute-dtype copy when it exists (what the trainer samples from), else the actor
@@ -396,12 +396,12 @@ class Bench:
                 batch_buckets=(b,),
                 length_buckets=(p.decode_prompt,),
             )
-            sampler = Sampler(_Vocabulary(cfg.vocab_size, eos), scfg)
+            sampler = Engine(_Vocabulary(cfg.vocab_size, eos), scfg)
             runs = []
 
             def gen(sampler=sampler, prompts=prompts, runs=runs):
                 res = sampler.generate(actor, prompts, jax.random.key(0))
-                runs.append((dict(sampler.last_timing), res.lengths))
+                runs.append((dataclasses.asdict(res.timing), res.lengths))
 
             t, _ = timed(gen, self.reps)
             first, steady = runs[0], runs[1:]
