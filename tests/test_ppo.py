@@ -10,8 +10,9 @@ from flax import nnx
 from bipace_jax import losses, sharding
 from bipace_jax.batch import TokenBatch as Batch
 from bipace_jax.config import ConfigError
-from bipace_jax.models import Qwen2Actor, Qwen2Config
+from bipace_jax.models import Qwen2Actor
 from bipace_jax.ppo import NonFiniteError, PPOLearner
+from tests.qwen_fixtures import one_layer_config
 
 V = 48
 SGD = optax.sgd(0.5)  # shared transformations: learners of one model + loss + optimizer share compiled programs
@@ -19,15 +20,7 @@ ADAMW = optax.adamw(3e-3)
 
 
 def _actor(seed=0, **kw):
-    cfg = Qwen2Config.tiny(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return Qwen2Actor(cfg, rngs=nnx.Rngs(seed), **kw)
+    return Qwen2Actor(one_layer_config(V), rngs=nnx.Rngs(seed), **kw)
 
 
 def _batch(n=6, p=7, m=5, seed=0):

@@ -31,14 +31,30 @@ from environments.prompts import action_tag, build_prompt
 
 GAMES = [(16, 3), (12, 4)]  # (task_id, seed) of depth-3 goals the oracle solves in 5-6 steps
 SEEDS = [s for _, s in GAMES]
+# 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
+SLOTS_ROLLOUT = RolloutConfig(
+    game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
+)
+
+
+def _random_actor(tokenizer):
+    """The tiny random-init Qwen2 actor (``Qwen2Config.tiny``, seed 0) over ``tokenizer``'s vocabulary."""
+    return Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+
+
+def _ragged_sampler(tokenizer, **options) -> SamplerConfig:
+    """Up to 8 new tokens in batches of 2 or 4, prompts up to 1024 tokens, ``options`` on top; every 5th id
+    ends a response, so the random actor's responses have several lengths."""
+    eos = tuple(range(3, len(tokenizer), 5))
+    base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
+    return SamplerConfig(**{**base, **options})
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A byte-level BPE trained on TextCraft prompts (so prompts are a few hundred tokens), Qwen specials,
     saved and reloaded with the bundled Qwen2.5 chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.qwen_fixtures import write_tiny_tokenizer
 
     env = environments.make("textcraft", max_steps=5)
     corpus = []
@@ -46,24 +62,7 @@ def tokenizer(tmp_path_factory):
         obs = env.reset(task, 0)
         corpus.append(build_prompt("textcraft", obs, [], 0))
         corpus.append(f"<think>I need it</think><action>{env.oracle_action()}</action>")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1200,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    path = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    ).save_pretrained(path)
-    return load_tokenizer(path)
+    return load_tokenizer(write_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=1200, corpus=corpus))
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +227,7 @@ def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
 
 @pytest.mark.slow
 def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    actor = _random_actor(tokenizer)
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
     sampler = Engine(tokenizer, scfg)
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
@@ -274,7 +273,7 @@ def test_game_keys_depend_on_the_game_only():
 
 @pytest.mark.slow
 def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    actor = _random_actor(tokenizer)
     sampler = Engine(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
     rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
     key = jax.random.key(5)
@@ -307,17 +306,9 @@ def _assert_same_result(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("greedy", [True, False])
 def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    # Every 5th id ends a response, so the random actor's responses have several lengths.
-    eos = tuple(range(3, len(tokenizer), 5))
-    scfg = SamplerConfig(
-        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=greedy, eos_token_ids=eos
-    )
-    sampler = Engine(tokenizer, scfg)
-    # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
-    rcfg = RolloutConfig(
-        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-    )
+    actor = _random_actor(tokenizer)
+    sampler = Engine(tokenizer, _ragged_sampler(tokenizer, greedy=greedy))
+    rcfg = SLOTS_ROLLOUT
     key = jax.random.key(2)
     lock = collect(actor, sampler, pool, GAMES, rcfg, key)
     cont = collect(actor, sampler, pool, GAMES, dataclasses.replace(rcfg, scheduler="continuous"), key)
@@ -330,11 +321,9 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
 
 @pytest.mark.slow
 def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    eos = tuple(range(3, len(tokenizer), 5))
-    base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
-    plain = Engine(tokenizer, SamplerConfig(**base))
-    shared = Engine(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
+    actor = _random_actor(tokenizer)
+    plain = Engine(tokenizer, _ragged_sampler(tokenizer))
+    shared = Engine(tokenizer, _ragged_sampler(tokenizer, shared_head_tokens=32))
     calls = []
     generate = shared.generate
 
@@ -393,15 +382,9 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     from bipace_jax.sampling import SlotHandle
     from environments.testing import UnscorableEnv
 
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    eos = tuple(range(3, len(tokenizer), 5))
-    scfg = SamplerConfig(
-        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=False, eos_token_ids=eos
-    )
-    sampler = Engine(tokenizer, scfg)
-    rcfg = RolloutConfig(
-        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-    )
+    actor = _random_actor(tokenizer)
+    sampler = Engine(tokenizer, _ragged_sampler(tokenizer, greedy=False))
+    rcfg = SLOTS_ROLLOUT
     events = []
     chunk = SlotHandle.decode
 
@@ -541,13 +524,9 @@ def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokeni
 def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp_path):
     from bipace_jax.rollout import RESEED_STRIDE
 
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    eos = tuple(range(3, len(tokenizer), 5))
-    scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(1024,), greedy=True, eos_token_ids=eos)
-    sampler = Engine(tokenizer, scfg)
-    rcfg = RolloutConfig(
-        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-    )
+    actor = _random_actor(tokenizer)
+    sampler = Engine(tokenizer, _ragged_sampler(tokenizer, length_buckets=(1024,), greedy=True))
+    rcfg = SLOTS_ROLLOUT
     plan = [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]  # env 1's reset: group 0 is reset again
     out = {}
     for scheduler in ("lockstep", "continuous"):  # a pool (and chaos plan) each: a fault fires once
