@@ -33,6 +33,7 @@ __all__ = [
     "write_tiny_qwen2_folder",
     "random_batch",
     "one_layer_config",
+    "random_token_batch",
 ]
 
 # Default tiny architecture (HF Qwen2Config keyword names). Matches `Qwen2Config.tiny()`.
@@ -116,22 +117,14 @@ def write_tiny_tokenizer(
     No chat template is stored unless `chat_template` is given, so `load_tokenizer` falls back to
     the bundled Qwen2.5 template. Returns `path` as a string.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    from bipace_jax.tiny import train_bpe
+
     if corpus is None:
         rng = np.random.default_rng(0)
         corpus = [" ".join(rng.choice(_CORPUS_WORDS, size=12)) for _ in range(400)]
-    tok.train_from_iterator(corpus, trainer=trainer)
+    tok = train_bpe(corpus, vocab_size=vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -170,6 +163,23 @@ def one_layer_config(vocab_size: int, heads: int = 4, kv_heads: int = 2):
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
     )
+
+
+def random_token_batch(rng: np.random.Generator, rows: int, prompt: int, response: int, vocab_size: int):
+    """A learner's `TokenBatch` of `rows` random rows: a left-padded prompt of 2..`prompt` ids and a
+    right-padded response of 1..`response` ids each, ids in [3, vocab_size) (0-2: Qwen's special tokens),
+    drawn from `rng` row by row (prompt length, response length, prompt ids, response ids)."""
+    from bipace_jax.batch import TokenBatch
+
+    pid, pm = np.zeros((rows, prompt), np.int32), np.zeros((rows, prompt), np.int32)
+    rid, rm = np.zeros((rows, response), np.int32), np.zeros((rows, response), bool)
+    for i in range(rows):
+        lp, lr = rng.integers(2, prompt + 1), rng.integers(1, response + 1)
+        pid[i, prompt - lp :] = rng.integers(3, vocab_size, lp)
+        pm[i, prompt - lp :] = 1
+        rid[i, :lr] = rng.integers(3, vocab_size, lr)
+        rm[i, :lr] = True
+    return TokenBatch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, prompt)
 
 
 def random_batch(
