@@ -98,14 +98,8 @@ class FaultyEnv(TextEnv):
             end = time.process_time() + self.step_cost_ms / 1000.0
             while time.process_time() < end:
                 pass
-        if action == "crash":
-            os._exit(1)
-        if action == "segv":
-            ctypes.string_at(0)
-        if action == "hang":
-            time.sleep(3600)
-        if action == "raise":
-            raise RuntimeError("injected step error")
+        if action in ("crash", "segv", "hang", "raise"):
+            _fire(action, "injected step error")
         if action == "nap":
             time.sleep(0.8)
         if action in ("nan", "inf", "text"):
@@ -234,11 +228,12 @@ class UnscorableEnv(_Wrapper):
         return obs, self.reward if self._task_id == self.task_id else reward, done, info
 
 
-def _fire(kind: str) -> None:
+def _fire(kind: str, message: str = "injected fault") -> None:
+    """Fires the fault ``kind`` of ``FAULT_KINDS`` in this process (``"raise"``: RuntimeError(message))."""
     if kind == "hang":
         time.sleep(3600)
     elif kind == "raise":
-        raise RuntimeError("injected fault")
+        raise RuntimeError(message)
     elif kind == "crash":
         os._exit(1)
     elif kind == "segv":
