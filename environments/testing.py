@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from environments.base import Observation, TextEnv
+from environments.pool import ResetResult, StepResult, TaskInfoResult
 from environments.registry import make
 
 
@@ -265,21 +266,15 @@ class InstantPool:
         raise NotImplementedError
 
     def _advance(self, i: int):
-        from environments.pool import StepResult
-
         self.t[i] += 1
         return StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})
 
     def reset(self, envs, tasks, seeds):
-        from environments.pool import ResetResult
-
         for i in envs:
             self.t[i] = 0
         return [ResetResult(self._obs(i), {}) for i in envs]
 
     def task_info(self, envs):
-        from environments.pool import TaskInfoResult
-
         return [TaskInfoResult({"goal": "item"}) for _ in envs]
 
     def step(self, envs, actions):

@@ -31,10 +31,16 @@ from environments.prompts import action_tag, build_prompt
 
 GAMES = [(16, 3), (12, 4)]  # (task_id, seed) of depth-3 goals the oracle solves in 5-6 steps
 SEEDS = [s for _, s in GAMES]
+
+
+def _rollout(max_steps: int, game: str = "textcraft", **options) -> RolloutConfig:
+    """The rollout of these tests: task groups of 2 games of up to ``max_steps`` turns, prompts up to
+    1024 tokens, ``options`` on top."""
+    return RolloutConfig(game=game, group_size=2, max_steps=max_steps, max_prompt_length=1024, **options)
+
+
 # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
-SLOTS_ROLLOUT = RolloutConfig(
-    game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-)
+SLOTS_ROLLOUT = _rollout(3, num_slots=3, chunk_steps=3)
 
 
 def _random_actor(tokenizer):
@@ -105,12 +111,7 @@ class OracleSampler:
 
 
 def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
-    rcfg = RolloutConfig(
-        game="textcraft",
-        group_size=2,
-        max_steps=8,
-        max_prompt_length=1024,
-    )
+    rcfg = _rollout(8)
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
     res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     eps = res.episodes
@@ -172,7 +173,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
 
 
 def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, pool):
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens", max_prompt_length=1024)
+    rcfg = _rollout(3, action_key="first_tokens")
     sampler = OracleSampler(tokenizer, pool, 4, bad={2})
     res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     akey = np.asarray(res.steps.action_key)[: res.stats.values()["rows"]]
@@ -219,7 +220,7 @@ def test_encode_prompt_drops_oldest_history_first(tokenizer):
     ],
 )
 def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
-    rcfg = RolloutConfig(game=kw.pop("game", "textcraft"), group_size=2, max_steps=2, max_prompt_length=1024)
+    rcfg = _rollout(2, game=kw.pop("game", "textcraft"))
     args = {"games": GAMES, **kw}
     with pytest.raises(ValueError, match=match):
         collect(None, OracleSampler(tokenizer, pool, 4), pool, args["games"], rcfg, jax.random.key(0))
@@ -230,7 +231,7 @@ def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
     actor = _random_actor(tokenizer)
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
     sampler = Engine(tokenizer, scfg)
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    rcfg = _rollout(2)
     res = collect(actor, sampler, pool, GAMES, rcfg, jax.random.key(1), progress=True)
     n = res.stats.values()["rows"]
     assert n == 8 and res.response_ids.shape == (8, 8) and res.prompt_ids.shape == (8, 1024)
@@ -275,7 +276,7 @@ def test_game_keys_depend_on_the_game_only():
 def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
     actor = _random_actor(tokenizer)
     sampler = Engine(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    rcfg = _rollout(2)
     key = jax.random.key(5)
     both = collect(actor, sampler, pool, GAMES, rcfg, key)
     alone = collect(actor, sampler, pool, GAMES[1:], rcfg, key)
@@ -333,7 +334,7 @@ def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
         return out
 
     shared.generate = spy
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024)
+    rcfg = _rollout(3)
     key = jax.random.key(4)
     a = collect(actor, plain, pool, GAMES, rcfg, key)
     b = collect(actor, shared, pool, GAMES, rcfg, key)
@@ -388,9 +389,9 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     events = []
     chunk = SlotHandle.decode
 
-    def logged_chunk(self, *a):
+    def logged_chunk(self, *a, **k):
         events.append(("chunk", None))
-        return chunk(self, *a)
+        return chunk(self, *a, **k)
 
     monkeypatch.setattr(SlotHandle, "decode", logged_chunk)
     factory = functools.partial(UnscorableEnv, "textcraft", task_id=12)  # task group 1's steps score NaN
@@ -499,16 +500,12 @@ def _chaos_pool(tmp_path, plan):
     return EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=3.0)
 
 
-def _faults_rcfg(**kw):
-    return RolloutConfig(game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024, **kw)
-
-
 def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokenizer, tmp_path):
     from bipace_jax.rollout import RESEED_STRIDE
 
     # reset call 2 is env 1's (task group 0): it hangs; the pool flags it, the rollout resets group 0 again
     with _chaos_pool(tmp_path, [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]) as pool:
-        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(), jax.random.key(0))
+        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _rollout(8), jax.random.key(0))
     eps = res.episodes
     assert [e.seed for e in eps] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
     assert all(e.won and e.env_error is None for e in eps)
@@ -544,7 +541,7 @@ def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp
 def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_path):
     with _chaos_pool(tmp_path, [{"id": "c", "call": "reset", "at": 2, "kind": "crash"}]) as pool:
         res = collect(
-            None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(reset_retries=0), jax.random.key(0)
+            None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _rollout(8, reset_retries=0), jax.random.key(0)
         )
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, Fault.CRASH, None, None] and eps[1].length == 0
@@ -562,7 +559,7 @@ def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_pat
 def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_path):
     # step calls 1-4 are turn 0 (envs 0-3); call 6 is env 1's second step
     with _chaos_pool(tmp_path, [{"id": "r", "call": "step", "at": 6, "kind": "raise"}]) as pool:
-        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(), jax.random.key(0))
+        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _rollout(8), jax.random.key(0))
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, "exception", None, None] and eps[1].length == 2
     n = res.stats.values()["rows"]
@@ -585,7 +582,7 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
     def play(factory):
         with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=20.0) as pool:
             sampler = OracleSampler(tokenizer, pool, 4)
-            return collect(None, sampler, pool, GAMES, _faults_rcfg(), jax.random.key(0))
+            return collect(None, sampler, pool, GAMES, _rollout(8), jax.random.key(0))
 
     good = play(functools.partial(UnscorableEnv, "textcraft", task_id=-1))  # no task unscorable
     res = play(functools.partial(UnscorableEnv, "textcraft", task_id=12))  # task group 1 (envs 2, 3)
@@ -610,14 +607,7 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
 
 
 def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalty(tokenizer, pool):
-    rcfg = RolloutConfig(
-        game="textcraft",
-        group_size=2,
-        max_steps=3,
-        max_prompt_length=1024,
-        invalid_action="projected",
-        projection_chars=8,
-    )
+    rcfg = _rollout(3, invalid_action="projected", projection_chars=8)
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
     res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     n = res.stats.values()["rows"]
