@@ -423,29 +423,29 @@ def _run(cfg: SimConfig, table: list[list[int]], scheduler: Scheduler) -> tuple[
     return engine, stats
 
 
+def _summary(engine: SimEngine, decode_steps: int, busy: int, slot_steps: int, prefill_calls: int, **counts) -> dict:
+    """One scheduler's result: wall seconds, decode steps, slot use (``busy`` of ``slot_steps`` row-steps
+    decoded a live row; 1.0 when nothing was decoded), seconds per stage, prefill calls, then ``counts``."""
+    return dict(
+        wall_s=engine.clock.t,
+        decode_steps=decode_steps,
+        slot_use=busy / slot_steps if slot_steps else 1.0,
+        stages_s=dict(engine.stages),
+        prefill_calls=prefill_calls,
+        **counts,
+    )
+
+
 def _lockstep(cfg: SimConfig, table: list[list[int]]) -> dict[str, Any]:
     engine, _ = _run(cfg, table, Scheduler.LOCKSTEP)
     c = engine.lockstep
-    return dict(
-        wall_s=engine.clock.t,
-        decode_steps=c["steps"],
-        slot_use=c["busy"] / c["row_steps"] if c["row_steps"] else 1.0,
-        stages_s=dict(engine.stages),
-        prefill_calls=c["calls"],
-        turns=c["calls"],
-    )
+    return _summary(engine, c["steps"], c["busy"], c["row_steps"], c["calls"], turns=c["calls"])
 
 
 def _continuous(cfg: SimConfig, table: list[list[int]]) -> dict[str, Any]:
     engine, s = _run(cfg, table, Scheduler.CONTINUOUS)
-    return dict(
-        wall_s=engine.clock.t,
-        decode_steps=s["decode_steps"],
-        slot_use=s["busy_steps"] / s["slot_steps"] if s["decode_steps"] else 1.0,
-        stages_s=dict(engine.stages),
-        prefill_calls=s["inserts"],
-        chunks=s["chunks"],
-    )
+    # slot_steps = decode_steps x slots: zero exactly when no chunk decoded
+    return _summary(engine, s["decode_steps"], s["busy_steps"], s["slot_steps"], s["inserts"], chunks=s["chunks"])
 
 
 def simulate(cfg: SimConfig) -> dict[str, Any]:

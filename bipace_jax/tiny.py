@@ -45,6 +45,26 @@ CHAT_TEMPLATE = (
 )
 
 
+def train_bpe(corpus: Iterable[str], *, vocab_size: int, min_frequency: int = 0):
+    """The byte-level BPE (Hugging Face ``tokenizers``) learnt from ``corpus``: ``vocab_size`` tokens in
+    all (256 byte symbols, Qwen2.5's special tokens ``SPECIAL_TOKENS`` as ids 0, 1, 2, then merges of pairs
+    seen at least ``min_frequency`` times), no prefix space. Returns a ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=min_frequency,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
 def train_tokenizer(
     corpus: Iterable[str],
     *,
@@ -73,7 +93,7 @@ def train_tokenizer(
       ValueError: if ``vocab_size`` < 300 (the 256 byte symbols plus room for merges) or a phrase
         token is empty or repeated.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 300:
@@ -84,17 +104,7 @@ def train_tokenizer(
     if len(set(phrases)) != len(phrases):
         raise ValueError("phrase_tokens must be distinct")
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=min_frequency,
-    )
-    tok.train_from_iterator(corpus, trainer)
+    tok = train_bpe(corpus, vocab_size=vocab_size, min_frequency=min_frequency)
     if tags or phrases:  # tags first, then phrases: their ids follow the BPE's in this order
         tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in [*tags, *phrases]])
     kw = {} if model_max_length is None else {"model_max_length": model_max_length}

@@ -1,6 +1,8 @@
 """A tiny deterministic text game whose actions can crash, hang or raise: the pool's test fixture.
 
-Not registered with ``make``: pass the class itself to ``EnvPool`` (a picklable factory).
+Not registered with ``make``: pass the class itself to ``EnvPool`` (a picklable factory). Also
+``InstantPool``, in-process fake games behind the pool's interface, for the rollout loop's tests and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from typing import Any
 
 from environments.base import Observation, TextEnv
+from environments.pool import ResetResult, StepResult, TaskInfoResult
 from environments.registry import make
 
 
@@ -96,14 +99,8 @@ class FaultyEnv(TextEnv):
             end = time.process_time() + self.step_cost_ms / 1000.0
             while time.process_time() < end:
                 pass
-        if action == "crash":
-            os._exit(1)
-        if action == "segv":
-            ctypes.string_at(0)
-        if action == "hang":
-            time.sleep(3600)
-        if action == "raise":
-            raise RuntimeError("injected step error")
+        if action in ("crash", "segv", "hang", "raise"):
+            _fire(action, "injected step error")
         if action == "nap":
             time.sleep(0.8)
         if action in ("nan", "inf", "text"):
@@ -232,11 +229,12 @@ class UnscorableEnv(_Wrapper):
         return obs, self.reward if self._task_id == self.task_id else reward, done, info
 
 
-def _fire(kind: str) -> None:
+def _fire(kind: str, message: str = "injected fault") -> None:
+    """Fires the fault ``kind`` of ``FAULT_KINDS`` in this process (``"raise"``: RuntimeError(message))."""
     if kind == "hang":
         time.sleep(3600)
     elif kind == "raise":
-        raise RuntimeError("injected fault")
+        raise RuntimeError(message)
     elif kind == "crash":
         os._exit(1)
     elif kind == "segv":
@@ -245,3 +243,53 @@ def _fire(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     else:
         raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
+
+
+class InstantPool:
+    """``n`` in-process fake games of ``turns`` steps each behind ``EnvPool``'s interface (``reset``,
+    ``task_info``, ``step``, ``submit`` / ``poll``), no worker processes: ``step`` answers at once,
+    a ``submit``-ted step at the next ``poll``. A subclass says what game ``i`` shows now (``_obs``,
+    an ``Observation``; ``self.t[i]`` is its turn); a step scores 0.0 and ends the game at ``turns``."""
+
+    env = "textcraft"
+
+    def __init__(self, n: int, turns: int):
+        self.n, self.turns = n, turns
+        self.t = [0] * n
+        self.queue: list[tuple[int, int]] = []  # (ticket, env) submitted, not yet polled
+        self.ticket = 0
+
+    def __len__(self):
+        return self.n
+
+    def _obs(self, i: int) -> Observation:
+        raise NotImplementedError
+
+    def _advance(self, i: int):
+        self.t[i] += 1
+        return StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})
+
+    def reset(self, envs, tasks, seeds):
+        for i in envs:
+            self.t[i] = 0
+        return [ResetResult(self._obs(i), {}) for i in envs]
+
+    def task_info(self, envs):
+        return [TaskInfoResult({"goal": "item"}) for _ in envs]
+
+    def step(self, envs, actions):
+        return [self._advance(i) for i in envs]
+
+    def submit(self, jobs):
+        tickets = list(range(self.ticket, self.ticket + len(jobs)))
+        self.ticket += len(jobs)
+        self.queue += [(t, job.env) for t, job in zip(tickets, jobs)]
+        return tickets
+
+    def poll(self, timeout=0.0):
+        out, self.queue = [(t, self._advance(i)) for t, i in self.queue], []
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.queue)

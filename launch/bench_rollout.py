@@ -40,6 +40,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from environments.testing import InstantPool
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("games", 16, "games (task groups of 8)")
 flags.DEFINE_integer("slots", 16, "continuous scheduler slots")
@@ -121,33 +123,27 @@ class LengthScriptedActor(nnx.Module):
         return self._script(logits, nxt), cache
 
 
-class PacedPool:
+class PacedPool(InstantPool):
     """``n`` fake games of ``turns`` turns with scripted response lengths ``lengths[env, turn]``.
 
     ``step`` sleeps ``latency_s`` (games step in parallel); a ``submit``-ted step is answered by
     ``poll`` ``latency_s`` after its submit. The observation of turn t ends with ``<L{lengths[env, t]}>``.
     """
 
-    env = "textcraft"
-
     def __init__(self, lengths: np.ndarray, latency_s: float):
+        super().__init__(*lengths.shape)
         self.lengths, self.latency_s = lengths, latency_s
-        self.n, self.turns = lengths.shape
-        self.t = [0] * self.n
         self._due: dict[int, tuple[float, int]] = {}  # ticket -> (when it is answered, env)
-        self._ticket = 0
 
     def submit(self, jobs):
         now, tickets = time.monotonic(), []
         for job in jobs:
-            self._due[self._ticket] = (now + self.latency_s, job.env)
-            tickets.append(self._ticket)
-            self._ticket += 1
+            self._due[self.ticket] = (now + self.latency_s, job.env)
+            tickets.append(self.ticket)
+            self.ticket += 1
         return tickets
 
     def poll(self, timeout=0.0):
-        from environments.pool import StepResult
-
         if not self._due:
             return []
         first = min(due for due, _ in self._due.values())
@@ -159,12 +155,12 @@ class PacedPool:
             due, i = self._due[ticket]
             if due <= now:
                 del self._due[ticket]
-                self.t[i] += 1
-                out.append((ticket, StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})))
+                out.append((ticket, self._advance(i)))
         return out
 
-    def __len__(self):
-        return self.n
+    @property
+    def in_flight(self) -> int:
+        return len(self._due)
 
     def _obs(self, i):
         from environments.base import Observation
@@ -172,27 +168,9 @@ class PacedPool:
         length = int(self.lengths[i, min(self.t[i], self.turns - 1)])
         return Observation(text=f"turn {self.t[i]} <L{length}>", anchor=f"turn {self.t[i]}", task=f"craft item {i % 7}")
 
-    def reset(self, envs, tasks, seeds):
-        from environments.pool import ResetResult
-
-        for i in envs:
-            self.t[i] = 0
-        return [ResetResult(self._obs(i), {}) for i in envs]
-
-    def task_info(self, envs):
-        from environments.pool import TaskInfoResult
-
-        return [TaskInfoResult({"goal": "item"}) for _ in envs]
-
     def step(self, envs, actions):
-        from environments.pool import StepResult
-
         time.sleep(self.latency_s)
-        out = []
-        for i in envs:
-            self.t[i] += 1
-            out.append(StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {}))
-        return out
+        return super().step(envs, actions)
 
 
 def draw_lengths(n: int, turns: int, mean: float, sigma: float, cap: int, seed: int) -> np.ndarray:

@@ -45,6 +45,13 @@ def run_processes(script: str, args: list[list[str]], devices: int, timeout: flo
         )
         for a in args
     ]
+    return [out for out, _ in wait_all(procs, timeout)]
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """The (stdout, stderr) of each of ``procs`` (started with both piped), once all have exited; any still
+    running when one times out or fails to be read is killed. Raises AssertionError with the stderr
+    tail of a process that exits non-zero."""
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -53,4 +60,4 @@ def run_processes(script: str, args: list[list[str]], devices: int, timeout: flo
                 p.kill()
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    return [out for out, _ in outs]
+    return outs

@@ -18,6 +18,7 @@ Importing this module imports torch and transformers: only tests and benchmarks 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ __all__ = [
     "write_tiny_tokenizer",
     "write_tiny_qwen2_folder",
     "random_batch",
+    "one_layer_config",
+    "random_token_batch",
 ]
 
 # Default tiny architecture (HF Qwen2Config keyword names). Matches `Qwen2Config.tiny()`.
@@ -101,28 +104,27 @@ def write_tiny_qwen2_checkpoint(path: str | os.PathLike, seed: int = 0, weight_s
     return path
 
 
-def write_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384, chat_template: str | None = None) -> str:
-    """Trains a byte-level BPE (`vocab_size` tokens incl. Qwen's special tokens) and saves it to `path`.
+def write_tiny_tokenizer(
+    path: str | os.PathLike,
+    vocab_size: int = 384,
+    chat_template: str | None = None,
+    corpus: Sequence[str] | None = None,
+) -> str:
+    """Trains a byte-level BPE (`vocab_size` tokens incl. Qwen's special tokens) on `corpus` (None: 400
+    random 12-word lines of a fixed word list, seed 0) and saves it to `path`.
 
     Special tokens: <|endoftext|> (id 0, pad), <|im_start|> (id 1), <|im_end|> (id 2, eos).
     No chat template is stored unless `chat_template` is given, so `load_tokenizer` falls back to
     the bundled Qwen2.5 template. Returns `path` as a string.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(_CORPUS_WORDS, size=12)) for _ in range(400)]
-    tok.train_from_iterator(corpus, trainer=trainer)
+    from bipace_jax.tiny import train_bpe
+
+    if corpus is None:
+        rng = np.random.default_rng(0)
+        corpus = [" ".join(rng.choice(_CORPUS_WORDS, size=12)) for _ in range(400)]
+    tok = train_bpe(corpus, vocab_size=vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -146,6 +148,38 @@ def write_tiny_qwen2_folder(
     write_tiny_qwen2_checkpoint(path, seed=seed, **overrides)
     write_tiny_tokenizer(path, vocab_size=tokenizer_vocab_size)
     return os.fspath(path)
+
+
+def one_layer_config(vocab_size: int, heads: int = 4, kv_heads: int = 2):
+    """`Qwen2Config.tiny` cut to one layer (D 32, F 64) of `heads` query and `kv_heads` KV heads over
+    `vocab_size` ids: the smallest actor the learner tests train."""
+    from bipace_jax.models import Qwen2Config
+
+    return Qwen2Config.tiny(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+
+
+def random_token_batch(rng: np.random.Generator, rows: int, prompt: int, response: int, vocab_size: int):
+    """A learner's `TokenBatch` of `rows` random rows: a left-padded prompt of 2..`prompt` ids and a
+    right-padded response of 1..`response` ids each, ids in [3, vocab_size) (0-2: Qwen's special tokens),
+    drawn from `rng` row by row (prompt length, response length, prompt ids, response ids)."""
+    from bipace_jax.batch import TokenBatch
+
+    pid, pm = np.zeros((rows, prompt), np.int32), np.zeros((rows, prompt), np.int32)
+    rid, rm = np.zeros((rows, response), np.int32), np.zeros((rows, response), bool)
+    for i in range(rows):
+        lp, lr = rng.integers(2, prompt + 1), rng.integers(1, response + 1)
+        pid[i, prompt - lp :] = rng.integers(3, vocab_size, lp)
+        pm[i, prompt - lp :] = 1
+        rid[i, :lr] = rng.integers(3, vocab_size, lr)
+        rm[i, :lr] = True
+    return TokenBatch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, prompt)
 
 
 def random_batch(

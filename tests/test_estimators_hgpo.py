@@ -332,38 +332,21 @@ def test_run_config_fields_reach_the_estimator_and_bad_ones_name_the_config_fiel
 @pytest.mark.e2e
 def test_trainer_runs_one_rl_iteration_on_hgpo_advantages(tmp_path):
     """The run config selects hgpo; the learner receives the oracle's HGPO advantages and updates."""
-    import configs.textcraft_tiny
     from bipace_jax.build import estimator_config
     from bipace_jax.tiny import build_game_tokenizer
     from bipace_jax.trainer import Trainer
+    from tests.tiny_runs import one_iteration_config, recorded_iteration
 
-    c = configs.textcraft_tiny.get_config()
-    c.model.checkpoint = ""
-    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
-    c.model.intermediate_size = 64
-    c.rollout.num_groups, c.rollout.group_size, c.env.max_steps, c.env.num_workers = 2, 4, 4, 1
-    c.sampler.max_new_tokens, c.sampler.batch_buckets = 16, (8, 16)
-    c.ppo.micro_batch_rows, c.ppo.mini_batch_rows, c.ppo.old_logprobs = 8, 0, "recompute"
-    c.val.every, c.val.at_start, c.log.progress, c.log.plots = 0, False, False, False
+    c = one_iteration_config(group_size=4, max_steps=4, batch_buckets=(8, 16))
     c.estimator.name, c.estimator.controller.enabled = "hgpo", False
     c.estimator.hgpo_base_group = True
     tokenizer = build_game_tokenizer(c, str(tmp_path / "tok"), num_tasks=8)
     tr = Trainer(c, str(tmp_path / "run"), tokenizer=tokenizer)
-    seen = {}
-    play, update = tr._play, tr.learner.update
-    tr._play = lambda *a, **k: seen.setdefault("res", play(*a, **k))
-    tr.learner.update = lambda batch, *a, **k: update(seen.setdefault("batch", batch), *a, **k)
-    before = jax.tree.map(np.asarray, tr.learner.params)
-    try:
-        rec = tr.train_iteration()
-    finally:
-        tr.close()
-    res = seen["res"]
+    rec, res, batch, updated = recorded_iteration(tr)
     cfg = estimator_config(c, tr.epsilon)
     assert (cfg.name, cfg.hgpo_base_group) == ("hgpo", True)
     want, _ = reference.compute_advantages_reference(res.steps, cfg)
-    np.testing.assert_allclose(seen["batch"].advantages, want[: res.rows], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.advantages, want[: res.num_rows], rtol=1e-5, atol=1e-5)
     assert np.abs(want).max() > 0.1  # invalid-action penalties make the returns differ
-    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.rows
-    after = jax.tree.map(np.asarray, tr.learner.params)
-    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.num_rows
+    assert updated

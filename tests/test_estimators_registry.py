@@ -130,34 +130,18 @@ def test_unregistering_the_toy_makes_its_name_unknown_again(toy):
 def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
     """Adding an estimator is its module plus one registry line: the trainer accepts the name from the
     config, uses its advantages (checked against the NumPy oracle of the same spec) and updates."""
-    import configs.textcraft_tiny
     from bipace_jax.build import estimator_config
     from bipace_jax.tiny import build_game_tokenizer
     from bipace_jax.trainer import Trainer
+    from tests.tiny_runs import one_iteration_config, recorded_iteration
 
-    c = configs.textcraft_tiny.get_config()
-    c.model.checkpoint = ""
-    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
-    c.model.intermediate_size = 64
-    c.rollout.num_groups, c.rollout.group_size, c.env.max_steps, c.env.num_workers = 2, 2, 3, 1
-    c.sampler.max_new_tokens, c.sampler.batch_buckets = 16, (4, 8)
-    c.ppo.micro_batch_rows, c.ppo.mini_batch_rows, c.ppo.old_logprobs = 8, 0, "recompute"
-    c.val.every, c.val.at_start, c.log.progress, c.log.plots = 0, False, False, False
+    c = one_iteration_config(group_size=2, max_steps=3, batch_buckets=(4, 8))
     c.estimator.name, c.estimator.controller.enabled = toy.name, False
     tokenizer = build_game_tokenizer(c, str(tmp_path / "tok"), num_tasks=8)
     tr = Trainer(c, str(tmp_path / "run"), tokenizer=tokenizer)
-    seen = {}
-    play, update = tr._play, tr.learner.update
-    tr._play = lambda *a, **k: seen.setdefault("res", play(*a, **k))
-    tr.learner.update = lambda batch, *a, **k: update(seen.setdefault("batch", batch), *a, **k)
-    before = jax.tree.map(np.asarray, tr.learner.params)
-    try:
-        rec = tr.train_iteration()
-    finally:
-        tr.close()
-    res = seen["res"]
+    rec, res, batch, updated = recorded_iteration(tr)
     want, _ = reference.compute_advantages_reference(res.steps, estimator_config(c, tr.epsilon))
-    np.testing.assert_allclose(seen["batch"].advantages, want[: res.num_rows], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.advantages, want[: res.num_rows], rtol=1e-5, atol=1e-5)
     assert tr.iteration == 1 and rec["loss/updates"] == 1 and rec["train/rows"] == res.num_rows
     # both partitions are recorded whichever one trains: exact hashing and the clusters at this epsilon
     bigpo = dataclasses.replace(estimator_config(c, tr.epsilon), name="bigpo")
@@ -166,5 +150,4 @@ def test_a_registered_toy_estimator_trains_one_rl_iteration(tmp_path, toy):
     for k in ("singleton_group_rate", "pairs", "num_step_groups"):
         assert rec[f"estimator/hash_{k}"] == pytest.approx(float(hash_diag[f"hash_{k}"]))
         assert rec[f"estimator/cluster_{k}"] == pytest.approx(float(cluster_diag[k]))
-    after = jax.tree.map(np.asarray, tr.learner.params)
-    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    assert updated

@@ -117,13 +117,12 @@ def test_the_toy_game_trains_one_rl_iteration_and_validates_by_its_categories(tm
     from bipace_jax import metric_keys, validation
     from bipace_jax.tiny import build_game_tokenizer
     from bipace_jax.trainer import Trainer
+    from tests.tiny_runs import use_tiny_actor
 
     c = configs.textcraft_tiny.get_config()
     c.env.name, c.env.max_steps, c.env.num_workers = "guess", 2, 1
     c.tasks.train, c.tasks.holdout = "all", ""
-    c.model.checkpoint = ""
-    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
-    c.model.intermediate_size = 64
+    use_tiny_actor(c)
     c.rollout.num_groups, c.rollout.group_size = 2, 2
     c.rollout.template, c.rollout.fallback_action = "", ""  # the game's own
     c.rollout.show_inventory, c.rollout.max_prompt_length = False, 256

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(r"""
     from jax.sharding import PartitionSpec as P
     from bipace_jax import losses, ppo, sharding as shd
     from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, save_hf_checkpoint
-    from bipace_jax.batch import TokenBatch
+    from tests.qwen_fixtures import one_layer_config, random_token_batch
 
     assert len(jax.devices()) == 8, jax.devices()
     out = {}
@@ -39,17 +39,10 @@ SCRIPT = textwrap.dedent(r"""
 
     # 2. PPO learner on the 2x2x2 mesh vs one device: log-probs (rows split over data*fsdp) and the update.
     V = 48
-    small = Qwen2Config.tiny(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2)
+    small = one_layer_config(V)
     rng = np.random.default_rng(0)
     n, p, m = 6, 7, 5
-    pid, pm = np.zeros((n, p), np.int32), np.zeros((n, p), np.int32)
-    rid, rm = np.zeros((n, m), np.int32), np.zeros((n, m), bool)
-    for i in range(n):
-        lp_, lr = rng.integers(2, p + 1), rng.integers(1, m + 1)
-        pid[i, p - lp_:] = rng.integers(3, V, lp_); pm[i, p - lp_:] = 1
-        rid[i, :lr] = rng.integers(3, V, lr); rm[i, :lr] = True
-    batch = TokenBatch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, p)
+    batch = random_token_batch(rng, n, p, m, V)
     adv = rng.normal(size=n).astype(np.float32)
 
     seen = []
@@ -159,7 +152,8 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
     from jax.experimental import multihost_utils
     from bipace_jax import sharding as shd
     from bipace_jax.learner import Learner
-    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.models import Qwen2Actor
+    from tests.qwen_fixtures import one_layer_config
 
     hops = []
     gather = multihost_utils.process_allgather
@@ -168,8 +162,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
         return gather(*a, **k)
     distributed.multihost_utils.process_allgather = counted
 
-    cfg = Qwen2Config.tiny(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2)
+    cfg = one_layer_config(48)
     want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(Qwen2Actor(cfg, rngs=nnx.Rngs(1)), nnx.Param))]
     mesh = shd.make_mesh(1, 4, 2)  # fsdp over both hosts, tensor inside each
     out = {"process": jax.process_index(), "local_devices": jax.local_device_count()}

@@ -281,7 +281,8 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from bipace_jax import config as config_lib, sharding as shd
     from bipace_jax.learner import Learner, shard_rows
-    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.models import Qwen2Actor
+    from tests.qwen_fixtures import one_layer_config
 
     me = jax.process_index()
     out = {"process": me}
@@ -333,8 +334,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(r"""
     hops = []
     gather = multihost_utils.process_allgather
     distributed.multihost_utils.process_allgather = lambda *a, **k: hops.append(1) or gather(*a, **k)
-    cfg = Qwen2Config.tiny(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2)
+    cfg = one_layer_config(48)
     want = [np.asarray(v) for v in jax.tree.leaves(nnx.state(Qwen2Actor(cfg, rngs=nnx.Rngs(1)), nnx.Param))]
     lmesh = distributed.local_mesh(mesh, 2)
     out["local_mesh_rows"] = [[d.id for d in row] for row in lmesh.devices.reshape(-1, 2)]

@@ -149,20 +149,21 @@ def _shards_without_index(path):
     os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
 
 
-def _index_with_missing_file(path):
-    names = load_file(os.path.join(path, "model.safetensors"))
-    weight_map = {n: "model.safetensors" for n in names}
-    weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"weight_map": weight_map}, f)
+def _index(**entries):
+    """A corruption that writes model.safetensors.index.json: every tensor of model.safetensors in that
+    file, then ``entries`` (tensor name -> file name) on top."""
+
+    def fn(path):
+        names = load_file(os.path.join(path, "model.safetensors"))
+        weight_map = {**{n: "model.safetensors" for n in names}, **entries}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": weight_map}, f)
+
+    return fn
 
 
-def _index_naming_absent_tensor(path):
-    names = load_file(os.path.join(path, "model.safetensors"))
-    weight_map = {n: "model.safetensors" for n in names}
-    weight_map["model.layers.7.mlp.up_proj.weight"] = "model.safetensors"
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"weight_map": weight_map}, f)
+_index_with_missing_file = _index(**{"model.norm.weight": "model-00002-of-00002.safetensors"})
+_index_naming_absent_tensor = _index(**{"model.layers.7.mlp.up_proj.weight": "model.safetensors"})
 
 
 def _config(**changes):

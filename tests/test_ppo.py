@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 from bipace_jax import losses, sharding
-from bipace_jax.batch import TokenBatch as Batch
 from bipace_jax.config import ConfigError
-from bipace_jax.models import Qwen2Actor, Qwen2Config
+from bipace_jax.models import Qwen2Actor
 from bipace_jax.ppo import NonFiniteError, PPOLearner
+from tests.qwen_fixtures import one_layer_config, random_token_batch
 
 V = 48
 SGD = optax.sgd(0.5)  # shared transformations: learners of one model + loss + optimizer share compiled programs
@@ -19,31 +19,12 @@ ADAMW = optax.adamw(3e-3)
 
 
 def _actor(seed=0, **kw):
-    cfg = Qwen2Config.tiny(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return Qwen2Actor(cfg, rngs=nnx.Rngs(seed), **kw)
+    return Qwen2Actor(one_layer_config(V), rngs=nnx.Rngs(seed), **kw)
 
 
 def _batch(n=6, p=7, m=5, seed=0):
     """Left-padded prompts of random length, right-padded responses of random length (>= 1)."""
-    rng = np.random.default_rng(seed)
-    pid = np.zeros((n, p), np.int32)
-    pm = np.zeros((n, p), np.int32)
-    rid = np.zeros((n, m), np.int32)
-    rm = np.zeros((n, m), bool)
-    for i in range(n):
-        lp, lr = rng.integers(2, p + 1), rng.integers(1, m + 1)
-        pid[i, p - lp :] = rng.integers(3, V, lp)
-        pm[i, p - lp :] = 1
-        rid[i, :lr] = rng.integers(3, V, lr)
-        rm[i, :lr] = True
-    return Batch(np.concatenate([pid, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, p)
+    return random_token_batch(np.random.default_rng(seed), n, p, m, V)
 
 
 def _update(L, b, old, ref, adv, key):

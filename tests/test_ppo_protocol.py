@@ -78,25 +78,19 @@ SCRIPT = textwrap.dedent(r"""
     from flax import nnx
     from bipace_jax import losses, sharding
     from bipace_jax.batch import TokenBatch
-    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.models import Qwen2Actor
     from bipace_jax.ppo import PPOLearner
+    from tests.qwen_fixtures import one_layer_config, random_token_batch
 
     V, n, p, m = 48, 12, 7, 5
     rng = np.random.default_rng(0)
-    pid_, pm = np.zeros((n, p), np.int32), np.zeros((n, p), np.int32)
-    rid, rm = np.zeros((n, m), np.int32), np.zeros((n, m), bool)
-    for i in range(n):
-        lp_, lr = rng.integers(2, p + 1), rng.integers(1, m + 1)
-        pid_[i, p - lp_:] = rng.integers(3, V, lp_); pm[i, p - lp_:] = 1
-        rid[i, :lr] = rng.integers(3, V, lr); rm[i, :lr] = True
+    full = random_token_batch(rng, n, p, m, V)
     adv = rng.normal(size=n).astype(np.float32)
-    full = TokenBatch(np.concatenate([pid_, rid], 1), np.concatenate([pm, rm.astype(np.int32)], 1), rid, rm, p)
     # the same 12 global rows: all on one process, or 5 on process 0 and 7 on process 1
     rows = np.arange(n) if nproc == 1 else (np.arange(5) if pid == 0 else np.arange(5, n))
-    mine = TokenBatch(full.input_ids[rows], full.attention_mask[rows], rid[rows], rm[rows], p)
+    mine = TokenBatch(full.input_ids[rows], full.attention_mask[rows], full.response_ids[rows], full.response_mask[rows], p)
 
-    cfg = Qwen2Config.tiny(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2)
+    cfg = one_layer_config(V)
     mesh = sharding.make_mesh(1, 2, 1)  # 2 devices: both on one process, or one per process
     L = PPOLearner(Qwen2Actor(cfg, rngs=nnx.Rngs(1)), mesh, losses.PPOLossConfig(kl_coef=0.01), optax.sgd(0.5),
                    micro_batch_rows=4 // nproc,  # per host: the gradient program's global batch is 4 either way

@@ -33,12 +33,34 @@ GAMES = [(16, 3), (12, 4)]  # (task_id, seed) of depth-3 goals the oracle solves
 SEEDS = [s for _, s in GAMES]
 
 
+def _rollout(max_steps: int, game: str = "textcraft", **options) -> RolloutConfig:
+    """The rollout of these tests: task groups of 2 games of up to ``max_steps`` turns, prompts up to
+    1024 tokens, ``options`` on top."""
+    return RolloutConfig(game=game, group_size=2, max_steps=max_steps, max_prompt_length=1024, **options)
+
+
+# 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
+SLOTS_ROLLOUT = _rollout(3, num_slots=3, chunk_steps=3)
+
+
+def _random_actor(tokenizer):
+    """The tiny random-init Qwen2 actor (``Qwen2Config.tiny``, seed 0) over ``tokenizer``'s vocabulary."""
+    return Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+
+
+def _ragged_sampler(tokenizer, **options) -> SamplerConfig:
+    """Up to 8 new tokens in batches of 2 or 4, prompts up to 1024 tokens, ``options`` on top; every 5th id
+    ends a response, so the random actor's responses have several lengths."""
+    eos = tuple(range(3, len(tokenizer), 5))
+    base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
+    return SamplerConfig(**{**base, **options})
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A byte-level BPE trained on TextCraft prompts (so prompts are a few hundred tokens), Qwen specials,
     saved and reloaded with the bundled Qwen2.5 chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.qwen_fixtures import write_tiny_tokenizer
 
     env = environments.make("textcraft", max_steps=5)
     corpus = []
@@ -46,24 +68,7 @@ def tokenizer(tmp_path_factory):
         obs = env.reset(task, 0)
         corpus.append(build_prompt("textcraft", obs, [], 0))
         corpus.append(f"<think>I need it</think><action>{env.oracle_action()}</action>")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1200,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    path = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    ).save_pretrained(path)
-    return load_tokenizer(path)
+    return load_tokenizer(write_tiny_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=1200, corpus=corpus))
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +111,7 @@ class OracleSampler:
 
 
 def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
-    rcfg = RolloutConfig(
-        game="textcraft",
-        group_size=2,
-        max_steps=8,
-        max_prompt_length=1024,
-    )
+    rcfg = _rollout(8)
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
     res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     eps = res.episodes
@@ -173,7 +173,7 @@ def test_collect_with_the_oracle_wins_scores_and_orders_rows(tokenizer, pool):
 
 
 def test_first_tokens_key_groups_responses_by_their_first_token_ids(tokenizer, pool):
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, action_key="first_tokens", max_prompt_length=1024)
+    rcfg = _rollout(3, action_key="first_tokens")
     sampler = OracleSampler(tokenizer, pool, 4, bad={2})
     res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     akey = np.asarray(res.steps.action_key)[: res.stats.values()["rows"]]
@@ -220,7 +220,7 @@ def test_encode_prompt_drops_oldest_history_first(tokenizer):
     ],
 )
 def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
-    rcfg = RolloutConfig(game=kw.pop("game", "textcraft"), group_size=2, max_steps=2, max_prompt_length=1024)
+    rcfg = _rollout(2, game=kw.pop("game", "textcraft"))
     args = {"games": GAMES, **kw}
     with pytest.raises(ValueError, match=match):
         collect(None, OracleSampler(tokenizer, pool, 4), pool, args["games"], rcfg, jax.random.key(0))
@@ -228,10 +228,10 @@ def test_collect_rejects_inconsistent_arguments(tokenizer, pool, kw, match):
 
 @pytest.mark.slow
 def test_collect_with_the_tiny_actor_and_real_sampler(tokenizer, pool):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    actor = _random_actor(tokenizer)
     scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,))
     sampler = Engine(tokenizer, scfg)
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    rcfg = _rollout(2)
     res = collect(actor, sampler, pool, GAMES, rcfg, jax.random.key(1), progress=True)
     n = res.stats.values()["rows"]
     assert n == 8 and res.response_ids.shape == (8, 8) and res.prompt_ids.shape == (8, 1024)
@@ -274,9 +274,9 @@ def test_game_keys_depend_on_the_game_only():
 
 @pytest.mark.slow
 def test_sampled_tokens_of_a_game_do_not_depend_on_the_other_games(tokenizer, pool):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    actor = _random_actor(tokenizer)
     sampler = Engine(tokenizer, SamplerConfig(max_new_tokens=8, batch_buckets=(4,), length_buckets=(1024,)))
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024)
+    rcfg = _rollout(2)
     key = jax.random.key(5)
     both = collect(actor, sampler, pool, GAMES, rcfg, key)
     alone = collect(actor, sampler, pool, GAMES[1:], rcfg, key)
@@ -307,17 +307,9 @@ def _assert_same_result(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("greedy", [True, False])
 def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    # Every 5th id ends a response, so the random actor's responses have several lengths.
-    eos = tuple(range(3, len(tokenizer), 5))
-    scfg = SamplerConfig(
-        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=greedy, eos_token_ids=eos
-    )
-    sampler = Engine(tokenizer, scfg)
-    # 3 slots for 4 games: a game waits for a free slot; chunks of 3 steps leave early on a finished row.
-    rcfg = RolloutConfig(
-        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-    )
+    actor = _random_actor(tokenizer)
+    sampler = Engine(tokenizer, _ragged_sampler(tokenizer, greedy=greedy))
+    rcfg = SLOTS_ROLLOUT
     key = jax.random.key(2)
     lock = collect(actor, sampler, pool, GAMES, rcfg, key)
     cont = collect(actor, sampler, pool, GAMES, dataclasses.replace(rcfg, scheduler="continuous"), key)
@@ -330,11 +322,9 @@ def test_continuous_scheduler_equals_lockstep(tokenizer, pool, greedy):
 
 @pytest.mark.slow
 def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    eos = tuple(range(3, len(tokenizer), 5))
-    base = dict(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), eos_token_ids=eos)
-    plain = Engine(tokenizer, SamplerConfig(**base))
-    shared = Engine(tokenizer, SamplerConfig(**base, shared_head_tokens=32))
+    actor = _random_actor(tokenizer)
+    plain = Engine(tokenizer, _ragged_sampler(tokenizer))
+    shared = Engine(tokenizer, _ragged_sampler(tokenizer, shared_head_tokens=32))
     calls = []
     generate = shared.generate
 
@@ -344,7 +334,7 @@ def test_shared_prompt_heads_leave_the_rollout_unchanged(tokenizer, pool):
         return out
 
     shared.generate = spy
-    rcfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024)
+    rcfg = _rollout(3)
     key = jax.random.key(4)
     a = collect(actor, plain, pool, GAMES, rcfg, key)
     b = collect(actor, shared, pool, GAMES, rcfg, key)
@@ -393,21 +383,15 @@ def test_continuous_steps_games_while_decoding_and_equals_lockstep_with_a_faulti
     from bipace_jax.sampling import SlotHandle
     from environments.testing import UnscorableEnv
 
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    eos = tuple(range(3, len(tokenizer), 5))
-    scfg = SamplerConfig(
-        max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(512, 1024), greedy=False, eos_token_ids=eos
-    )
-    sampler = Engine(tokenizer, scfg)
-    rcfg = RolloutConfig(
-        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-    )
+    actor = _random_actor(tokenizer)
+    sampler = Engine(tokenizer, _ragged_sampler(tokenizer, greedy=False))
+    rcfg = SLOTS_ROLLOUT
     events = []
     chunk = SlotHandle.decode
 
-    def logged_chunk(self, *a):
+    def logged_chunk(self, *a, **k):
         events.append(("chunk", None))
-        return chunk(self, *a)
+        return chunk(self, *a, **k)
 
     monkeypatch.setattr(SlotHandle, "decode", logged_chunk)
     factory = functools.partial(UnscorableEnv, "textcraft", task_id=12)  # task group 1's steps score NaN
@@ -516,16 +500,12 @@ def _chaos_pool(tmp_path, plan):
     return EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=3.0)
 
 
-def _faults_rcfg(**kw):
-    return RolloutConfig(game="textcraft", group_size=2, max_steps=8, max_prompt_length=1024, **kw)
-
-
 def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokenizer, tmp_path):
     from bipace_jax.rollout import RESEED_STRIDE
 
     # reset call 2 is env 1's (task group 0): it hangs; the pool flags it, the rollout resets group 0 again
     with _chaos_pool(tmp_path, [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]) as pool:
-        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(), jax.random.key(0))
+        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _rollout(8), jax.random.key(0))
     eps = res.episodes
     assert [e.seed for e in eps] == [SEEDS[0] + RESEED_STRIDE] * 2 + [SEEDS[1]] * 2
     assert all(e.won and e.env_error is None for e in eps)
@@ -541,13 +521,9 @@ def test_a_hung_reset_is_retried_on_a_fresh_seed_for_the_whole_task_group(tokeni
 def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp_path):
     from bipace_jax.rollout import RESEED_STRIDE
 
-    actor = Qwen2Actor(Qwen2Config.tiny(vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    eos = tuple(range(3, len(tokenizer), 5))
-    scfg = SamplerConfig(max_new_tokens=8, batch_buckets=(2, 4), length_buckets=(1024,), greedy=True, eos_token_ids=eos)
-    sampler = Engine(tokenizer, scfg)
-    rcfg = RolloutConfig(
-        game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024, num_slots=3, chunk_steps=3
-    )
+    actor = _random_actor(tokenizer)
+    sampler = Engine(tokenizer, _ragged_sampler(tokenizer, length_buckets=(1024,), greedy=True))
+    rcfg = SLOTS_ROLLOUT
     plan = [{"id": "h", "call": "reset", "at": 2, "kind": "hang"}]  # env 1's reset: group 0 is reset again
     out = {}
     for scheduler in ("lockstep", "continuous"):  # a pool (and chaos plan) each: a fault fires once
@@ -565,7 +541,7 @@ def test_continuous_equals_lockstep_after_a_hung_reset_is_retried(tokenizer, tmp
 def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_path):
     with _chaos_pool(tmp_path, [{"id": "c", "call": "reset", "at": 2, "kind": "crash"}]) as pool:
         res = collect(
-            None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(reset_retries=0), jax.random.key(0)
+            None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _rollout(8, reset_retries=0), jax.random.key(0)
         )
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, Fault.CRASH, None, None] and eps[1].length == 0
@@ -583,7 +559,7 @@ def test_without_retries_a_crashed_reset_drops_only_that_game(tokenizer, tmp_pat
 def test_a_game_that_raises_mid_episode_is_left_out_of_the_batch(tokenizer, tmp_path):
     # step calls 1-4 are turn 0 (envs 0-3); call 6 is env 1's second step
     with _chaos_pool(tmp_path, [{"id": "r", "call": "step", "at": 6, "kind": "raise"}]) as pool:
-        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _faults_rcfg(), jax.random.key(0))
+        res = collect(None, OracleSampler(tokenizer, pool, 4), pool, GAMES, _rollout(8), jax.random.key(0))
     eps = res.episodes
     assert [e.env_error for e in eps] == [None, "exception", None, None] and eps[1].length == 2
     n = res.stats.values()["rows"]
@@ -606,7 +582,7 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
     def play(factory):
         with EnvPool(factory, 4, env_options={"max_steps": 50}, num_workers=1, timeout_s=20.0) as pool:
             sampler = OracleSampler(tokenizer, pool, 4)
-            return collect(None, sampler, pool, GAMES, _faults_rcfg(), jax.random.key(0))
+            return collect(None, sampler, pool, GAMES, _rollout(8), jax.random.key(0))
 
     good = play(functools.partial(UnscorableEnv, "textcraft", task_id=-1))  # no task unscorable
     res = play(functools.partial(UnscorableEnv, "textcraft", task_id=12))  # task group 1 (envs 2, 3)
@@ -631,14 +607,7 @@ def test_a_game_whose_scorer_returns_nan_is_an_env_error_and_the_others_are_unch
 
 
 def test_projected_invalid_action_sends_the_response_tail_and_charges_the_penalty(tokenizer, pool):
-    rcfg = RolloutConfig(
-        game="textcraft",
-        group_size=2,
-        max_steps=3,
-        max_prompt_length=1024,
-        invalid_action="projected",
-        projection_chars=8,
-    )
+    rcfg = _rollout(3, invalid_action="projected", projection_chars=8)
     sampler = OracleSampler(tokenizer, pool, 4, bad={1})
     res = collect(None, sampler, pool, GAMES, rcfg, jax.random.key(0))
     n = res.stats.values()["rows"]

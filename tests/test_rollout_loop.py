@@ -15,7 +15,7 @@ from bipace_jax.rollout import PROMPT_TOO_LONG, RolloutConfig, Scheduler, collec
 from bipace_jax.rollout.turns import clean_observation, clean_text
 from bipace_jax.sampling import SampleOutput, SamplerConfig
 from environments.base import Observation
-from environments.pool import ResetResult, StepResult, TaskInfoResult
+from environments.testing import InstantPool
 
 GAMES = [(3, 1), (5, 2)]  # two task groups of G = 2: envs 0, 1 and 2, 3
 ANSWER = "<think>ok</think><action>inventory</action>"
@@ -88,49 +88,22 @@ class ScriptedSlots:
         return SampleOutput(*(np.stack(x) for x in zip(*(state["rows"][k] for k in slot_ids))))
 
 
-class TextPool:
+class TextPool(InstantPool):
     """In-process games: env i shows ``text(i, turn)`` and ends after ``turns`` steps; a submitted step is
-    answered at the next poll."""
-
-    env = "textcraft"
+    answered at the next poll; ``stepped`` lists the (env, turn) of every step taken."""
 
     def __init__(self, n, turns, text):
-        self.n, self.turns, self.text = n, turns, text
-        self.t, self.queue, self.ticket, self.stepped = [0] * n, [], 0, []
-
-    def __len__(self):
-        return self.n
+        super().__init__(n, turns)
+        self.text, self.stepped = text, []
 
     def _obs(self, i):
         words = self.text(i, self.t[i])
         return Observation(text=words, anchor=words, task=f"craft item {i // 2}")
 
-    def reset(self, envs, tasks, seeds):
-        for i in envs:
-            self.t[i] = 0
-        return [ResetResult(self._obs(i), {}) for i in envs]
-
-    def task_info(self, envs):
-        return [TaskInfoResult({"goal": "item"}) for _ in envs]
-
-    def submit(self, jobs):
-        tickets = list(range(self.ticket, self.ticket + len(jobs)))
-        self.ticket += len(jobs)
-        self.queue += [(t, job.env) for t, job in zip(tickets, jobs)]
-        return tickets
-
-    def poll(self, timeout=0.0):
-        out = []
-        for ticket, i in self.queue:
-            self.t[i] += 1
-            self.stepped.append((i, self.t[i]))
-            out.append((ticket, StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})))
-        self.queue = []
+    def _advance(self, i):
+        out = super()._advance(i)
+        self.stepped.append((i, self.t[i]))
         return out
-
-    @property
-    def in_flight(self):
-        return len(self.queue)
 
 
 def _play(tok, text, scheduler, turns=3, **rcfg):

@@ -9,6 +9,7 @@ import pytest
 from bipace_jax import schedule_sim
 from bipace_jax.rollout import schedule
 from bipace_jax.schedule_sim import SimConfig, simulate
+from environments.testing import InstantPool
 
 
 def test_equal_lengths_and_no_latency_give_both_schedulers_the_same_steps_and_time():
@@ -218,54 +219,15 @@ def test_the_design_notes_regime_is_reproduced():
         assert np.mean([r["lockstep"]["wall_s"] for r in runs]) == pytest.approx(lock_s, rel=0.03)
 
 
-class _InstantPool:
+class _InstantPool(InstantPool):
     """Fake games that answer a submitted step at once (zero latency: the event order is deterministic);
     each game lasts ``turns`` steps."""
-
-    env = "textcraft"
-
-    def __init__(self, n, turns):
-        self.n, self.turns, self.t, self.done, self.ticket = n, turns, [0] * n, [], 0
-
-    def __len__(self):
-        return self.n
 
     def _obs(self, i):
         from environments.base import Observation
 
         text = f"Crafting commands: craft 4 oak planks using 1 oak log. Goal: craft item {i % 5}. Step {self.t[i]}."
         return Observation(text=text, anchor=text, task=text)
-
-    def reset(self, envs, tasks, seeds):
-        from environments.pool import ResetResult
-
-        for i in envs:
-            self.t[i] = 0
-        return [ResetResult(self._obs(i), {}) for i in envs]
-
-    def task_info(self, envs):
-        from environments.pool import TaskInfoResult
-
-        return [TaskInfoResult({"goal": "item"}) for _ in envs]
-
-    def _answer(self, i):
-        from environments.pool import StepResult
-
-        self.t[i] += 1
-        return StepResult(self._obs(i), 0.0, self.t[i] >= self.turns, {})
-
-    def step(self, envs, actions):
-        return [self._answer(i) for i in envs]
-
-    def submit(self, jobs):
-        tickets = list(range(self.ticket, self.ticket + len(jobs)))
-        self.ticket += len(jobs)
-        self.done += [(t, job.env) for t, job in zip(tickets, jobs)]
-        return tickets
-
-    def poll(self, timeout=0.0):
-        out, self.done = [(t, self._answer(i)) for t, i in self.done], []
-        return out
 
 
 @pytest.mark.slow

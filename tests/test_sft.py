@@ -13,7 +13,7 @@ from flax import nnx
 import environments
 from bipace_jax import demos
 from bipace_jax.learner import Learner
-from bipace_jax.models import Qwen2Actor, Qwen2Config
+from bipace_jax.models import Qwen2Actor
 from bipace_jax.rollout import Episode, RolloutConfig, collect
 from bipace_jax.sampling import SampleOutput, SamplerConfig
 from bipace_jax.sft import (
@@ -38,6 +38,7 @@ from bipace_jax.tiny import warm_start_tokenizer
 from configs.textcraft_tasks import TEMPLATE
 from environments.pool import EnvPool
 from environments.prompts import build_prompt
+from tests.qwen_fixtures import one_layer_config
 
 TASKS = [300, 301, 150]  # three depth-2 goals
 RCFG = RolloutConfig(
@@ -112,15 +113,7 @@ def test_token_nll_by_hand():
 
 
 def tiny_learner(vocab, lr=0.0):
-    cfg = Qwen2Config.tiny(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    actor = Qwen2Actor(cfg, rngs=nnx.Rngs(0))
+    actor = Qwen2Actor(one_layer_config(vocab, heads=2, kv_heads=1), rngs=nnx.Rngs(0))
     return Learner(actor, make_mesh(1, 1, 1, devices=jax.devices()[:1]), optax.sgd(lr))
 
 

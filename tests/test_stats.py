@@ -88,11 +88,11 @@ RUN_SCRIPT = textwrap.dedent(r"""
     from bipace_jax import metric_keys
     from bipace_jax.sampling import Engine
     from bipace_jax.trainer import Trainer
+    from tests.tiny_runs import use_tiny_actor
 
     c = configs.textcraft_tiny.get_config()
-    c.model.checkpoint, c.model.tokenizer = "", tokenizer  # a random tiny actor
-    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
-    c.model.intermediate_size = 64
+    use_tiny_actor(c)
+    c.model.tokenizer = tokenizer
     c.rollout.num_groups, c.rollout.group_size, c.env.max_steps, c.env.num_workers = 4, 2, 3, 1
     c.sampler.max_new_tokens, c.sampler.batch_buckets = 16, (8, 16)
     c.val.num_tasks, c.val.num_holdout_tasks, c.val.seeds_per_goal = 3, 1, 1

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from launch import report, sweep
+from tests.tiny_runs import TINY_RUN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,23 +99,7 @@ def test_report_of_hand_written_runs_gives_hand_computed_numbers(tmp_path):
 
 
 TINY = [
-    "--config.model.hidden_size=32",
-    "--config.model.num_layers=1",
-    "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=1",
-    "--config.model.intermediate_size=64",
-    "--config.model.checkpoint=",
-    "--config.rollout.num_groups=2",
-    "--config.rollout.group_size=2",
-    "--config.env.max_steps=3",
-    "--config.env.num_workers=1",
-    "--config.sampler.max_new_tokens=16",
-    "--config.sampler.batch_buckets=(4, 8)",
-    "--config.val.num_tasks=2",
-    "--config.val.num_holdout_tasks=1",
-    "--config.val.seeds_per_goal=1",
-    "--config.ppo.micro_batch_rows=8",
-    "--config.log.progress=False",
+    *TINY_RUN_FLAGS,
     "--config.log.plots=False",
     "--config.checkpoint.export_hf=False",
     "--config.num_iterations=1",

@@ -18,30 +18,17 @@ import time
 import numpy as np
 import pytest
 
+from tests.devices import wait_all
+from tests.tiny_runs import TINY_RUN_FLAGS
+
 pytestmark = pytest.mark.e2e
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [
-    "--config.model.hidden_size=32",
-    "--config.model.num_layers=1",
-    "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=1",
-    "--config.model.intermediate_size=64",
-    "--config.rollout.num_groups=2",
-    "--config.rollout.group_size=2",
-    "--config.env.max_steps=3",
-    "--config.env.num_workers=1",
-    "--config.sampler.max_new_tokens=16",
-    "--config.sampler.batch_buckets=(4, 8)",
-    "--config.val.num_tasks=2",
-    "--config.val.num_holdout_tasks=1",
+    *TINY_RUN_FLAGS,
     "--config.val.every=1",
-    "--config.val.seeds_per_goal=1",
-    "--config.ppo.micro_batch_rows=8",
-    "--config.model.checkpoint=",
     "--config.ppo.old_logprobs=recompute",  # so rollout/logprob_gap compares the sampler with the trainer
-    "--config.log.progress=False",
 ]
 
 
@@ -314,16 +301,7 @@ def test_two_local_processes_run_one_iteration_together(tmp_path, shared):
                 text=True,
             )
         )
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=600))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = wait_all(procs, timeout=600)
     rows = _metrics(w)
     assert [r["iteration"] for r in rows] == [0]
     r = rows[0]

@@ -13,6 +13,7 @@ Q stop-string states, E EOS ids, H head rows, Th head tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -143,17 +144,8 @@ class DecodeState:
     fingerprint: jax.Array
 
     def row_arrays(self) -> dict[str, jax.Array]:
-        """Every field but the cache, by name: arrays with the rows first."""
-        return dict(
-            tokens=self.tokens,
-            logps=self.logps,
-            pos=self.pos,
-            done=self.done,
-            last=self.last,
-            stop_state=self.stop_state,
-            keys=self.keys,
-            fingerprint=self.fingerprint,
-        )
+        """Every field but the cache, by name, in declaration order: arrays with the rows first."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cache"}
 
 
 def key_data(key: jax.Array) -> jax.Array:
