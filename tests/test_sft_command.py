@@ -15,6 +15,8 @@ import os
 import numpy as np
 import pytest
 
+from tests.tiny_runs import TINY_ACTOR_FLAGS
+
 pytestmark = pytest.mark.e2e
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "data", "textcraft_tiny")
@@ -185,11 +187,6 @@ def _launch_args(work, out, tokenizer=""):
     import sys
 
     over = dict(
-        model_hidden_size=32,
-        model_num_layers=1,
-        model_num_heads=2,
-        model_num_kv_heads=1,
-        model_intermediate_size=64,
         model_tokenizer=tokenizer,
         env_max_steps=3,
         env_num_workers=1,
@@ -220,6 +217,7 @@ def _launch_args(work, out, tokenizer=""):
         f"--workdir={work}",
         f"--out={out}",
         "--progress=False",
+        *TINY_ACTOR_FLAGS,  # the warm start's random actor: the RL tests' tiny one
         *flags_,
     ]
 
