@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tiny_runs import TINY_ACTOR_FLAGS
+from tests.tiny_runs import TINY_ACTOR, TINY_ACTOR_FLAGS
 
 pytestmark = pytest.mark.e2e
 
@@ -26,11 +26,7 @@ def small_config():
     from configs.sft_textcraft_tiny import get_config
 
     c = get_config()
-    c.model.hidden_size = 32
-    c.model.num_layers = 1
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.intermediate_size = 64
+    c.model.update(TINY_ACTOR)  # the RL tests' random tiny actor
     c.env.max_steps = 3
     c.data.expert_seeds = 1
     c.data.length_buckets = (384,)
