@@ -15,6 +15,8 @@ import os
 import numpy as np
 import pytest
 
+from tests.tiny_runs import TINY_ACTOR, TINY_ACTOR_FLAGS
+
 pytestmark = pytest.mark.e2e
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bipace_jax", "data", "textcraft_tiny")
@@ -24,11 +26,7 @@ def small_config():
     from configs.sft_textcraft_tiny import get_config
 
     c = get_config()
-    c.model.hidden_size = 32
-    c.model.num_layers = 1
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.intermediate_size = 64
+    c.model.update(TINY_ACTOR)  # the RL tests' random tiny actor
     c.env.max_steps = 3
     c.data.expert_seeds = 1
     c.data.length_buckets = (384,)
@@ -185,11 +183,6 @@ def _launch_args(work, out, tokenizer=""):
     import sys
 
     over = dict(
-        model_hidden_size=32,
-        model_num_layers=1,
-        model_num_heads=2,
-        model_num_kv_heads=1,
-        model_intermediate_size=64,
         model_tokenizer=tokenizer,
         env_max_steps=3,
         env_num_workers=1,
@@ -220,6 +213,7 @@ def _launch_args(work, out, tokenizer=""):
         f"--workdir={work}",
         f"--out={out}",
         "--progress=False",
+        *TINY_ACTOR_FLAGS,  # the warm start's random actor: the RL tests' tiny one
         *flags_,
     ]
 

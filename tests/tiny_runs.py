@@ -6,14 +6,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-# `python -m launch.train` flags of a run small enough for CI: a random actor (D 32, L 1, N 2, K 1, F 64),
-# 2 task groups of 2 games of 3 steps, validation on 2 + 1 tasks of one seed each.
+# The random actor of these runs (`config.model` fields): D 32, L 1, N 2, K 1, F 64.
+TINY_ACTOR = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+TINY_ACTOR_FLAGS = tuple(f"--config.model.{k}={v}" for k, v in TINY_ACTOR.items())
+
+# `python -m launch.train` flags of a run small enough for CI: the random actor, 2 task groups of 2 games
+# of 3 steps, validation on 2 + 1 tasks of one seed each.
 TINY_RUN_FLAGS = (
-    "--config.model.hidden_size=32",
-    "--config.model.num_layers=1",
-    "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=1",
-    "--config.model.intermediate_size=64",
+    *TINY_ACTOR_FLAGS,
     "--config.model.checkpoint=",
     "--config.rollout.num_groups=2",
     "--config.rollout.group_size=2",
@@ -30,10 +30,9 @@ TINY_RUN_FLAGS = (
 
 
 def use_tiny_actor(c) -> None:
-    """Sets ``c.model`` (a run config) to a random actor, no checkpoint: D 32, L 1, N 2, K 1, F 64."""
+    """Sets ``c.model`` (a run config) to ``TINY_ACTOR``, a random actor: no checkpoint."""
     c.model.checkpoint = ""
-    c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 32, 1, 2, 1
-    c.model.intermediate_size = 64
+    c.model.update(TINY_ACTOR)
 
 
 def one_iteration_config(*, group_size: int, max_steps: int, batch_buckets: tuple[int, ...]):
