@@ -245,9 +245,10 @@ class _WarmStart:
         # States far off the expert's path can outgrow the longest bucket: left out, counted.
         fit = [e for e in (record_example(r, self.spec.rollout, self.tokenizer) for r in records) if self.fits(e)]
         self.examples.extend(fit)
+        stats = res.stats.values()
         return {
-            "dagger/success": res.stats["success_rate"],
-            "dagger/invalid_rate": res.stats["invalid_rate"],
+            "dagger/success": stats["success_rate"],
+            "dagger/invalid_rate": stats["invalid_rate"],
             "dagger/new_examples": len(fit),
             "dagger/too_long": len(records) - len(fit),
             "dagger_s": time.time() - t1,
