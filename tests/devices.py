@@ -48,16 +48,20 @@ def run_processes(script: str, args: list[list[str]], devices: int, timeout: flo
     return [out for out, _ in wait_all(procs, timeout)]
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
     """The (stdout, stderr) of each of ``procs`` (started with both piped), once all have exited; any still
-    running when one times out or fails to be read is killed. Raises AssertionError with the stderr
-    tail of a process that exits non-zero."""
+    running when one times out or fails to be read is killed."""
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """``communicate_all``, then AssertionError with the stderr tail of a process that exited non-zero."""
+    outs = communicate_all(procs, timeout)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return outs

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.devices import REPO
+from tests.devices import REPO, communicate_all
 
 SCRIPT = textwrap.dedent(r"""
     import sys, time
@@ -53,12 +53,7 @@ def _two(failing: int, how: str, timeout: float = 180):
         )
         for pid in (0, 1)
     ]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = communicate_all(procs, timeout)
     return time.monotonic() - t0, [p.returncode for p in procs], outs
 
 
