@@ -10,10 +10,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from tqdm import tqdm
+
 from bipace_jax import metric_keys as keys
 
 log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)  # the lines show under absl's default WARNING verbosity too
+
+
+def progress_bar(progress: bool, **kwargs) -> tqdm:
+    """A tqdm bar (``kwargs`` as tqdm's) when ``progress``, else a disabled one.
+
+    A shown bar passes no ``disable``, so the ``TQDM_DISABLE`` environment variable decides as for any
+    tqdm: the launch commands set it when stderr is not a terminal, and an explicit ``disable=False``
+    would override that and write hundreds of ``\r`` frames into a log file.
+    """
+    return tqdm(**kwargs) if progress else tqdm(disable=True, **kwargs)
+
 
 #: (label, key, format) of the iteration line, in order; a key missing from the record is left out.
 ITERATION_FIELDS = (

@@ -32,7 +32,6 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from bipace_jax import build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
 from bipace_jax import config as config_lib
@@ -406,12 +405,8 @@ class Trainer:
             summary["first_val"] = {keys.after(k): v for k, v in first.items() if k.startswith(keys.VAL_BEFORE + "/")}
             summary["first_val"] = summary["first_val"] or None
         progress = s.log.progress and self.is_primary
-        bar = tqdm(
-            total=s.num_iterations,
-            initial=self.iteration,
-            desc="RL iterations",
-            disable=not progress,
-            dynamic_ncols=True,
+        bar = loglines.progress_bar(
+            progress, total=s.num_iterations, initial=self.iteration, desc="RL iterations", dynamic_ncols=True
         )
         self._bar = bar if progress else None
         try:

@@ -362,8 +362,10 @@ def test_a_gs_workdir_without_the_gcp_extra_is_one_line():
 
 def test_a_command_writing_to_a_log_file_draws_no_bars_and_a_terminal_keeps_them(tmp_path):
     # the newcomer's report: logs written outside a terminal held hundreds of tqdm frames ("\r")
+    # the trainer's and the warm start's bars (``loglines.progress_bar(True, ...)``), as a command makes them
     script = (
-        "import launch, time\nfrom tqdm import tqdm\nfor _ in tqdm(range(50), mininterval=0):\n    time.sleep(0.002)\n"
+        "import launch, time\nfrom bipace_jax.loglines import progress_bar\n"
+        "for _ in progress_bar(True, iterable=range(50), mininterval=0):\n    time.sleep(0.002)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
     env["PYTHONPATH"] = ROOT

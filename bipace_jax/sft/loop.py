@@ -14,10 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 from etils import epath
-from tqdm import tqdm
 
 import environments
-from bipace_jax import build, demos, metric_keys, resume, runfolder, tasks, validation
+from bipace_jax import build, demos, loglines, metric_keys, resume, runfolder, tasks, validation
 from bipace_jax.checkpointing import Checkpointer, CheckpointMeta
 from bipace_jax.demo_stream import BucketStream
 from bipace_jax.learner import Learner, make_optimizer
@@ -209,7 +208,7 @@ class _WarmStart:
         a checkpoint (``key``, the stream's position) every ``checkpoint_every`` inside the round."""
         t, d = self.spec.train, self.spec.data
         stream, done = self._stream(n_steps, rnd, rng)
-        bar = tqdm(total=n_steps, initial=done, desc=f"round {rnd} train", disable=not self.progress)
+        bar = loglines.progress_bar(self.progress, total=n_steps, initial=done, desc=f"round {rnd} train")
         window = []
         self.learner.release_local()  # the steps do not run the actor: its copy's memory goes to them
         while done < n_steps:
