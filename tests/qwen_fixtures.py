@@ -150,16 +150,16 @@ def write_tiny_qwen2_folder(
     return os.fspath(path)
 
 
-def one_layer_config(vocab_size: int, heads: int = 4, kv_heads: int = 2):
-    """`Qwen2Config.tiny` cut to one layer (D 32, F 64) of `heads` query and `kv_heads` KV heads over
-    `vocab_size` ids: the smallest actor the learner tests train."""
+def one_layer_config(vocab_size: int, heads: int = 4, kv_heads: int = 2, layers: int = 1):
+    """`Qwen2Config.tiny` cut to one layer (``layers`` when given; D 32, F 64) of `heads` query and
+    `kv_heads` KV heads over `vocab_size` ids: the smallest actor the learner tests train."""
     from bipace_jax.models import Qwen2Config
 
     return Qwen2Config.tiny(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
     )

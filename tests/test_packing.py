@@ -10,24 +10,17 @@ from flax import nnx
 
 from bipace_jax import losses, sharding
 from bipace_jax.batch import TokenBatch, pack_lines
-from bipace_jax.models import Qwen2Actor, Qwen2Config
+from bipace_jax.models import Qwen2Actor
 from bipace_jax.models.attention import REFERENCE, attention, segments_of_mask, splash_attention
 from bipace_jax.models.layers import positions_in_segments
 from bipace_jax.ppo import PPOLearner
+from tests.qwen_fixtures import one_layer_config
 
 V = 48
 
 
 def _actor(seed=0):
-    cfg = Qwen2Config.tiny(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return Qwen2Actor(cfg, rngs=nnx.Rngs(seed))
+    return Qwen2Actor(one_layer_config(V, layers=2), rngs=nnx.Rngs(seed))
 
 
 def _batch(prompts, responses, p, m, seed=0):
