@@ -542,7 +542,7 @@ def rollout_model(
         per_call = min(rows, largest)
         head = min(r.shared_head_tokens, tokens - 1)
         padded = rows_of.fit(per_call, dp_local)
-        # the sampler pads the heads to its batch bucket (`Sampler._head_batch`): one group of 8 fills 8 rows
+        # the sampler pads the heads to its batch bucket (`Engine._prompt_batch`): one group of 8 fills 8 rows
         head_rows = min(rows_of.fit(-(-per_call // r.group_size), dp_local), padded)
         split = head_split(tokens, head, r.head_suffix_tokens or tokens - head, padded, head_rows)
         if split is None:

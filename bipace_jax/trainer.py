@@ -159,8 +159,8 @@ class Trainer:
 
     def _start_rollout(self) -> None:
         """The env pools (``validation.start_pools``: one for training and the panels of the training
-        game, one per other panel game) and a sampler per temperature, with the checkpoint's and
-        tokenizer's stop ids: one engine, validation at its own temperature."""
+        game, one per other panel game) and one sampling engine (validation passes its temperature per
+        call), with the checkpoint's and tokenizer's stop ids."""
         s = self.spec
         self.groups_per_host = self.plan.groups_per_host
         train_games = self.plan.games_per_host

@@ -214,7 +214,7 @@ def test_the_design_notes_regime_is_reproduced():
         ]
         assert np.mean([r["ideal_steps"]["ratio"] for r in runs]) == pytest.approx(steps, rel=0.04)
         # within 5%: this loop submits a finished game's env step after the next chunk is dispatched
-        # (as _play_continuous does), a one-chunk lag the note's wall ratios do not pay (1.58 / 1.72 / 1.52)
+        # (as the continuous scheduler of rollout.schedule does), a one-chunk lag the note's wall ratios do not pay (1.58 / 1.72 / 1.52)
         assert np.mean([r["speedup_wall"] for r in runs]) == pytest.approx(wall, rel=0.05)
         assert np.mean([r["lockstep"]["wall_s"] for r in runs]) == pytest.approx(lock_s, rel=0.03)
 
