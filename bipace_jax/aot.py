@@ -273,8 +273,10 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
         spec.loss, spec.learner.old_logprobs is OldLogprobs.FUSED, run.arch.vocab_size, spec.learner.logprob_chunk
     )
     rows, prompt, response = p.micro_batch_rows_global, p.prompt_bucket, p.response_tokens
-    mb = abstract_micro_batch(mesh, rows, prompt, response, reference=spec.loss.kl_coef > 0)
-    args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state, mb, ppo.STAT_KEYS)
+    mb = abstract_micro_batch(
+        mesh, rows, prompt, response, reference=spec.loss.kl_coef > 0, sampler=spec.loss.tis_cap > 0
+    )
+    args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state, mb, ppo_objective.stat_keys)
     step = learner.step_specs(*args)
     # `PPOLearner.update` frees the sampler copy for its steps (`Learner.release_local`)
     out = [

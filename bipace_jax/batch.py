@@ -34,6 +34,7 @@ class MicroBatch:
     old_logprobs: jax.Array | None = None  # float32[B, M]
     ref_logprobs: jax.Array | None = None  # float32[B, M]
     advantages: jax.Array | None = None  # float32[B]
+    sampler_logprobs: jax.Array | None = None  # float32[B, M], for truncated IS (``ppo.tis_cap``)
 
 
 @flax.struct.dataclass
@@ -55,6 +56,7 @@ class PackedMicroBatch:
     old_logprobs: jax.Array | None = None  # float32[L, R]
     ref_logprobs: jax.Array | None = None  # float32[L, R]
     advantages: jax.Array | None = None  # float32[L, R], each slot its row's advantage
+    sampler_logprobs: jax.Array | None = None  # float32[L, R]
 
 
 def pack_lines(
@@ -110,6 +112,8 @@ class TokenBatch:
       old_logprobs: float32[N, M] behaviour-policy log-probs of the responses, or None.
       ref_logprobs: float32[N, M] reference-policy log-probs, or None (no KL term).
       advantages: float32[N], one per row, or None.
+      sampler_logprobs: float32[N, M] the sampler's log-probs of the responses, or None (needed by
+        the truncated importance weights, ``ppo.tis_cap`` > 0).
     """
 
     input_ids: np.ndarray
@@ -120,6 +124,7 @@ class TokenBatch:
     old_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
     advantages: np.ndarray | None = None
+    sampler_logprobs: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -131,15 +136,15 @@ class TokenBatch:
         return self.attention_mask[:, : self.prompt_len].sum(1).astype(np.int64)
 
     def with_(self, **fields) -> TokenBatch:
-        """A copy with ``old_logprobs`` / ``ref_logprobs`` (float32[N, M]) and ``advantages``
-        (float32[N]) set (None clears one).
+        """A copy with ``old_logprobs`` / ``ref_logprobs`` / ``sampler_logprobs`` (float32[N, M]) and
+        ``advantages`` (float32[N]) set (None clears one).
 
         Raises:
-          TypeError: a field other than those three.
+          TypeError: a field other than those four.
           ValueError: an array of another shape.
         """
         n, m = self.response_ids.shape
-        want = {"old_logprobs": (n, m), "ref_logprobs": (n, m), "advantages": (n,)}
+        want = {"old_logprobs": (n, m), "ref_logprobs": (n, m), "advantages": (n,), "sampler_logprobs": (n, m)}
         unknown = sorted(set(fields) - set(want))
         if unknown:
             raise TypeError(f"TokenBatch.with_: unknown fields {unknown}; expected some of {sorted(want)}")
@@ -173,7 +178,7 @@ class TokenBatch:
         att[:, -1] |= att.sum(1) == 0  # padding rows get one real token (no empty softmax)
         opt = {
             k: None if getattr(self, k) is None else _pad_rows(getattr(self, k)[rows], size)
-            for k in ("old_logprobs", "ref_logprobs", "advantages")
+            for k in ("old_logprobs", "ref_logprobs", "advantages", "sampler_logprobs")
         }
         return MicroBatch(
             input_ids=cols(self.input_ids),
@@ -245,12 +250,20 @@ class TokenBatch:
             old_logprobs=per_slot(self.old_logprobs),
             ref_logprobs=per_slot(self.ref_logprobs),
             advantages=adv,
+            sampler_logprobs=per_slot(self.sampler_logprobs),
         )
         return mb, slot_rows, slot_cols
 
 
 def abstract_micro_batch(
-    mesh, rows: int, width: int, response: int, *, logprobs: bool = True, reference: bool = True
+    mesh,
+    rows: int,
+    width: int,
+    response: int,
+    *,
+    logprobs: bool = True,
+    reference: bool = True,
+    sampler: bool = False,
 ) -> MicroBatch:
     """A ``MicroBatch`` of ``jax.ShapeDtypeStruct``s with rows split over ``mesh``'s ("data", "fsdp") axes.
 
@@ -259,6 +272,7 @@ def abstract_micro_batch(
       rows, width, response: B, W, M.
       logprobs: with ``old_logprobs`` and ``advantages`` (the gradient pass); False: the log-prob pass.
       reference: with ``ref_logprobs`` (only when ``logprobs``).
+      sampler: with ``sampler_logprobs`` (only when ``logprobs``; truncated IS, ``ppo.tis_cap`` > 0).
     """
 
     def sds(shape, dtype):
@@ -273,6 +287,7 @@ def abstract_micro_batch(
         old_logprobs=lp if logprobs else None,
         ref_logprobs=lp if logprobs and reference else None,
         advantages=sds((rows,), np.float32) if logprobs else None,
+        sampler_logprobs=lp if logprobs and sampler else None,
     )
 
 

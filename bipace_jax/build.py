@@ -346,6 +346,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         controller = checked("estimator.controller", EpsilonController, epsilon=estimator.epsilon, **fields)
     loss = loss_config(c)
     learner = LearnerConfig.from_config(c)
+    LearnerConfig.check_tis_cap(learner.old_logprobs, loss.tis_cap)
     if learner.old_logprobs is OldLogprobs.SAMPLER and (sampler.top_p != 1.0 or sampler.top_k):
         # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
         # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
@@ -457,6 +458,7 @@ def loss_config(c: ml_collections.ConfigDict) -> losses.PPOLossConfig:
         entropy_coef=p.entropy_coef,
         kl_bound=p.kl_bound,
         temperature=c.sampler.temperature,
+        tis_cap=get(c, "ppo.tis_cap"),
     )
 
 

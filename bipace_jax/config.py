@@ -482,6 +482,19 @@ class LearnerConfig:
                 str(mode),
             )
 
+    @staticmethod
+    def check_tis_cap(mode: OldLogprobs, tis_cap: float) -> None:
+        """Truncated importance weights (``ppo.tis_cap`` > 0) compare the learner's old log-probs with
+        the sampler's, so they need ``ppo.old_logprobs == 'recompute'``: with ``'sampler'`` or
+        ``'fused'`` the old log-probs are the sampler's own (every weight 1). Raises ``ConfigError``
+        naming both fields (asked by ``build.build_spec`` and ``PPOLearner``)."""
+        if tis_cap > 0 and mode is not OldLogprobs.RECOMPUTE:
+            fail(
+                "ppo.tis_cap",
+                f"be 0 unless ppo.old_logprobs == 'recompute' (with '{mode}' the old log-probs are the sampler's)",
+                tis_cap,
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(Section):

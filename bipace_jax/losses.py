@@ -11,6 +11,7 @@ micro-batch losses the mini-batch token mean exactly. Defaults are verl-agent / 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -102,6 +103,27 @@ def low_var_kl(logprobs: jax.Array, ref_logprobs: jax.Array, bound: float = 10.0
     return jnp.clip(kl, -bound, bound)
 
 
+def truncated_is_weights(
+    old_logprobs: jax.Array, sampler_logprobs: jax.Array, cap: float
+) -> tuple[jax.Array, jax.Array]:
+    """Token-level truncated importance weights of the learner's old policy over the sampler's (TIS:
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's
+    ``tis_imp_ratio_cap``, tunix's ``sampler_is="token"``)::
+
+        w = exp(logp_old - logp_sampler)        w_tis = min(w, cap)
+
+    computed as ``exp(min(logp_old - logp_sampler, log cap))``, so no ratio overflows (a log-ratio of
+    +100 gives ``cap``, -100 gives 0). ``old_logprobs`` / ``sampler_logprobs``: float32 ``[B, M]`` of
+    the taken tokens under the learner's old (recomputed) policy / the sampler; ``cap`` > 0.
+
+    Returns ``(w_tis, truncated)``, float32 ``[B, M]`` each, both without gradient: the weight and 1.0
+    where ``w > cap`` (a weight equal to ``cap`` is not truncated).
+    """
+    log_w = jax.lax.stop_gradient(old_logprobs - sampler_logprobs).astype(jnp.float32)
+    log_cap = jnp.float32(math.log(cap))
+    return jnp.exp(jnp.minimum(log_w, log_cap)), (log_w > log_cap).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class PPOLossConfig:
     """Coefficients of the PPO objective (defaults: verl-agent / BiPACE paper).
@@ -115,6 +137,8 @@ class PPOLossConfig:
       temperature: the T of the trained policy ``softmax(logits / T)`` (1.0); set it to the rollout's
         sampling temperature (as verl does) so that every log-prob, the entropy and the KL describe
         the policy that played.
+      tis_cap: C of the truncated importance weights ``min(pi_old / pi_sampler, C)`` that multiply the
+        policy-gradient term per token (``truncated_is_weights``); 0 = off (no sampler log-probs needed).
     """
 
     clip_eps: float = 0.2
@@ -123,6 +147,7 @@ class PPOLossConfig:
     entropy_coef: float = 0.001
     kl_bound: float = 10.0
     temperature: float = 1.0
+    tis_cap: float = 0.0
 
     def __post_init__(self):
         checks = (
@@ -132,6 +157,7 @@ class PPOLossConfig:
             ("entropy_coef", self.entropy_coef >= 0, "be >= 0"),
             ("kl_bound", self.kl_bound > 0, "be > 0"),
             ("temperature", self.temperature > 0, "be > 0 (the rollout's sampling temperature)"),
+            ("tis_cap", 0 <= self.tis_cap < float("inf"), "be a finite number >= 0 (0 = off)"),
         )
         for name, ok, expected in checks:
             if not ok:
@@ -147,10 +173,17 @@ def ppo_loss_from_logprobs(
     advantages: jax.Array,
     cfg: PPOLossConfig,
     denom: jax.Array | float | None = None,
+    sampler_logprobs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Total PPO objective on one (micro-)batch, token-mean aggregated::
 
-        loss = mean_tok(L_ppo) + kl_coef * mean_tok(k3) - entropy_coef * mean_tok(H)
+        loss = mean_tok(w_tis * L_ppo) + kl_coef * mean_tok(k3) - entropy_coef * mean_tok(H)
+
+    with ``w_tis`` = 1 when ``cfg.tis_cap`` is 0, else the truncated importance weights of the old
+    over the sampler's log-probs (``truncated_is_weights``). Only the policy-gradient term is weighted,
+    as verl's TIS and tunix's ``sampler_is`` do: the KL and entropy terms are regularisers of the
+    current policy, not estimates under the sampler's distribution, and weighting them would make their
+    strength depend on the sampler/learner mismatch.
 
     Args:
       logprobs: float32 ``[B, M]`` current-policy log-probs (at ``cfg.temperature``) of the response
@@ -161,16 +194,23 @@ def ppo_loss_from_logprobs(
         (ref may be None: KL term 0, ``cfg.kl_coef`` must be 0).
       advantages: float32 ``[B]``, one per row; cfg: coefficients.
       denom: token count of the mean (default: this batch's real-token count, at least 1).
+      sampler_logprobs: float32 ``[B, M]`` the sampler's log-probs of the taken tokens (needed only
+        when ``cfg.tis_cap > 0``).
 
     Returns:
       ``(loss, metrics)``: the scalar loss and ``pg_loss``, ``kl``, ``entropy``, ``clip_frac``,
-      ``approx_kl_old`` (token sums already divided by ``denom``, so micro-batch values add up).
+      ``approx_kl_old`` (token sums already divided by ``denom``, so micro-batch values add up); with
+      ``cfg.tis_cap > 0`` also ``is_weight`` (mean of ``w_tis``) and ``is_truncated_frac`` (share of
+      tokens with ``w > tis_cap``).
 
     Raises:
-      ValueError: ``ref_logprobs`` is None while ``cfg.kl_coef > 0`` (at trace time).
+      ValueError: ``ref_logprobs`` is None while ``cfg.kl_coef > 0``, or ``sampler_logprobs`` is None
+        while ``cfg.tis_cap > 0`` (at trace time).
     """
     if ref_logprobs is None and cfg.kl_coef > 0:
         raise ValueError(f"ref_logprobs is None but kl_coef={cfg.kl_coef} > 0")
+    if sampler_logprobs is None and cfg.tis_cap > 0:
+        raise ValueError(f"sampler_logprobs is None but tis_cap={cfg.tis_cap} > 0")
     # masked positions never reach an exponent: exp of a padding token's log-ratio can overflow to
     # inf, and the mask's zero times inf is a NaN gradient; there the log-probs are taken as equal
     live = mask.astype(bool)
@@ -178,6 +218,11 @@ def ppo_loss_from_logprobs(
     old_logprobs = jnp.where(live, old_logprobs, 0.0)
     ref_logprobs = None if ref_logprobs is None else jnp.where(live, ref_logprobs, 0.0)
     pg, clipped = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], cfg.clip_eps, cfg.dual_clip)
+    tis = {}
+    if cfg.tis_cap > 0:
+        w, truncated = truncated_is_weights(old_logprobs, jnp.where(live, sampler_logprobs, 0.0), cfg.tis_cap)
+        pg = w * pg
+        tis = {"is_weight": token_mean(w, mask, denom), "is_truncated_frac": token_mean(truncated, mask, denom)}
     pg_loss = token_mean(pg, mask, denom)
     entropy = token_mean(entropy, mask, denom)
     if ref_logprobs is not None:
@@ -191,5 +236,6 @@ def ppo_loss_from_logprobs(
         "entropy": entropy,
         "clip_frac": token_mean(clipped, mask, denom),
         "approx_kl_old": token_mean(0.5 * jnp.square(logprobs - old_logprobs), mask, denom),
+        **tis,
     }
     return loss, metrics

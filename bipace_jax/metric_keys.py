@@ -160,6 +160,16 @@ TABLE: tuple[Key, ...] = (
     Key("loss/clip_frac", "fraction", "response tokens whose ratio was clipped"),
     Key("loss/approx_kl_old", "nats/token", "0.5 (log p - log p_old)^2, drift from the rollout policy"),
     Key("loss/sampler_gap", "nats/token", "sampler vs trainer log-prob gap (fused old log-probs)"),
+    Key(
+        "loss/is_weight",
+        "ratio",
+        "mean truncated importance weight min(pi_old / pi_sampler, ppo.tis_cap) (tis_cap > 0)",
+    ),
+    Key(
+        "loss/is_truncated_frac",
+        "fraction",
+        "response tokens whose importance weight exceeded ppo.tis_cap (tis_cap > 0)",
+    ),
     Key("loss/grad_norm", "norm", "mean global gradient norm over optimizer steps"),
     Key("loss/grad_norm_max", "norm", "largest global gradient norm"),
     Key("loss/updates", "count", "optimizer steps (as train/optimizer_steps)"),

@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 STAT_KEYS = ("pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "sampler_gap")
+#: the stats added by truncated importance weights (``PPOLossConfig.tis_cap`` > 0)
+TIS_STAT_KEYS = ("is_weight", "is_truncated_frac")
 
 
 def response_logprobs(
@@ -107,6 +109,9 @@ class PPOObjective:
     (exact when the iteration makes one optimizer step: every micro-batch's gradient is taken at the
     behaviour policy's parameters); ``old_logprobs`` then carries the sampler's log-probs, used only for
     the ``sampler_gap`` statistic.
+
+    ``cfg.tis_cap`` > 0: the micro-batch's ``sampler_logprobs`` weight the policy-gradient term
+    (``losses.truncated_is_weights``), on packed and unpacked micro-batches alike.
     """
 
     cfg: losses.PPOLossConfig
@@ -114,15 +119,22 @@ class PPOObjective:
     support: int | None = None
     chunk: int = 0
 
+    @property
+    def stat_keys(self) -> tuple[str, ...]:
+        """The names of the stats ``__call__`` returns (``STAT_KEYS``, then ``TIS_STAT_KEYS`` with TIS on)."""
+        return STAT_KEYS + (TIS_STAT_KEYS if self.cfg.tis_cap > 0 else ())
+
     def __call__(self, model, mb: MicroBatch | PackedMicroBatch, denom):
         cfg = self.cfg
         kw = dict(temperature=cfg.temperature, support=self.support, chunk=self.chunk)
         old, ref, adv, mask = mb.old_logprobs, mb.ref_logprobs, mb.advantages, mb.response_mask
+        sampler = mb.sampler_logprobs if cfg.tis_cap > 0 else None
         if isinstance(mb, PackedMicroBatch):
             logp, ent = packed_response_logprobs(model, mb, **kw)
             # every slot its own row of one token: the token sums (and so the token mean) are the rows'
             logp, ent, old, mask = (x.reshape(-1, 1) for x in (logp, ent, old, mask))
             ref = None if ref is None else ref.reshape(-1, 1)
+            sampler = None if sampler is None else sampler.reshape(-1, 1)
             adv = adv.reshape(-1)
         else:
             logp, ent = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_ids, **kw)
@@ -131,7 +143,7 @@ class PPOObjective:
             gap = losses.token_mean(jnp.abs(old - logp), mask, denom)
             old = jax.lax.stop_gradient(logp)
         ref = ref if cfg.kl_coef > 0 else None
-        loss, stats = losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, cfg, denom)
+        loss, stats = losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, cfg, denom, sampler)
         return loss, dict(stats, sampler_gap=gap)
 
 
@@ -219,7 +231,9 @@ class PPOLearner(Learner):
 
     Args:
       actor, mesh, tx, local_mesh: as ``Learner``.
-      loss_cfg: PPO coefficients; ``kl_coef > 0`` keeps the frozen initial parameters as the reference.
+      loss_cfg: PPO coefficients; ``kl_coef > 0`` keeps the frozen initial parameters as the reference;
+        ``tis_cap > 0`` weights the policy-gradient term by truncated importance weights, so every
+        ``update`` batch needs ``sampler_logprobs``.
       micro_batch_rows: B, rows per forward/backward on each process (fixed shape): the gradient
         program's global batch is B times the process count, the log-prob pass runs B rows on a host.
       mini_batch_rows: rows per optimizer step over all processes (0: all rows, one step per epoch);
@@ -243,7 +257,8 @@ class PPOLearner(Learner):
 
     Raises:
       ConfigError: ``fused_old_logprobs`` with more than one optimizer step per update
-        (``LearnerConfig.check_old_logprobs``, naming ``ppo.old_logprobs``).
+        (``LearnerConfig.check_old_logprobs``, naming ``ppo.old_logprobs``), or with ``tis_cap > 0``
+        (``LearnerConfig.check_tis_cap``, naming ``ppo.tis_cap``).
     """
 
     def __init__(
@@ -267,6 +282,7 @@ class PPOLearner(Learner):
     ):
         mode = OldLogprobs.FUSED if fused_old_logprobs else OldLogprobs.RECOMPUTE
         LearnerConfig.check_old_logprobs(mode, epochs, mini_batch_rows)
+        LearnerConfig.check_tis_cap(mode, loss_cfg.tis_cap)
         super().__init__(actor, mesh, tx, local_mesh=local_mesh, keep_reference=loss_cfg.kl_coef > 0)
         self.objective = PPOObjective(loss_cfg, fused_old_logprobs, support, logprob_chunk)
         self.micro_batch_rows, self.mini_batch_rows, self.epochs = micro_batch_rows, mini_batch_rows, epochs
@@ -285,7 +301,7 @@ class PPOLearner(Learner):
         """
         dp = math.prod(sharding.mesh_axis_sizes(self.local_mesh)[a] for a in ("data", "fsdp"))
         size = -(-self.micro_batch_rows // dp) * dp
-        bare = batch.with_(old_logprobs=None, ref_logprobs=None, advantages=None)
+        bare = batch.with_(old_logprobs=None, ref_logprobs=None, advantages=None, sampler_logprobs=None)
         if self.pack:
             return self._packed_logprobs(params_local, bare, size)
         (plan,) = plan_micro_batches(
@@ -344,18 +360,20 @@ class PPOLearner(Learner):
         """Mini-batch PPO with gradient accumulation over fixed-shape micro-batches.
 
         Every process calls it with its own N rows (``batch``, with ``old_logprobs`` float32[N, M],
-        ``advantages`` float32[N] and, when ``kl_coef > 0``, ``ref_logprobs`` float32[N, M]; see
-        ``TokenBatch.with_``); the mini-batches are split over the rows of all processes
+        ``advantages`` float32[N], when ``kl_coef > 0`` ``ref_logprobs`` float32[N, M] and, when
+        ``tis_cap > 0``, ``sampler_logprobs`` float32[N, M]; see ``TokenBatch.with_``); the mini-batches are split over the rows of all processes
         (``mini_batches``), the micro-batch counts and widths agreed over processes. ``key``: the
         shuffle, the same on every process; ``where`` names the iteration in the error message.
 
         Returns:
-          metrics ``loss/*`` averaged over the optimizer steps, ``loss/grad_norm`` (before clipping),
+          metrics ``loss/*`` averaged over the optimizer steps (with ``tis_cap > 0`` also
+          ``loss/is_weight`` and ``loss/is_truncated_frac``), ``loss/grad_norm`` (before clipping),
           ``loss/grad_norm_max``, ``loss/updates`` (optimizer steps).
 
         Raises:
           ValueError: a missing ``old_logprobs`` / ``advantages`` (or ``ref_logprobs`` with
-            ``kl_coef > 0``), or ``key`` differs between processes.
+            ``kl_coef > 0``, or ``sampler_logprobs`` with ``tis_cap > 0``), or ``key`` differs between
+            processes.
           NonFiniteError: NaN/Inf loss or gradient; that step is not applied.
         """
         batch = self._checked(batch, key)
@@ -371,7 +389,8 @@ class PPOLearner(Learner):
         counts = distributed.allgather(np.array(batch.rows, np.int64))
         # Every process's micro-batch must have the same shape: the widest prompt length of all.
         widest = int(distributed.allgather(np.array(batch.prompt_len, np.int64)).max())
-        totals, gnorms = dict.fromkeys((*STAT_KEYS, "loss"), 0.0), []
+        stat_keys = self.objective.stat_keys
+        totals, gnorms = dict.fromkeys((*stat_keys, "loss"), 0.0), []
         real, processed = 0, 0
         for epoch in range(self.epochs):
             minis = mini_batches(counts, jax.process_index(), self.mini_batch_rows, jax.random.fold_in(key, epoch))
@@ -395,7 +414,7 @@ class PPOLearner(Learner):
                     self.objective,
                     micro,
                     float(max(tokens[j], 1)),
-                    STAT_KEYS,
+                    stat_keys,
                     where=f"PPO update ({where}epoch {epoch}, mini-batch {j})",
                 )
                 totals = {k: v + stats[k] for k, v in totals.items()}
@@ -420,17 +439,23 @@ class PPOLearner(Learner):
     def _checked(self, batch: TokenBatch, key: jax.Array) -> TokenBatch:
         """``batch`` with the fields ``update`` needs (the reference dropped when ``kl_coef == 0``)."""
         kl = self.objective.cfg.kl_coef > 0
-        for name, needed in (("old_logprobs", True), ("advantages", True), ("ref_logprobs", kl)):
+        tis = self.objective.cfg.tis_cap > 0
+        why = {
+            "ref_logprobs": f"; kl_coef={self.objective.cfg.kl_coef} > 0 needs the reference",
+            "sampler_logprobs": f"; tis_cap={self.objective.cfg.tis_cap} > 0 needs the sampler's log-probs",
+        }
+        for name, needed in (
+            ("old_logprobs", True),
+            ("advantages", True),
+            ("ref_logprobs", kl),
+            ("sampler_logprobs", tis),
+        ):
             if needed and getattr(batch, name) is None:
                 raise ValueError(
-                    f"PPOLearner.update: the batch has no {name} (TokenBatch.with_({name}=...))"
-                    + (
-                        f"; kl_coef={self.objective.cfg.kl_coef} > 0 needs the reference"
-                        if name == "ref_logprobs"
-                        else ""
-                    )
+                    f"PPOLearner.update: the batch has no {name} (TokenBatch.with_({name}=...))" + why.get(name, "")
                 )
         raw = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
         if not (distributed.allgather(raw) == raw).all():
             raise ValueError("PPOLearner.update: key must be the same on every process (one global shuffle)")
+        batch = batch if tis else batch.with_(sampler_logprobs=None)
         return batch if kl else batch.with_(ref_logprobs=None)

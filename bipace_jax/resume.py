@@ -51,6 +51,7 @@ ADDED = {
     "ppo.pack": False,  # packed micro-batches: off reproduces the unpacked update
     "ppo.pack_width": 0,
     "ppo.pack_response_width": 0,
+    "ppo.tis_cap": 0.0,  # truncated importance weights: off is the unweighted loss
 }
 
 #: The warm start's (``bipace_jax.sft``) fields a resume may change: how often it logs and saves, its

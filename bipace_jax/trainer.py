@@ -219,7 +219,8 @@ class Trainer:
         self._phase("update")
         with timer.stage("update"):  # 5. Update.
             try:
-                batch = batch.with_(old_logprobs=old_lp, ref_logprobs=ref_lp, advantages=adv)
+                tis = sample_lp if s.loss.tis_cap > 0 else None  # truncated IS needs the sampler's log-probs
+                batch = batch.with_(old_logprobs=old_lp, ref_logprobs=ref_lp, advantages=adv, sampler_logprobs=tis)
                 upd = L.update(batch, k_ppo, where=f"iteration {self.iteration}, ")
             except NonFiniteError as e:
                 raise NonFiniteError(

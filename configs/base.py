@@ -173,6 +173,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.ppo.pack = False
     c.ppo.pack_width = 0
     c.ppo.pack_response_width = 0  # response tokens (LM-head positions) per line; 0 = min(pack_width, 2 M)
+    # truncated importance sampling (TIS): the policy-gradient term of each token times
+    # min(pi_old / pi_sampler, tis_cap), the sampler's log-probs against the recomputed old ones (needs
+    # old_logprobs = recompute); 0 = off. Turn it on (e.g. 2.0) for asynchronous runs, or when
+    # rollout/logprob_gap shows the sampler and learner forwards disagree (docs/estimators.md)
+    c.ppo.tis_cap = 0.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-6  # AdamW, constant (paper)
