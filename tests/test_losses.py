@@ -183,3 +183,119 @@ def test_a_masked_token_with_a_huge_ratio_gives_the_gradient_of_the_real_tokens_
     )(logprobs[:, :2])
     np.testing.assert_allclose(np.asarray(grad[:, :2]), np.asarray(short), rtol=1e-6)
     assert np.isfinite(float(loss(logprobs, mask)))
+
+
+# --- truncated importance sampling (ppo.tis_cap) ------------------------------------------------
+
+
+def test_truncated_is_weights_below_at_and_above_the_cap_without_overflow():
+    # log(old / sampler): e^-100, 0.5, 1, the cap 2 exactly, 3, e^100, e^1e4 (float32 exp overflows past ~88.7)
+    old = jnp.asarray([[-100.0, math.log(0.5), 0.0, math.log(2.0), math.log(3.0), 100.0, 1e4]], jnp.float32)
+    w, truncated = losses.truncated_is_weights(old, jnp.zeros_like(old), 2.0)
+    np.testing.assert_allclose(w, [[math.exp(-100.0), 0.5, 1.0, 2.0, 2.0, 2.0, 2.0]], rtol=1e-6, atol=1e-38)
+    np.testing.assert_array_equal(truncated, [[0, 0, 0, 0, 1, 1, 1]])  # a weight equal to the cap is kept
+
+
+def _tis_oracle(logp, old, sampler, ref, ent, adv, mask, clip, dual, kl_coef, ent_coef, cap, bound=10.0):
+    """NumPy float64 oracle of the TIS-weighted token-mean objective and its gradient in ``logp``."""
+    logp, old, sampler, ref, ent = (np.asarray(x, np.float64) for x in (logp, old, sampler, ref, ent))
+    a = np.broadcast_to(np.asarray(adv, np.float64)[:, None], logp.shape)
+    m = np.asarray(mask, bool)
+    r = np.exp(np.where(m, logp - old, 0.0))
+    unclipped, clipped = -a * r, -a * np.clip(r, 1 - clip, 1 + clip)
+    pg = np.maximum(unclipped, clipped)
+    d_pg = np.where(unclipped >= clipped, -a * r, 0.0)  # d/dlogp of the active branch (clip(r) is flat)
+    dual_on = (a < 0) & (-a * dual < pg)
+    pg, d_pg = np.where(dual_on, -a * dual, pg), np.where(dual_on, 0.0, d_pg)
+    with np.errstate(over="ignore"):
+        w = np.minimum(np.exp(np.where(m, old - sampler, 0.0)), cap)
+    dk = np.where(m, ref - logp, 0.0)
+    k3 = np.exp(dk) - dk - 1
+    d_k3 = np.where(np.abs(k3) < bound, 1.0 - np.exp(dk), 0.0)
+    n = m.sum()
+    loss = ((w * pg)[m].sum() + kl_coef * k3[m].sum() - ent_coef * ent[m].sum()) / n
+    grad = np.where(m, w * d_pg + kl_coef * d_k3, 0.0) / n
+    return loss, grad, (w * pg)[m].sum() / n, w[m].mean(), (np.exp(np.where(m, old - sampler, 0.0)) > cap)[m].mean()
+
+
+def test_tis_weighted_loss_and_gradient_match_a_numpy_oracle():
+    import jax
+
+    # two rows x 5 tokens: importance weights below (0.5, 1.9), above (3, e^100) the cap 2, and e^-100 (a
+    # weight exactly at the cap: the test above; here float32 rounding of old - sampler decides it);
+    # masked tokens whose sampler ratio is e^100 or e^-100 and whose old ratio is e^100
+    logp = np.array([[-1.0, -0.5, -2.0, -0.3, -1.1], [-0.7, -1.5, -0.2, -0.9, -3.0]], np.float32)
+    old = logp - np.log(np.array([[1.5, 0.5, 1.1, 0.9, 1.0], [1.3, 0.7, 5.0, 1.0, 1.0]], np.float32))
+    log_w = np.array([[math.log(0.5), math.log(1.9), math.log(3.0), 100.0, 100.0], [0.1, -100.0, 0.0, 0.0, -100.0]])
+    sampler = (old - log_w).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], bool)
+    old[0, 4] = logp[0, 4] - 100.0  # a masked token with an old ratio of e^100 as well
+    ref = logp + np.array([[0.2, -0.1, 0.3, 0.0, 50.0], [-0.4, 0.1, 0.2, 0.0, 0.0]], np.float32)
+    ent = np.array([[0.5, 1.0, 1.5, 2.0, 9.0], [0.7, 0.9, 1.1, 1.3, 9.0]], np.float32)
+    adv = np.array([1.5, -2.0], np.float32)
+    cfg = losses.PPOLossConfig(clip_eps=0.2, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
+
+    def f(lp):
+        args = (jnp.asarray(ent), jnp.asarray(mask), jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv), cfg)
+        return losses.ppo_loss_from_logprobs(lp, *args, sampler_logprobs=jnp.asarray(sampler))
+
+    (loss, m), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
+    want, want_grad, want_pg, want_w, want_trunc = _tis_oracle(
+        logp, old, sampler, ref, ent, adv, mask, 0.2, 3.0, 0.05, 0.01, 2.0
+    )
+    assert np.isfinite(np.asarray(grad)).all() and np.isfinite(float(loss))
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-7)
+    assert float(m["pg_loss"]) == pytest.approx(want_pg, rel=1e-5)
+    # 7 real tokens: weights 0.5, 1.9, 2 (3 truncated), 2 (e^100 truncated), e^0.1, e^-100, 1
+    assert float(m["is_weight"]) == pytest.approx(want_w, rel=1e-6)
+    assert want_w == pytest.approx((0.5 + 1.9 + 2 + 2 + math.exp(0.1) + math.exp(-100) + 1) / 7)
+    assert float(m["is_truncated_frac"]) == pytest.approx(want_trunc) == pytest.approx(2 / 7)
+    # the weights carry no gradient: the loss does not move with the sampler's log-probs
+    g_sampler = jax.grad(
+        lambda s: losses.ppo_loss_from_logprobs(
+            jnp.asarray(logp),
+            jnp.asarray(ent),
+            jnp.asarray(mask),
+            jnp.asarray(old),
+            jnp.asarray(ref),
+            jnp.asarray(adv),
+            cfg,
+            sampler_logprobs=s,
+        )[0]
+    )(jnp.asarray(sampler))
+    assert (np.asarray(g_sampler) == 0).all()
+
+
+def test_tis_off_is_the_unweighted_loss_exactly_and_unit_weights_change_nothing():
+    rng = np.random.default_rng(0)
+    B, M = 4, 6
+    logp = jnp.asarray(rng.normal(size=(B, M)) * 0.3 - 1.0, jnp.float32)
+    old = logp + jnp.asarray(rng.normal(size=(B, M)) * 0.3, jnp.float32)
+    ref = logp + jnp.asarray(rng.normal(size=(B, M)) * 0.1, jnp.float32)
+    ent = jnp.asarray(rng.random((B, M)), jnp.float32)
+    mask = jnp.asarray(rng.random((B, M)) < 0.7)
+    adv = jnp.asarray(rng.normal(size=(B,)), jnp.float32)
+    off = losses.PPOLossConfig()
+    base = losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, off)
+    # tis_cap 0: sampler log-probs, however far off, are ignored; loss and stats bit-identical
+    ignored = losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, off, sampler_logprobs=old - 5.0)
+    assert float(ignored[0]) == float(base[0]) and set(ignored[1]) == set(base[1])
+    assert all(float(ignored[1][k]) == float(v) for k, v in base[1].items())
+    # a sampler that agrees with the learner: every weight exp(0) = 1, the same loss bit for bit
+    on = losses.PPOLossConfig(tis_cap=2.0)
+    same = losses.ppo_loss_from_logprobs(logp, ent, mask, old, ref, adv, on, sampler_logprobs=old)
+    assert float(same[0]) == float(base[0])
+    assert all(float(same[1][k]) == float(v) for k, v in base[1].items())
+    assert float(same[1]["is_weight"]) == 1.0 and float(same[1]["is_truncated_frac"]) == 0.0
+
+
+def test_tis_needs_the_sampler_logprobs_and_a_finite_non_negative_cap():
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"PPOLossConfig\.tis_cap must be a finite number >= 0 \(0 = off\)"):
+            losses.PPOLossConfig(tis_cap=bad)
+    one = jnp.zeros((1, 1))
+    with pytest.raises(ValueError, match=r"sampler_logprobs is None but tis_cap=2\.0 > 0"):
+        losses.ppo_loss_from_logprobs(
+            one, one, jnp.ones((1, 1), bool), one, None, jnp.zeros((1,)), losses.PPOLossConfig(kl_coef=0.0, tis_cap=2.0)
+        )
