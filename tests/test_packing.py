@@ -13,7 +13,7 @@ from bipace_jax.batch import TokenBatch, pack_lines
 from bipace_jax.models import Qwen2Actor
 from bipace_jax.models.attention import REFERENCE, attention, segments_of_mask, splash_attention
 from bipace_jax.models.layers import positions_in_segments
-from bipace_jax.ppo import PPOLearner
+from bipace_jax.ppo import PPOLearner, mini_batches
 from tests.qwen_fixtures import one_layer_config
 
 V = 48
@@ -99,9 +99,9 @@ PROMPTS = [40, 2, 17, 33, 5, 9, 28, 3, 12, 21, 38, 6]
 RESPONSES = [12, 1, 7, 3, 11, 2, 9, 12, 4, 1, 6, 10]
 
 
-def _learners(kl, mini, micro=3):
+def _learners(kl, mini, micro=3, tis_cap=0.0):
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    cfg = losses.PPOLossConfig(kl_coef=kl, entropy_coef=0.001)
+    cfg = losses.PPOLossConfig(kl_coef=kl, entropy_coef=0.001, tis_cap=tis_cap)
     kw = dict(micro_batch_rows=micro, mini_batch_rows=mini)
     plain = PPOLearner(_actor(), mesh, cfg, optax.sgd(1.0), **kw)
     packed = PPOLearner(_actor(), mesh, cfg, optax.sgd(1.0), pack=True, pack_width=64, pack_response_width=16, **kw)
@@ -148,3 +148,35 @@ def test_packed_update_equals_unpacked_across_micro_and_mini_batches():
     for a, c in zip(jax.tree.leaves(d_plain), jax.tree.leaves(d_packed)):
         assert np.linalg.norm(c - a) <= 1e-4 * np.linalg.norm(a) + 1e-9
     assert packed.last_tokens["update"]["real"] == plain.last_tokens["update"]["real"]
+
+
+@pytest.mark.slow
+def test_packed_update_equals_unpacked_with_truncated_importance_weights():
+    # as above, plus sampler log-probs off the old ones by N(0, 0.5): about a fifth of the weights pass
+    # the cap 1.5; both layouts weight the same tokens alike (stats and the parameters after 2 steps)
+    b = _batch(PROMPTS, RESPONSES, p=40, m=12)
+    rng = np.random.default_rng(2)
+    plain, packed = _learners(kl=0.05, mini=6, tis_cap=1.5)
+    lp = plain.logprobs(plain.params_local, b)
+    old = lp + rng.normal(0, 0.3, lp.shape).astype(np.float32)
+    sampler = old + rng.normal(0, 0.5, lp.shape).astype(np.float32)
+    adv = rng.normal(size=b.rows).astype(np.float32)
+    full = b.with_(old_logprobs=old, ref_logprobs=lp - 0.1, advantages=adv, sampler_logprobs=sampler)
+    before = jax.tree.map(np.asarray, plain.params)
+    key = jax.random.key(3)
+    stats = {name: L.update(full, key) for name, L in (("plain", plain), ("packed", packed))}
+    for k, v in stats["plain"].items():
+        np.testing.assert_allclose(stats["packed"][k], v, rtol=1e-4, atol=1e-7, err_msg=k)
+    # the weights' stats against NumPy: token means per mini-batch (the update's split), averaged over the 2
+    w = np.exp(old - sampler)
+    minis = mini_batches(np.array([b.rows]), 0, 6, jax.random.fold_in(key, 0))
+    rm = b.response_mask
+    want_w = np.mean([np.minimum(w[r], 1.5)[rm[r]].mean() for r in minis])
+    want_t = np.mean([(w[r] > 1.5)[rm[r]].mean() for r in minis])
+    assert stats["plain"]["loss/is_weight"] == pytest.approx(want_w, rel=1e-5)
+    assert stats["plain"]["loss/is_truncated_frac"] == pytest.approx(want_t, rel=1e-5)
+    assert 0.05 < want_t < 0.5
+    d_plain = jax.tree.map(lambda a, c: np.asarray(a) - c, plain.params, before)
+    d_packed = jax.tree.map(lambda a, c: np.asarray(a) - c, packed.params, before)
+    for a, c in zip(jax.tree.leaves(d_plain), jax.tree.leaves(d_packed)):
+        assert np.linalg.norm(c - a) <= 1e-4 * np.linalg.norm(a) + 1e-9

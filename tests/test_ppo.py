@@ -10,7 +10,7 @@ from flax import nnx
 from bipace_jax import losses, sharding
 from bipace_jax.config import ConfigError
 from bipace_jax.models import Qwen2Actor
-from bipace_jax.ppo import NonFiniteError, PPOLearner
+from bipace_jax.ppo import STAT_KEYS, NonFiniteError, PPOLearner
 from tests.qwen_fixtures import one_layer_config, random_token_batch
 
 V = 48
@@ -294,3 +294,97 @@ def test_program_specs_are_what_the_learner_runs():
     spec = logprobs_spec(L.graphdef, L.objective, L.params_local, L.rest, lmb)
     got = spec(L.params_local, L.rest, jax.tree.map(jnp.asarray, b.take(np.arange(3), b.prompt_len, 3)))
     np.testing.assert_allclose(np.asarray(got), L.logprobs(L.params_local, b), atol=1e-6)
+
+
+def _tis_learner(tis_cap, **kw):
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    cfg = losses.PPOLossConfig(kl_coef=0.0, entropy_coef=0.0, tis_cap=tis_cap)
+    return PPOLearner(_actor(), mesh, cfg, SGD, micro_batch_rows=3, **kw)
+
+
+@pytest.mark.slow
+def test_truncated_importance_weights_scale_the_policy_gradient_step():
+    # SGD, no KL or entropy: the step is linear in the per-token weights. A sampler whose log-probs sit
+    # log 2 below the old ones gives weight 2 (kept at cap 3, truncated to 1.5 at cap 1.5), so the step is
+    # 2x / 1.5x the unweighted one; a sampler equal to the old policy (weight 1) changes nothing.
+    b = _batch(n=6, seed=5)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
+    steps, outs = {}, {}
+    for name, cap, shift in (
+        ("off", 0.0, 0.0),
+        ("same", 3.0, 0.0),
+        ("x2", 3.0, np.log(2.0)),
+        ("cut", 1.5, np.log(2.0)),
+    ):
+        L = _tis_learner(cap)
+        before = jax.tree.map(np.asarray, L.params)
+        old = L.logprobs(L.params_local, b) - 0.05
+        full = b.with_(old_logprobs=old, advantages=adv, sampler_logprobs=old - np.float32(shift))
+        outs[name] = L.update(full, jax.random.PRNGKey(0))
+        steps[name] = jax.tree.map(lambda a, c: np.asarray(a) - c, L.params, before)
+    assert set(outs["off"]) == {f"loss/{k}" for k in (*STAT_KEYS, "loss", "grad_norm", "grad_norm_max", "updates")}
+    assert set(outs["x2"]) == set(outs["off"]) | {"loss/is_weight", "loss/is_truncated_frac"}
+    assert outs["same"]["loss/is_weight"] == 1.0 and outs["same"]["loss/is_truncated_frac"] == 0.0
+    assert outs["x2"]["loss/is_weight"] == pytest.approx(2.0) and outs["x2"]["loss/is_truncated_frac"] == 0.0
+    assert outs["cut"]["loss/is_weight"] == pytest.approx(1.5) and outs["cut"]["loss/is_truncated_frac"] == 1.0
+    for name, scale in (("same", 1.0), ("x2", 2.0), ("cut", 1.5)):
+        assert outs[name]["loss/pg_loss"] == pytest.approx(scale * outs["off"]["loss/pg_loss"], rel=1e-5)
+        jax.tree.map(
+            # the step is read as new - old float32 weights: a rounding of up to a few 1e-7
+            lambda a, c, s=scale: np.testing.assert_allclose(a, s * c, rtol=1e-4, atol=1e-6),
+            steps[name],
+            steps["off"],
+        )
+
+
+@pytest.mark.slow
+def test_tis_cap_zero_ignores_sampler_logprobs_and_keeps_todays_update_exactly():
+    b = _batch(n=6, seed=5)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, -1.5, 0.7], np.float32)
+    params, outs = [], []
+    for sampler in (None, "far"):
+        L = _tis_learner(0.0)
+        old = L.logprobs(L.params_local, b) - 0.05
+        full = b.with_(old_logprobs=old, advantages=adv, sampler_logprobs=None if sampler is None else old - 5.0)
+        outs.append(L.update(full, jax.random.PRNGKey(0)))
+        params.append(jax.tree.map(np.asarray, L.params))
+    assert outs[0] == outs[1]
+    jax.tree.map(np.testing.assert_array_equal, params[0], params[1])
+
+
+def _tiny_config():
+    from configs import textcraft_tiny
+
+    c = textcraft_tiny.get_config()
+    c.model.checkpoint = ""  # the shipped warm start may be absent in a checkout: random init
+    return c
+
+
+def test_tis_needs_recomputed_old_logprobs_and_the_batchs_sampler_logprobs():
+    import configs
+
+    with pytest.raises(ConfigError, match=r"^config\.ppo\.tis_cap must be 0 unless ppo\.old_logprobs == 'recompute'"):
+        _tis_learner(2.0, fused_old_logprobs=True)
+    b = _batch(n=3)
+    L = _tis_learner(2.0)
+    lp = np.zeros(b.response_ids.shape, np.float32)
+    with pytest.raises(ValueError, match=r"no sampler_logprobs .*tis_cap=2\.0 > 0 needs the sampler's log-probs"):
+        L.update(b.with_(old_logprobs=lp, advantages=np.zeros(3, np.float32)), jax.random.PRNGKey(0))
+    for fields, message in (
+        ({"tis_cap": -1.0}, "config.ppo.tis_cap must be a finite number >= 0 (0 = off), got -1.0"),
+        (
+            {"tis_cap": 2.0, "old_logprobs": "fused", "mini_batch_rows": 0},
+            "config.ppo.tis_cap must be 0 unless ppo.old_logprobs == 'recompute' (with 'fused' the old log-probs "
+            "are the sampler's), got 2.0",
+        ),
+        ({"tis_cap": 2.0, "old_logprobs": "sampler"}, "unless ppo.old_logprobs == 'recompute' (with 'sampler'"),
+    ):
+        c = _tiny_config()
+        for k, v in fields.items():
+            c.ppo[k] = v
+        with pytest.raises(ConfigError) as e:
+            configs.validate(c)
+        assert message in str(e.value) and "\n" not in str(e.value)
+    c = _tiny_config()
+    c.ppo.tis_cap, c.ppo.old_logprobs = 2.0, "recompute"  # the tiny run's own is 'sampler'
+    assert configs.build_spec(c).loss.tis_cap == 2.0
