@@ -176,7 +176,7 @@ def get_config() -> ml_collections.ConfigDict:
     # truncated importance sampling (TIS): the policy-gradient term of each token times
     # min(pi_old / pi_sampler, tis_cap), the sampler's log-probs against the recomputed old ones (needs
     # old_logprobs = recompute); 0 = off. Turn it on (e.g. 2.0) for asynchronous runs, or when
-    # rollout/logprob_gap shows the sampler and learner forwards disagree (docs/estimators.md)
+    # rollout/logprob_gap shows the sampler and learner forwards disagree (docs/protocol.md)
     c.ppo.tis_cap = 0.0
 
     c.optim = ml_collections.ConfigDict()
