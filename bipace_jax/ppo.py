@@ -361,9 +361,10 @@ class PPOLearner(Learner):
 
         Every process calls it with its own N rows (``batch``, with ``old_logprobs`` float32[N, M],
         ``advantages`` float32[N], when ``kl_coef > 0`` ``ref_logprobs`` float32[N, M] and, when
-        ``tis_cap > 0``, ``sampler_logprobs`` float32[N, M]; see ``TokenBatch.with_``); the mini-batches are split over the rows of all processes
-        (``mini_batches``), the micro-batch counts and widths agreed over processes. ``key``: the
-        shuffle, the same on every process; ``where`` names the iteration in the error message.
+        ``tis_cap > 0``, ``sampler_logprobs`` float32[N, M]; see ``TokenBatch.with_``); the
+        mini-batches are split over the rows of all processes (``mini_batches``), the micro-batch
+        counts and widths agreed over processes. ``key``: the shuffle, the same on every process;
+        ``where`` names the iteration in the error message.
 
         Returns:
           metrics ``loss/*`` averaged over the optimizer steps (with ``tis_cap > 0`` also

@@ -388,3 +388,27 @@ def test_tis_needs_recomputed_old_logprobs_and_the_batchs_sampler_logprobs():
     c = _tiny_config()
     c.ppo.tis_cap, c.ppo.old_logprobs = 2.0, "recompute"  # the tiny run's own is 'sampler'
     assert configs.build_spec(c).loss.tis_cap == 2.0
+
+
+@pytest.mark.e2e
+def test_a_tis_run_gives_the_learner_the_samplers_logprobs_and_logs_the_weights(tmp_path):
+    """One RL iteration of the tiny actor with ``ppo.tis_cap`` 2: the update's batch carries the rollout's
+    own log-probs; the logged weight statistics are the NumPy token means of min(exp(old - sampler), 2)."""
+    from bipace_jax import metric_keys
+    from bipace_jax.tiny import build_game_tokenizer
+    from bipace_jax.trainer import Trainer
+    from tests.tiny_runs import one_iteration_config, recorded_iteration
+
+    c = one_iteration_config(group_size=2, max_steps=3, batch_buckets=(4, 8))
+    c.ppo.tis_cap = 2.0
+    tokenizer = build_game_tokenizer(c, str(tmp_path / "tok"), num_tasks=8)
+    rec, res, batch, updated = recorded_iteration(Trainer(c, str(tmp_path / "run"), tokenizer=tokenizer))
+    np.testing.assert_array_equal(batch.sampler_logprobs, np.asarray(res.sample_logprobs, np.float32))
+    m = batch.response_mask
+    w = np.exp(batch.old_logprobs.astype(np.float64) - batch.sampler_logprobs)[m]
+    assert rec["loss/updates"] == 1 and updated
+    assert rec["loss/is_weight"] == pytest.approx(np.minimum(w, 2.0).mean(), rel=1e-5)
+    assert rec["loss/is_truncated_frac"] == pytest.approx((w > 2.0).mean(), abs=1e-7)
+    # on-policy, the same tempered policy on both sides: weights ~1 (the forwards agree to < 1e-3 nats)
+    assert rec["rollout/logprob_gap"] < 1e-3 and abs(rec["loss/is_weight"] - 1) < 1e-3
+    assert metric_keys.undocumented(rec) == []
