@@ -251,6 +251,22 @@ def test_committed_tpu_reports_compile_again_to_the_same_memory(path, tmp_path):
         assert again["programs"][name]["peak_bytes_per_chip"] == p["peak_bytes_per_chip"], name
 
 
+@pytest.mark.slow
+def test_truncated_importance_weights_add_the_samplers_logprobs_to_the_gradient_program(tmp_path):
+    # ppo.tis_cap > 0: the gradient program reads one more float32 [rows, response] array (split over the
+    # 8 chips) and accumulates two more replicated float32 stats (is_weight, is_truncated_frac)
+    reports = {}
+    for name, extra in (("off", ()), ("on", ("--config.ppo.tis_cap=2.0",))):
+        flags = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.ppo.old_logprobs=recompute", *extra)
+        proc = _aot(tmp_path / name, "--topology=cpu:8", "--programs=ppo_grad", *flags)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        reports[name] = json.load(open(tmp_path / name / "textcraft_tiny__cpu-8.json"))
+    shapes = reports["on"]["shapes"]
+    sampler_bytes = shapes["micro_batch_rows"] * shapes["response_tokens"] * 4 // 8
+    on, off = (reports[n]["programs"]["ppo_grad"]["argument_bytes"] for n in ("on", "off"))
+    assert on - off == sampler_bytes + 2 * 4
+
+
 def _private_uses(source: str) -> list[str]:
     """``_name``s of ``bipace_jax`` that ``source`` imports or reads as a module attribute (dunders aside)."""
 
