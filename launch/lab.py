@@ -6,7 +6,8 @@
 
 Every field of `bipace_jax/lab/config.py` can be overridden with `--config.<field>=<value>`. The
 grid mode writes `report.json`, `report.md` (tables, the paired BiPACE-vs-GiGPO differences, the
-TextCraft anchor, the command, wall time and machine load) and PNG plots; the cell mode prints one
+branching and staleness arms, the TextCraft anchor, the command, wall time and machine load) and PNG
+plots; the cell mode prints one
 table of scores and final success rates and writes JSON (default `benchmarks/lab.json`).
 """
 
