@@ -182,6 +182,18 @@ def test_a_lagged_game_plays_its_version_s_policy():
     np.testing.assert_array_equal(ro.action, np.where(ro.lag == 1, recipe, game.invalid_action))
     with pytest.raises(ValueError, match="lag must be int\\[1, 1, 8\\] in \\[0, 2\\)"):
         sample_rollouts(game, versions, np.random.default_rng(0), groups=1, group_size=8, horizon=3, lag=lag + 1)
+    with pytest.raises(ValueError, match="lag and branch_turns together are not modelled"):
+        sample_rollouts(
+            game,
+            versions,
+            np.random.default_rng(0),
+            groups=1,
+            group_size=8,
+            horizon=3,
+            lag=lag,
+            branch_turns=(1,),
+            branch_children=2,
+        )
 
 
 def test_drift_model_statistics():

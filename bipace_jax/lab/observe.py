@@ -213,8 +213,8 @@ def sample_rollouts(
       lag: int[seeds, groups, G] in [0, V) or None: the policy version lag of each game (a game plays
         pi[lag] throughout: the sampler switches versions at game boundaries).
     Returns: `Rollouts`.
-    Raises: ValueError when pi's shape does not match the game or `paraphrases`, on a bad lag, or
-      as `branch_leaders` on a bad branch setting.
+    Raises: ValueError when pi's shape does not match the game or `paraphrases`, on a bad lag, on a
+      lag together with branch turns, or as `branch_leaders` on a bad branch setting.
     """
     pi = np.asarray(pi, np.float64)
     s_, a_ = game.num_states, game.num_actions
@@ -244,6 +244,8 @@ def sample_rollouts(
                 f"sample_rollouts: lag must be int{list(shape)} in [0, {len(versions)}) (one policy per version), "
                 f"got {lag.dtype}{list(lag.shape)} in [{lag.min()}, {lag.max()}]"
             )
+        if branch_turns:  # a child repeats its leader's draws, which a different version would not make
+            raise ValueError("sample_rollouts: lag and branch_turns together are not modelled; pass one of them")
     else:
         lag = np.zeros(shape, np.int64)
     lead_obs, lead_act = branch_leaders(group_size, horizon, branch_turns, branch_children)
