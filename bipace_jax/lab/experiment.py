@@ -66,10 +66,11 @@ def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta
     Returns: {name: {key: float64[seeds]}} and {name: pooled batch diagnostics}; keys: `SCORE_KEYS`
     of the whole advantage (what trains), the same with prefix "step_" (but no_signal) of the step
     term alone, (A - A_ep) / omega (the whole A for a spec with `owns_episode_level`, e.g. hgpo),
-    "singleton_row_rate", "singleton_group_rate", "mean_group_size" (rows per step group), "node_corr"
-    and "node_step_corr" (corr and step_corr over distinct steps: a branched prefix's copies scored
-    once with their mean advantage; equal to corr/step_corr without branching) and "loo_row_rate" (the share of the seed's valid
-    rows whose step term took the leave-one-out fallback; 0 for estimators without one). The episode level A_ep comes from a grpo config with
+    "singleton_row_rate", "singleton_group_rate", "mean_group_size" (rows per step group),
+    "node_corr" and "node_step_corr" (corr and step_corr over distinct steps: a branched prefix's
+    copies scored once with their mean advantage; equal to corr / step_corr without branching) and
+    "loo_row_rate" (the share of the seed's valid rows whose step term took the leave-one-out
+    fallback; 0 for estimators without one). The episode level A_ep comes from a grpo config with
     the same gamma, norm and protocol options.
     """
     ro = batch.rollouts
@@ -151,6 +152,9 @@ def learn(
       policy: "latent" (logits [S, A]) or "observation" (logits [S, m, A], one row per surface form).
       rng_seed: the numpy seed of rollouts, noise and fingerprints (the same for every estimator,
         so all arms start from the same draws).
+      branch_turns, branch_children: tree-shaped games (`sample_rollouts`); a repeated prefix row
+        enters the step once per game through it, as each child's whole transcript would.
+      max_staleness: k >= 0 (above).
     Returns: dict with "success" float64[iterations + 1, seeds] (exact J(pi_k), k = 0..iterations),
       "corr" and "singleton_row_rate" float64[iterations, seeds] of each iteration's batch.
     Raises: ValueError on an unknown policy, lr <= 0, iterations < 1, max_staleness < 0, or (from
