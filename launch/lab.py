@@ -6,7 +6,8 @@
 
 Every field of `bipace_jax/lab/config.py` can be overridden with `--config.<field>=<value>`. The
 grid mode writes `report.json`, `report.md` (tables, the paired BiPACE-vs-GiGPO differences, the
-TextCraft anchor, the command, wall time and machine load) and PNG plots; the cell mode prints one
+branching and staleness arms, the TextCraft anchor, the command, wall time and machine load) and PNG
+plots; the cell mode prints one
 table of scores and final success rates and writes JSON (default `benchmarks/lab.json`).
 """
 
@@ -51,20 +52,29 @@ def _fmt(iv) -> str:
     return f"{m:.3f} +- {hw:.3f}"
 
 
-def _cell_scores(c, lab, m, sigma, fm, index, game, cfgs):
-    """Per-seed scores of every estimator on one batch of the scored policy (rng per cell)."""
-    view = lab_config.view(c, paraphrases=m, sigma=sigma, false_merge=fm)
+def _cell_scores(c, lab, m, sigma, fm, index, game, cfgs, branch=((), 1), max_lag=0, drift=0.0):
+    """Per-seed scores of every estimator on one batch of the scored policy (rng per cell).
+
+    `branch` (turns, children): tree-shaped games; `max_lag` k > 0: each game draws a version lag in
+    0..k and its fingerprints drift by `drift` per version (the policy is the same: drift only)."""
+    view = lab_config.view(c, paraphrases=m, sigma=sigma, false_merge=fm, drift=drift)
     rng = np.random.default_rng([c.seed, index])
     pi = lab.bonus_policy(game, c.score_bonus, c.batch.seeds)
+    lag = None
+    if max_lag > 0:
+        lag = rng.integers(0, max_lag + 1, (c.batch.seeds, c.batch.groups, c.batch.group_size))
     ro = lab.sample_rollouts(
         game,
-        pi,
+        pi if lag is None else np.broadcast_to(pi, (max_lag + 1,) + pi.shape),  # every version plays pi
         rng,
         groups=c.batch.groups,
         group_size=c.batch.group_size,
         horizon=c.game.horizon,
         paraphrases=m,
         history=view.history,
+        branch_turns=branch[0],
+        branch_children=branch[1],
+        lag=lag,
     )
     batch = lab.build_batch(game, ro, pi, view, rng, gamma=c.estimator.gamma, render_text=c.render_text)
     scores, diags = lab.score_estimators(batch, cfgs, delta=c.delta)
@@ -166,6 +176,91 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
     axes[0][0].legend(fontsize=7)
     save(fig, "learning_curves.png")
 
+    if rep.get("branch_sweep"):
+        rows = rep["branch_sweep"]
+        settings = list(dict.fromkeys(r["branch"] for r in rows))
+        ms = sorted({r["m"] for r in rows})
+        fig, axes = plt.subplots(1, len(BRANCH_PLOT), figsize=(4.2 * len(BRANCH_PLOT), 3.8))
+        for ax, key in zip(axes, BRANCH_PLOT):
+            for ci, n in enumerate(names):
+                for mi, mm in enumerate(ms):
+                    sel = {r["branch"]: r for r in rows if r["m"] == mm}
+                    ax.errorbar(
+                        range(len(settings)),
+                        [sel[b]["summary"][n][key][0] for b in settings],
+                        yerr=[sel[b]["summary"][n][key][1] for b in settings],
+                        marker="o",
+                        ms=3,
+                        capsize=2,
+                        color=f"C{ci}",
+                        ls=styles[mi % len(styles)],
+                        label=n if mi == 0 else None,
+                    )
+            ax.set_xticks(range(len(settings)), settings)
+            ax.set_xlabel("branch (turns:children)")
+            ax.set_title(key, fontsize=9)
+        axes[0].legend(fontsize=7)
+        m_styles = ", ".join(f"m={mm} {styles[i % len(styles)]}" for i, mm in enumerate(ms))
+        fig.suptitle(f"branching at {rep['batch']['group_size']} games per task group ({m_styles})", fontsize=9)
+        save(fig, "branching.png")
+
+    if rep.get("stale_sweep"):
+        rows = rep["stale_sweep"]
+        drifts = sorted({r["drift"] for r in rows if r["max_staleness"] > 0})
+        fig, axes = plt.subplots(1, len(STALE_PLOT) + 2, figsize=(4.2 * (len(STALE_PLOT) + 2), 3.8))
+        for ax, key in zip(axes, STALE_PLOT):
+            for ci, n in enumerate(names):
+                for di, d in enumerate(drifts):
+                    sel = [r for r in rows if r["max_staleness"] == 0 or r["drift"] == d]
+                    ax.errorbar(
+                        [r["max_staleness"] for r in sel],
+                        [r["summary"][n][key][0] for r in sel],
+                        yerr=[r["summary"][n][key][1] for r in sel],
+                        marker="o",
+                        ms=3,
+                        capsize=2,
+                        color=f"C{ci}",
+                        ls=styles[di % len(styles)],
+                        label=n if di == 0 else None,
+                    )
+            ax.set_xlabel("max staleness k")
+            d_styles = ", ".join(f"drift {d} {styles[i % len(styles)]}" for i, d in enumerate(drifts))
+            ax.set_title(f"{key} ({d_styles})", fontsize=8)
+        axes[0].legend(fontsize=7)
+        learn_rows = rep.get("stale_learning", [])
+        j_ax, curve_ax = axes[len(STALE_PLOT)], axes[len(STALE_PLOT) + 1]
+        if learn_rows:
+            ks = [r["max_staleness"] for r in learn_rows]
+            for ci, n in enumerate(names):
+                j_ax.errorbar(
+                    ks,
+                    [r["curves"][n]["mean"][-1] for r in learn_rows],
+                    yerr=[r["curves"][n]["hw"][-1] for r in learn_rows],
+                    marker="o",
+                    ms=3,
+                    capsize=2,
+                    color=f"C{ci}",
+                    label=n,
+                )
+            j_ax.set_xlabel("max staleness k")
+            j_ax.set_title(f"final exact success (drift {learn_rows[0]['drift']} per version)", fontsize=8)
+            for ki, r in enumerate(learn_rows):
+                for ci, n in enumerate(names):
+                    if n in ("gigpo", "bipace_q"):
+                        mu = np.array(r["curves"][n]["mean"])
+                        curve_ax.plot(
+                            np.arange(mu.size),
+                            mu,
+                            color=f"C{ci}",
+                            ls=styles[ki % len(styles)],
+                            label=f"{n} k={r['max_staleness']}",
+                        )
+            curve_ax.set_xlabel("iteration")
+            curve_ax.set_title("success curves, GiGPO and BiPACE_Q per k", fontsize=8)
+            curve_ax.legend(fontsize=6)
+        fig.suptitle(f"staleness: {rep['fixed']['stale_sweep']}", fontsize=9)
+        save(fig, "staleness.png")
+
     fig, axes = plt.subplots(1, len(scatter["est"]), figsize=(3.4 * len(scatter["est"]), 3.3), squeeze=False)
     for ax, (n, est) in zip(axes[0], scatter["est"].items()):
         ax.scatter(scatter["a_star"], est, s=2, alpha=0.3)
@@ -175,6 +270,12 @@ def _plots(out: str, rep: dict, names: list, scatter) -> list[str]:
     fig.suptitle(f"one seed's rows, {scatter['cell']}", fontsize=9)
     save(fig, "scatter.png")
     return files
+
+
+def _branch_name(branch) -> str:
+    """(turns, children) as the grid's 'turns:children' item ('none' for independent games)."""
+    turns, children = branch
+    return "none" if not turns else ",".join(str(t) for t in turns) + f":{children}"
 
 
 def _num(x) -> str:
@@ -265,6 +366,8 @@ def _markdown(rep: dict, names: list) -> str:
             + " |"
         )
     lines.append("")
+    lines.extend(_branch_markdown(rep, names))
+    lines.extend(_stale_markdown(rep, names))
     a = rep["anchor"]
     lines.append("### Real-game anchor")
     lines.append("")
@@ -280,6 +383,105 @@ def _markdown(rep: dict, names: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+BRANCH_SHOWN = ("corr", "node_corr", "step_corr", "node_step_corr", "singleton_row_rate", "loo_row_rate")
+BRANCH_PLOT = ("corr", "node_corr", "node_step_corr", "singleton_row_rate", "loo_row_rate")
+STALE_SHOWN = ("corr", "step_corr", "singleton_row_rate", "mean_group_size")
+STALE_PLOT = ("corr", "step_corr", "mean_group_size")
+
+
+def _learning_rows(rows, names, label, vs: str) -> list[str]:
+    """Start -> final J per estimator, the mean whole-advantage corr over iterations, and `vs`'s paired finals."""
+    lines = [
+        f"| {label} | "
+        + " | ".join(f"{n} J_0 -> J_K" for n in names)
+        + " | "
+        + " | ".join(f"{n} corr" for n in names)
+        + " | "
+        + " | ".join(f"{n} {vs}" for n in names)
+        + " |",
+        "|---|" + "---|" * (3 * len(names)),
+    ]
+    key = {"- gigpo": "final_vs_gigpo", "- k=0": "final_vs_sync"}[vs]
+    for r in rows:
+        cv = r["curves"]
+        lines.append(
+            f"| {r[label]} | "
+            + " | ".join(f"{cv[n]['mean'][0]:.3f} -> {cv[n]['mean'][-1]:.3f} +- {cv[n]['hw'][-1]:.3f}" for n in names)
+            + " | "
+            + " | ".join(_fmt(cv[n]["corr"]) for n in names)
+            + " | "
+            + " | ".join(_fmt(cv[n][key]) if cv[n].get(key) else "-" for n in names)
+            + " |"
+        )
+    return lines + [""]
+
+
+def _branch_markdown(rep: dict, names: list) -> list[str]:
+    lines = [
+        f"### Branching at the same budget ({rep['fixed']['branch_sweep']}; `batch.branch_turns` / "
+        "`batch.branch_children`, the lab's model of `rollout.branch`)",
+        "",
+        f"Each task group keeps {rep['batch']['group_size']} games; 'turns:children' forks every game at those "
+        "turns into that many continuations (the siblings repeat the parent's rows up to the fork and share the "
+        "fork turn's observation). `shared obs` is the share of rows that repeat another row's observation.",
+        "",
+    ]
+    for key in BRANCH_SHOWN:
+        lines.append(f"#### {key}")
+        lines.append("")
+        lines.append("| m | branch | rows | shared obs | " + " | ".join(names) + " |")
+        lines.append("|---|---|---|---|" + "---|" * len(names))
+        for r in rep["branch_sweep"]:
+            lines.append(
+                f"| {r['m']} | {r['branch']} | {r['rows']} | {r['shared_obs_rows']:.3f} | "
+                + " | ".join(_fmt(r["summary"][n][key]) for n in names)
+                + " |"
+            )
+        lines.append("")
+    if rep.get("branch_learning"):
+        r0 = rep["branch_learning"][0]
+        lines.append(
+            f"#### Learning with branching (m={r0['m']}, sigma={r0['sigma']}, latent policy; exact J; corr: mean "
+            "over iterations of the whole advantage's correlation with A*)"
+        )
+        lines.append("")
+        lines.extend(_learning_rows(rep["branch_learning"], names, "branch", "- gigpo"))
+    return lines
+
+
+def _stale_markdown(rep: dict, names: list) -> list[str]:
+    lines = [
+        f"### Staleness: fingerprint drift with the version lag ({rep['fixed']['stale_sweep']})",
+        "",
+        "Each game draws a lag l uniformly from 0..k; its rows' fingerprints are those of the model l versions "
+        "old (drift per version `view.drift`, `docs/lab.md`). GiGPO reads no fingerprint: its changes are the "
+        "batch's draw only.",
+        "",
+    ]
+    for key in STALE_SHOWN:
+        lines.append(f"#### {key}")
+        lines.append("")
+        lines.append("| k | drift | " + " | ".join(names) + " |")
+        lines.append("|---|---|" + "---|" * len(names))
+        for r in rep["stale_sweep"]:
+            lines.append(
+                f"| {r['max_staleness']} | {r['drift']} | "
+                + " | ".join(_fmt(r["summary"][n][key]) for n in names)
+                + " |"
+            )
+        lines.append("")
+    if rep.get("stale_learning"):
+        r0 = rep["stale_learning"][0]
+        lines.append(
+            f"#### Learning under staleness (m={r0['m']}, sigma={r0['sigma']}, drift {r0['drift']} per version, "
+            "latent policy): games play pi_(i-l), l uniform in 0..k; the step is taken at pi_i without importance "
+            "correction; corr against A* of pi_i"
+        )
+        lines.append("")
+        lines.extend(_learning_rows(rep["stale_learning"], names, "max_staleness", "- k=0"))
+    return lines
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(
@@ -289,8 +491,11 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _learn(c, game, view, cfg, policy: str, render_text: bool) -> dict:
-    """`lab.learn` of one estimator with the config's batch, horizon and learning settings."""
+def _learn(c, game, view, cfg, policy: str, render_text: bool, branch=None, max_staleness=None) -> dict:
+    """`lab.learn` of one estimator with the config's batch, horizon and learning settings (branch
+    (turns, children) and max_staleness default to `config.batch`'s)."""
+    if branch is None:
+        branch = (lab_config.branch_turns(c), c.batch.branch_children)
     return lab.learn(
         game,
         view,
@@ -304,6 +509,9 @@ def _learn(c, game, view, cfg, policy: str, render_text: bool) -> dict:
         policy=policy,
         rng_seed=c.seed,
         render_text=render_text,
+        branch_turns=branch[0],
+        branch_children=branch[1],
+        max_staleness=c.batch.max_staleness if max_staleness is None else max_staleness,
     )
 
 
@@ -329,21 +537,40 @@ def run_grid(c) -> dict:
         epsilon=c.estimator.epsilon,
         score_bonus=c.score_bonus,
         score_success=float(lab.success_probability(game, lab.bonus_policy(game, c.score_bonus, 1), c.game.horizon)[0]),
-        fixed=dict(m_sweep=f"sigma={sig0}", sigma_sweep=f"m={m0}", merge_sweep=f"sigma={sig0}"),
+        fixed=dict(
+            m_sweep=f"sigma={sig0}",
+            sigma_sweep=f"m={m0}",
+            merge_sweep=f"sigma={sig0}",
+            branch_sweep=f"sigma={sig0}",
+            stale_sweep=f"m={c.grid.stale_paraphrases}, sigma={sig0}, the scored policy at every lag (drift only)",
+        ),
         learn=f"{c.learn.iterations} iterations, lr {c.learn.lr}, {c.batch.seeds} seeds, from the uniform policy",
     )
     index = 0
     scatter = None
+    part_has_branch = part_has_lag = False  # which extra columns the part being run records
+    m_stale = c.grid.stale_paraphrases
 
-    def cell(m, sigma, fm):
+    def cell(m, sigma, fm, branch=((), 1), max_lag=0, drift=0.0):
         nonlocal index, scatter
         index += 1
         t = time.perf_counter()
-        batch, scores, diags = _cell_scores(c, lab, m, sigma, fm, index, game, cfgs)
+        batch, scores, diags = _cell_scores(c, lab, m, sigma, fm, index, game, cfgs, branch, max_lag, drift)
+        ro = batch.rollouts
+        extra = {}
+        if branch[0]:
+            extra = dict(
+                branch=_branch_name(branch), shared_obs_rows=float(np.mean(ro.obs_source != np.arange(ro.num_rows)))
+            )
+        elif part_has_branch:
+            extra = dict(branch="none", shared_obs_rows=0.0)
+        if max_lag > 0 or part_has_lag:
+            extra.update(max_staleness=max_lag, drift=drift)
         row = dict(
             m=m,
             sigma=sigma,
             false_merge=fm,
+            **extra,
             summary=_summary(scores),
             paired_vs_gigpo={n: _paired(scores, n, "gigpo") for n in names if n != "gigpo"},
             diagnostics=diags,
@@ -360,6 +587,7 @@ def run_grid(c) -> dict:
             rep["scatter"] = scatter  # the plot's points, so the plots can be redrawn from report.json
         print(
             f"m={m:<4d} sigma={sigma:<5g} false_merge={fm:<5g} "
+            + "".join(f"{k}={extra[k]} " for k in ("branch", "max_staleness", "drift") if k in extra)
             + " ".join(f"{n}:{row['summary'][n]['corr'][0]:.3f}" for n in names)
             + f"  ({row['seconds']} s)",
             flush=True,
@@ -373,13 +601,26 @@ def run_grid(c) -> dict:
         for m in lab_config.parse_list(c, "grid.merge_paraphrases", int)
         for fm in lab_config.parse_list(c, "grid.false_merges", float)
     ]
-    rep["learning"] = []
-    for m, sigma, fm, policy in lab_config.learning_cells(c):
-        view = lab_config.view(c, paraphrases=m, sigma=sigma, false_merge=fm)
+    part_has_branch = True
+    rep["branch_sweep"] = [
+        cell(m, sig0, 0.0, branch=b)
+        for m in lab_config.parse_list(c, "grid.branch_paraphrases", int)
+        for b in lab_config.branch_settings(c, "grid.branch")
+    ]
+    part_has_branch, part_has_lag = False, True
+    rep["stale_sweep"] = [
+        cell(m_stale, sig0, 0.0, max_lag=k, drift=d)
+        for k in lab_config.parse_list(c, "grid.staleness", int)
+        for d in (lab_config.parse_list(c, "grid.drifts", float) if k > 0 else [0.0])
+    ]
+    part_has_lag = False
+
+    def learning(m, sigma, fm, policy, **kw):
+        view = lab_config.view(c, paraphrases=m, sigma=sigma, false_merge=fm, drift=kw.pop("drift", 0.0))
         t = time.perf_counter()
         curves, finals = {}, {}
         for n, cfg in cfgs.items():
-            r = _learn(c, game, view, cfg, policy, render_text=False)
+            r = _learn(c, game, view, cfg, policy, render_text=False, **kw)
             ivs = [lab_interval(r["success"][k]) for k in range(r["success"].shape[0])]
             curves[n] = dict(
                 mean=[iv[0] for iv in ivs],
@@ -391,22 +632,36 @@ def run_grid(c) -> dict:
         for n in curves:
             # Paired over seeds: every arm starts from the same rng seed.
             curves[n]["final_vs_gigpo"] = lab_interval(finals[n] - finals["gigpo"]) if "gigpo" in finals else None
-        rep["learning"].append(
-            dict(
-                m=m,
-                sigma=sigma,
-                false_merge=fm,
-                policy=policy,
-                curves=curves,
-                seconds=round(time.perf_counter() - t, 1),
-            )
-        )
+        row = dict(m=m, sigma=sigma, false_merge=fm, policy=policy, curves=curves)
+        row["seconds"] = round(time.perf_counter() - t, 1)
         print(
-            f"learning m={m} sigma={sigma} false_merge={fm} {policy} policy: "
+            f"learning m={m} sigma={sigma} false_merge={fm} {policy} policy {view.drift=} "
+            + " ".join(f"{k}={v}" for k, v in kw.items())
+            + ": "
             + " ".join(f"{n}:{curves[n]['mean'][-1]:.3f}" for n in names)
-            + f"  ({rep['learning'][-1]['seconds']} s)",
+            + f"  ({row['seconds']} s)",
             flush=True,
         )
+        return row, finals
+
+    rep["learning"] = [learning(*cell_args)[0] for cell_args in lab_config.learning_cells(c)]
+    rep["branch_learning"] = []
+    m_bl = c.grid.branch_learning_paraphrases
+    for b in lab_config.branch_settings(c, "grid.branch_learning"):
+        row, _ = learning(m_bl, sig0, 0.0, "latent", branch=b, max_staleness=0)
+        rep["branch_learning"].append(dict(row, branch=_branch_name(b)))
+    rep["stale_learning"] = []
+    sync = None
+    for k in lab_config.parse_list(c, "grid.staleness", int):
+        d = c.grid.stale_learning_drift
+        row, finals = learning(m_stale, sig0, 0.0, "latent", branch=((), 1), max_staleness=k, drift=d)
+        row.update(max_staleness=k, drift=d)
+        if k == 0:
+            sync = finals
+        elif sync is not None:
+            for n in names:  # paired against k = 0 (same rng seed, same start)
+                row["curves"][n]["final_vs_sync"] = lab_interval(finals[n] - sync[n])
+        rep["stale_learning"].append(row)
     rep["anchor"] = lab.anchor(c.grid.anchor_report, rep["m_sweep"], rep["sigma_sweep"], root=ROOT)
     write_json(os.path.join(out, "report.json"), rep, indent=1)  # kept should a plot fail
     rep["plots"] = _plots(out, rep, names, scatter)
@@ -426,7 +681,10 @@ def run_cell(c) -> dict:
     game = lab_config.game(c)
     cfgs = lab_config.estimator_configs(c)
     v = c.view
-    _, scores, _ = _cell_scores(c, lab, v.paraphrases, v.sigma, v.false_merge, 0, game, cfgs)
+    branch = (lab_config.branch_turns(c), c.batch.branch_children)
+    _, scores, _ = _cell_scores(
+        c, lab, v.paraphrases, v.sigma, v.false_merge, 0, game, cfgs, branch, c.batch.max_staleness, v.drift
+    )
     summary = _summary(scores)
     view = lab_config.view(c)
     final = {}

@@ -2,7 +2,8 @@
 
 Synthetic crafting games with a latent MDP (`game`), what the estimators see of them (`observe`:
 paraphrased observation text, history, noise tokens, fingerprints with noise and false merges and
-splits, the `StepBatch` as the rollout builds it), exact Q^pi / V^pi by dynamic programming, scores
+splits, tree-shaped games that fork at chosen turns, policy-version lags with fingerprint drift, the
+`StepBatch` as the rollout builds it), exact Q^pi / V^pi by dynamic programming, scores
 against A* = Q - V (`scores`) and policy-gradient learning with exact success curves (`experiment`).
 """
 
@@ -12,11 +13,20 @@ from bipace_jax.lab.experiment import (
     estimate,
     estimator_configs,
     learn,
+    mean_group_size,
     score_estimators,
     singleton_rates,
 )
 from bipace_jax.lab.game import Game, crafting_game, policy_values, success_probability
-from bipace_jax.lab.observe import LabBatch, LabView, Rollouts, build_batch, ground_truth, sample_rollouts
+from bipace_jax.lab.observe import (
+    LabBatch,
+    LabView,
+    Rollouts,
+    branch_leaders,
+    build_batch,
+    ground_truth,
+    sample_rollouts,
+)
 from bipace_jax.lab.scores import SCORE_KEYS, interval, score_rows
 
 __all__ = [
@@ -27,6 +37,7 @@ __all__ = [
     "Rollouts",
     "anchor",
     "bonus_policy",
+    "branch_leaders",
     "build_batch",
     "crafting_game",
     "estimate",
@@ -34,6 +45,7 @@ __all__ = [
     "ground_truth",
     "interval",
     "learn",
+    "mean_group_size",
     "policy_values",
     "sample_rollouts",
     "score_estimators",

@@ -52,9 +52,23 @@ def default_config() -> ml_collections.ConfigDict:
             dim=32,
             false_merge=0.0,
             false_split=0.0,
+            drift=0.0,  # fingerprint drift per policy version (the staleness model; rows with a lag only)
         )
     )
-    c.batch = ml_collections.ConfigDict(dict(seeds=200, groups=4, group_size=8))
+    c.batch = ml_collections.ConfigDict(
+        dict(
+            seeds=200,
+            groups=4,
+            group_size=8,
+            # The lab's model of the rollout's `rollout.branch`: fork every game at these turns
+            # ("2" or "1,4"; "" = independent games) into branch_children continuations, G games in all.
+            branch_turns="",
+            branch_children=1,
+            # The lab's model of asynchronous RL's `async.max_staleness`: each game plays the policy
+            # of 0..k versions ago (learning; the scored cells model only the fingerprint drift).
+            max_staleness=0,
+        )
+    )
     c.estimator = ml_collections.ConfigDict(
         dict(
             names="",
@@ -80,6 +94,18 @@ def default_config() -> ml_collections.ConfigDict:
             # Learning-curve cells "m:sigma:false_merge:policy" joined by ";" (policy: latent | observation).
             learning="1:0:0:latent;16:0.1:0:latent;16:0.5:0:latent;4:0.1:0:observation;4:0.1:1:observation",
             anchor_report="docs/results/estimators_textcraft_tiny/report.json",
+            # Branching: settings "turns:children" ("none" = independent games) joined by ";", scored at
+            # each of branch_paraphrases (sigma paraphrases_at_sigma); learning for branch_learning's.
+            branch="none;1:2;3:2;3:4;1,4:2",
+            branch_paraphrases="1,16",
+            branch_learning="none;3:4",
+            branch_learning_paraphrases=16,
+            # Staleness: max lags k x drifts per version, scored at stale_paraphrases (sigma
+            # paraphrases_at_sigma, drift only); learning for each k at stale_learning_drift.
+            staleness="0,1,2,4",
+            drifts="0.05,0.2,0.5",
+            stale_paraphrases=16,
+            stale_learning_drift=0.2,
         )
     )
     return c
@@ -131,6 +157,57 @@ def learning_cells(c: ml_collections.ConfigDict) -> list[tuple[int, float, float
     return out
 
 
+def branch_turns(c: ml_collections.ConfigDict, field: str = "batch.branch_turns", text=None) -> tuple[int, ...]:
+    """`config.batch.branch_turns` ("" or comma-separated turns) as a tuple; raises ConfigError naming it."""
+    text = c.batch.branch_turns if text is None else text
+    try:
+        turns = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        turns = None
+    if turns is None or any(t < 0 or t >= c.game.horizon for t in turns) or len(set(turns)) != len(turns):
+        _fail(field, f"be '' or distinct comma-separated turns in [0, {c.game.horizon})", text)
+    return tuple(sorted(turns))
+
+
+def _check_branch(c, turns: tuple, children, field: str) -> None:
+    """The tree fits the task group: children >= 2 with turns (1 without), G a multiple of c^b."""
+    if not _is_int(children) or children < 1:
+        _fail(field, "be an int >= 1", children)
+    if turns and children < 2:
+        _fail(field, "be an int >= 2 when branch turns are set (1 = independent games)", children)
+    if not turns and children != 1:
+        _fail(field, "be 1 when no branch turn is set", children)
+    leaves = children ** len(turns)
+    if c.batch.group_size % leaves:
+        _fail(
+            field,
+            f"make children ** len(turns) divide batch.group_size={c.batch.group_size} (the same number of games "
+            f"per task group; {children} ** {len(turns)} = {leaves})",
+            children,
+        )
+
+
+def branch_settings(c: ml_collections.ConfigDict, field: str = "grid.branch") -> list[tuple[tuple[int, ...], int]]:
+    """`config.grid.branch` (or `grid.branch_learning`) as (turns, children) settings; raises ConfigError."""
+    out = []
+    for item in str(c.grid[field.split(".")[-1]]).split(";"):
+        item = item.strip()
+        if item == "none":
+            out.append(((), 1))
+            continue
+        turns_text, _, children = item.partition(":")
+        try:
+            kids = int(children)
+        except ValueError:
+            _fail(field, "be 'none' or 'turns:children' items (e.g. '3:4', '1,4:2') joined by ';'", c.grid[field[5:]])
+        turns = branch_turns(c, field, turns_text)
+        if not turns:
+            _fail(field, "be 'none' or 'turns:children' items (e.g. '3:4', '1,4:2') joined by ';'", c.grid[field[5:]])
+        _check_branch(c, turns, kids, field)
+        out.append((turns, kids))
+    return out
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Checks every field; raises ConfigError naming the first bad one (`config.<section>.<field>`)."""
     if c.mode not in MODES:
@@ -179,6 +256,24 @@ def validate(c: ml_collections.ConfigDict) -> None:
             _fail(f"game.{name}", "be a finite float", c.game[name])
     if c.learn.policy not in POLICIES:
         _fail("learn.policy", f"be one of {list(POLICIES)}", c.learn.policy)
+    _check_branch(c, branch_turns(c), c.batch.branch_children, "batch.branch_children")
+    if not (_is_int(c.batch.max_staleness) and c.batch.max_staleness >= 0):
+        _fail("batch.max_staleness", "be an int >= 0 (0 = synchronous)", c.batch.max_staleness)
+    if c.batch.max_staleness > 0 and c.batch.branch_turns:
+        _fail(
+            "batch.max_staleness",
+            "be 0 when batch.branch_turns is set (the lab models them apart)",
+            c.batch.max_staleness,
+        )
+    for field, ok, want in (
+        ("grid.branch_learning_paraphrases", _is_int(c.grid.branch_learning_paraphrases), "be an int >= 1"),
+        ("grid.stale_paraphrases", _is_int(c.grid.stale_paraphrases), "be an int >= 1"),
+        ("grid.stale_learning_drift", _is_num(c.grid.stale_learning_drift), "be a float >= 0"),
+    ):
+        if not ok or c.grid[field[5:]] < (1 if "paraphrases" in field else 0):
+            _fail(field, want, c.grid[field[5:]])
+    branch_settings(c, "grid.branch")
+    branch_settings(c, "grid.branch_learning")
     game(c)
     view(c)
     estimator_configs(c)
@@ -187,6 +282,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         ("grid.sigmas", float, 0.0, None),
         ("grid.false_merges", float, 0.0, 1.0),
         ("grid.merge_paraphrases", int, 1, None),
+        ("grid.branch_paraphrases", int, 1, None),
+        ("grid.staleness", int, 0, None),
+        ("grid.drifts", float, 0.0, None),
     ):
         for v in parse_list(c, field, kind):
             if v < lo or (hi is not None and v > hi):

@@ -16,23 +16,25 @@ import os
 import numpy as np
 
 from bipace_jax.estimators import EstimatorConfig, registry
-from bipace_jax.estimators.core import jitted_advantages
+from bipace_jax.estimators.core import LOO_ROW, jitted_advantages
 from bipace_jax.lab.game import Game, success_probability
 from bipace_jax.lab.observe import LabBatch, LabView, build_batch, sample_rollouts
 from bipace_jax.lab.scores import score_rows
 
 
-def estimate(batch: LabBatch, cfg: EstimatorConfig):
+def estimate(batch: LabBatch, cfg: EstimatorConfig, *, kinds: bool = False):
     """(advantages float64[N], batch diagnostics dict[str, float], step-group labels int32[N]) of the
-    batch's real rows under `cfg` (labels -1 for grpo)."""
+    batch's real rows under `cfg` (labels -1 for grpo); with `kinds`, a fourth item: the row kinds
+    int32[N] of `bipace_jax.estimators.step_details` (`LOO_ROW` marks the leave-one-out rows)."""
     fn, scalars = jitted_advantages(cfg)
-    adv, diag, labels, _ = fn(batch.steps, *scalars)
+    adv, diag, labels, row_kinds = fn(batch.steps, *scalars)
     n = batch.rollouts.num_rows
-    return (
+    out = (
         np.asarray(adv, np.float64)[:n],
         {k: float(v) for k, v in diag.items()},
         np.asarray(labels)[:n],
     )
+    return out + (np.asarray(row_kinds)[:n],) if kinds else out
 
 
 def singleton_rates(labels: np.ndarray, seed: np.ndarray, num_seeds: int) -> tuple[np.ndarray, np.ndarray]:
@@ -50,13 +52,25 @@ def singleton_rates(labels: np.ndarray, seed: np.ndarray, num_seeds: int) -> tup
     return row_rate, singles / np.maximum(groups, 1e-12)
 
 
+def mean_group_size(labels: np.ndarray, seed: np.ndarray, num_seeds: int) -> np.ndarray:
+    """float64[num_seeds]: rows per step group of a partition (`labels` int[N]; -1 = a one-row group)."""
+    lab = np.where(labels < 0, -1 - np.arange(labels.size), labels)
+    _, inv, size = np.unique(lab, return_inverse=True, return_counts=True)
+    groups = np.bincount(seed, weights=1.0 / size[inv.reshape(-1)], minlength=num_seeds)
+    return np.bincount(seed, minlength=num_seeds) / np.maximum(groups, 1e-12)
+
+
 def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta: float = 1e-3):
     """Scores every estimator in `cfgs` (name -> config) on one batch.
 
     Returns: {name: {key: float64[seeds]}} and {name: pooled batch diagnostics}; keys: `SCORE_KEYS`
     of the whole advantage (what trains), the same with prefix "step_" (but no_signal) of the step
-    term alone, (A - A_ep) / omega (the whole A for a spec with `owns_episode_level`, e.g. hgpo), and
-    "singleton_row_rate", "singleton_group_rate". The episode level A_ep comes from a grpo config with
+    term alone, (A - A_ep) / omega (the whole A for a spec with `owns_episode_level`, e.g. hgpo),
+    "singleton_row_rate", "singleton_group_rate", "mean_group_size" (rows per step group),
+    "node_corr" and "node_step_corr" (corr and step_corr over distinct steps: a branched prefix's
+    copies scored once with their mean advantage; equal to corr / step_corr without branching) and
+    "loo_row_rate" (the share of the seed's valid rows whose step term took the leave-one-out
+    fallback; 0 for estimators without one). The episode level A_ep comes from a grpo config with
     the same gamma, norm and protocol options.
     """
     ro = batch.rollouts
@@ -65,7 +79,7 @@ def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta
         ep_cfg = cfg.replace(name="grpo")
         if ep_cfg not in episode:
             episode[ep_cfg] = estimate(batch, ep_cfg)[0]
-        adv, diag, labels = estimate(batch, cfg)
+        adv, diag, labels, kinds = estimate(batch, cfg, kinds=True)
         # The step term alone (A - A_ep) is each estimator's own estimate of Q - V; an estimator that
         # mixes A_ep into its own terms (hgpo) has no separate step term: its whole A is that estimate,
         # and its no-signal rows are those with A = 0.
@@ -77,6 +91,22 @@ def score_estimators(batch: LabBatch, cfgs: dict[str, EstimatorConfig], *, delta
             if k != "no_signal":
                 s["step_" + k] = v
         s["singleton_row_rate"], s["singleton_group_rate"] = singleton_rates(labels, ro.seed, ro.seeds)
+        s["mean_group_size"] = mean_group_size(labels, ro.seed, ro.seeds)
+        # Branched games repeat a prefix's rows: score each distinct step once, with its copies' mean
+        # advantage (what the copies' summed gradient carries); equal to corr without branching.
+        uniq, inv = np.unique(ro.act_source, return_inverse=True)
+        inv = inv.reshape(-1)
+        per_node = np.bincount(inv) if uniq.size < ro.num_rows else None
+        for key, x in (("node_corr", adv), ("node_step_corr", step)):
+            if per_node is None:
+                s[key] = s["step_corr" if key == "node_step_corr" else "corr"]
+                continue
+            mean = np.bincount(inv, weights=x) / per_node
+            s[key] = score_rows(mean, batch.a_star[uniq], batch.cell[uniq], ro.seed[uniq], ro.seeds, delta=delta)[
+                "corr"
+            ]
+        valid = np.bincount(ro.seed, weights=kinds >= 0, minlength=ro.seeds)
+        s["loo_row_rate"] = np.bincount(ro.seed, weights=kinds == LOO_ROW, minlength=ro.seeds) / np.maximum(valid, 1)
         out[name], diags[name] = s, diag
     return out, diags
 
@@ -102,6 +132,9 @@ def learn(
     rng_seed: int = 0,
     render_text: bool = False,
     delta: float = 1e-3,
+    branch_turns=(),
+    branch_children: int = 1,
+    max_staleness: int = 0,
 ) -> dict[str, np.ndarray]:
     """Policy gradient with `cfg`'s advantages from the uniform policy, all seeds at once.
 
@@ -109,18 +142,30 @@ def learn(
     every row, and steps the logits: theta[s, :] += lr / (groups * G) * sum_rows A_i (onehot(a_i) -
     pi_k(. | s_i)) (the row's surface form too when policy="observation").
 
+    Staleness (`max_staleness` k > 0, `docs/lab.md`): each game of iteration i draws a version lag l
+    uniformly from 0..k (capped at i: no version before the start) and plays pi_{i-l}; its rows'
+    fingerprints drift by `view.drift` per version; the step is the same formula at pi_i (no
+    importance correction) and the scores compare with A* of pi_i. k = 0 draws nothing extra: the
+    result equals the synchronous run's exactly.
+
     Args:
       policy: "latent" (logits [S, A]) or "observation" (logits [S, m, A], one row per surface form).
       rng_seed: the numpy seed of rollouts, noise and fingerprints (the same for every estimator,
         so all arms start from the same draws).
+      branch_turns, branch_children: tree-shaped games (`sample_rollouts`); a repeated prefix row
+        enters the step once per game through it, as each child's whole transcript would.
+      max_staleness: k >= 0 (above).
     Returns: dict with "success" float64[iterations + 1, seeds] (exact J(pi_k), k = 0..iterations),
       "corr" and "singleton_row_rate" float64[iterations, seeds] of each iteration's batch.
-    Raises: ValueError on an unknown policy, lr <= 0 or iterations < 1.
+    Raises: ValueError on an unknown policy, lr <= 0, iterations < 1, max_staleness < 0, or (from
+      `sample_rollouts`) a bad branch setting.
     """
     if policy not in ("latent", "observation"):
         raise ValueError(f"learn: policy must be 'latent' or 'observation', got {policy!r}")
     if not (lr > 0 and iterations >= 1):
         raise ValueError(f"learn: need lr > 0 and iterations >= 1, got lr={lr}, iterations={iterations}")
+    if not (isinstance(max_staleness, int) and max_staleness >= 0):
+        raise ValueError(f"learn: max_staleness must be an int >= 0, got {max_staleness!r}")
     rng = np.random.default_rng(rng_seed)
     s_, a_ = game.num_states, game.num_actions
     shape = (seeds, s_, a_) if policy == "latent" else (seeds, s_, view.paraphrases, a_)
@@ -133,18 +178,27 @@ def learn(
         return pi if policy == "latent" else pi.mean(axis=2)
 
     success[0] = success_probability(game, latent(softmax(theta)), horizon)
+    older = []  # pi_{k-1}, pi_{k-2}, ... (at most max_staleness of them)
     for k in range(iterations):
         pi = softmax(theta)
+        played, lag = pi, None
+        if max_staleness > 0:
+            lag = np.minimum(rng.integers(0, max_staleness + 1, (seeds, groups, group_size)), k)
+            played = np.stack([pi] + older)
         ro = sample_rollouts(
             game,
-            pi,
+            played,
             rng,
             groups=groups,
             group_size=group_size,
             horizon=horizon,
             paraphrases=view.paraphrases,
             history=view.history,
+            branch_turns=branch_turns,
+            branch_children=branch_children,
+            lag=lag,
         )
+        older = ([pi] + older)[:max_staleness]
         batch = build_batch(game, ro, pi, view, rng, gamma=cfg.gamma, render_text=render_text)
         adv, _, labels = estimate(batch, cfg)
         corr[k] = score_rows(adv, batch.a_star, batch.cell, ro.seed, seeds, delta=delta)["corr"]

@@ -39,6 +39,10 @@ class LabView:
         is its live twin's (two states of different value mapped together).
       false_split: in [0, 1], the probability (per row) that the embedding follows the surface form
         (a sign-flipped copy of e per paraphrase: one latent state, up to m directions).
+      drift: >= 0, the fingerprint drift per policy version (the staleness model, `docs/lab.md`): a
+        row sampled l versions ago is fingerprinted with e_l = normalise(e + drift * W_l / sqrt(D)),
+        W_l a sum of l independent standard normal vectors per (seed, latent state), W_0 = 0, so
+        cos(e_0, e_l) is about 1 / sqrt(1 + l drift^2). Only rows with a lag (`Rollouts.lag`) move.
     """
 
     paraphrases: int = 1
@@ -49,6 +53,7 @@ class LabView:
     dim: int = 32
     false_merge: float = 0.0
     false_split: float = 0.0
+    drift: float = 0.0
 
     def __post_init__(self):
         for name, ok, want in (
@@ -60,6 +65,7 @@ class LabView:
             ("sigma", _is_float(self.sigma) and self.sigma >= 0, "a float >= 0"),
             ("false_merge", _is_float(self.false_merge) and 0 <= self.false_merge <= 1, "a float in [0, 1]"),
             ("false_split", _is_float(self.false_split) and 0 <= self.false_split <= 1, "a float in [0, 1]"),
+            ("drift", _is_float(self.drift) and self.drift >= 0, "a float >= 0"),
         ):
             if not ok:
                 raise ValueError(f"LabView.{name}: expected {want}, got {getattr(self, name)!r}")
@@ -85,6 +91,12 @@ class Rollouts:
       task: int[seeds * groups] the task of each task group.
       seeds, groups, group_size, horizon: the shape (rows are padded to seeds * groups * G * H).
       history: int[N, h, 3] the previous h turns' (state, form, action), -1 before the first turn.
+      obs_source: int[N] the first row with this row's observation node: a branched game repeats its
+        parent's rows up to the fork and shares the fork turn's observation with its siblings (the
+        same prompt, so the same anchor text, noise tokens and fingerprint); itself without branching.
+      act_source: int[N] the first row with this row's action node: rows of a shared prefix repeat
+        one step of one game (same state, action and reward); a fork turn's siblings act apart.
+      lag: int[N] the policy-version lag of the game that played the row (0: the current policy).
     """
 
     seed: np.ndarray
@@ -102,6 +114,18 @@ class Rollouts:
     groups: int
     group_size: int
     horizon: int
+    obs_source: np.ndarray | None = None
+    act_source: np.ndarray | None = None
+    lag: np.ndarray | None = None
+
+    def __post_init__(self):
+        # Defaults: every row its own observation node, every game on the current policy.
+        n = self.step.shape[0]
+        for name in ("obs_source", "act_source"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.arange(n))
+        if self.lag is None:
+            object.__setattr__(self, "lag", np.zeros(n, np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -121,6 +145,42 @@ def _draw(rng, probs):
     return np.minimum(np.sum(cdf <= u, axis=-1), probs.shape[-1] - 1)
 
 
+def branch_leaders(group_size: int, horizon: int, branch_turns=(), branch_children: int = 1):
+    """Which game's draws each game repeats, per turn, in a tree of `group_size` games per task group.
+
+    The games are the leaves of `R = G / c^b` trees (b = len(branch_turns), c = branch_children):
+    every game is forked into c continuations at each branch turn, so before the first branch turn
+    the games of a tree repeat one game, between the first and the second its c subtrees, and so on.
+    At a branch turn t the children share the state and the observation (drawn before the fork) and
+    draw their own actions. Leaders are the first game of each node (canonical order keeps them first).
+
+    Returns: (obs int64[H, G], act int64[H, G]): the game whose surface form at turn t game g repeats,
+      and the game whose action and transition it repeats (both g everywhere without branching).
+    Raises: ValueError naming the argument when the turns are not distinct ints in [0, horizon), the
+      children not an int >= 2 with turns (1 without), or G not a multiple of c^b.
+    """
+    turns = tuple(branch_turns)
+    b = len(turns)
+    if not all(isinstance(t, (int, np.integer)) and 0 <= t < horizon for t in turns) or len(set(turns)) != b:
+        raise ValueError(f"branch_turns: expected distinct turns in [0, {horizon}), got {turns!r}")
+    if not _is_int(branch_children) or branch_children < (2 if b else 1) or (not b and branch_children != 1):
+        want = "an int >= 2 when branch_turns is set" if b else "1 when branch_turns is empty"
+        raise ValueError(f"branch_children: expected {want}, got {branch_children!r}")
+    leaves = branch_children**b
+    if group_size % leaves:
+        raise ValueError(
+            f"group_size: expected a multiple of branch_children ** len(branch_turns) = {leaves} "
+            f"(the same number of games per task group), got {group_size}"
+        )
+    g = np.arange(group_size)
+    obs, act = np.zeros((horizon, group_size), np.int64), np.zeros((horizon, group_size), np.int64)
+    for t in range(horizon):
+        for out, forks in ((obs, sum(bt < t for bt in turns)), (act, sum(bt <= t for bt in turns))):
+            width = branch_children ** (b - forks)  # games below one node at this depth
+            out[t] = g - g % width
+    return obs, act
+
+
 def sample_rollouts(
     game: Game,
     pi: np.ndarray,
@@ -131,29 +191,64 @@ def sample_rollouts(
     horizon: int,
     paraphrases: int = 1,
     history: int = 0,
+    branch_turns=(),
+    branch_children: int = 1,
+    lag: np.ndarray | None = None,
 ) -> Rollouts:
     """Plays `seeds * groups * group_size` games of `horizon` turns with policy `pi`.
 
     Args:
       game: the MDP.
       pi: float[seeds, S, A] (a policy over latent states) or float[seeds, S, m, A] (over the surface
-        form: m must equal `paraphrases`); rows are probabilities.
+        form: m must equal `paraphrases`); rows are probabilities. With `lag`, one more leading axis
+        of policy versions: pi[l] is the policy l versions old.
       rng: numpy Generator (tasks, forms, actions, transitions).
       groups: task groups per seed; each draws a task uniformly; group_size: G games per group.
       horizon: H turns at most (a game also ends in the goal).
       paraphrases: m, forms drawn uniformly per visit; history: turns kept in `Rollouts.history`.
+      branch_turns, branch_children: tree-shaped games at the same budget (`branch_leaders`): G games
+        per task group, forked into `branch_children` continuations at each branch turn. The draws
+        are those of independent games with each game's repeated from its leader, so without
+        branching (the defaults) the result is unchanged.
+      lag: int[seeds, groups, G] in [0, V) or None: the policy version lag of each game (a game plays
+        pi[lag] throughout: the sampler switches versions at game boundaries).
     Returns: `Rollouts`.
-    Raises: ValueError when pi's shape does not match the game or `paraphrases`.
+    Raises: ValueError when pi's shape does not match the game or `paraphrases`, on a bad lag, on a
+      lag together with branch turns, or as `branch_leaders` on a bad branch setting.
     """
     pi = np.asarray(pi, np.float64)
     s_, a_ = game.num_states, game.num_actions
-    obs_policy = pi.ndim == 4
-    if pi.shape[1] != s_ or pi.shape[-1] != a_ or (obs_policy and pi.shape[2] != paraphrases) or pi.ndim not in (3, 4):
+    versions = pi if lag is not None else pi[None]
+    obs_policy = versions.ndim == 5
+    if (
+        versions.ndim not in (4, 5)
+        or versions.shape[2] != s_
+        or versions.shape[-1] != a_
+        or (obs_policy and versions.shape[3] != paraphrases)
+    ):
+        lead = "[versions, seeds, " if lag is not None else "[seeds, "
         raise ValueError(
-            f"sample_rollouts: pi must be [seeds, {s_}, {a_}] or [seeds, {s_}, {paraphrases}, {a_}], got {pi.shape}"
+            f"sample_rollouts: pi must be {lead}{s_}, {a_}] or {lead}{s_}, {paraphrases}, {a_}], got {pi.shape}"
         )
-    n_seeds = pi.shape[0]
+    n_seeds = versions.shape[1]
     shape = (n_seeds, groups, group_size)
+    if lag is not None:
+        lag = np.asarray(lag)
+        if (
+            lag.shape != shape
+            or not np.issubdtype(lag.dtype, np.integer)
+            or lag.min() < 0
+            or lag.max() >= len(versions)
+        ):
+            raise ValueError(
+                f"sample_rollouts: lag must be int{list(shape)} in [0, {len(versions)}) (one policy per version), "
+                f"got {lag.dtype}{list(lag.shape)} in [{lag.min()}, {lag.max()}]"
+            )
+        if branch_turns:  # a child repeats its leader's draws, which a different version would not make
+            raise ValueError("sample_rollouts: lag and branch_turns together are not modelled; pass one of them")
+    else:
+        lag = np.zeros(shape, np.int64)
+    lead_obs, lead_act = branch_leaders(group_size, horizon, branch_turns, branch_children)
     task = rng.integers(0, game.tasks, (n_seeds, groups))
     state = np.broadcast_to(game.start[task][..., None], shape).copy()
     seed_ix = np.broadcast_to(np.arange(n_seeds)[:, None, None], shape)
@@ -162,10 +257,10 @@ def sample_rollouts(
     alive = np.zeros(shape + (horizon,), bool)
     live = ~game.terminal[state]
     for t in range(horizon):
-        form = rng.integers(0, paraphrases, shape)
-        probs = pi[seed_ix, state, form] if obs_policy else pi[seed_ix, state]
-        action = _draw(rng, probs)
-        nxt = _draw(rng, game.transition[state, action])
+        form = rng.integers(0, paraphrases, shape)[..., lead_obs[t]]
+        probs = versions[lag, seed_ix, state, form] if obs_policy else versions[lag, seed_ix, state]
+        action = _draw(rng, probs)[..., lead_act[t]]
+        nxt = _draw(rng, game.transition[state, action])[..., lead_act[t]]
         rec["state"][..., t], rec["form"][..., t], rec["action"][..., t] = state, form, action
         reward[..., t] = np.where(game.terminal[nxt] & ~game.terminal[state], 1.0, 0.0)
         alive[..., t] = live
@@ -181,6 +276,14 @@ def sample_rollouts(
             hist[:, i - 1, c] = np.where(ok, rec[k][sd, b, g, tt], -1)
     act = rec["action"][idx]
     gid = sd * groups + b
+
+    def first_row(leaders):
+        # A row's node: (task group, turn, leader game); its first row (canonical order) is the leader's.
+        _, first, inverse = np.unique(
+            (gid * group_size + leaders[t, g]) * horizon + t, return_index=True, return_inverse=True
+        )
+        return first[inverse.reshape(-1)]
+
     return Rollouts(
         seed=sd,
         group=gid,
@@ -197,6 +300,9 @@ def sample_rollouts(
         groups=groups,
         group_size=group_size,
         horizon=horizon,
+        obs_source=first_row(lead_obs),
+        act_source=first_row(lead_act),
+        lag=lag[sd, b, g],
     )
 
 
@@ -241,24 +347,38 @@ def fingerprints(game: Game, ro: Rollouts, view: LabView, rng: np.random.Generat
     """Model of the actor's hidden state: float32[N, D] unit rows (see `LabView`).
 
     Each seed draws its latent embeddings e[s] (unit Gaussian directions); trap states copy their
-    live twin's with probability `false_merge`; a row follows its surface form with probability
-    `false_split` (e[s] times a per-form random sign pattern, so the form's direction is unrelated).
+    live twin's with probability `false_merge`; a row sampled `lag` versions ago sees e[s] drifted
+    by `drift` per version (`LabView.drift`; drawn only when some row has a lag and drift > 0); a row
+    follows its surface form with probability `false_split` (e[s] times a per-form random sign
+    pattern, so the form's direction is unrelated). A row that repeats another's observation
+    (`Rollouts.obs_source`: a branched game's shared prefix) repeats its fingerprint.
     """
     d = view.dim
     e = rng.standard_normal((ro.seeds, game.num_states, d))
     e /= np.linalg.norm(e, axis=-1, keepdims=True)
+    merge = None
     if view.false_merge > 0:
         twin = np.flatnonzero(game.live)
         merge = rng.random((ro.seeds, twin.size)) < view.false_merge
         trap = game.trap_of[twin]
         e[:, trap] = np.where(merge[..., None], e[:, twin], e[:, trap])
     base = e[ro.seed, ro.state]
+    max_lag = int(ro.lag.max(initial=0))
+    if view.drift > 0 and max_lag > 0:
+        # W_l = z_1 + ... + z_l per (seed, state): one random walk, so versions are nested.
+        walk = np.cumsum(rng.standard_normal((max_lag, ro.seeds, game.num_states, d)), axis=0)
+        walk = np.concatenate([np.zeros((1,) + walk.shape[1:]), walk])
+        if merge is not None:  # a merged trap state drifts with its twin
+            walk[:, :, trap] = np.where(merge[None, ..., None], walk[:, :, twin], walk[:, :, trap])
+        moved = base + view.drift / np.sqrt(d) * walk[ro.lag, ro.seed, ro.state]
+        base = moved / np.linalg.norm(moved, axis=-1, keepdims=True)
     if view.false_split > 0:
         signs = rng.choice([-1.0, 1.0], (view.paraphrases, d))
         signs[0] = 1.0  # form 0 keeps the latent direction
         split = rng.random(ro.num_rows) < view.false_split
         base = np.where(split[:, None], base * signs[ro.form], base)
     f = base + view.sigma / np.sqrt(d) * rng.standard_normal(base.shape)
+    f = f[ro.obs_source]
     return (f / np.linalg.norm(f, axis=-1, keepdims=True)).astype(np.float32)
 
 
@@ -320,7 +440,7 @@ def build_batch(
     if ro.history.shape[1] != view.history:
         raise ValueError(f"build_batch: view.history={view.history} but the rollouts kept {ro.history.shape[1]}")
     n, cap = ro.num_rows, ro.capacity
-    noise = rng.integers(0, view.noise_vocab, (n, view.noise_tokens))
+    noise = rng.integers(0, view.noise_vocab, (n, view.noise_tokens))[ro.obs_source]
     obs_hash = assign_ids(anchor_texts(game, ro, noise)) if render_text else observation_keys(ro, noise)
     fp = fingerprints(game, ro, view, rng)
     pace = assign_ids([None if a == game.invalid_action else int(a) for a in ro.action])
