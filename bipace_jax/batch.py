@@ -110,6 +110,8 @@ class TokenBatch:
       old_logprobs: float32[N, M] behaviour-policy log-probs of the responses, or None.
       ref_logprobs: float32[N, M] reference-policy log-probs, or None (no KL term).
       advantages: float32[N], one per row, or None.
+      policy_version: int32[N], the policy version (learner updates applied) that sampled each row,
+        or None (asynchronous RL, ``bipace_jax.async_rl``; the rollout sets it, 0 when synchronous).
     """
 
     input_ids: np.ndarray
@@ -120,6 +122,7 @@ class TokenBatch:
     old_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
     advantages: np.ndarray | None = None
+    policy_version: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
