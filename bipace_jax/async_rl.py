@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bipace_jax import sharding
-from bipace_jax.config import AsyncConfig, MeshConfig
+from bipace_jax.config import AsyncConfig, MeshConfig, fail
 
 __all__ = ["PolicySource", "SamplerThread", "iteration_keys", "push", "role_meshes"]
 
@@ -60,8 +60,6 @@ def role_meshes(mesh: MeshConfig, roles: AsyncConfig, devices: list[Any]) -> tup
     learn_shape = mesh.shape(len(learner))
     t = mesh.sampler_tensor or learn_shape[2]
     if n % t:
-        from bipace_jax.config import fail
-
         fail("mesh.sampler_tensor", f"divide async_rl.sampler_devices={n} (0: mesh.tensor={learn_shape[2]})", t)
     return sharding.make_mesh(n // t, 1, t, devices=sampler), sharding.make_mesh(*learn_shape, devices=learner)
 
