@@ -68,10 +68,12 @@ def push(params: Any, shardings: Any, dtype: Any = None) -> Any:
     """The learner's parameters on the sampler group: floating leaves cast to ``dtype`` (None: kept)
     on the learner's devices, then ``jax.device_put`` onto ``shardings`` (device to device, no host
     copy); waited for, so the learner may donate ``params`` to its next update."""
-    if dtype is not None:
-        params = jax.jit(
-            lambda t: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-        )(params)
+
+    def recast(x):
+        return dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
+
+    if any(recast(x) for x in jax.tree.leaves(params)):
+        params = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype) if recast(x) else x, t))(params)
     return jax.block_until_ready(jax.device_put(params, shardings))
 
 

@@ -189,9 +189,8 @@ class Trainer:
     def _push(self) -> float:
         """Send the learner's parameters to the sampler group as version ``self.iteration``; returns seconds."""
         t0 = time.perf_counter()
-        L = self.learner
-        dtype = L.local_dtype if L.local_dtype is not None and L.local_dtype != self.spec.model.param_dtype else None
-        self.policy.publish(async_rl.push(L.params, self.sampler_shardings, dtype), self.iteration)
+        L = self.learner  # the sampler's copy holds the compute dtype, as the learner's host-local copy
+        self.policy.publish(async_rl.push(L.params, self.sampler_shardings, L.local_dtype), self.iteration)
         return time.perf_counter() - t0
 
     def _start_sampler(self) -> None:
