@@ -19,7 +19,6 @@ from bipace_jax import async_rl, build, resume
 from bipace_jax.config import AsyncConfig, ConfigError, MeshConfig, Switch
 from tests.devices import run_on_cpu_devices
 
-
 # ------------------------------------------------------------------------------------------------
 # Config.
 
