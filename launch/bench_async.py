@@ -17,10 +17,12 @@ rollout). The learner's cost is its own: recomputed old log-probs and ``--epochs
 iteration's rows (``ppo.epochs``), chosen so that it is comparable to the rollout; both are reported.
 
 Measured: the wall seconds of ``Trainer.train_iteration`` per iteration after ``--warmup`` iterations
-(compiles), the arms interleaved iteration by iteration is not possible (each is one run), so each arm
-runs ``--iterations`` timed iterations and the median is kept. ``speedup_iteration`` = sync / async.
-The machine's load average is recorded beside the numbers (a shared 2-core machine slows compute, not
-the env's latency).
+(compiles); the arms run one after the other (each is one trainer), ``--iterations`` timed iterations
+each, and the median is kept. ``speedup_iteration`` = sync / async. Also per arm: the learner's wait
+for the rollout (``time/rollout_s``), the rollout's own wall time and env time, the learner's stages
+(old log-probs, estimator, update), the weight push and the mean version lag. The machine's load
+average is recorded beside the numbers (a shared 2-core machine slows compute, and the two roles'
+compute competes for it; the env's latency is a wait).
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("groups", 2, "task groups per iteration")
 flags.DEFINE_integer("group_size", 4, "games per task group")
 flags.DEFINE_integer("turns", 6, "turns per game (env.max_steps)")
-flags.DEFINE_integer("epochs", 2, "PPO epochs per iteration (the learner's cost)")
+flags.DEFINE_integer("epochs", 1, "PPO epochs per iteration (the learner's cost)")
 flags.DEFINE_float("latency_steps", 4.0, "env step latency, in measured decode steps")
 flags.DEFINE_float("latency_s", None, "env step latency in seconds (overrides --latency_steps)")
-flags.DEFINE_integer("warmup", 2, "iterations run before timing (compiles)")
-flags.DEFINE_integer("iterations", 4, "timed iterations per arm")
+flags.DEFINE_integer("warmup", 3, "iterations run before timing (compiles)")
+flags.DEFINE_integer("iterations", 5, "timed iterations per arm")
 flags.DEFINE_string("out", "benchmarks/async.json", "result file")
 
 
