@@ -199,8 +199,8 @@ class Trainer:
         first, cursor = self.iteration, self.task_cursor
 
         def play(j: int, key):
-            c = cursor + (j - first) * s.num_groups
-            groups = [tasks.train_task(self.train_ids, s.seed, c + i) for i in range(self.groups_per_host)]
+            at = cursor + (j - first) * s.num_groups  # iteration j's first task group
+            groups = [tasks.train_task(self.train_ids, s.seed, at + i) for i in range(self.groups_per_host)]
             if s.async_rl.switch is config_lib.Switch.TURN:
                 policy = self.policy.latest
             else:
@@ -243,13 +243,8 @@ class Trainer:
         k_roll, k_ppo = async_rl.iteration_keys(key)  # k_ppo the same on every host: one global shuffle
 
         self._phase("rollout")
-        with timer.stage("rollout"):  # 1. Collect (asynchronous: take what the sampler thread played).
-            if self.sampler is not None:
-                res = self.sampler.take(self.iteration)
-            else:
-                first = self.task_cursor + jax.process_index() * self.groups_per_host
-                groups = [tasks.train_task(self.train_ids, s.seed, first + i) for i in range(self.groups_per_host)]
-                res = self._play(self.rollout_cfg, groups, k_roll)
+        with timer.stage("rollout"):  # 1. Collect.
+            res = self._collect(k_roll)
             batch = res.tokens
         self._phase("log-probs")
         with timer.stage("old_logprobs"):  # 2. Old log-probs.
@@ -315,11 +310,29 @@ class Trainer:
             self.epsilon = float(self.controller.update(diag["singleton_group_rate"]))
         self.task_cursor += s.num_groups
         self.iteration += 1
-        if self.policy is not None:  # the rows' lag behind the version they trained (iteration - 1)
-            lag = (self.iteration - 1) - batch.policy_version
-            rec[keys.ASYNC_LAG_MEAN], rec[keys.ASYNC_LAG_MAX] = float(lag.mean()), float(lag.max())
-            rec[keys.ASYNC_PUSH_SECONDS] = self._push()
+        if self.policy is not None:
+            rec.update(self._after_update(batch))
         return rec
+
+    def _collect(self, k_roll):
+        """This iteration's rollout: played here with ``k_roll``, or (asynchronous RL) taken from the
+        sampler thread, which played it with the same key."""
+        if self.sampler is not None:
+            return self.sampler.take(self.iteration)
+        s = self.spec
+        first = self.task_cursor + jax.process_index() * self.groups_per_host
+        groups = [tasks.train_task(self.train_ids, s.seed, first + i) for i in range(self.groups_per_host)]
+        return self._play(self.rollout_cfg, groups, k_roll)
+
+    def _after_update(self, batch) -> dict[str, float]:
+        """Asynchronous RL after update ``self.iteration - 1``: the rows' version lag behind the version
+        they trained, then the push of the new parameters to the sampler group (its seconds)."""
+        lag = (self.iteration - 1) - batch.policy_version
+        return {
+            keys.ASYNC_LAG_MEAN: float(lag.mean()),
+            keys.ASYNC_LAG_MAX: float(lag.max()),
+            keys.ASYNC_PUSH_SECONDS: self._push(),
+        }
 
     def _advantages(self, res) -> tuple[np.ndarray, dict[str, Any]]:
         """Per-row advantages of the iteration at ``self.epsilon`` and the estimator's diagnostics.
