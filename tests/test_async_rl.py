@@ -5,6 +5,7 @@ run, k = 1's row versions, and a SIGKILL during a weight push resumed with no it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -12,12 +13,16 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 
 import configs.textcraft_tiny
 from bipace_jax import async_rl, build, resume
 from bipace_jax.config import AsyncConfig, ConfigError, MeshConfig, Switch
+from bipace_jax.models import load_tokenizer
+from bipace_jax.rollout import RolloutConfig, collect
 from tests.devices import run_on_cpu_devices
+from tests.test_rollout_loop import GAMES, ScriptedEngine, TextPool
 
 # ------------------------------------------------------------------------------------------------
 # Config.
@@ -295,3 +300,38 @@ def test_sigkill_during_a_weight_push_resumes_with_no_iteration_lost_or_repeated
     assert [r["iteration"] for r in train] == [0, 1, 2]  # each once: none lost, none repeated
     assert [r["train/task_cursor"] for r in train] == [0, 2, 4]  # the task groups follow on
     assert all(r["async/version_lag_max"] <= 1 for r in train)
+
+
+# ------------------------------------------------------------------------------------------------
+# The rollout's switch point (rollout.collect's policy hook) on the host-only engine and pool doubles.
+
+
+@pytest.mark.parametrize("scheduler", ["lockstep", "continuous"])
+def test_each_row_records_the_version_that_sampled_it(scheduler):
+    tok = load_tokenizer("bipace_jax/data/textcraft_tiny")
+    asked = []
+
+    def policy():  # a learner that publishes a new version before every turn boundary
+        asked.append(len(asked))
+        return object(), 10 + asked[-1]
+
+    cfg = RolloutConfig(game="textcraft", group_size=2, max_steps=3, max_prompt_length=1024)
+    cfg = dataclasses.replace(cfg, scheduler=scheduler)
+    res = collect(None, ScriptedEngine(tok), TextPool(4, 3, lambda i, t: f"room {i} turn {t}"), GAMES, cfg,
+                  jax.random.key(0), policy=policy)  # fmt: skip
+    got = [(r.traj, r.step, r.policy_version) for r in res.rows]
+    if scheduler == "lockstep":  # turn t of every game is the t-th engine call: version 10 + t (switch = turn)
+        assert got == [(i, t, 10 + t) for i in range(4) for t in range(3)] and len(asked) == 3
+    else:  # the slots bind one set of weights: asked once, every row that version
+        assert got == [(i, t, 10) for i in range(4) for t in range(3)] and len(asked) == 1
+    assert res.tokens.policy_version.tolist() == [v for _, _, v in got]
+    assert res.tokens.policy_version.dtype == np.int32
+
+
+def test_without_a_policy_every_row_is_version_0():
+    tok = load_tokenizer("bipace_jax/data/textcraft_tiny")
+    cfg = dataclasses.replace(
+        RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024), scheduler="lockstep"
+    )
+    res = collect(None, ScriptedEngine(tok), TextPool(4, 2, lambda i, t: f"room {i}"), GAMES, cfg, jax.random.key(0))
+    assert res.tokens.policy_version.tolist() == [0] * 8
