@@ -88,11 +88,28 @@ class PacedPort:
             time.sleep(max(min(waits, default=0.001), 0.0005))
 
 
-def _config(k: int):
-    from tests.tiny_runs import one_iteration_config
+#: The random actor of the bench (``config.model`` sizes; the tests' tiny actor): D 32, L 1, N 2, K 1, F 64.
+ACTOR = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
-    c = one_iteration_config(group_size=FLAGS.group_size, max_steps=FLAGS.turns, batch_buckets=(4, 8))
-    c.rollout.num_groups = FLAGS.groups
+
+def _config(k: int):
+    """``configs/textcraft_tiny`` with the random actor ``ACTOR``: ``--groups`` x ``--group_size`` games of
+    ``--turns`` turns on one env worker, 16-token responses, micro-batches of 8 rows with recomputed old
+    log-probs, ``--epochs`` PPO epochs, no validation; the roles 1 + 1 at ``max_staleness`` k."""
+    import configs.textcraft_tiny
+
+    c = configs.textcraft_tiny.get_config()
+    c.model.checkpoint = ""
+    c.model.update(ACTOR)
+    c.rollout.num_groups, c.rollout.group_size, c.env.max_steps, c.env.num_workers = (
+        FLAGS.groups,
+        FLAGS.group_size,
+        FLAGS.turns,
+        1,
+    )
+    c.sampler.max_new_tokens, c.sampler.batch_buckets = 16, (4, 8)
+    c.ppo.micro_batch_rows, c.ppo.mini_batch_rows, c.ppo.old_logprobs = 8, 0, "recompute"
+    c.val.every, c.val.at_start, c.log.progress, c.log.plots = 0, False, False, False
     c.num_iterations = FLAGS.warmup + FLAGS.iterations
     c.checkpoint.export_hf = False
     c.ppo.epochs = FLAGS.epochs
