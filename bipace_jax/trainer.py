@@ -15,6 +15,10 @@ One iteration (``Trainer.train_iteration``), top to bottom:
 
 Multi-host: each process plays its share of the task groups on a host-local copy of the parameters;
 the gradient step is one global ``jax.jit`` over all devices, the batch sharded over ("data", "fsdp").
+
+Asynchronous RL (``config.async_rl.sampler_devices > 0``, ``bipace_jax.async_rl``): step 1 takes the
+iteration a sampler thread played on the sampler group's devices (at most ``max_staleness`` ahead);
+steps 2-5 run on the learner group's, and the new parameters are pushed to the sampler group after 5.
 """
 
 from __future__ import annotations
