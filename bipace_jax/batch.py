@@ -114,6 +114,8 @@ class TokenBatch:
       advantages: float32[N], one per row, or None.
       sampler_logprobs: float32[N, M] the sampler's log-probs of the responses, or None (needed by
         the truncated importance weights, ``ppo.tis_cap`` > 0).
+      policy_version: int32[N], the policy version (learner updates applied) that sampled each row,
+        or None (asynchronous RL, ``bipace_jax.async_rl``; the rollout sets it, 0 when synchronous).
     """
 
     input_ids: np.ndarray
@@ -125,6 +127,7 @@ class TokenBatch:
     ref_logprobs: np.ndarray | None = None
     advantages: np.ndarray | None = None
     sampler_logprobs: np.ndarray | None = None
+    policy_version: np.ndarray | None = None
 
     @property
     def rows(self) -> int:

@@ -40,6 +40,7 @@ from flax import nnx
 import environments
 from bipace_jax import losses, runfolder
 from bipace_jax.config import (
+    AsyncConfig,
     CalibrationConfig,
     CheckpointConfig,
     ConfigError,
@@ -50,6 +51,7 @@ from bipace_jax.config import (
     OldLogprobs,
     OptimConfig,
     Schedule,
+    Switch,
     TasksConfig,
     ValConfig,
     check_choice,
@@ -67,7 +69,7 @@ from bipace_jax.learner import make_optimizer
 from bipace_jax.models import Qwen2Actor, Qwen2Config, load_hf_checkpoint, load_tokenizer
 from bipace_jax.models.config import DType, MatmulPrecision, Remat
 from bipace_jax.ppo import PPOLearner
-from bipace_jax.rollout import RolloutConfig
+from bipace_jax.rollout import RolloutConfig, Scheduler
 from bipace_jax.sampling import SamplerConfig
 from bipace_jax.tiny import tiny_actor_config
 
@@ -270,6 +272,7 @@ class RunSpec:
     log: LogConfig
     mesh: MeshConfig
     config: ml_collections.FrozenConfigDict = dataclasses.field(repr=False, compare=False)
+    async_rl: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
 
     def estimator_at(self, epsilon: float) -> EstimatorConfig:
         """``estimator`` with a calibrated or controlled ``epsilon``."""
@@ -356,6 +359,9 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
     mesh = MeshConfig.from_config(c)
     if num_devices is not None:
         mesh.check_devices(num_devices)
+    async_rl = AsyncConfig.of(c)
+    if async_rl.switch is not Switch.GAME and async_rl.disaggregated and rollout.scheduler != Scheduler.LOCKSTEP:
+        fail("async_rl.switch", f"be 'game' with rollout.scheduler={rollout.scheduler.value!r}", "turn")
     return RunSpec(
         seed=seed,
         num_iterations=iterations,
@@ -379,6 +385,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         log=LogConfig.from_config(c),
         mesh=mesh,
         config=ml_collections.FrozenConfigDict(c),
+        async_rl=async_rl,
     )
 
 

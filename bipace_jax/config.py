@@ -622,6 +622,73 @@ class MeshConfig(Section):
         return tuple(num_devices // fixed if s == -1 else s for s in self.sizes)
 
 
+class Switch(enum.StrEnum):
+    """``async_rl.switch``: where the sampler adopts the learner's newest parameters inside a rollout."""
+
+    TURN = "turn"  # at every turn boundary (partial rollouts: a game's turns may mix versions)
+    GAME = "game"  # only when a game starts (each game one version)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig(Section):
+    """``config.async_rl``: asynchronous RL with a staleness bound (``bipace_jax.async_rl``).
+
+    Attributes:
+      max_staleness: k, how many iterations the sampler may play ahead of the learner (int >= 0);
+        0 is on-policy (every iteration samples with the parameters of all earlier updates).
+      switch: ``Switch``; "turn" needs ``rollout.scheduler="lockstep"`` (the continuous scheduler's
+        decode slots bind one set of weights per rollout).
+      sampler_devices: 0 = colocated (sampler and learner share every device, the synchronous loop);
+        n > 0 = the first n of the process's devices form the sampler group and the rest the learner
+        group (one process).
+    """
+
+    SECTION: ClassVar[str] = "async_rl"
+    max_staleness: int = 0
+    switch: Any = Switch.TURN
+    sampler_devices: int = 0
+
+    def __post_init__(self):
+        check_int(self._name("max_staleness"), self.max_staleness, 0)
+        object.__setattr__(self, "switch", decode(self._name("switch"), Switch, self.switch))
+        check_int(self._name("sampler_devices"), self.sampler_devices, 0)
+        if self.max_staleness and not self.sampler_devices:
+            fail(
+                self._name("sampler_devices"),
+                f"be > 0 with async_rl.max_staleness={self.max_staleness} (the sampler needs devices of its own "
+                "to play ahead of the learner)",
+                self.sampler_devices,
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the sampler and the learner have device groups of their own."""
+        return self.sampler_devices > 0
+
+    @classmethod
+    def of(cls, c: Any) -> AsyncConfig:
+        """The section of run config ``c``; a config without one (stored before it existed) is colocated."""
+        return cls.from_config(c) if "async_rl" in c else cls()
+
+    def check_devices(self, num_devices: int, num_processes: int) -> None:
+        """Raises ``ConfigError`` when the roles do not fit ``num_devices`` devices of ``num_processes``
+        processes (a disaggregated run splits one process's devices)."""
+        if not self.disaggregated:
+            return
+        if num_processes > 1:
+            fail(
+                self._name("sampler_devices"),
+                f"be 0 with {num_processes} processes (the roles split one host's devices)",
+                self.sampler_devices,
+            )
+        if self.sampler_devices >= num_devices:
+            fail(
+                self._name("sampler_devices"),
+                f"leave the learner at least one of the {num_devices} devices (1..{num_devices - 1})",
+                self.sampler_devices,
+            )
+
+
 def mesh_shape(c: Any, num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes of ``c.mesh`` with the -1 axis resolved; ``c``: a run config or a
     ``RunSpec``."""

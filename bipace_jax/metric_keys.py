@@ -30,6 +30,10 @@ VAL_HOLDOUT_SUCCESS = "val/holdout/success_rate"
 TASK_CURSOR = "train/task_cursor"
 OPTIMIZER_STEPS = "train/optimizer_steps"
 LOGPROB_GAP = "rollout/logprob_gap"
+# Asynchronous RL (bipace_jax.async_rl): rows' policy-version lag behind the learner, the weight push.
+ASYNC_LAG_MEAN = "async/version_lag_mean"
+ASYNC_LAG_MAX = "async/version_lag_max"
+ASYNC_PUSH_SECONDS = "async/weight_push_s"
 
 EPSILON = "estimator/epsilon"
 CALIBRATION_RATE = "estimator/calibration_singleton_rate"  # + "/<epsilon>"
@@ -210,6 +214,10 @@ TABLE: tuple[Key, ...] = (
     ),
     Key("rollout/env_error_rows", "count", "rows dropped with faulted games"),
     Key("rollout/reset_faults", "count", "games whose reset faulted"),
+    # async/*: asynchronous RL (config.async_rl.sampler_devices > 0) only.
+    Key(ASYNC_LAG_MEAN, "iterations", "mean over rows of the learner's version minus the version that sampled the row"),
+    Key(ASYNC_LAG_MAX, "iterations", "largest row version lag (at most async_rl.max_staleness)"),
+    Key(ASYNC_PUSH_SECONDS, "s", "the learner's parameters sent to the sampler group after the update"),
     # time/*: wall seconds.
     Key("time/<stage>_s", "s", "a stage of the iteration: rollout, old_logprobs, ref_logprobs, estimator, update"),
     Key("time/rollout_<part>_s", "s", "rollout time split: sampling, env, prefill, decode, host, total"),

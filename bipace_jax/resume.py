@@ -52,6 +52,9 @@ ADDED = {
     "ppo.pack_width": 0,
     "ppo.pack_response_width": 0,
     "ppo.tis_cap": 0.0,  # truncated importance weights: off is the unweighted loss
+    "async_rl.max_staleness": 0,  # asynchronous RL: off (colocated, on-policy) is the synchronous loop
+    "async_rl.switch": "turn",
+    "async_rl.sampler_devices": 0,
 }
 
 #: The warm start's (``bipace_jax.sft``) fields a resume may change: how often it logs and saves, its

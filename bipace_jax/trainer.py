@@ -15,6 +15,10 @@ One iteration (``Trainer.train_iteration``), top to bottom:
 
 Multi-host: each process plays its share of the task groups on a host-local copy of the parameters;
 the gradient step is one global ``jax.jit`` over all devices, the batch sharded over ("data", "fsdp").
+
+Asynchronous RL (``config.async_rl.sampler_devices > 0``, ``bipace_jax.async_rl``): step 1 takes the
+iteration a sampler thread played on the sampler group's devices (at most ``max_staleness`` ahead);
+steps 2-5 run on the learner group's, and the new parameters are pushed to the sampler group after 5.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +38,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from bipace_jax import build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
+from bipace_jax import async_rl, build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
 from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
 from bipace_jax import plan as run_plan
@@ -98,11 +103,18 @@ class Trainer:
         self.spec, self.workdir = spec, workdir
         self.is_primary = jax.process_index() == 0
         self.num_hosts = jax.process_count()
-        layout = run_plan.HostLayout.current(spec)
+        self.sampler_mesh = self.sampler = self.policy = None  # asynchronous RL's roles (async_rl)
+        if spec.async_rl.disaggregated:  # the learner's devices are the run's mesh; the sampler has its own
+            self.sampler_mesh, self.mesh = async_rl.role_meshes(spec.mesh, spec.async_rl, jax.local_devices())
+            n = self.mesh.devices.size
+            layout = run_plan.HostLayout.of(spec, 1, n, n)
+        else:
+            layout = run_plan.HostLayout.current(spec)
         run_plan.check_workdir(spec, workdir, self.num_hosts)
         runfolder.prepare(workdir)  # fails in seconds, before the model loads
         distributed.check_shared_workdir(workdir)
-        self.mesh = sharding.make_mesh(*layout.mesh_shape)
+        if self.sampler_mesh is None:
+            self.mesh = sharding.make_mesh(*layout.mesh_shape)
         sharding.check_placement(self.mesh)  # each host: whole tensor groups, its own batch block
         self.local_mesh = distributed.local_mesh(self.mesh, layout.sampler_tensor)  # this host's chips
         self.game = env_factory if env_factory is not None else spec.env.name
@@ -167,8 +179,42 @@ class Trainer:
         self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)
-        self.engine = Engine(self.tokenizer, scfg, mesh=self.local_mesh)
+        self.engine = self.val_engine = Engine(self.tokenizer, scfg, mesh=self.local_mesh)
         self.rollout_cfg, self.val_rollout_cfg = s.rollout, s.val_rollout
+        self.pool_lock = threading.Lock()  # the sampler thread and validation share the training pool
+        if self.sampler_mesh is not None:  # the sampler group's engine and policy (validation stays on the learner's)
+            self.engine = Engine(self.tokenizer, scfg, mesh=self.sampler_mesh)
+            L = self.learner
+            self.sampler_shardings = sharding.param_shardings(L.params, self.sampler_mesh)
+            rest = jax.device_put(L.rest, jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec()))
+            self.policy = async_rl.PolicySource(L.graphdef, rest)
+            self._push()
+
+    def _push(self) -> float:
+        """Send the learner's parameters to the sampler group as version ``self.iteration``; returns seconds."""
+        t0 = time.perf_counter()
+        L = self.learner  # the sampler's copy holds the compute dtype, as the learner's host-local copy
+        self.policy.publish(async_rl.push(L.params, self.sampler_shardings, L.local_dtype), self.iteration)
+        return time.perf_counter() - t0
+
+    def _start_sampler(self) -> None:
+        """The sampler thread, from this iteration to the last (asynchronous RL)."""
+        s = self.spec
+        first, cursor = self.iteration, self.task_cursor
+
+        def play(j: int, key):
+            at = cursor + (j - first) * s.num_groups  # iteration j's first task group
+            groups = [tasks.train_task(self.train_ids, s.seed, at + i) for i in range(self.groups_per_host)]
+            if s.async_rl.switch is config_lib.Switch.TURN:
+                policy = self.policy.latest
+            else:
+                actor, version = self.policy.latest()
+                policy = lambda: (actor, version)  # noqa: E731  (one version per game)
+            with self.pool_lock:
+                return collect(None, self.engine, self.pool, groups, self.rollout_cfg, key, policy=policy)
+
+        k = s.async_rl.max_staleness
+        self.sampler = async_rl.SamplerThread(play, self.policy, first, s.num_iterations, self.rng, k)
 
     def _load_tokenizer(self):
         m = self.spec.model
@@ -195,15 +241,14 @@ class Trainer:
     def train_iteration(self) -> dict[str, Any]:
         """Run iteration ``self.iteration`` and advance the run state (not the checkpoint)."""
         s, L, timer = self.spec, self.learner, StageTimer()
+        if self.policy is not None and self.sampler is None:
+            self._start_sampler()
         self.rng, key = jax.random.split(self.rng)
-        k_roll = jax.random.split(jax.random.fold_in(key, jax.process_index()))[0]
-        k_ppo = jax.random.split(jax.random.fold_in(key, 0))[1]  # the same on every host: one global shuffle
+        k_roll, k_ppo = async_rl.iteration_keys(key)  # k_ppo the same on every host: one global shuffle
 
         self._phase("rollout")
         with timer.stage("rollout"):  # 1. Collect.
-            first = self.task_cursor + jax.process_index() * self.groups_per_host
-            groups = [tasks.train_task(self.train_ids, s.seed, first + i) for i in range(self.groups_per_host)]
-            res = self._play(self.rollout_cfg, groups, k_roll)
+            res = self._collect(k_roll)
             batch = res.tokens
         self._phase("log-probs")
         with timer.stage("old_logprobs"):  # 2. Old log-probs.
@@ -270,7 +315,29 @@ class Trainer:
             self.epsilon = float(self.controller.update(diag["singleton_group_rate"]))
         self.task_cursor += s.num_groups
         self.iteration += 1
+        if self.policy is not None:
+            rec.update(self._after_update(batch))
         return rec
+
+    def _collect(self, k_roll):
+        """This iteration's rollout: played here with ``k_roll``, or (asynchronous RL) taken from the
+        sampler thread, which played it with the same key."""
+        if self.sampler is not None:
+            return self.sampler.take(self.iteration)
+        s = self.spec
+        first = self.task_cursor + jax.process_index() * self.groups_per_host
+        groups = [tasks.train_task(self.train_ids, s.seed, first + i) for i in range(self.groups_per_host)]
+        return self._play(self.rollout_cfg, groups, k_roll)
+
+    def _after_update(self, batch) -> dict[str, float]:
+        """Asynchronous RL after update ``self.iteration - 1``: the rows' version lag behind the version
+        they trained, then the push of the new parameters to the sampler group (its seconds)."""
+        lag = (self.iteration - 1) - batch.policy_version
+        return {
+            keys.ASYNC_LAG_MEAN: float(lag.mean()),
+            keys.ASYNC_LAG_MAX: float(lag.max()),
+            keys.ASYNC_PUSH_SECONDS: self._push(),
+        }
 
     def _advantages(self, res) -> tuple[np.ndarray, dict[str, Any]]:
         """Per-row advantages of the iteration at ``self.epsilon`` and the estimator's diagnostics.
@@ -349,8 +416,9 @@ class Trainer:
         ``val/tasks``) that no purchase can win, so the success rate reads against its ceiling.
         """
         progress = self.spec.log.progress and self.is_primary
-        args = (self.actor, self.engine, self.val_pools, self.spec, self.panels)
-        rec, results = validation.validate(*args, progress=progress, on_panel=self._phase)
+        args = (self.actor, self.val_engine, self.val_pools, self.spec, self.panels)
+        with self.pool_lock:
+            rec, results = validation.validate(*args, progress=progress, on_panel=self._phase)
         if self.spec.log.transcripts_every:
             for name, res in results.items():
                 self._transcribe(res, name)
@@ -490,6 +558,8 @@ class Trainer:
         return path
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         self.metrics.close()
         self.checkpointer.close()
         for pool in {id(p): p for p in (self.pool, *self.val_pools.values())}.values():

@@ -233,4 +233,10 @@ def get_config() -> ml_collections.ConfigDict:
     # tensor-parallel size of each host's sampler / log-prob mesh (its own chips); 0 = mesh.tensor.
     # E.g. 7B on v5e: train pure FSDP (tensor 1) over the slice, decode tensor-parallel 4 in a host.
     c.mesh.sampler_tensor = 0
+
+    # --- asynchronous RL (docs/protocol.md "Asynchronous RL") -------------------------------
+    c.async_rl = ml_collections.ConfigDict()
+    c.async_rl.max_staleness = 0  # k: iterations the sampler may play ahead of the learner; 0 = on-policy
+    c.async_rl.switch = "turn"  # where the sampler adopts new parameters: turn (partial rollouts) | game
+    c.async_rl.sampler_devices = 0  # 0 = colocated (synchronous); n = the first n devices sample, the rest learn
     return c

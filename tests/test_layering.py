@@ -35,6 +35,7 @@ LAYERS = (
             "bipace_jax.sharding",
             "bipace_jax.tasks",
             "bipace_jax.distributed",
+            "bipace_jax.async_rl",
             "bipace_jax.runfolder",
             "bipace_jax.loglines",
             "bipace_jax.transcripts",

@@ -139,6 +139,7 @@ def collect(
     labeler: Callable[[list[int]], Sequence[str | None]] | None = None,
     progress: bool | str = False,
     clock: Clock | None = None,
+    policy: Callable[[], tuple[object, int]] | None = None,
 ) -> RolloutResult:
     """Plays G rollouts of every task group under ``rcfg.scheduler`` and returns the step rows.
 
@@ -159,6 +160,10 @@ def collect(
       progress: lockstep: show a tqdm bar over turns (live games, tokens/s); a string is the bar's label
         (default ``"rollout <game>"``).
       clock: the loop's clock (default the wall clock, ``protocols.WallClock``).
+      policy: asynchronous RL (``bipace_jax.async_rl``): a callable returning ``(actor, policy
+        version)`` in place of ``actor``, asked at every turn boundary by ``lockstep`` (once by
+        ``continuous``); each row's ``StepRecord.policy_version`` is the version that sampled it
+        (None: ``actor`` plays, every version 0).
 
     Returns:
       ``RolloutResult`` (see its docstring); both schedulers give the same one (timing aside; continuous
@@ -174,12 +179,17 @@ def collect(
     games = _check_inputs(engine, pool, games, rcfg)
     play, reset_faults = turns.start(pool, rcfg, games, key, clock, labeler)
     timing, slot_stats = dict.fromkeys(("sampling_s", "prefill_s", "decode_s", "env_s"), 0.0), {}
+    version = 0
+    if policy is not None and rcfg.scheduler != Scheduler.LOCKSTEP:
+        (actor, version), policy = policy(), None  # the slots bind one set of weights
     if play.live:
         bar = _progress_bar(progress, rcfg)
         sched = schedule.policy(
-            rcfg, engine, actor, len(play.episodes), key, clock, temperature=temperature, progress=bar
+            rcfg, engine, actor, len(play.episodes), key, clock, temperature=temperature, progress=bar, policy=policy
         )
         timing, slot_stats = schedule.run(sched, pool, turns.HostTurns(play, engine), clock)
+        for r in play.rows:  # turn s of env i is the env's s-th engine call
+            r.policy_version = sched.versions[r.traj][r.step] if policy is not None else version
     timing = dict(timing, env_s=timing["env_s"] + play.reset_s, total_s=clock.now() - t_start)
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     return _result(play, engine, len(games), reset_faults, timing, slot_stats, labeled=labeler is not None)

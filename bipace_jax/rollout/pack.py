@@ -60,6 +60,7 @@ def token_batch(rows: list[StepRecord], length_buckets, pad_id: int) -> tuple[To
         response_ids,
         response_mask,
         width,
+        policy_version=np.array([r.policy_version for r in rows], np.int32),
     )
     return batch, logprobs
 

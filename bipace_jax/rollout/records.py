@@ -78,6 +78,7 @@ class StepRecord:
     label: str | None = None  # collect's labeler's label of the state the prompt showed (DAgger), or None
     observation: str = ""  # the observation text the prompt ends with (transcripts)
     state: Any = None  # the Observation the prompt showed (DAgger records, sft.dagger_records)
+    policy_version: int = 0  # the learner updates behind the parameters that sampled it (asynchronous RL)
 
 
 @dataclasses.dataclass

@@ -41,14 +41,21 @@ def _timing() -> dict[str, float]:
 class Lockstep:
     """Insert every waiting game, decode until all are done (one ``Engine.generate``), step them all.
 
-    ``progress``: a tqdm bar over turns (live games, tokens/s) or None.
+    ``progress``: a tqdm bar over turns (live games, tokens/s) or None. ``policy``: None (``actor``
+    plays every turn, version 0) or a callable returning ``(actor, policy version)``, asked at every
+    turn boundary (asynchronous RL's switch point); ``versions[env]`` lists the version of each of the
+    env's turns.
     """
 
     barrier = True  # the next insert waits for every env step of the turn
 
-    def __init__(self, engine: EngineLike, actor, key, temperature: float | None, clock: Clock, progress=None):
+    def __init__(
+        self, engine: EngineLike, actor, key, temperature: float | None, clock: Clock, progress=None, policy=None
+    ):
         self.engine, self.actor, self.key, self.temperature, self.bar = engine, actor, key, temperature, progress
         self.clock, self.timing = clock, _timing()
+        self.policy = policy
+        self.versions: dict[int, list[int]] = collections.defaultdict(list)
         self._waiting: tuple | None = None
         self._finished: Finished | None = None
 
@@ -73,11 +80,12 @@ class Lockstep:
             return
         envs, prompts, labels, keys, groups = self._waiting
         self._waiting = None
+        actor, version = self.policy() if self.policy is not None else (self.actor, 0)
+        for i in envs:
+            self.versions[i].append(version)
         t0 = self.clock.now()
         # a task group's games share their prompt head (the engine prefills it once if configured to)
-        out = self.engine.generate(
-            self.actor, prompts, self.key, temperature=self.temperature, row_keys=keys, groups=groups
-        )
+        out = self.engine.generate(actor, prompts, self.key, temperature=self.temperature, row_keys=keys, groups=groups)
         dt = self.clock.now() - t0
         self.timing["sampling_s"] += dt
         if out.timing is not None:
@@ -185,11 +193,15 @@ def policy(
     *,
     temperature: float | None = None,
     progress=None,
+    policy=None,
 ) -> Lockstep | Continuous:
     """The scheduler ``rcfg.scheduler`` for ``n_games`` games: ``Lockstep``, or ``Continuous`` on
-    ``rcfg.num_slots`` slots (0: one per game, capped at the engine's largest batch bucket)."""
+    ``rcfg.num_slots`` slots (0: one per game, capped at the engine's largest batch bucket).
+    ``policy``: see ``Lockstep``; ``Continuous`` asks it once (its slots bind one set of weights)."""
     if rcfg.scheduler == Scheduler.LOCKSTEP:
-        return Lockstep(engine, actor, key, temperature, clock, progress)
+        return Lockstep(engine, actor, key, temperature, clock, progress, policy)
+    if policy is not None:
+        actor, _ = policy()
     n_slots = rcfg.num_slots or min(n_games, engine.config.batch_buckets[-1])
     handle = engine.slots(
         actor, n_slots, max_prompt=rcfg.max_prompt_length, chunk=rcfg.chunk_steps, temperature=temperature
