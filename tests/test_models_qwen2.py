@@ -239,6 +239,25 @@ def test_decode_step_with_a_per_row_index_equals_each_row_decoded_alone():
             np.testing.assert_allclose(np.asarray(both.v[i][r]), np.asarray(alone[r].v[i][0]), atol=1e-6)
 
 
+def test_per_row_cache_writes_by_scatter_equal_the_slice_write_loop_and_numpy():
+    # The accelerators' write (one scatter) and the CPU's (a loop of slice writes): each row's new
+    # key/value lands at its own slot, everything else untouched; bitwise the same arrays.
+    from bipace_jax.models.kv_cache import write_per_row
+
+    rng = np.random.default_rng(5)
+    b, kh, hd, s = 5, 2, 4, 9
+    kc, vc = rng.normal(size=(b, kh, hd, s)).astype(np.float32), rng.normal(size=(b, kh, s, hd)).astype(np.float32)
+    k, v = rng.normal(size=(b, kh, hd, 1)).astype(np.float32), rng.normal(size=(b, kh, 1, hd)).astype(np.float32)
+    index = np.array([0, 8, 3, 3, 5], np.int32)
+    want_k, want_v = kc.copy(), vc.copy()
+    for r, i in enumerate(index):
+        want_k[r, :, :, i], want_v[r, :, i, :] = k[r, :, :, 0], v[r, :, 0, :]
+    for scatter in (True, False):
+        got = jax.jit(functools.partial(write_per_row, scatter=scatter))(kc, vc, k, v, jnp.asarray(index))
+        np.testing.assert_array_equal(np.asarray(got[0]), want_k)
+        np.testing.assert_array_equal(np.asarray(got[1]), want_v)
+
+
 @pytest.mark.slow
 def test_jitted_prefill_and_decode_loop_equal_full_forward():
     cfg = Qwen2Config.tiny()

@@ -252,8 +252,11 @@ def test_filter_logits_keeps_the_same_tokens_as_hf_warpers(top_k, top_p):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "cpu", [True, False]
+)  # the CPU's bisection loops; the accelerators' top_k + unrolled bisection
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (7, 1.0), (0, 0.37), (0, 0.81), (6, 0.55), (1, 0.9)])
-def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_zeros(top_k, top_p):
+def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_zeros(top_k, top_p, cpu):
     rng = np.random.default_rng(top_k * 100 + int(top_p * 100))
     x = rng.integers(-4, 5, size=(48, 33)).astype(np.float32) * 0.5  # many ties
     x[0] = 0.0
@@ -261,7 +264,8 @@ def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_z
     x[2, :20] = -np.inf
     x[3, 5] = 1e30
     x[4] = rng.normal(size=33).astype(np.float32) * 30
-    got = np.isfinite(np.asarray(jax.jit(functools.partial(filter_logits, top_k=top_k, top_p=top_p))(jnp.asarray(x))))
+    filt = jax.jit(functools.partial(filter_logits, top_k=top_k, top_p=top_p, cpu=cpu))
+    got = np.isfinite(np.asarray(filt(jnp.asarray(x))))
     for row, keep in zip(x, got):
         # The rule with a sort (float64): keep the top-k (ties with the k-th too), then, over their
         # renormalised probabilities in descending order, every token whose predecessors' mass < top_p,
