@@ -630,7 +630,28 @@ def test_tpu_splash_kernel_equals_the_reference_at_real_columns_values_and_gradi
         attn.splash_attention(q[:, :100], k[:, :100], v[:, :100], mask[:, -1, :100])
 
 
-def test_gpu_fused_attention_equals_the_reference_at_real_columns():
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_fused_attention_equals_the_reference_at_real_columns_values_and_gradients(packed):
+    # The GPU path's function with XLA's implementation (what a GPU without a usable cuDNN kernel
+    # runs; on CPU the default's cuDNN attempt falls back to it): 4 query heads over 2 KV heads, left
+    # padding, and packed rows (causal within 3 segments, the dense mask).
     q, k, v, mask, real = _causal_case(t=40)
-    ref = attn.attention(q, k, v, mask, causal=True, schedule=attn.REFERENCE)
-    np.testing.assert_allclose(np.asarray(attn.fused_attention(q, k, v, mask))[real], np.asarray(ref)[real], atol=2e-6)
+    if packed:
+        seg = np.repeat(np.array([[1] * 15 + [2] * 20 + [0] * 5]), 2, axis=0)
+        seg[1, :9] = 3
+        mask = jnp.asarray(np.tril(np.ones((40, 40), bool))[None] & (seg[:, :, None] == seg[:, None, :]))
+        real = seg > 0
+
+    def loss(fn, q):
+        return jnp.sum(jnp.where(real[..., None, None], fn(q), 0.0) ** 2)
+
+    ref = functools.partial(attn.attention, k=k, v=v, mask=mask, causal=True, schedule=attn.REFERENCE)
+    xla = functools.partial(attn.fused_attention, k=k, v=v, mask=mask, implementation="xla")
+    np.testing.assert_allclose(np.asarray(xla(q))[real], np.asarray(ref(q))[real], atol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(functools.partial(loss, xla))(q), jax.grad(functools.partial(loss, ref))(q), atol=1e-5
+    )
+    # no cuDNN here: the default falls back to XLA's implementation, bitwise
+    np.testing.assert_array_equal(np.asarray(attn.fused_attention(q, k, v, mask)), np.asarray(xla(q)))
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        attn.fused_attention(q, k, v, mask, implementation="cudnn")
