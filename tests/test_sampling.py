@@ -562,3 +562,38 @@ def test_row_keys_make_a_row_depend_on_its_own_key_and_prompt_only():
     assert not np.array_equal(default.tokens, together.tokens)
     with pytest.raises(ValueError, match="row_keys must be 3 keys"):
         sampler.generate(model, prompts, jax.random.key(0), row_keys=keys[:2])
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_the_accelerator_decode_step_has_no_loop_and_writes_the_state_in_place(top_k):
+    # The compiled continuous-scheduler chunk (per-row KV writes) under both schedules, counted as
+    # launch.decode_hlo counts: the CPU's step loops over rows (and bisects top-k); the accelerators'
+    # has no loop inside a step (the threefry hash's CPU-only loops aside) and fewer kernels. Either
+    # way every array of the donated state is written in place.
+    from unittest import mock
+
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.programs import abstract
+    from bipace_jax.sampling.engine import abstract_programs
+    from launch.decode_hlo import count
+
+    cfg = Qwen2Config.tiny(num_hidden_layers=2)
+    graphdef, params = nnx.split(Qwen2Actor(cfg))
+    scfg = SamplerConfig(max_new_tokens=8, greedy=top_k == 0, top_k=top_k, eos_token_ids=(1,))
+    got = {}
+    for platform in ("cpu", "gpu"):
+        jax.clear_caches()
+        with (
+            mock.patch("bipace_jax.models.qwen2.device_platform", lambda p=platform: p),
+            mock.patch("bipace_jax.sampling.filters.device_platform", lambda p=platform: p),
+        ):
+            specs = abstract_programs(
+                scfg, graphdef, abstract(params), vocab=cfg.vocab_size, prompt_len=16, slots=4, chunk=2
+            )
+            got[platform] = count(specs["decode_chunk"].lower().compile())
+    threefry = 0 if top_k == 0 else 10  # two 5-round loops of XLA CPU's threefry lowering
+    assert got["cpu"]["loop_iterations"] >= 2 * 4 + threefry + (32 if top_k else 0)  # 2 layers x 4 rows
+    assert got["gpu"]["loop_iterations"] == threefry
+    assert got["gpu"]["kernels"] < got["cpu"]["kernels"]
+    n = 2 * cfg.num_hidden_layers + 3 + 8  # K and V per layer, mask, lengths, index; 8 per-row arrays
+    assert got["cpu"]["state_aliased"] == got["gpu"]["state_aliased"] == f"{n}/{n}"
