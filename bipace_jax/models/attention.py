@@ -39,6 +39,7 @@ __all__ = [
     "CPU_SCORES_BYTES",
     "CPU_CAUSAL_BLOCK",
     "CPU_MAX_CAUSAL_BLOCKS",
+    "GPU_IMPLEMENTATION",
     "device_platform",
     "row_chunk",
     "causal_blocks",
@@ -57,6 +58,9 @@ CPU_SCORES_BYTES = 2 * 1024 * 1024
 # CPU causal query blocks: 32 columns each (64 was slower), at most 8 blocks.
 CPU_CAUSAL_BLOCK = 32
 CPU_MAX_CAUSAL_BLOCKS = 8
+# GPU causal self-attention: `fused_attention`'s implementation (None: cuDNN where jax can build it, else
+# XLA's; "xla" or "cudnn" to compare them, set before the program is traced).
+GPU_IMPLEMENTATION: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +169,7 @@ def attention(
         if platform == "tpu" and t % SPLASH_BLOCK == 0:
             return splash_attention(q, k, v, mask[:, -1, :], segment_ids=segments_of_mask(mask))
         if platform == "gpu":
-            return fused_attention(q, k, v, mask)
+            return fused_attention(q, k, v, mask, implementation=GPU_IMPLEMENTATION)
     if schedule is None:
         schedule = choose_schedule(b, t, s, n, causal=causal and not cache_layout)
     blocks = schedule.causal_blocks
