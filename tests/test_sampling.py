@@ -564,6 +564,7 @@ def test_row_keys_make_a_row_depend_on_its_own_key_and_prompt_only():
         sampler.generate(model, prompts, jax.random.key(0), row_keys=keys[:2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_the_accelerator_decode_step_has_no_loop_and_writes_the_state_in_place(top_k):
     # The compiled continuous-scheduler chunk (per-row KV writes) under both schedules, counted as
