@@ -239,6 +239,25 @@ def test_decode_step_with_a_per_row_index_equals_each_row_decoded_alone():
             np.testing.assert_allclose(np.asarray(both.v[i][r]), np.asarray(alone[r].v[i][0]), atol=1e-6)
 
 
+def test_per_row_cache_writes_by_scatter_equal_the_slice_write_loop_and_numpy():
+    # The accelerators' write (one scatter) and the CPU's (a loop of slice writes): each row's new
+    # key/value lands at its own slot, everything else untouched; bitwise the same arrays.
+    from bipace_jax.models.kv_cache import write_per_row
+
+    rng = np.random.default_rng(5)
+    b, kh, hd, s = 5, 2, 4, 9
+    kc, vc = rng.normal(size=(b, kh, hd, s)).astype(np.float32), rng.normal(size=(b, kh, s, hd)).astype(np.float32)
+    k, v = rng.normal(size=(b, kh, hd, 1)).astype(np.float32), rng.normal(size=(b, kh, 1, hd)).astype(np.float32)
+    index = np.array([0, 8, 3, 3, 5], np.int32)
+    want_k, want_v = kc.copy(), vc.copy()
+    for r, i in enumerate(index):
+        want_k[r, :, :, i], want_v[r, :, i, :] = k[r, :, :, 0], v[r, :, 0, :]
+    for scatter in (True, False):
+        got = jax.jit(functools.partial(write_per_row, scatter=scatter))(kc, vc, k, v, jnp.asarray(index))
+        np.testing.assert_array_equal(np.asarray(got[0]), want_k)
+        np.testing.assert_array_equal(np.asarray(got[1]), want_v)
+
+
 @pytest.mark.slow
 def test_jitted_prefill_and_decode_loop_equal_full_forward():
     cfg = Qwen2Config.tiny()
@@ -611,7 +630,28 @@ def test_tpu_splash_kernel_equals_the_reference_at_real_columns_values_and_gradi
         attn.splash_attention(q[:, :100], k[:, :100], v[:, :100], mask[:, -1, :100])
 
 
-def test_gpu_fused_attention_equals_the_reference_at_real_columns():
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_fused_attention_equals_the_reference_at_real_columns_values_and_gradients(packed):
+    # The GPU path's function with XLA's implementation (what a GPU without a usable cuDNN kernel
+    # runs; on CPU the default's cuDNN attempt falls back to it): 4 query heads over 2 KV heads, left
+    # padding, and packed rows (causal within 3 segments, the dense mask).
     q, k, v, mask, real = _causal_case(t=40)
-    ref = attn.attention(q, k, v, mask, causal=True, schedule=attn.REFERENCE)
-    np.testing.assert_allclose(np.asarray(attn.fused_attention(q, k, v, mask))[real], np.asarray(ref)[real], atol=2e-6)
+    if packed:
+        seg = np.repeat(np.array([[1] * 15 + [2] * 20 + [0] * 5]), 2, axis=0)
+        seg[1, :9] = 3
+        mask = jnp.asarray(np.tril(np.ones((40, 40), bool))[None] & (seg[:, :, None] == seg[:, None, :]))
+        real = seg > 0
+
+    def loss(fn, q):
+        return jnp.sum(jnp.where(real[..., None, None], fn(q), 0.0) ** 2)
+
+    ref = functools.partial(attn.attention, k=k, v=v, mask=mask, causal=True, schedule=attn.REFERENCE)
+    xla = functools.partial(attn.fused_attention, k=k, v=v, mask=mask, implementation="xla")
+    np.testing.assert_allclose(np.asarray(xla(q))[real], np.asarray(ref(q))[real], atol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(functools.partial(loss, xla))(q), jax.grad(functools.partial(loss, ref))(q), atol=1e-5
+    )
+    # no cuDNN here: the default falls back to XLA's implementation, bitwise
+    np.testing.assert_array_equal(np.asarray(attn.fused_attention(q, k, v, mask)), np.asarray(xla(q)))
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        attn.fused_attention(q, k, v, mask, implementation="cudnn")

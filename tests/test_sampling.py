@@ -252,8 +252,11 @@ def test_filter_logits_keeps_the_same_tokens_as_hf_warpers(top_k, top_p):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "cpu", [True, False]
+)  # the CPU's bisection loops; the accelerators' top_k + unrolled bisection
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (7, 1.0), (0, 0.37), (0, 0.81), (6, 0.55), (1, 0.9)])
-def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_zeros(top_k, top_p):
+def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_zeros(top_k, top_p, cpu):
     rng = np.random.default_rng(top_k * 100 + int(top_p * 100))
     x = rng.integers(-4, 5, size=(48, 33)).astype(np.float32) * 0.5  # many ties
     x[0] = 0.0
@@ -261,7 +264,8 @@ def test_filter_logits_matches_the_sorted_rule_with_ties_infinities_and_signed_z
     x[2, :20] = -np.inf
     x[3, 5] = 1e30
     x[4] = rng.normal(size=33).astype(np.float32) * 30
-    got = np.isfinite(np.asarray(jax.jit(functools.partial(filter_logits, top_k=top_k, top_p=top_p))(jnp.asarray(x))))
+    filt = jax.jit(functools.partial(filter_logits, top_k=top_k, top_p=top_p, cpu=cpu))
+    got = np.isfinite(np.asarray(filt(jnp.asarray(x))))
     for row, keep in zip(x, got):
         # The rule with a sort (float64): keep the top-k (ties with the k-th too), then, over their
         # renormalised probabilities in descending order, every token whose predecessors' mass < top_p,
@@ -558,3 +562,39 @@ def test_row_keys_make_a_row_depend_on_its_own_key_and_prompt_only():
     assert not np.array_equal(default.tokens, together.tokens)
     with pytest.raises(ValueError, match="row_keys must be 3 keys"):
         sampler.generate(model, prompts, jax.random.key(0), row_keys=keys[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_the_accelerator_decode_step_has_no_loop_and_writes_the_state_in_place(top_k):
+    # The compiled continuous-scheduler chunk (per-row KV writes) under both schedules, counted as
+    # launch.decode_hlo counts: the CPU's step loops over rows (and bisects top-k); the accelerators'
+    # has no loop inside a step (the threefry hash's CPU-only loops aside) and fewer kernels. Either
+    # way every array of the donated state is written in place.
+    from unittest import mock
+
+    from bipace_jax.models import Qwen2Actor, Qwen2Config
+    from bipace_jax.programs import abstract
+    from bipace_jax.sampling.engine import abstract_programs
+    from launch.decode_hlo import count
+
+    cfg = Qwen2Config.tiny(num_hidden_layers=2)
+    graphdef, params = nnx.split(Qwen2Actor(cfg))
+    scfg = SamplerConfig(max_new_tokens=8, greedy=top_k == 0, top_k=top_k, eos_token_ids=(1,))
+    got = {}
+    for platform in ("cpu", "gpu"):
+        jax.clear_caches()
+        with (
+            mock.patch("bipace_jax.models.qwen2.device_platform", lambda p=platform: p),
+            mock.patch("bipace_jax.sampling.filters.device_platform", lambda p=platform: p),
+        ):
+            specs = abstract_programs(
+                scfg, graphdef, abstract(params), vocab=cfg.vocab_size, prompt_len=16, slots=4, chunk=2
+            )
+            got[platform] = count(specs["decode_chunk"].lower().compile())
+    threefry = 0 if top_k == 0 else 10  # two 5-round loops of XLA CPU's threefry lowering
+    assert got["cpu"]["loop_iterations"] >= 2 * 4 + threefry + (32 if top_k else 0)  # 2 layers x 4 rows
+    assert got["gpu"]["loop_iterations"] == threefry
+    assert got["gpu"]["kernels"] < got["cpu"]["kernels"]
+    n = 2 * cfg.num_hidden_layers + 3 + 8  # K and V per layer, mask, lengths, index; 8 per-row arrays
+    assert got["cpu"]["state_aliased"] == got["gpu"]["state_aliased"] == f"{n}/{n}"

@@ -51,6 +51,9 @@ _SCRIPT = textwrap.dedent("""
     one, _, _ = play(Engine(tok, cfg), actor)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     shard_params(actor, mesh)
+    if "SCHEDULE" == "accelerator":  # the accelerators' schedule: per-row cache writes by scatter, lax.top_k
+        import bipace_jax.models.qwen2, bipace_jax.sampling.filters
+        bipace_jax.models.qwen2.device_platform = bipace_jax.sampling.filters.device_platform = lambda: "gpu"
     eight, ss, slots = play(Engine(tok, cfg, mesh=mesh), actor)
     specs = {n: str(x.sharding.spec) for n, x in
              dict(k=slots.cache.k[0], v=slots.cache.v[0], index=slots.cache.index, tokens=slots.tokens).items()}
@@ -59,8 +62,11 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_slot_programs_sharded_over_8_cpu_devices_draw_the_unsharded_tokens():
-    res = run_on_cpu_devices(_SCRIPT)
+@pytest.mark.parametrize("schedule", ["cpu", "accelerator"])
+def test_slot_programs_sharded_over_8_cpu_devices_draw_the_unsharded_tokens(schedule):
+    # "accelerator": the sharded programs use the accelerators' per-row writes and top-k (a scatter,
+    # lax.top_k), the unsharded ones the CPU's (slice-write and bisection loops): the same tokens
+    res = run_on_cpu_devices(_SCRIPT.replace("SCHEDULE", schedule))
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
     # 3 slots over data x fsdp = 4 shards: 4 rows, the 4th always empty

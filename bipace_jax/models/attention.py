@@ -16,7 +16,8 @@ A `Schedule` says how the same values are computed:
 a schedule, from the devices the computation runs on. Causal self-attention (the training forward
 and the prefill) runs as fused kernels on accelerators, without fp32 [T, T] scores in memory: TPU's
 Pallas splash-attention kernel (`splash_attention`, T a multiple of 128) and, on GPU,
-`jax.nn.dot_product_attention` (`fused_attention`); both are tested equal to the reference. Why and how much each schedule saves:
+`jax.nn.dot_product_attention` with cuDNN's flash kernel where jax can build it, XLA's otherwise
+(`fused_attention`); both are tested equal to the reference. Why and how much each schedule saves:
 docs/performance.md.
 """
 
@@ -38,6 +39,7 @@ __all__ = [
     "CPU_SCORES_BYTES",
     "CPU_CAUSAL_BLOCK",
     "CPU_MAX_CAUSAL_BLOCKS",
+    "GPU_IMPLEMENTATION",
     "device_platform",
     "row_chunk",
     "causal_blocks",
@@ -56,6 +58,9 @@ CPU_SCORES_BYTES = 2 * 1024 * 1024
 # CPU causal query blocks: 32 columns each (64 was slower), at most 8 blocks.
 CPU_CAUSAL_BLOCK = 32
 CPU_MAX_CAUSAL_BLOCKS = 8
+# GPU causal self-attention: `fused_attention`'s implementation (None: cuDNN where jax can build it, else
+# XLA's; "xla" or "cudnn" to compare them, set before the program is traced).
+GPU_IMPLEMENTATION: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +169,7 @@ def attention(
         if platform == "tpu" and t % SPLASH_BLOCK == 0:
             return splash_attention(q, k, v, mask[:, -1, :], segment_ids=segments_of_mask(mask))
         if platform == "gpu":
-            return fused_attention(q, k, v, mask)
+            return fused_attention(q, k, v, mask, implementation=GPU_IMPLEMENTATION)
     if schedule is None:
         schedule = choose_schedule(b, t, s, n, causal=causal and not cache_layout)
     blocks = schedule.causal_blocks
@@ -293,12 +298,28 @@ def splash_attention(
     return jax.shard_map(local, in_specs=(qs, ks, ks, ms), out_specs=qs, check_vma=False)(q, k, v, seg)
 
 
-def fused_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Self-attention of q [B, T, N, Hd] over k, v [B, S, K, Hd] where mask bool [B, T, S], by
-    `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, grouped heads natively)
-    -> [B, T, N, Hd]. Same values as the reference at every column that attends a key.
+def fused_attention(q: Array, k: Array, v: Array, mask: Array, *, implementation: str | None = None) -> Array:
+    """Causal self-attention of q [B, T, N, Hd] over k, v [B, T, K, Hd] where mask bool [B, T, T] (causal
+    and padding, or causal within packed segments) by `jax.nn.dot_product_attention` -> [B, T, N, Hd].
+    Same values as the reference at every column that attends a key (a column attending none gets the
+    mean of the values, as the reference's finite mask value gives).
 
-    Packed sequences come as the dense mask (causal and same segment): `jax.nn.dot_product_attention`
-    takes no segment ids, so the mask is the segments' route on GPU (no kernel skips other segments'
-    blocks)."""
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)
+    `implementation`: "cudnn" (cuDNN's fused flash-attention kernel on NVIDIA GPUs: grouped heads
+    natively, the upper triangle skipped, no [T, T] scores in memory), "xla" (XLA's own), or None:
+    cuDNN where jax can build its kernel for these shapes and dtypes (bf16/fp16, head dim <= 128, a
+    GPU with cuDNN: jax raises at trace time otherwise), XLA's else. Padding and packed segments go in
+    as jax's dense mask (cuDNN adds it as a [B, 1, T, T] bias), as jax's API takes no segment ids: no
+    kernel skips other segments' blocks.
+
+    Raises:
+      RuntimeError, ValueError, NotImplementedError: from jax, when `implementation="cudnn"` is asked
+        for and cannot be built.
+    """
+    m = mask[:, None]
+    if implementation is None:
+        try:
+            out = jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True, implementation="cudnn")
+            return out.astype(q.dtype)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError):
+            implementation = "xla"
+    return jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True, implementation=implementation).astype(q.dtype)

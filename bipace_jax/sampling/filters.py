@@ -13,10 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bipace_jax.models.attention import device_platform
+
 __all__ = ["filter_logits", "first_argmax", "sample_tokens"]
 
 
-def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array = 1.0) -> jax.Array:
+def filter_logits(
+    logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array = 1.0, cpu: bool | None = None
+) -> jax.Array:
     """Masks the logits outside the top-k / top-p (nucleus) set with ``-inf``.
 
     Args:
@@ -30,19 +34,31 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
     Returns:
       float32[..., V]: ``logits`` where kept, ``-inf`` elsewhere.
 
-    Computed without a sort (XLA's CPU sort calls a comparator per comparison, docs/performance.md):
-    each threshold is found by bisection over order-preserving int32 keys of the logits (32 masked
-    counts / sums over V each); the top-k set is exactly ``lax.top_k``'s, the nucleus the sorted
-    rule's up to float summation order.
+      cpu: static; the schedule, same kept set either way. True (XLA's CPU backend, whose sort calls a
+        comparator per comparison, docs/performance.md): both thresholds by a 32-step bisection loop.
+        False (accelerators, where each loop step would be a kernel and a host sync): the top-k
+        threshold by ``lax.top_k`` of the keys, the nucleus bisection unrolled. None: True on CPU
+        (``attention.device_platform``).
+
+    Each threshold is found over order-preserving int32 keys of the logits; the top-k set is exactly
+    ``lax.top_k``'s. The nucleus is found by bisection (32 masked sums over V; unrolled off CPU, so
+    no loop), the sorted rule's up to float summation order.
     """
     v = logits.shape[-1]
     apply_p = not (isinstance(top_p, (int, float)) and top_p >= 1.0)
     if top_k <= 0 and not apply_p:
         return logits
+    cpu = device_platform() == "cpu" if cpu is None else cpu
     key = _order_key(logits)
     lo = jnp.min(key, axis=-1, keepdims=True)
     hi = jnp.max(key, axis=-1, keepdims=True)
-    if 0 < top_k < v:
+    if 0 < top_k < v and not cpu:
+        # The k-th largest key (with multiplicity) is the bisection's threshold exactly.
+        t_k = jax.lax.top_k(key, top_k)[0][..., -1:]
+        logits = jnp.where(key >= t_k, logits, -jnp.inf)
+        key = jnp.where(key >= t_k, key, _order_key(jnp.float32(-jnp.inf)))
+        lo = t_k
+    elif 0 < top_k < v:
         # The k-th largest logit (counted with multiplicity): the largest key t with
         # #{key >= t} >= k. Counts are exact, so this is lax.top_k's k-th value.
         def kth(_, bounds):
@@ -65,7 +81,7 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float | jax.Array
             ok = jnp.sum(jnp.where(key > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
             return jnp.where(ok, lo_, mid + 1), jnp.where(ok, mid, hi_)
 
-        _, t_p = jax.lax.fori_loop(0, 32, nucleus, (lo, hi))
+        _, t_p = jax.lax.fori_loop(0, 32, nucleus, (lo, hi), unroll=not cpu)
         logits = jnp.where(key >= t_p, logits, -jnp.inf)
     return logits
 

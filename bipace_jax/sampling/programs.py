@@ -168,7 +168,7 @@ def decode(
     the step in which a row finishes (the continuous scheduler's chunk). Returns (state, int32[] steps run)."""
     actor = nnx.merge(graphdef, params)
     m = static.max_new_tokens
-    rows = jnp.arange(state.pos.shape[0])
+    columns = jnp.arange(m)
     per_row = jnp.ndim(state.cache.index) == 1
 
     def cond(carry):
@@ -195,10 +195,13 @@ def decode(
         is_eos = jnp.any(token[:, None] == consts.eos_ids[None, :], axis=-1)
         pos = s.pos + live.astype(jnp.int32)
         ends = live & (is_eos | hit | (pos >= m))
+        # Written by a select over [B, M] (one fused elementwise pass) rather than gather + scatter:
+        # two kernels fewer per step on accelerators, the same values.
+        here = live[:, None] & (columns[None, :] == col[:, None])
         s = DecodeState(
             cache=cache,
-            tokens=s.tokens.at[rows, col].set(jnp.where(live, token, s.tokens[rows, col])),
-            logps=s.logps.at[rows, col].set(jnp.where(live, logp, s.logps[rows, col])),
+            tokens=jnp.where(here, token[:, None], s.tokens),
+            logps=jnp.where(here, logp[:, None], s.logps),
             pos=pos,
             done=s.done | ends,
             last=jnp.where(live, token, s.last),
