@@ -24,15 +24,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
+from bipace_jax import plan as plan_lib
 from bipace_jax.batch import abstract_micro_batch
-from bipace_jax.config import OldLogprobs
+from bipace_jax.config import OldLogprobs, fail
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
-from bipace_jax.plan import RunPlan
+from bipace_jax.plan import HostLayout, RunPlan
 from bipace_jax.programs import ProgramSpec, abstract
 
 __all__ = [
     "PROGRAMS",
+    "ROLE_PROGRAMS",
     "SFT_PROGRAMS",
     "SLOT_PROGRAMS",
     "AbstractRun",
@@ -41,6 +43,9 @@ __all__ = [
     "abstract_run",
     "bytes_per_chip",
     "engine_programs",
+    "role_devices",
+    "role_plans",
+    "role_programs",
     "shapes",
     "slot_run_shape",
     "slot_step_time",
@@ -59,6 +64,13 @@ PROGRAMS = (
     "val_decode",
     "estimator",
     "sync_gather",
+)
+#: The programs of each role when a sampler group and a learner group of hosts run apart
+#: (``launch.aot --roles``); ``push_gather`` is the weight push over the whole slice.
+ROLE_PROGRAMS = dict(
+    sampler=("prefill", "decode", "val_prefill", "val_decode"),
+    learner=("ppo_grad", "ppo_apply", "logprobs", "estimator", "sync_gather"),
+    push=("push_gather",),
 )
 #: The warm start's programs (``sft.sft_step_specs``): on request only.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
@@ -389,3 +401,94 @@ def slot_step_time(run: AbstractRun, slot_shapes: dict[str, int], chip: step_tim
     out["programs"]["decode_chunk"]["seconds"] = step["seconds"] * chunk
     out["decode_tokens_per_s_per_host"] = slot_shapes["slots"] / step["seconds"]
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Disaggregated roles: a sampler group and a learner group of whole hosts (the asynchronous schedule).
+
+
+def role_devices(devices: Sequence, sampler_hosts: int) -> tuple[list, list]:
+    """``(learner, sampler)`` devices of a slice split by hosts: the first ``hosts - sampler_hosts``
+    processes learn (the TPU compiler numbers a program's devices from the slice's first), the rest sample.
+
+    Raises:
+      ValueError: ``sampler_hosts`` not in [1, hosts - 1].
+    """
+    hosts = sorted({d.process_index for d in devices})
+    if not 1 <= sampler_hosts < len(hosts):
+        raise ValueError(
+            f"--roles: sampler hosts must be in [1, {len(hosts) - 1}] of {len(hosts)}, got {sampler_hosts}"
+        )
+    learners = set(hosts[: len(hosts) - sampler_hosts])
+    return [d for d in devices if d.process_index in learners], [d for d in devices if d.process_index not in learners]
+
+
+def role_plans(spec: Any, plan: RunPlan, sampler_hosts: int) -> tuple[RunPlan, RunPlan]:
+    """``(sampler, learner)`` run plans of ``plan`` (the whole slice's) with ``sampler_hosts`` hosts
+    sampling and the others learning.
+
+    The sampler group plays all ``rollout.num_groups`` task groups (`plan_lib.plan` on its hosts: a
+    bigger batch a host). The learner group trains on a mesh of its chips with data 1, FSDP over the
+    rest and the config's tensor axis, the same ``ppo.micro_batch_rows`` a host, and the iteration's
+    task groups split over its hosts (a host's share rounded up) for the log-prob pass and the estimator.
+
+    Raises:
+      ConfigError: the task groups do not split over the sampler hosts, or the micro-batch rows over
+        the learner's batch shards (``rollout.num_groups``, ``ppo.micro_batch_rows``).
+    """
+    lay = plan.layout
+    cph, learn = lay.local_devices, lay.processes - sampler_hosts
+    if spec.num_groups % sampler_hosts:
+        fail("rollout.num_groups", f"be a multiple of the {sampler_hosts} sampler hosts of --roles", spec.num_groups)
+
+    def layout(hosts: int) -> HostLayout:
+        # a role's own mesh: data 1, FSDP over its chips, the config's tensor axis (inside a host)
+        chips = hosts * cph
+        return dataclasses.replace(lay, processes=hosts, devices=chips, data=1, fsdp=chips // lay.tensor)
+
+    sampler = plan_lib.plan(spec, layout(sampler_hosts))
+    rows, shards = spec.learner.micro_batch_rows, cph // lay.tensor
+    if rows % shards:
+        fail("ppo.micro_batch_rows", f"be a multiple of the {shards} batch shards of each learner host", rows)
+    groups = -(-spec.num_groups // learn)
+    games = groups * spec.rollout.group_size
+    micro = rows * learn
+    learner = dataclasses.replace(
+        plan,
+        layout=layout(learn),
+        groups_per_host=groups,
+        games_per_host=games,
+        group_capacity=groups,
+        estimator_rows=games * plan.turns,
+        micro_batch_rows_global=micro,
+        micro_batches_per_optimizer_step=-(-plan.mini_batch_rows // micro),
+    )
+    return sampler, learner
+
+
+def role_programs(
+    sampler: AbstractRun, learner: AbstractRun, whole: AbstractRun
+) -> tuple[dict[str, list[Program]], dict[str, int]]:
+    """The programs of each role (`ROLE_PROGRAMS`): the sampler's on a sampler host's mesh with nothing
+    else resident (no master weights, moments or reference live on a sampler host), the learner's as in
+    a synchronous run on the learner group's mesh, and the weight push on the whole slice.
+
+    The push: one XLA program runs on one device set, and the two groups' are disjoint (a jitted
+    program with its input on the learner mesh and its output on the sampler mesh is refused), so the
+    push is compiled as `distributed.local_copy`'s replica route over every chip of the slice: each
+    array all-gathered whole to every chip in the compute dtype, at the largest array, then each
+    sampler host slices its tensor shard (``push_gather``).
+
+    Returns the programs by role and the resident bytes per chip their ``other`` keys name (the
+    learner run's arrays, and ``learner_state``, all of them: what a learner chip holds during the push).
+    """
+    names = ROLE_PROGRAMS
+    s_progs, _ = engine_programs(sampler, names["sampler"])
+    out = dict(
+        sampler=[dataclasses.replace(p, other=()) for p in s_progs if p.name in names["sampler"]],
+        learner=[p for p in abstract_programs(learner, PROGRAMS)[0] if p.name in names["learner"]],
+    )
+    gather = jax.jit(lambda x: x.astype(s_dtype(whole)), out_shardings=jax.sharding.NamedSharding(whole.mesh, P()))
+    push = ProgramSpec("push_gather", gather, (_largest(whole),))
+    out["push"] = [Program("push_gather", whole.mesh, push, ("learner_state",))]
+    return out, dict(learner.resident, learner_state=sum(learner.resident.values()))
