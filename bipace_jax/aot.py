@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
 from bipace_jax import plan as plan_lib
-from bipace_jax.batch import abstract_micro_batch
+from bipace_jax.batch import PackedMicroBatch, abstract_micro_batch
 from bipace_jax.config import OldLogprobs, fail
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
@@ -33,13 +33,16 @@ from bipace_jax.plan import HostLayout, RunPlan
 from bipace_jax.programs import ProgramSpec, abstract
 
 __all__ = [
+    "PACKED_PROGRAMS",
     "PROGRAMS",
     "ROLE_PROGRAMS",
     "SFT_PROGRAMS",
     "SLOT_PROGRAMS",
     "AbstractRun",
     "Program",
+    "abstract_packed_micro_batch",
     "abstract_programs",
+    "pack_widths",
     "abstract_run",
     "bytes_per_chip",
     "engine_programs",
@@ -72,6 +75,9 @@ ROLE_PROGRAMS = dict(
     learner=("ppo_grad", "ppo_apply", "logprobs", "estimator", "sync_gather"),
     push=("push_gather",),
 )
+#: The packed learner programs (``ppo.pack``: token-budget lines, `abstract_packed_micro_batch`): on request
+#: only; with ``ppo.pack`` on, ``ppo_grad`` and ``logprobs`` themselves are these.
+PACKED_PROGRAMS = ("ppo_grad_packed", "logprobs_packed")
 #: The warm start's programs (``sft.sft_step_specs``): on request only.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
 #: The continuous scheduler's slot programs (the engine's ``insert`` and ``decode`` chunk): on request only.
@@ -285,14 +291,27 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
         spec.loss, spec.learner.old_logprobs is OldLogprobs.FUSED, run.arch.vocab_size, spec.learner.logprob_chunk
     )
     rows, prompt, response = p.micro_batch_rows_global, p.prompt_bucket, p.response_tokens
-    mb = abstract_micro_batch(mesh, rows, prompt, response, reference=spec.loss.kl_coef > 0)
-    args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state, mb, ppo.STAT_KEYS)
-    step = learner.step_specs(*args)
+    kl = spec.loss.kl_coef > 0
+    packed = spec.learner.pack
+
+    def micro(on, n, *, logprobs=True, pack=False):
+        if pack:
+            width, rwidth = pack_widths(run)
+            return abstract_packed_micro_batch(on, n, width, rwidth, logprobs=logprobs, reference=kl)
+        return abstract_micro_batch(on, n, prompt, response, logprobs=logprobs, reference=kl)
+
+    def update(pack: bool) -> dict[str, ProgramSpec]:
+        args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state)
+        return learner.step_specs(*args, micro(mesh, rows, pack=pack), ppo.STAT_KEYS)
+
+    step = update(packed)
     # `PPOLearner.update` frees the sampler copy for its steps (`Learner.release_local`)
     out = [
         Program("ppo_grad", mesh, step["accumulate"], ("opt_state", "reference")),
         Program("ppo_apply", mesh, step["apply"], ("reference",)),
     ]
+    if "ppo_grad_packed" in names:  # the optimizer step does not see the micro-batch: ppo_apply serves both
+        out.append(Program("ppo_grad_packed", mesh, update(True)["accumulate"], ("opt_state", "reference")))
     if set(SFT_PROGRAMS) & set(names):
         # the warm start keeps no reference and frees its sampler copy for its steps (`sft._WarmStart.train`)
         sft_step = sft.sft_step_specs(
@@ -302,9 +321,11 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
             Program("sft_grad", mesh, sft_step["accumulate"], ("opt_state",)),
             Program("sft_apply", mesh, sft_step["apply"]),
         ]
-    lmb = abstract_micro_batch(run.local_mesh, p.logprob_rows_per_host, prompt, response, logprobs=False)
-    logprobs = ppo.logprobs_spec(run.graphdef, ppo_objective, run.local_params, run.rest, lmb)
-    out.append(Program("logprobs", run.local_mesh, logprobs, run.host_other))
+    for name, pack in (("logprobs", packed), ("logprobs_packed", True)):
+        if name == "logprobs" or name in names:
+            lmb = micro(run.local_mesh, p.logprob_rows_per_host, logprobs=False, pack=pack)
+            logprobs = ppo.logprobs_spec(run.graphdef, ppo_objective, run.local_params, run.rest, lmb)
+            out.append(Program(name, run.local_mesh, logprobs, run.host_other))
     engine, slot_shapes = engine_programs(run, names)
     out += engine
     out.append(_estimator_program(run))
@@ -316,6 +337,39 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
         spec_ = ProgramSpec("sync_gather", gather, (_largest(run),))
         out.append(Program("sync_gather", mesh, spec_, tuple(run.resident)))
     return out, slot_shapes
+
+
+def pack_widths(run: AbstractRun) -> tuple[int, int]:
+    """(C, R) of a packed line at the plan's largest rows, as ``PPOLearner`` takes them: ``ppo.pack_width``
+    or the prompt bucket + the response width, and ``ppo.pack_response_width`` or min(C, 2 x the
+    response width)."""
+    learn, p = run.spec.learner, run.plan
+    width = learn.pack_width or p.prompt_bucket + p.response_tokens
+    return width, learn.pack_response_width or min(width, 2 * p.response_tokens)
+
+
+def abstract_packed_micro_batch(
+    mesh, lines: int, width: int, response_width: int, *, logprobs: bool = True, reference: bool = True
+) -> PackedMicroBatch:
+    """A ``PackedMicroBatch`` of ``jax.ShapeDtypeStruct``s (L = ``lines``, C = ``width``, R =
+    ``response_width``) with lines split over ``mesh``'s ("data", "fsdp") axes, as
+    ``batch.abstract_micro_batch`` for padded rows; ``logprobs``: with the old log-probs and
+    advantages (the gradient pass), ``reference``: with the reference log-probs too."""
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
+
+    per_slot = sds((lines, response_width), np.float32)
+    return PackedMicroBatch(
+        input_ids=sds((lines, width), np.int32),
+        segment_ids=sds((lines, width), np.int32),
+        head_index=sds((lines, response_width), np.int32),
+        response_ids=sds((lines, response_width), np.int32),
+        response_mask=sds((lines, response_width), np.bool_),
+        old_logprobs=per_slot if logprobs else None,
+        ref_logprobs=per_slot if logprobs and reference else None,
+        advantages=per_slot if logprobs else None,
+    )
 
 
 def _largest(run: AbstractRun):

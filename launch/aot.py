@@ -33,6 +33,13 @@ The warm start's step (behaviour cloning on demonstrations, ``sft.sft_step_specs
   sft_grad   the micro-batch gradient (forward, response-token NLL, backward)
   sft_apply  the optimizer update
 
+The packed learner programs (``ppo.pack``: ``micro_batch_rows`` lines of C = ``ppo.pack_width`` tokens,
+0: the prompt bucket + the response width, and R = ``ppo.pack_response_width`` response slots, 0:
+min(C, 2 x the response width); ``aot.abstract_packed_micro_batch``): with ``ppo.pack`` on, ``ppo_grad``
+and ``logprobs`` are compiled packed (what the trainer runs); ``--programs=ppo_grad_packed,logprobs_packed``
+compiles them packed beside an unpacked config, into ``<config>__<topology>__packed.json`` (``ppo_apply``
+does not see the micro-batch). The report's ``shapes`` carry ``pack_width`` and ``pack_response_width``.
+
 The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``sampling.Engine.slots``) on
 request only (``--programs=insert_1,insert,decode_chunk``), on the host's sampler mesh with the slot state
 (NS = ``rollout.num_slots`` or the host's games capped at the largest batch bucket, rounded up to the
@@ -93,7 +100,7 @@ from ml_collections import config_flags
 from bipace_jax import aot, build, step_time
 from bipace_jax import config as config_lib
 from bipace_jax import plan as plan_lib
-from bipace_jax.aot import PROGRAMS, SFT_PROGRAMS, SLOT_PROGRAMS
+from bipace_jax.aot import PACKED_PROGRAMS, PROGRAMS, SFT_PROGRAMS, SLOT_PROGRAMS
 from launch import cli
 from launch._common import ROOT, write_json
 
@@ -242,6 +249,9 @@ def compile_all(spec, devices, local, programs=PROGRAMS) -> dict:
     )
     specs, slot_shapes = aot.abstract_programs(run, programs)
     report["shapes"].update(slot_shapes)
+    if spec.learner.pack or set(programs) & set(PACKED_PROGRAMS):
+        width, rwidth = aot.pack_widths(run)
+        report["shapes"].update(pack=spec.learner.pack, pack_width=width, pack_response_width=rwidth)
     for p in specs:
         if p.name not in programs:
             continue
@@ -409,7 +419,7 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
     programs = tuple(_PROGRAMS.value) or PROGRAMS
-    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS
+    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS + PACKED_PROGRAMS
     unknown = sorted(set(programs) - set(known))
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; expected some of {known}")
@@ -453,7 +463,8 @@ def main(argv):
     print_report(report, setting, name)
     slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
     # beside, not over, the run's report
-    warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else "__slots" if set(programs) <= set(SLOT_PROGRAMS) else ""
+    kinds = (("__sft", SFT_PROGRAMS), ("__slots", SLOT_PROGRAMS), ("__packed", PACKED_PROGRAMS))
+    warm = next((suffix for suffix, names in kinds if set(programs) <= set(names)), "")
     write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}{warm}.json"), report, indent=1)
     if not report["fits"]:
         sys.exit(1)

@@ -1,8 +1,10 @@
-"""`launch.aot --roles`: a sampler group and a learner group of hosts compiled apart, with the weight push.
+"""`launch.aot` at pod scale: disaggregated roles (``--roles``) and the packed learner programs.
 
-The plans and device split are checked on a v5e:4x4 topology description (libtpu, no compile); a
-tiny run compiles a few programs of each role for it; the committed role reports
-(`benchmarks/aot/*__roles-*.json`) are checked always.
+Roles: a sampler group and a learner group of hosts compiled apart, with the weight push; the plans
+and device split are checked on a v5e:4x4 topology description (libtpu, no compile), a tiny run
+compiles a few programs of each role for it, and the committed role reports
+(`benchmarks/aot/*__roles-*.json`) are checked always. Packed: the tiny default's packed gradient and
+log-prob pass on 8 CPU devices.
 """
 
 import glob
@@ -134,3 +136,29 @@ def test_committed_role_reports_fit_each_role_within_the_budget(path):
     # the learner's mesh is its hosts' chips, FSDP over them
     m = r["meshes"]["learner"]
     assert m["data"] * m["fsdp"] * m["tensor"] == r["learner_hosts"] * r["chips"] // r["hosts"]
+
+
+@pytest.mark.slow
+def test_the_packed_learner_programs_compile_at_the_pack_widths(tmp_path):
+    mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=-1"]
+    widths = ["--config.ppo.pack_width=256", "--config.ppo.pack_response_width=48"]
+    cmd = [sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=cpu:8", *mesh, *widths]
+    proc = subprocess.run(
+        [*cmd, "--programs=ppo_grad,ppo_grad_packed,logprobs_packed"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))
+    assert set(r["programs"]) == {"ppo_grad", "ppo_grad_packed", "logprobs_packed"} and r["fits"] is True
+    sh = r["shapes"]
+    assert (sh["pack"], sh["pack_width"], sh["pack_response_width"]) == (False, 256, 48)
+    # 8 lines a host x 256 tokens against 8 rows x (448 + 32): the packed pass does about 256 / 480 of the work
+    g, pg = r["programs"]["ppo_grad"]["flops"], r["programs"]["ppo_grad_packed"]["flops"]
+    assert 0.4 < pg / g < 0.75
+    # with ppo.pack on, ppo_grad is the packed program itself, into the run's report
+    proc = subprocess.run(
+        [*cmd, "--config.ppo.pack=True", "--programs=ppo_grad"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    packed = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))
+    assert packed["shapes"]["pack"] is True
+    assert packed["programs"]["ppo_grad"]["flops"] == pytest.approx(pg, rel=1e-6)
