@@ -40,7 +40,9 @@ __all__ = [
     "SLOT_PROGRAMS",
     "AbstractRun",
     "Program",
+    "REMAT_ORDER",
     "abstract_packed_micro_batch",
+    "choose_remat",
     "abstract_programs",
     "pack_widths",
     "abstract_run",
@@ -78,6 +80,9 @@ ROLE_PROGRAMS = dict(
 #: The packed learner programs (``ppo.pack``: token-budget lines, `abstract_packed_micro_batch`): on request
 #: only; with ``ppo.pack`` on, ``ppo_grad`` and ``logprobs`` themselves are these.
 PACKED_PROGRAMS = ("ppo_grad_packed", "logprobs_packed")
+#: ``model.remat`` policies from the least compute to the least memory (none keeps every activation;
+#: save_dots recomputes the elementwise work; full recomputes each layer: a third more FLOPs).
+REMAT_ORDER = ("none", "save_dots", "full")
 #: The warm start's programs (``sft.sft_step_specs``): on request only.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
 #: The continuous scheduler's slot programs (the engine's ``insert`` and ``decode`` chunk): on request only.
@@ -546,3 +551,13 @@ def role_programs(
     push = ProgramSpec("push_gather", gather, (_largest(whole),))
     out["push"] = [Program("push_gather", whole.mesh, push, ("learner_state",))]
     return out, dict(learner.resident, learner_state=sum(learner.resident.values()))
+
+
+def choose_remat(totals: dict[str, int], budget_bytes: float) -> str | None:
+    """The first policy of `REMAT_ORDER` (the least recompute) whose gradient program's per-chip total
+    (``totals``: policy -> bytes, e.g. ``memory_analysis`` peak + resident arrays) is at most
+    ``budget_bytes``; None when none fits. Policies missing from ``totals`` are skipped."""
+    for policy in REMAT_ORDER:
+        if policy in totals and totals[policy] <= budget_bytes:
+            return policy
+    return None

@@ -967,7 +967,8 @@ def best_split(
     headroom: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """`async_iteration` at every split of ``r``'s hosts the games divide evenly, and the fastest whose
-    roles fit: each phase of `role_memory` plus ``headroom[phase]`` bytes (that program's own
+    roles fit: the learner's FSDP size (its chips / ``tensor``) divides ``hidden_size`` (else the
+    parameters stay whole on every learner chip), and each phase of `role_memory` plus ``headroom[phase]`` bytes (that program's own
     activations per chip, e.g. an AOT report's ``temp_bytes``) at most ``budget`` of ``chip.hbm_bytes`` (``launch.aot --roles`` checks a
     split by compiling it).
 
@@ -982,7 +983,11 @@ def best_split(
             continue
         a = async_iteration(m, r, chip, s, factors, dcn_bytes_per_s_per_host)
         mem = a["memory_bytes_per_chip"]
-        a["fits"] = all(mem[k] + extra.get(k, 0.0) <= budget * chip.hbm_bytes for k in mem)
+        fsdp = (r.hosts - s) * r.chips_per_host // r.tensor
+        # FSDP splits the hidden size (`sharding.LOGICAL_TO_MESH`): a size that does not divide it
+        # leaves the weights, gradients and moments whole on every learner chip
+        a["fsdp_divides_hidden"] = m.hidden_size % fsdp == 0
+        a["fits"] = a["fsdp_divides_hidden"] and all(mem[k] + extra.get(k, 0.0) <= budget * chip.hbm_bytes for k in mem)
         out.append(a)
     fitting = [a for a in out if a["fits"]]
     return dict(best=min(fitting, key=lambda a: a["iteration_s"]) if fitting else None, candidates=out)

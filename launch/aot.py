@@ -3,6 +3,7 @@
     python -m launch.aot --config=configs/alfworld_qwen2_5_1_5b.py --topology=v5e:4x4
     python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --config.ppo.micro_batch_rows=4
     python -m launch.aot --topology=cpu:8                       # the CPU default on 8 emulated CPU devices
+    python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --roles=sampler:4,learner:12
 
 No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
 every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
@@ -65,6 +66,10 @@ a learner-to-sampler program). The report ``<config>__<topology>__roles-<S>s<L>l
 role's programs, ``fits`` per role, and the step-time model of the split; ``launch.step_table`` shows it
 in the asynchronous table.
 
+``--remat_search`` also compiles ``ppo_grad`` under every ``model.remat`` policy (none, save_dots, full)
+and reports each one's per-chip total and ``chosen``: the least recompute whose total fits the budget
+(``aot.choose_remat``; full remat costs a third more FLOPs than none).
+
 Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
 (the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
 accumulator beside every long-lived array). ``placement`` records each device's host and the mesh
@@ -116,6 +121,12 @@ _ROLES = flags.DEFINE_string(
     "",
     "sampler:S,learner:L: compile a disaggregated run instead, S hosts sampling and L learning (S + L = the "
     "slice's hosts); the report is <config>__<topology>__roles-<S>s<L>l.json.",
+)
+_REMAT_SEARCH = flags.DEFINE_bool(
+    "remat_search",
+    False,
+    "Also compile ppo_grad under every model.remat policy and report the least-recompute one that fits "
+    "(remat_search: the memory that is actually free decides).",
 )
 _SLICES = flags.DEFINE_integer(
     "num_slices", 1, "TPU slices joined over the data-center network (multi-slice: data parallel across them)."
@@ -366,6 +377,35 @@ def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...
     return report
 
 
+def remat_search(spec, devices, local, budget: float) -> dict:
+    """``ppo_grad`` compiled under each ``model.remat`` policy (`aot.REMAT_ORDER`) on ``devices``: per
+    policy its per-chip total (the larger of the compiler's peak and arguments + outputs + temporaries
+    - aliased, plus the resident arrays beside it), share of HBM, FLOPs and compile
+    seconds, and ``chosen`` (`aot.choose_remat` at ``budget`` of HBM: the least recompute that fits)."""
+    hosts = sorted({d.process_index for d in devices})
+    layout = plan_lib.HostLayout.of(spec, len(hosts), len(devices), len(devices) // len(hosts))
+    hbm = hbm_bytes(devices[0])
+    out = {}
+    for policy in aot.REMAT_ORDER:
+        s = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat=policy))
+        run = aot.abstract_run(s, plan_lib.plan(s, layout), devices, local)
+        (grad,) = [p for p in aot.abstract_programs(run, ("ppo_grad",))[0] if p.name == "ppo_grad"]
+        other = sum(run.resident[k] for k in grad.other)
+        stats = _compile(grad, other)
+        # XLA:CPU's peak leaves out the temporaries; the static sum bounds what the program holds at once
+        held = stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"] - stats["alias_bytes"]
+        total = max(stats["peak_bytes_per_chip"], held) + other
+        out[policy] = dict(
+            total_bytes_per_chip=total,
+            temp_bytes=stats["temp_bytes"],
+            fraction_of_hbm=round(total / hbm, 4),
+            flops=stats["flops"],
+            compile_s=stats["compile_s"],
+        )
+    totals = {k: v["total_bytes_per_chip"] for k, v in out.items()}
+    return dict(policies=out, configured=str(spec.model.remat), chosen=aot.choose_remat(totals, budget * hbm))
+
+
 def print_report(report: dict, setting: str, name: str) -> None:
     """The report as a table: each program's memory, FLOPs and compile time, the transients, the step-time model."""
     hbm = report["hbm_bytes_per_chip"]
@@ -437,6 +477,11 @@ def main(argv):
         report = compile_all(spec, devices, host_devices(name, devices), programs)
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
+    if _REMAT_SEARCH.value:
+        report["remat_search"] = remat_search(spec, devices, host_devices(name, devices), _BUDGET.value)
+        rs = report["remat_search"]
+        each = ", ".join(f"{k} {v['total_bytes_per_chip'] / GiB:.2f} GiB" for k, v in rs["policies"].items())
+        print(f"ppo_grad per remat policy: {each}; the least recompute that fits: {rs['chosen']}")
     report["topology"], report["num_slices"] = name, _SLICES.value
     hbm = report["hbm_bytes_per_chip"]
     report["budget_fraction"] = _BUDGET.value

@@ -162,3 +162,41 @@ def test_the_packed_learner_programs_compile_at_the_pack_widths(tmp_path):
     packed = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))
     assert packed["shapes"]["pack"] is True
     assert packed["programs"]["ppo_grad"]["flops"] == pytest.approx(pg, rel=1e-6)
+
+
+def test_choose_remat_takes_the_least_recompute_that_fits():
+    from bipace_jax.aot import choose_remat
+
+    totals = {"none": 12, "save_dots": 9, "full": 7}
+    assert choose_remat(totals, 12) == "none"
+    assert choose_remat(totals, 11.9) == "save_dots"
+    assert choose_remat(totals, 8) == "full"
+    assert choose_remat(totals, 6) is None
+    assert choose_remat({"full": 7, "none": 12}, 10) == "full"  # save_dots not compiled: skipped
+
+
+@pytest.mark.slow
+def test_the_remat_search_compiles_the_gradient_under_each_policy(tmp_path):
+    # a scanned 4-layer tiny model (remat inside the scan survives XLA's CSE), 16 rows a micro-batch
+    args = [
+        "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.model.num_layers=4",
+        "--config.model.scan_layers=True", "--config.ppo.micro_batch_rows=16", "--programs=ppo_apply",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=cpu:8", "--remat_search", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["remat_search"]
+    p = r["policies"]
+    # less kept, more recomputed: temporaries fall and FLOPs rise from none to save_dots to full
+    assert p["none"]["temp_bytes"] > p["save_dots"]["temp_bytes"] > p["full"]["temp_bytes"]
+    assert p["none"]["flops"] < p["save_dots"]["flops"] < p["full"]["flops"]
+    assert p["none"]["total_bytes_per_chip"] > p["full"]["total_bytes_per_chip"]
+    assert r["configured"] == "none" and r["chosen"] == "none"  # everything fits the tiny model
+    # a budget between full's and none's totals picks the least recompute under it
+    hbm = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["hbm_bytes_per_chip"]
+    budget = (p["full"]["total_bytes_per_chip"] + 1) / hbm
+    proc = subprocess.run([*cmd, f"--budget={budget}"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["remat_search"]
+    want = "save_dots" if r["policies"]["save_dots"]["total_bytes_per_chip"] <= budget * hbm else "full"
+    assert r["chosen"] == want
