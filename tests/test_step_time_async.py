@@ -118,20 +118,19 @@ def test_factors_scale_each_program_and_the_iteration_follows():
 def test_the_best_split_is_the_fastest_that_fits():
     r = _seven_b()
     b = step_time.best_split(M7, r, V5E)
-    # the divisors of 128 games below 16 hosts
+    # the divisors of 128 games below 16 hosts; the learner's FSDP (its chips / tensor 4) must divide
+    # the 3584 hidden size: 15 and 12 do not, 14 and 8 do
     assert [a["sampler_hosts"] for a in b["candidates"]] == [1, 2, 4, 8]
-    assert all(a["fits"] for a in b["candidates"])
-    fastest = min(b["candidates"], key=lambda a: a["iteration_s"])
+    assert [a["fsdp_divides_hidden"] for a in b["candidates"]] == [False, True, False, True]
+    assert [a["fits"] for a in b["candidates"]] == [False, True, False, True]
+    fastest = min((a for a in b["candidates"] if a["fits"]), key=lambda a: a["iteration_s"])
     assert b["best"]["sampler_hosts"] == fastest["sampler_hosts"]
-    # a gradient activation that leaves room only with 12 learner hosts (8 learner hosts need 16 P / 32 + copy)
+    # a gradient activation that leaves room with 14 learner hosts only (8 hosts hold 16 P / 32 + a copy)
     p = M7.params
-    room = 0.9 * V5E.hbm_bytes - (16 * p / 48 + p / 2)
-    b = step_time.best_split(M7, r, V5E, headroom=dict(gradient=room - 1))
-    assert [a["sampler_hosts"] for a in b["candidates"] if a["fits"]] == [1, 2, 4]
-    assert (
-        b["best"]["sampler_hosts"]
-        == min((a for a in b["candidates"] if a["fits"]), key=lambda a: a["iteration_s"])["sampler_hosts"]
-    )
+    room = 0.9 * V5E.hbm_bytes - (16 * p / 32 + p / 2)
+    b = step_time.best_split(M7, r, V5E, headroom=dict(gradient=room + 1))
+    assert [a["sampler_hosts"] for a in b["candidates"] if a["fits"]] == [2]
+    assert b["best"]["sampler_hosts"] == 2
     assert step_time.best_split(M7, r, V5E, budget=0.01)["best"] is None
 
 
@@ -164,12 +163,12 @@ def test_the_committed_tables_are_generated_from_the_committed_reports():
         text = open(os.path.join(ROOT, doc)).read()
         for name in names:
             assert step_table.replace_marked(text, name, tables[name]) == text, (doc, name)
-    # 7B ALFWorld on v5e:8x8: expected 1548 s synchronous; 4 sampler + 12 learner hosts 1113 s
-    row = next(r for r in committed["rows"] if r["report"] == "alfworld_qwen2_5_7b__v5e-8x8.json")
+    # 1.5B ALFWorld on 2 x v5e:4x4: one slice samples, the other learns, 1.34x the expected synchronous
+    row = next(r for r in committed["rows"] if r["report"] == "alfworld_qwen2_5_1_5b__2xv5e-4x4.json")
     best = row["async_schedule"]["best_expected"]
-    assert (best["sampler_hosts"], best["learner_hosts"]) == (4, 12)
+    assert (best["sampler_hosts"], best["learner_hosts"], row["async_schedule"]["push_link"]) == (4, 4, "DCN")
     assert best["synchronous_s"] == pytest.approx(row["iteration_s_expected"])
-    assert 1.3 < best["speedup_async"] < 1.5
+    assert 1.25 < best["speedup_async"] < 1.45
 
 
 def test_replace_marked_names_missing_markers():
