@@ -189,3 +189,27 @@ def test_role_split_fields_are_unchanged_elsewhere():
     for shape in (sampler, learner):
         assert all(getattr(shape, k) == getattr(_seven_b(), k) for k in keep)
         assert dataclasses.replace(shape) == shape
+
+
+def test_role_report_reads_each_roles_largest_program(tmp_path):
+    import json
+
+    from launch import step_table
+
+    (tmp_path / "x__v5e-4x4.json").write_text(json.dumps({"hosts": 4}))
+    assert step_table.role_report(str(tmp_path), "x__v5e-4x4.json", 1) is None  # none committed
+
+    def prog(total, frac):
+        return {"total_bytes_per_chip": total, "fraction_of_hbm": frac}
+
+    roles = {
+        "sampler": {"prefill": prog(5, 0.3), "decode": prog(4, 0.25)},
+        "learner": {"ppo_grad": prog(9, 0.55), "logprobs": prog(10, 0.6)},
+        "push": {"push_gather": prog(3, 0.2)},
+    }
+    fits = {"sampler": True, "learner": True, "push": True}
+    (tmp_path / "x__v5e-4x4__roles-1s3l.json").write_text(json.dumps({"roles": roles, "fits": fits}))
+    r = step_table.role_report(str(tmp_path), "x__v5e-4x4.json", 1)
+    assert r["report"] == "x__v5e-4x4__roles-1s3l.json" and r["fits"] == fits
+    assert r["sampler"] == {"program": "prefill", "bytes": 5, "fraction": 0.3}
+    assert r["learner"] == {"program": "logprobs", "bytes": 10, "fraction": 0.6}
