@@ -197,7 +197,10 @@ def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Cal
     for name, factors in (("floor", None), ("expected", cal.factors)):
         splits[name] = step_time.best_split(m, shape, chip, factors, dcn, headroom=temp)
     best = splits["expected"]["best"]
-    at_floor = next(a for a in splits["floor"]["candidates"] if a["sampler_hosts"] == best["sampler_hosts"])
+    if best is None:  # no split fits: the synchronous run only
+        at_floor = None
+    else:
+        at_floor = next(a for a in splits["floor"]["candidates"] if a["sampler_hosts"] == best["sampler_hosts"])
     mesh, sm = report["mesh"], report["sampler_mesh"]
     return dict(
         training_mesh="x".join(str(mesh[k]) for k in ("data", "fsdp", "tensor")),
@@ -214,8 +217,8 @@ def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Cal
             push_link="DCN" if dcn else "ICI",
             best_expected=best,
             best_at_floor=at_floor,
-            speedup_async_expected=best["speedup_async"],
-            speedup_async_floor=at_floor["speedup_async"],
+            speedup_async_expected=best and best["speedup_async"],
+            speedup_async_floor=at_floor and at_floor["speedup_async"],
             candidates=[
                 dict(
                     sampler_hosts=a["sampler_hosts"],
@@ -226,7 +229,7 @@ def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Cal
                 )
                 for a, f in zip(splits["expected"]["candidates"], splits["floor"]["candidates"])
             ],
-            aot=role_report(reports_dir, report_file, best["sampler_hosts"]),
+            aot=best and role_report(reports_dir, report_file, best["sampler_hosts"]),
         ),
     )
 
@@ -352,6 +355,9 @@ def async_table(table: list[dict]) -> str:
     for r in table:
         a = r["async_schedule"]
         b, f = a["best_expected"], a["best_at_floor"]
+        if b is None:
+            lines.append(f"| {_name(r['config'])} | {r['slice']} | no split fits | | | | |")
+            continue
         mem = b["memory_bytes_per_chip"]
         learner = max(mem["logprobs"], mem["gradient"])
         aot = a["aot"]
