@@ -366,7 +366,17 @@ def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...
                 continue
             if p.spec is None:
                 continue
-            stats = _compile(p, sum(resident[k] for k in p.other))
+            try:
+                stats = _compile(p, sum(resident[k] for k in p.other))
+            except jax.errors.JaxRuntimeError as e:
+                if "should include all slice devices" not in str(e):
+                    raise
+                # libtpu on slices with limited ICI routing (v5e:8x8) compiles only over the whole slice
+                raise ValueError(
+                    f"--roles: {p.name} of the {role} group cannot be compiled on {len(p.mesh.devices.flat)} of the "
+                    f"slice's {len(devices)} chips: libtpu needs every device of this slice in a program (limited "
+                    "ICI routing); put the roles on slices of their own (e.g. the learner on its own topology)"
+                ) from None
             report["roles"][role][p.name] = done[p.name] = stats
     if devices[0].platform != "cpu":
         chip = step_time.chip_for(devices[0].device_kind)
@@ -526,7 +536,7 @@ def _main_roles(name: str, devices: list) -> None:
         spec = build.build_spec(_CONFIG.value, num_devices=len(devices), abstract=True)
         only = tuple(_PROGRAMS.value)
         report = compile_roles(spec, devices, host_devices(name, devices), sampler_hosts, only)
-    except config_lib.ConfigError as e:
+    except (config_lib.ConfigError, ValueError) as e:
         raise app.UsageError(f"{e} (--roles={_ROLES.value} on --topology={name})") from None
     report["topology"], report["num_slices"] = name, _SLICES.value
     hbm = report["hbm_bytes_per_chip"]
