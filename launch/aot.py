@@ -381,8 +381,11 @@ def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...
     if devices[0].platform != "cpu":
         chip = step_time.chip_for(devices[0].device_kind)
         shape = plan.run_shape(spec.model)
+        # the push crosses the data-center network when the slice is several slices
+        slices = {getattr(d, "slice_index", 0) for d in devices}
+        dcn = step_time.DCN_BYTES_PER_S_PER_HOST if len(slices) > 1 else None
         report["step_time"] = step_time.async_iteration(
-            step_time.ModelShape.of(runs["whole"].arch), shape, chip, sampler_hosts
+            step_time.ModelShape.of(runs["whole"].arch), shape, chip, sampler_hosts, dcn_bytes_per_s_per_host=dcn
         )
     return report
 
@@ -468,12 +471,6 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
-    programs = tuple(_PROGRAMS.value) or PROGRAMS
-    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS + PACKED_PROGRAMS
-    unknown = sorted(set(programs) - set(known))
-    if unknown:
-        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {known}")
-
     if _ROLES.value:
         known = sum(aot.ROLE_PROGRAMS.values(), ())
         if set(_PROGRAMS.value) - set(known):
@@ -481,6 +478,11 @@ def main(argv):
                 f"--programs with --roles: unknown {sorted(set(_PROGRAMS.value) - set(known))}; expected some of {known}"
             )
         return _main_roles(name, devices)
+    programs = tuple(_PROGRAMS.value) or PROGRAMS
+    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS + PACKED_PROGRAMS
+    unknown = sorted(set(programs) - set(known))
+    if unknown:
+        raise app.UsageError(f"--programs: unknown {unknown}; expected some of {known}")
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
         spec = build.build_spec(c, num_devices=len(devices), abstract=True)
