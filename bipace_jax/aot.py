@@ -24,23 +24,33 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
-from bipace_jax.batch import abstract_micro_batch
-from bipace_jax.config import OldLogprobs
+from bipace_jax import plan as plan_lib
+from bipace_jax.batch import PackedMicroBatch, abstract_micro_batch
+from bipace_jax.config import OldLogprobs, fail
 from bipace_jax.estimators import StepBatch
 from bipace_jax.estimators.core import jitted_advantages
-from bipace_jax.plan import RunPlan
+from bipace_jax.plan import HostLayout, RunPlan
 from bipace_jax.programs import ProgramSpec, abstract
 
 __all__ = [
+    "PACKED_PROGRAMS",
     "PROGRAMS",
+    "ROLE_PROGRAMS",
     "SFT_PROGRAMS",
     "SLOT_PROGRAMS",
     "AbstractRun",
     "Program",
+    "REMAT_ORDER",
+    "abstract_packed_micro_batch",
+    "choose_remat",
     "abstract_programs",
+    "pack_widths",
     "abstract_run",
     "bytes_per_chip",
     "engine_programs",
+    "role_devices",
+    "role_plans",
+    "role_programs",
     "shapes",
     "slot_run_shape",
     "slot_step_time",
@@ -60,6 +70,19 @@ PROGRAMS = (
     "estimator",
     "sync_gather",
 )
+#: The programs of each role when a sampler group and a learner group of hosts run apart
+#: (``launch.aot --roles``); ``push_gather`` is the weight push over the whole slice.
+ROLE_PROGRAMS = dict(
+    sampler=("prefill", "decode", "val_prefill", "val_decode"),
+    learner=("ppo_grad", "ppo_apply", "logprobs", "estimator", "sync_gather"),
+    push=("push_gather",),
+)
+#: The packed learner programs (``ppo.pack``: token-budget lines, `abstract_packed_micro_batch`): on request
+#: only; with ``ppo.pack`` on, ``ppo_grad`` and ``logprobs`` themselves are these.
+PACKED_PROGRAMS = ("ppo_grad_packed", "logprobs_packed")
+#: ``model.remat`` policies from the least compute to the least memory (none keeps every activation;
+#: save_dots recomputes the elementwise work; full recomputes each layer: a third more FLOPs).
+REMAT_ORDER = ("none", "save_dots", "full")
 #: The warm start's programs (``sft.sft_step_specs``): on request only.
 SFT_PROGRAMS = ("sft_grad", "sft_apply")
 #: The continuous scheduler's slot programs (the engine's ``insert`` and ``decode`` chunk): on request only.
@@ -273,16 +296,27 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
         spec.loss, spec.learner.old_logprobs is OldLogprobs.FUSED, run.arch.vocab_size, spec.learner.logprob_chunk
     )
     rows, prompt, response = p.micro_batch_rows_global, p.prompt_bucket, p.response_tokens
-    mb = abstract_micro_batch(
-        mesh, rows, prompt, response, reference=spec.loss.kl_coef > 0, sampler=spec.loss.tis_cap > 0
-    )
-    args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state, mb, ppo_objective.stat_keys)
-    step = learner.step_specs(*args)
+    kl, tis = spec.loss.kl_coef > 0, spec.loss.tis_cap > 0
+    packed = spec.learner.pack
+
+    def micro(on, n, *, logprobs=True, pack=False):
+        if pack:
+            width, rwidth = pack_widths(run)
+            return abstract_packed_micro_batch(on, n, width, rwidth, logprobs=logprobs, reference=kl, sampler=tis)
+        return abstract_micro_batch(on, n, prompt, response, logprobs=logprobs, reference=kl, sampler=tis)
+
+    def update(pack: bool) -> dict[str, ProgramSpec]:
+        args = (run.graphdef, ppo_objective, run.tx, mesh, run.master, run.rest, run.opt_state)
+        return learner.step_specs(*args, micro(mesh, rows, pack=pack), ppo_objective.stat_keys)
+
+    step = update(packed)
     # `PPOLearner.update` frees the sampler copy for its steps (`Learner.release_local`)
     out = [
         Program("ppo_grad", mesh, step["accumulate"], ("opt_state", "reference")),
         Program("ppo_apply", mesh, step["apply"], ("reference",)),
     ]
+    if "ppo_grad_packed" in names:  # the optimizer step does not see the micro-batch: ppo_apply serves both
+        out.append(Program("ppo_grad_packed", mesh, update(True)["accumulate"], ("opt_state", "reference")))
     if set(SFT_PROGRAMS) & set(names):
         # the warm start keeps no reference and frees its sampler copy for its steps (`sft._WarmStart.train`)
         sft_step = sft.sft_step_specs(
@@ -292,9 +326,11 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
             Program("sft_grad", mesh, sft_step["accumulate"], ("opt_state",)),
             Program("sft_apply", mesh, sft_step["apply"]),
         ]
-    lmb = abstract_micro_batch(run.local_mesh, p.logprob_rows_per_host, prompt, response, logprobs=False)
-    logprobs = ppo.logprobs_spec(run.graphdef, ppo_objective, run.local_params, run.rest, lmb)
-    out.append(Program("logprobs", run.local_mesh, logprobs, run.host_other))
+    for name, pack in (("logprobs", packed), ("logprobs_packed", True)):
+        if name == "logprobs" or name in names:
+            lmb = micro(run.local_mesh, p.logprob_rows_per_host, logprobs=False, pack=pack)
+            logprobs = ppo.logprobs_spec(run.graphdef, ppo_objective, run.local_params, run.rest, lmb)
+            out.append(Program(name, run.local_mesh, logprobs, run.host_other))
     engine, slot_shapes = engine_programs(run, names)
     out += engine
     out.append(_estimator_program(run))
@@ -306,6 +342,48 @@ def abstract_programs(run: AbstractRun, names: Sequence[str]) -> tuple[list[Prog
         spec_ = ProgramSpec("sync_gather", gather, (_largest(run),))
         out.append(Program("sync_gather", mesh, spec_, tuple(run.resident)))
     return out, slot_shapes
+
+
+def pack_widths(run: AbstractRun) -> tuple[int, int]:
+    """(C, R) of a packed line at the plan's largest rows, as ``PPOLearner`` takes them: ``ppo.pack_width``
+    or the prompt bucket + the response width, and ``ppo.pack_response_width`` or min(C, 2 x the
+    response width)."""
+    learn, p = run.spec.learner, run.plan
+    width = learn.pack_width or p.prompt_bucket + p.response_tokens
+    return width, learn.pack_response_width or min(width, 2 * p.response_tokens)
+
+
+def abstract_packed_micro_batch(
+    mesh,
+    lines: int,
+    width: int,
+    response_width: int,
+    *,
+    logprobs: bool = True,
+    reference: bool = True,
+    sampler: bool = False,
+) -> PackedMicroBatch:
+    """A ``PackedMicroBatch`` of ``jax.ShapeDtypeStruct``s (L = ``lines``, C = ``width``, R =
+    ``response_width``) with lines split over ``mesh``'s ("data", "fsdp") axes, as
+    ``batch.abstract_micro_batch`` for padded rows; ``logprobs``: with the old log-probs and
+    advantages (the gradient pass), ``reference``: with the reference log-probs too, ``sampler``: with
+    the sampler's log-probs (truncated importance weights, ``ppo.tis_cap`` > 0)."""
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
+
+    per_slot = sds((lines, response_width), np.float32)
+    return PackedMicroBatch(
+        input_ids=sds((lines, width), np.int32),
+        segment_ids=sds((lines, width), np.int32),
+        head_index=sds((lines, response_width), np.int32),
+        response_ids=sds((lines, response_width), np.int32),
+        response_mask=sds((lines, response_width), np.bool_),
+        old_logprobs=per_slot if logprobs else None,
+        ref_logprobs=per_slot if logprobs and reference else None,
+        advantages=per_slot if logprobs else None,
+        sampler_logprobs=per_slot if logprobs and sampler else None,
+    )
 
 
 def _largest(run: AbstractRun):
@@ -391,3 +469,104 @@ def slot_step_time(run: AbstractRun, slot_shapes: dict[str, int], chip: step_tim
     out["programs"]["decode_chunk"]["seconds"] = step["seconds"] * chunk
     out["decode_tokens_per_s_per_host"] = slot_shapes["slots"] / step["seconds"]
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Disaggregated roles: a sampler group and a learner group of whole hosts (the asynchronous schedule).
+
+
+def role_devices(devices: Sequence, sampler_hosts: int) -> tuple[list, list]:
+    """``(learner, sampler)`` devices of a slice split by hosts: the first ``hosts - sampler_hosts``
+    processes learn (the TPU compiler numbers a program's devices from the slice's first), the rest sample.
+
+    Raises:
+      ValueError: ``sampler_hosts`` not in [1, hosts - 1].
+    """
+    hosts = sorted({d.process_index for d in devices})
+    if not 1 <= sampler_hosts < len(hosts):
+        raise ValueError(
+            f"--roles: sampler hosts must be in [1, {len(hosts) - 1}] of {len(hosts)}, got {sampler_hosts}"
+        )
+    learners = set(hosts[: len(hosts) - sampler_hosts])
+    return [d for d in devices if d.process_index in learners], [d for d in devices if d.process_index not in learners]
+
+
+def role_plans(spec: Any, plan: RunPlan, sampler_hosts: int) -> tuple[RunPlan, RunPlan]:
+    """``(sampler, learner)`` run plans of ``plan`` (the whole slice's) with ``sampler_hosts`` hosts
+    sampling and the others learning.
+
+    The sampler group plays all ``rollout.num_groups`` task groups (`plan_lib.plan` on its hosts: a
+    bigger batch a host). The learner group trains on a mesh of its chips with data 1, FSDP over the
+    rest and the config's tensor axis, the same ``ppo.micro_batch_rows`` a host, and the iteration's
+    task groups split over its hosts (a host's share rounded up) for the log-prob pass and the estimator.
+
+    Raises:
+      ConfigError: the task groups do not split over the sampler hosts, or the micro-batch rows over
+        the learner's batch shards (``rollout.num_groups``, ``ppo.micro_batch_rows``).
+    """
+    lay = plan.layout
+    cph, learn = lay.local_devices, lay.processes - sampler_hosts
+    if spec.num_groups % sampler_hosts:
+        fail("rollout.num_groups", f"be a multiple of the {sampler_hosts} sampler hosts of --roles", spec.num_groups)
+
+    def layout(hosts: int) -> HostLayout:
+        # a role's own mesh: data 1, FSDP over its chips, the config's tensor axis (inside a host)
+        chips = hosts * cph
+        return dataclasses.replace(lay, processes=hosts, devices=chips, data=1, fsdp=chips // lay.tensor)
+
+    sampler = plan_lib.plan(spec, layout(sampler_hosts))
+    rows, shards = spec.learner.micro_batch_rows, cph // lay.tensor
+    if rows % shards:
+        fail("ppo.micro_batch_rows", f"be a multiple of the {shards} batch shards of each learner host", rows)
+    groups = -(-spec.num_groups // learn)
+    games = groups * spec.rollout.group_size
+    micro = rows * learn
+    learner = dataclasses.replace(
+        plan,
+        layout=layout(learn),
+        groups_per_host=groups,
+        games_per_host=games,
+        group_capacity=groups,
+        estimator_rows=games * plan.turns,
+        micro_batch_rows_global=micro,
+        micro_batches_per_optimizer_step=-(-plan.mini_batch_rows // micro),
+    )
+    return sampler, learner
+
+
+def role_programs(
+    sampler: AbstractRun, learner: AbstractRun, whole: AbstractRun
+) -> tuple[dict[str, list[Program]], dict[str, int]]:
+    """The programs of each role (`ROLE_PROGRAMS`): the sampler's on a sampler host's mesh with nothing
+    else resident (no master weights, moments or reference live on a sampler host), the learner's as in
+    a synchronous run on the learner group's mesh, and the weight push on the whole slice.
+
+    The push: one XLA program runs on one device set, and the two groups' are disjoint (a jitted
+    program with its input on the learner mesh and its output on the sampler mesh is refused), so the
+    push is compiled as `distributed.local_copy`'s replica route over every chip of the slice: each
+    array all-gathered whole to every chip in the compute dtype, at the largest array, then each
+    sampler host slices its tensor shard (``push_gather``).
+
+    Returns the programs by role and the resident bytes per chip their ``other`` keys name (the
+    learner run's arrays, and ``learner_state``, all of them: what a learner chip holds during the push).
+    """
+    names = ROLE_PROGRAMS
+    s_progs, _ = engine_programs(sampler, names["sampler"])
+    out = dict(
+        sampler=[dataclasses.replace(p, other=()) for p in s_progs if p.name in names["sampler"]],
+        learner=[p for p in abstract_programs(learner, PROGRAMS)[0] if p.name in names["learner"]],
+    )
+    gather = jax.jit(lambda x: x.astype(s_dtype(whole)), out_shardings=jax.sharding.NamedSharding(whole.mesh, P()))
+    push = ProgramSpec("push_gather", gather, (_largest(whole),))
+    out["push"] = [Program("push_gather", whole.mesh, push, ("learner_state",))]
+    return out, dict(learner.resident, learner_state=sum(learner.resident.values()))
+
+
+def choose_remat(totals: dict[str, int], budget_bytes: float) -> str | None:
+    """The first policy of `REMAT_ORDER` (the least recompute) whose gradient program's per-chip total
+    (``totals``: policy -> bytes, e.g. ``memory_analysis`` peak + resident arrays) is at most
+    ``budget_bytes``; None when none fits. Policies missing from ``totals`` are skipped."""
+    for policy in REMAT_ORDER:
+        if policy in totals and totals[policy] <= budget_bytes:
+            return policy
+    return None

@@ -616,6 +616,40 @@ def rollout_model(
     return out
 
 
+def bound_stages(m: ModelShape, r: RunShape, chip: Chip, factors: dict[str, float] | None = None):
+    """``(counts, stages_s)`` of one iteration at the config's bounds (see `estimate`), each program's
+    roofline seconds times ``factors[program]`` (1 where absent; `Calibration.factors` gives the
+    expected time, None the floor)."""
+    f = factors or {}
+
+    def seconds(shape: RunShape) -> dict[str, float]:
+        return {k: c.seconds(chip)["seconds"] * f.get(k, 1.0) for k, c in program_costs(m, shape).items()}
+
+    t = seconds(r)
+    turn = r.sampler_calls * (t["prefill"] + r.response_tokens * t["decode_step"])
+    rows_host = r.games_per_host * r.sampler_calls * r.turns
+    counts = dict(
+        turns=r.turns,
+        decode_steps_per_turn=r.response_tokens,
+        logprob_micro_batches=r.logprob_passes * math.ceil(rows_host / r.logprob_rows_per_host),
+        grad_micro_batches=math.ceil(r.rows / r.micro_batch_rows),
+        optimizer_steps=math.ceil(r.rows / r.mini_batch_rows),
+    )
+    stages = dict(
+        rollout=r.turns * turn,
+        logprobs=counts["logprob_micro_batches"] * t["logprobs"],
+        ppo_grad=counts["grad_micro_batches"] * t["ppo_grad"],
+        ppo_apply=counts["optimizer_steps"] * t["ppo_apply"],
+        sync=t["sync"],
+    )
+    if r.val_every and r.val_games_per_host:
+        # a validation panel is a rollout of its own at the validation batch (the weights are read per step)
+        vt = seconds(dataclasses.replace(r, games_per_host=r.val_games_per_host))
+        panel = r.turns * r.val_sampler_calls * (vt["prefill"] + r.response_tokens * vt["decode_step"])
+        stages["validation"] = r.val_panels * panel / r.val_every
+    return counts, stages
+
+
 def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
     """The step-time model of a run (JSON-ready): per program seconds, per iteration stage seconds and
     counts, seconds per iteration, hours and chip-hours of the run.
@@ -637,29 +671,7 @@ def estimate(m: ModelShape, r: RunShape, chip: Chip) -> dict[str, Any]:
     """
     costs = program_costs(m, r)
     sec = {k: c.seconds(chip) for k, c in costs.items()}
-    t = {k: v["seconds"] for k, v in sec.items()}
-    turn = r.sampler_calls * (t["prefill"] + r.response_tokens * t["decode_step"])
-    rows_host = r.games_per_host * r.sampler_calls * r.turns
-    counts = dict(
-        turns=r.turns,
-        decode_steps_per_turn=r.response_tokens,
-        logprob_micro_batches=r.logprob_passes * math.ceil(rows_host / r.logprob_rows_per_host),
-        grad_micro_batches=math.ceil(r.rows / r.micro_batch_rows),
-        optimizer_steps=math.ceil(r.rows / r.mini_batch_rows),
-    )
-    stages = dict(
-        rollout=r.turns * turn,
-        logprobs=counts["logprob_micro_batches"] * t["logprobs"],
-        ppo_grad=counts["grad_micro_batches"] * t["ppo_grad"],
-        ppo_apply=counts["optimizer_steps"] * t["ppo_apply"],
-        sync=t["sync"],
-    )
-    if r.val_every and r.val_games_per_host:
-        # a validation panel is a rollout of its own at the validation batch (the weights are read per step)
-        v = program_costs(m, dataclasses.replace(r, games_per_host=r.val_games_per_host))
-        vt = {k: c.seconds(chip)["seconds"] for k, c in v.items()}
-        panel = r.turns * r.val_sampler_calls * (vt["prefill"] + r.response_tokens * vt["decode_step"])
-        stages["validation"] = r.val_panels * panel / r.val_every
+    counts, stages = bound_stages(m, r, chip)
     iteration = sum(stages.values())
     # the same rollout (and validation) with drawn response lengths, under each scheduler
     sched = dict(rollout=rollout_model(m, r, chip, r.games_per_host, r.sampler_calls))
@@ -766,3 +778,216 @@ class Calibration:
         """Expected seconds of ``programs`` (name -> roofline seconds): each times its factor (1 where the
         report measured no such program)."""
         return {k: v * self.factors.get(k, 1.0) for k, v in programs.items()}
+
+
+def expected(m: ModelShape, r: RunShape, chip: Chip, calibration: Calibration) -> dict[str, Any]:
+    """The iteration at the config's bounds with every program's roofline seconds times its calibrated
+    factor (`bound_stages`): ``stages_s``, ``iteration_s``, ``run_hours`` and the calibration's
+    ``factors``, ``device``, ``date``, ``commit`` (JSON-ready).
+
+    The factors were measured on ``calibration.device`` at one chip's shapes and are applied as they are
+    on ``chip``: an expected time on another chip holds only as far as its efficiency matches."""
+    _, stages = bound_stages(m, r, chip, calibration.factors)
+    iteration = sum(stages.values())
+    return dict(
+        stages_s=stages,
+        iteration_s=iteration,
+        run_hours=r.iterations * iteration / 3600,
+        factors=dict(calibration.factors),
+        device=calibration.device,
+        date=calibration.date,
+        commit=calibration.commit,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The asynchronous schedule: a sampler group and a learner group of hosts, overlapped (staleness k >= 1).
+
+# Bytes a host sends per second over the data-center network between slices: an assumption (as
+# `STORAGE_BYTES_PER_S`), used for a weight push that crosses slices.
+DCN_BYTES_PER_S_PER_HOST = 25 * GB
+
+
+def role_shapes(r: RunShape, sampler_hosts: int) -> tuple[RunShape, RunShape]:
+    """The ``RunShape`` of each role when ``sampler_hosts`` of ``r``'s hosts sample and the others learn.
+
+    Sampler group: ``sampler_hosts`` hosts play all of the iteration's games (``games_per_host *
+    sampler_calls * hosts``) and validation's rows, split evenly, each host's batch fitted to
+    ``batch_buckets`` (more than the largest bucket: further calls). Learner group: the other hosts,
+    a training mesh of their chips (data 1, fsdp = chips / tensor), the same per-host gradient rows
+    (``micro_batch_rows`` scales with the hosts), the iteration's rows split over them for the log-prob
+    pass (a host's share rounded up). Both keep the chips per host and the sampler tensor size.
+
+    Raises:
+      ValueError: ``sampler_hosts`` not in [1, hosts - 1], or the games do not split evenly over it.
+    """
+    h, s = r.hosts, sampler_hosts
+    if not 1 <= s < h:
+        raise ValueError(f"role_shapes: sampler_hosts must be in [1, {h - 1}] (hosts {h}), got {s}")
+    games = r.games_per_host * r.sampler_calls * h
+    if games % s:
+        raise ValueError(f"role_shapes: {games} games do not split evenly over {s} sampler hosts")
+    cph, learn = r.chips_per_host, h - s
+    buckets = Buckets(r.batch_buckets, "RunShape.batch_buckets")
+    shards = cph // r.sampler_tensor
+
+    def batch(rows: int) -> tuple[int, int]:
+        return buckets.fit(min(rows, buckets.largest), shards), -(-rows // buckets.largest)
+
+    per_host, calls = batch(games // s)
+    val_rows = -(-r.val_games_per_host * r.val_sampler_calls * h // s) if r.val_games_per_host else 0
+    val_batch, val_calls = batch(val_rows) if val_rows else (0, 1)
+    per_process = r.micro_batch_rows // h  # `plan`: global micro-batch rows = per-process rows x processes
+    sampler = dataclasses.replace(
+        r,
+        chips=s * cph,
+        hosts=s,
+        fsdp=s * cph // r.tensor,
+        games_per_host=per_host,
+        sampler_calls=calls,
+        val_games_per_host=val_batch,
+        val_sampler_calls=val_calls,
+        micro_batch_rows=max(per_process * s, 1),
+    )
+    learner = dataclasses.replace(
+        r,
+        chips=learn * cph,
+        hosts=learn,
+        fsdp=learn * cph // r.tensor,
+        games_per_host=-(-games // learn),
+        sampler_calls=1,
+        micro_batch_rows=per_process * learn,
+        val_every=0,
+        val_games_per_host=0,
+    )
+    return sampler, learner
+
+
+def push_cost(m: ModelShape, r: RunShape, sampler_hosts: int, link_bytes_per_s: float) -> dict[str, float]:
+    """The weight push after an update: the learner group's bf16 parameters to every sampler host.
+
+    Each sampler chip receives its host's tensor shard, ``2 * params / sampler_tensor`` bytes; the
+    learner chips (FSDP over the group) send all of it, ``sampler chips x that / learner chips`` bytes
+    each. Seconds = the larger of the two / ``link_bytes_per_s`` (one chip's one-direction link: ICI
+    within a slice, a host's DCN share across slices). Returns ``received_bytes_per_chip``,
+    ``sent_bytes_per_chip``, ``seconds``.
+    """
+    cph = r.chips_per_host
+    received = 2 * m.params / r.sampler_tensor
+    sent = sampler_hosts * cph * received / ((r.hosts - sampler_hosts) * cph)
+    return dict(
+        received_bytes_per_chip=received, sent_bytes_per_chip=sent, seconds=max(received, sent) / link_bytes_per_s
+    )
+
+
+def role_memory(m: ModelShape, sampler: RunShape, learner: RunShape) -> dict[str, float]:
+    """Long-lived bytes per chip of each role and phase (before a program's own activations).
+
+    ``logprobs``: the learner's fp32 master weights and AdamW moments (12 bytes a parameter over its
+    chips) and its host-local bf16 copies for the ``logprob_passes`` passes (old and reference);
+    ``gradient``: the master, the moments and the fp32 gradient accumulator (16 bytes a parameter)
+    and the reference copy when a log-prob pass is kept (the old copy is freed for the update);
+    ``sampler``: the sampler's bf16 copy and its KV cache (``games_per_host`` rows x (prompt +
+    response) columns over the host's chips).
+    """
+    copy = 2 * m.params / sampler.sampler_tensor
+    kv = sampler.games_per_host * (sampler.prompt_tokens + sampler.response_tokens) * m.kv_bytes_per_token
+    return dict(
+        logprobs=12 * m.params / learner.chips + learner.logprob_passes * copy,
+        gradient=16 * m.params / learner.chips + min(learner.logprob_passes, 1) * copy,
+        sampler=copy + kv / sampler.chips_per_host,
+    )
+
+
+def async_iteration(
+    m: ModelShape,
+    r: RunShape,
+    chip: Chip,
+    sampler_hosts: int,
+    factors: dict[str, float] | None = None,
+    dcn_bytes_per_s_per_host: float | None = None,
+) -> dict[str, Any]:
+    """One iteration of the asynchronous schedule (staleness k >= 1, steady state) beside the
+    synchronous one, at the config's bounds (`bound_stages`; ``factors``: `Calibration.factors` for
+    the expected time, None for the floor).
+
+    With the sampler group a version ahead, the iteration is ``max(sampler_s, learner_s) + push_s``:
+    ``sampler_s`` = rollout + validation on the sampler hosts (`role_shapes`), ``learner_s`` = log-prob
+    passes + gradient + AdamW + the learner hosts' log-prob copy refresh, ``push_s`` = `push_cost`
+    over ICI (half ``chip.ici_bandwidth`` a chip), or over DCN at ``dcn_bytes_per_s_per_host`` / chips
+    per host when given (roles on different slices). The synchronous iteration is the sum of
+    `bound_stages` on all hosts. k = 0 would serialise the two roles (their sum plus the push).
+
+    Returns a JSON-ready dict: ``sampler_hosts``, ``learner_hosts``, ``sampler_s``, ``learner_s``,
+    ``push_s``, ``iteration_s``, ``synchronous_s``, ``speedup_async`` (synchronous / asynchronous),
+    ``bound`` (the role that sets the pace), ``memory_bytes_per_chip`` (`role_memory`), ``push``.
+
+    Raises:
+      ValueError: as `role_shapes`; no ICI bandwidth for ``chip`` and no DCN figure.
+    """
+    sampler, learner = role_shapes(r, sampler_hosts)
+    _, s = bound_stages(m, sampler, chip, factors)
+    _, lr = bound_stages(m, learner, chip, factors)
+    _, sync = bound_stages(m, r, chip, factors)
+    if dcn_bytes_per_s_per_host is not None:
+        link = dcn_bytes_per_s_per_host / r.chips_per_host
+    elif chip.ici_bandwidth is not None:
+        link = chip.ici_bandwidth / 2
+    else:
+        raise ValueError(f"async_iteration: chip {chip.name} has no ICI bandwidth; give dcn_bytes_per_s_per_host")
+    push = push_cost(m, r, sampler_hosts, link)
+    sampler_s = s["rollout"] + s.get("validation", 0.0)
+    learner_s = lr["logprobs"] + lr["ppo_grad"] + lr["ppo_apply"] + lr["sync"]
+    iteration = max(sampler_s, learner_s) + push["seconds"]
+    synchronous = sum(sync.values())
+    return dict(
+        sampler_hosts=sampler_hosts,
+        learner_hosts=r.hosts - sampler_hosts,
+        sampler_games_per_host=sampler.games_per_host,
+        sampler_calls=sampler.sampler_calls,
+        sampler_s=sampler_s,
+        learner_s=learner_s,
+        push_s=push["seconds"],
+        iteration_s=iteration,
+        synchronous_s=synchronous,
+        speedup_async=synchronous / iteration,
+        bound="sampler" if sampler_s >= learner_s else "learner",
+        memory_bytes_per_chip=role_memory(m, sampler, learner),
+        push=push,
+    )
+
+
+def best_split(
+    m: ModelShape,
+    r: RunShape,
+    chip: Chip,
+    factors: dict[str, float] | None = None,
+    dcn_bytes_per_s_per_host: float | None = None,
+    budget: float = 0.9,
+    headroom: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """`async_iteration` at every split of ``r``'s hosts the games divide evenly, and the fastest whose
+    roles fit: the learner's FSDP size (its chips / ``tensor``) divides ``hidden_size`` (else the
+    parameters stay whole on every learner chip), and each phase of `role_memory` plus ``headroom[phase]`` bytes (that program's own
+    activations per chip, e.g. an AOT report's ``temp_bytes``) at most ``budget`` of ``chip.hbm_bytes`` (``launch.aot --roles`` checks a
+    split by compiling it).
+
+    Returns ``best`` (an `async_iteration` dict, None when no split fits) and ``candidates`` (every
+    split's, each with ``fits``).
+    """
+    extra = headroom or {}
+    games = r.games_per_host * r.sampler_calls * r.hosts
+    out = []
+    for s in range(1, r.hosts):
+        if games % s:
+            continue
+        a = async_iteration(m, r, chip, s, factors, dcn_bytes_per_s_per_host)
+        mem = a["memory_bytes_per_chip"]
+        fsdp = (r.hosts - s) * r.chips_per_host // r.tensor
+        # FSDP splits the hidden size (`sharding.LOGICAL_TO_MESH`): a size that does not divide it
+        # leaves the weights, gradients and moments whole on every learner chip
+        a["fsdp_divides_hidden"] = m.hidden_size % fsdp == 0
+        a["fits"] = a["fsdp_divides_hidden"] and all(mem[k] + extra.get(k, 0.0) <= budget * chip.hbm_bytes for k in mem)
+        out.append(a)
+    fitting = [a for a in out if a["fits"]]
+    return dict(best=min(fitting, key=lambda a: a["iteration_s"]) if fitting else None, candidates=out)

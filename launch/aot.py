@@ -3,6 +3,7 @@
     python -m launch.aot --config=configs/alfworld_qwen2_5_1_5b.py --topology=v5e:4x4
     python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --config.ppo.micro_batch_rows=4
     python -m launch.aot --topology=cpu:8                       # the CPU default on 8 emulated CPU devices
+    python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --roles=sampler:4,learner:12
 
 No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
 every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
@@ -33,6 +34,13 @@ The warm start's step (behaviour cloning on demonstrations, ``sft.sft_step_specs
   sft_grad   the micro-batch gradient (forward, response-token NLL, backward)
   sft_apply  the optimizer update
 
+The packed learner programs (``ppo.pack``: ``micro_batch_rows`` lines of C = ``ppo.pack_width`` tokens,
+0: the prompt bucket + the response width, and R = ``ppo.pack_response_width`` response slots, 0:
+min(C, 2 x the response width); ``aot.abstract_packed_micro_batch``): with ``ppo.pack`` on, ``ppo_grad``
+and ``logprobs`` are compiled packed (what the trainer runs); ``--programs=ppo_grad_packed,logprobs_packed``
+compiles them packed beside an unpacked config, into ``<config>__<topology>__packed.json`` (``ppo_apply``
+does not see the micro-batch). The report's ``shapes`` carry ``pack_width`` and ``pack_response_width``.
+
 The continuous scheduler's slot programs (``rollout.scheduler="continuous"``, ``sampling.Engine.slots``) on
 request only (``--programs=insert_1,insert,decode_chunk``), on the host's sampler mesh with the slot state
 (NS = ``rollout.num_slots`` or the host's games capped at the largest batch bucket, rounded up to the
@@ -46,6 +54,21 @@ Each reports ``slot_state_bytes`` (a chip's share of the donated state) and ``sl
 ``same_as: insert_1`` when both batches are one bucket. ``slot_step_time`` holds `bipace_jax.step_time`'s
 roofline of each insert, of one dense decode step (every slot reads all S columns) and of a chunk of
 them (TPU topologies).
+
+A disaggregated run (the asynchronous schedule, ``step_time.async_iteration``) with
+``--roles=sampler:S,learner:L`` (S + L = the slice's hosts; ``--programs`` picks among them): the sampler
+group's programs (prefill, decode, validation) on a sampler host's mesh at the batch a sampler host plays
+when S hosts play every task group, nothing else resident; the learner group's (gradient, AdamW,
+log-probs, estimator, its copy's gather) on a training mesh of the first L hosts' chips (data 1, FSDP,
+the config's tensor axis; ``aot.role_plans``); the weight push (``push_gather``) over the whole slice
+beside a learner chip's resident arrays (``aot.role_programs`` says why it is a whole-slice gather, not
+a learner-to-sampler program). The report ``<config>__<topology>__roles-<S>s<L>l.json`` lists each
+role's programs, ``fits`` per role, and the step-time model of the split; ``launch.step_table`` shows it
+in the asynchronous table.
+
+``--remat_search`` also compiles ``ppo_grad`` under every ``model.remat`` policy (none, save_dots, full)
+and reports each one's per-chip total and ``chosen``: the least recompute whose total fits the budget
+(``aot.choose_remat``; full remat costs a third more FLOPs than none).
 
 Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
 (the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
@@ -82,7 +105,7 @@ from ml_collections import config_flags
 from bipace_jax import aot, build, step_time
 from bipace_jax import config as config_lib
 from bipace_jax import plan as plan_lib
-from bipace_jax.aot import PROGRAMS, SFT_PROGRAMS, SLOT_PROGRAMS
+from bipace_jax.aot import PACKED_PROGRAMS, PROGRAMS, SFT_PROGRAMS, SLOT_PROGRAMS
 from launch import cli
 from launch._common import ROOT, write_json
 
@@ -93,6 +116,18 @@ _OUT = flags.DEFINE_string(
 )
 _BUDGET = flags.DEFINE_float("budget", 0.9, "Largest fraction of a chip's HBM a program may use.")
 _PROGRAMS = flags.DEFINE_list("programs", "", "Compile only these programs (default: all).")
+_ROLES = flags.DEFINE_string(
+    "roles",
+    "",
+    "sampler:S,learner:L: compile a disaggregated run instead, S hosts sampling and L learning (S + L = the "
+    "slice's hosts); the report is <config>__<topology>__roles-<S>s<L>l.json.",
+)
+_REMAT_SEARCH = flags.DEFINE_bool(
+    "remat_search",
+    False,
+    "Also compile ppo_grad under every model.remat policy and report the least-recompute one that fits "
+    "(remat_search: the memory that is actually free decides).",
+)
 _SLICES = flags.DEFINE_integer(
     "num_slices", 1, "TPU slices joined over the data-center network (multi-slice: data parallel across them)."
 )
@@ -225,6 +260,9 @@ def compile_all(spec, devices, local, programs=PROGRAMS) -> dict:
     )
     specs, slot_shapes = aot.abstract_programs(run, programs)
     report["shapes"].update(slot_shapes)
+    if spec.learner.pack or set(programs) & set(PACKED_PROGRAMS):
+        width, rwidth = aot.pack_widths(run)
+        report["shapes"].update(pack=spec.learner.pack, pack_width=width, pack_response_width=rwidth)
     for p in specs:
         if p.name not in programs:
             continue
@@ -253,6 +291,132 @@ def compile_all(spec, devices, local, programs=PROGRAMS) -> dict:
         estimate = step_time.estimate(step_time.ModelShape.of(run.arch), shape, chip)
         report["step_time"] = dict(run_shape=dataclasses.asdict(shape), **estimate)
     return report
+
+
+def parse_roles(value: str, hosts: int) -> int:
+    """The sampler hosts of ``--roles=sampler:S,learner:L``.
+
+    Raises:
+      ValueError: not that form, a count < 1, or S + L is not the slice's ``hosts``.
+    """
+    try:
+        parts = dict(kv.split(":") for kv in value.split(","))
+        s, learn = int(parts.pop("sampler")), int(parts.pop("learner"))
+        if parts:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise ValueError(f"--roles={value!r}: expected sampler:S,learner:L (host counts)") from None
+    if s < 1 or learn < 1 or s + learn != hosts:
+        raise ValueError(f"--roles={value!r}: S and L must be >= 1 and add up to the slice's {hosts} hosts")
+    return s
+
+
+def _compile(program: aot.Program, other: int) -> dict:
+    t0 = time.perf_counter()
+    with jax.set_mesh(program.mesh):
+        done = program.spec.lower().compile()
+    stats = _stats(done, time.perf_counter() - t0, other)
+    print(f"  compiled {program.name} in {stats['compile_s']} s", flush=True)
+    return stats
+
+
+def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...] = ()) -> dict:
+    """Compiles a disaggregated run (`aot.role_programs`) of ``spec`` on ``devices``: the sampler
+    group's programs on a sampler host's mesh, the learner group's on the learner hosts' devices, the
+    weight push over the whole slice (``only``: these programs alone); returns the report (``roles``:
+    per role, its programs' stats)."""
+    hosts = sorted({d.process_index for d in devices})
+    layout = plan_lib.HostLayout.of(spec, len(hosts), len(devices), len(devices) // len(hosts))
+    plan = plan_lib.plan(spec, layout)
+    s_plan, l_plan = aot.role_plans(spec, plan, sampler_hosts)
+    learn_devices, sampler_devices = aot.role_devices(devices, sampler_hosts)
+    runs = dict(
+        sampler=aot.abstract_run(spec, s_plan, sampler_devices, local),
+        learner=aot.abstract_run(spec, l_plan, learn_devices, local),
+        whole=aot.abstract_run(spec, plan, devices, local),
+    )
+    programs, resident = aot.role_programs(runs["sampler"], runs["learner"], runs["whole"])
+    report = dict(
+        topology=None,
+        chips=len(devices),
+        hosts=len(hosts),
+        device_kind=devices[0].device_kind,
+        hbm_bytes_per_chip=hbm_bytes(devices[0]),
+        sampler_hosts=sampler_hosts,
+        learner_hosts=len(hosts) - sampler_hosts,
+        meshes=dict(
+            sampler=dict(runs["sampler"].local_mesh.shape),
+            learner=dict(zip(("data", "fsdp", "tensor"), l_plan.layout.mesh_shape)),
+            learner_host=dict(runs["learner"].local_mesh.shape),
+            push=dict(runs["whole"].mesh.shape),
+        ),
+        model=dict(preset=spec.model.preset, params=runs["whole"].num_params, remat=spec.model.remat),
+        shapes=dict(sampler=aot.shapes(runs["sampler"]), learner=aot.shapes(runs["learner"])),
+        resident_bytes_per_chip=dict(learner=runs["learner"].resident),
+        roles={},
+    )
+    done: dict[str, dict] = {}
+    for role, progs in programs.items():
+        report["roles"][role] = {}
+        for p in progs:
+            if only and p.name not in only:
+                continue
+            if p.same_as and p.same_as in done:
+                report["roles"][role][p.name] = dict(done[p.same_as], same_as=p.same_as)
+                continue
+            if p.spec is None:
+                continue
+            try:
+                stats = _compile(p, sum(resident[k] for k in p.other))
+            except jax.errors.JaxRuntimeError as e:
+                if "should include all slice devices" not in str(e):
+                    raise
+                # libtpu on slices with limited ICI routing (v5e:8x8) compiles only over the whole slice
+                raise ValueError(
+                    f"--roles: {p.name} of the {role} group cannot be compiled on {len(p.mesh.devices.flat)} of the "
+                    f"slice's {len(devices)} chips: libtpu needs every device of this slice in a program (limited "
+                    "ICI routing); put the roles on slices of their own (e.g. the learner on its own topology)"
+                ) from None
+            report["roles"][role][p.name] = done[p.name] = stats
+    if devices[0].platform != "cpu":
+        chip = step_time.chip_for(devices[0].device_kind)
+        shape = plan.run_shape(spec.model)
+        # the push crosses the data-center network when the slice is several slices
+        slices = {getattr(d, "slice_index", 0) for d in devices}
+        dcn = step_time.DCN_BYTES_PER_S_PER_HOST if len(slices) > 1 else None
+        report["step_time"] = step_time.async_iteration(
+            step_time.ModelShape.of(runs["whole"].arch), shape, chip, sampler_hosts, dcn_bytes_per_s_per_host=dcn
+        )
+    return report
+
+
+def remat_search(spec, devices, local, budget: float) -> dict:
+    """``ppo_grad`` compiled under each ``model.remat`` policy (`aot.REMAT_ORDER`) on ``devices``: per
+    policy its per-chip total (the larger of the compiler's peak and arguments + outputs + temporaries
+    - aliased, plus the resident arrays beside it), share of HBM, FLOPs and compile
+    seconds, and ``chosen`` (`aot.choose_remat` at ``budget`` of HBM: the least recompute that fits)."""
+    hosts = sorted({d.process_index for d in devices})
+    layout = plan_lib.HostLayout.of(spec, len(hosts), len(devices), len(devices) // len(hosts))
+    hbm = hbm_bytes(devices[0])
+    out = {}
+    for policy in aot.REMAT_ORDER:
+        s = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat=policy))
+        run = aot.abstract_run(s, plan_lib.plan(s, layout), devices, local)
+        (grad,) = [p for p in aot.abstract_programs(run, ("ppo_grad",))[0] if p.name == "ppo_grad"]
+        other = sum(run.resident[k] for k in grad.other)
+        stats = _compile(grad, other)
+        # XLA:CPU's peak leaves out the temporaries; the static sum bounds what the program holds at once
+        held = stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"] - stats["alias_bytes"]
+        total = max(stats["peak_bytes_per_chip"], held) + other
+        out[policy] = dict(
+            total_bytes_per_chip=total,
+            temp_bytes=stats["temp_bytes"],
+            fraction_of_hbm=round(total / hbm, 4),
+            flops=stats["flops"],
+            compile_s=stats["compile_s"],
+        )
+    totals = {k: v["total_bytes_per_chip"] for k, v in out.items()}
+    return dict(policies=out, configured=str(spec.model.remat), chosen=aot.choose_remat(totals, budget * hbm))
 
 
 def print_report(report: dict, setting: str, name: str) -> None:
@@ -307,18 +471,29 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
+    if _ROLES.value:
+        known = sum(aot.ROLE_PROGRAMS.values(), ())
+        if set(_PROGRAMS.value) - set(known):
+            raise app.UsageError(
+                f"--programs with --roles: unknown {sorted(set(_PROGRAMS.value) - set(known))}; expected some of {known}"
+            )
+        return _main_roles(name, devices)
     programs = tuple(_PROGRAMS.value) or PROGRAMS
-    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS
+    known = PROGRAMS + SFT_PROGRAMS + SLOT_PROGRAMS + PACKED_PROGRAMS
     unknown = sorted(set(programs) - set(known))
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; expected some of {known}")
-
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
         spec = build.build_spec(c, num_devices=len(devices), abstract=True)
         report = compile_all(spec, devices, host_devices(name, devices), programs)
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
+    if _REMAT_SEARCH.value:
+        report["remat_search"] = remat_search(spec, devices, host_devices(name, devices), _BUDGET.value)
+        rs = report["remat_search"]
+        each = ", ".join(f"{k} {v['total_bytes_per_chip'] / GiB:.2f} GiB" for k, v in rs["policies"].items())
+        print(f"ppo_grad per remat policy: {each}; the least recompute that fits: {rs['chosen']}")
     report["topology"], report["num_slices"] = name, _SLICES.value
     hbm = report["hbm_bytes_per_chip"]
     report["budget_fraction"] = _BUDGET.value
@@ -345,9 +520,63 @@ def main(argv):
     print_report(report, setting, name)
     slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
     # beside, not over, the run's report
-    warm = "__sft" if set(programs) <= set(SFT_PROGRAMS) else "__slots" if set(programs) <= set(SLOT_PROGRAMS) else ""
+    kinds = (("__sft", SFT_PROGRAMS), ("__slots", SLOT_PROGRAMS), ("__packed", PACKED_PROGRAMS))
+    warm = next((suffix for suffix, names in kinds if set(programs) <= set(names)), "")
     write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}{warm}.json"), report, indent=1)
     if not report["fits"]:
+        sys.exit(1)
+
+
+def _main_roles(name: str, devices: list) -> None:
+    """``--roles``: compile the disaggregated run, report per role, exit 1 when a role does not fit."""
+    try:
+        sampler_hosts = parse_roles(_ROLES.value, len({d.process_index for d in devices}))
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    print(f"{name}: {len(devices)} x {devices[0].device_kind}; roles {_ROLES.value}", flush=True)
+    try:
+        spec = build.build_spec(_CONFIG.value, num_devices=len(devices), abstract=True)
+        only = tuple(_PROGRAMS.value)
+        report = compile_roles(spec, devices, host_devices(name, devices), sampler_hosts, only)
+    except (config_lib.ConfigError, ValueError) as e:
+        raise app.UsageError(f"{e} (--roles={_ROLES.value} on --topology={name})") from None
+    report["topology"], report["num_slices"] = name, _SLICES.value
+    hbm = report["hbm_bytes_per_chip"]
+    report["budget_fraction"] = _BUDGET.value
+    for progs in report["roles"].values():
+        for p in progs.values():
+            p["fraction_of_hbm"] = round(p["total_bytes_per_chip"] / hbm, 4)
+    report["fits"] = {
+        role: all(p["fraction_of_hbm"] <= _BUDGET.value for p in progs.values())
+        for role, progs in report["roles"].items()
+    }
+    report["jax_version"] = jax.__version__
+    setting = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
+    report["config"] = setting
+    report["overrides"] = dict(
+        a[len("--config.") :].split("=", 1) for a in sys.argv if a.startswith("--config.") and "=" in a
+    )
+    print(
+        f"\n{setting} on {name}, {report['sampler_hosts']} sampler + {report['learner_hosts']} learner hosts "
+        f"(memory in GiB per chip, HBM {hbm / GiB:.1f}, budget {_BUDGET.value:.0%})"
+    )
+    for role, progs in report["roles"].items():
+        for k, p in progs.items():
+            print(
+                f"{role:8s} {k:12s} total {p['total_bytes_per_chip'] / GiB:7.2f}  {p['fraction_of_hbm']:5.0%}  "
+                f"compile {p['compile_s']:6.1f}s"
+            )
+    if "step_time" in report:
+        a = report["step_time"]
+        print(
+            f"step-time floor: sampler {a['sampler_s']:.0f} s, learner {a['learner_s']:.0f} s, push {a['push_s']:.2f} s; "
+            f"iteration {a['iteration_s']:.0f} s vs synchronous {a['synchronous_s']:.0f} s"
+        )
+    print(f"fits: {report['fits']}")
+    slices = f"{_SLICES.value}x" if _SLICES.value > 1 else ""
+    stem = f"{setting}__{slices}{name.replace(':', '-')}__roles-{report['sampler_hosts']}s{report['learner_hosts']}l"
+    write_json(os.path.join(_OUT.value, f"{stem}.json"), report, indent=1)
+    if not all(report["fits"].values()):
         sys.exit(1)
 
 

@@ -18,6 +18,14 @@ lengths come from ``--heads`` (``launch.head_lengths``: turns 3 and later, Qwen2
 with every prompt at the committed bucket (the bound's layout), and with prompts at their measured
 length (the prefill and the lockstep cache at the first ``sampler.length_buckets`` entry holding
 head + suffix).
+
+Beside the floor, the expected time: every program's roofline seconds times the factor a
+``launch.bench_step`` report measured (``--calibration``, `step_time.Calibration`, with its device,
+date and commit); and the asynchronous schedule (`step_time.best_split`: a sampler group and a
+learner group of hosts overlapped, the fastest split whose roles fit in HBM), with each role's
+compiled per-chip memory where ``launch.aot --roles`` committed a report (``<config>__<topology>__roles-*``).
+``--docs`` rewrites the generated tables in README.md ("At pod scale") and docs/pod.md (section 7)
+between their ``<!-- launch.step_table:NAME -->`` markers.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import glob
 import importlib
 import json
 import os
+import re
 
 from absl import app, flags
 
@@ -35,6 +44,8 @@ from bipace_jax.buckets import Buckets
 from bipace_jax.models import Qwen2Config
 from launch import cli
 from launch._common import ROOT, write_json
+
+GiB = 1 << 30
 
 _FLAGS: dict = {}  # defined when run as a script: importing the module (tests) must not claim --out
 
@@ -47,6 +58,16 @@ def _define_flags() -> None:
         "heads", os.path.join(ROOT, "benchmarks", "shared_heads.json"), "launch.head_lengths report (shared heads)."
     )
     _FLAGS["out"] = flags.DEFINE_string("out", os.path.join(ROOT, "benchmarks", "step_time.json"), "JSON report path.")
+    _FLAGS["calibration"] = flags.DEFINE_string(
+        "calibration", CALIBRATION, "launch.bench_step report whose measured/modelled factors give the expected time."
+    )
+    _FLAGS["docs"] = flags.DEFINE_bool("docs", False, "Rewrite the generated tables in README.md and docs/pod.md.")
+
+
+#: The committed calibration (one H200, `launch.bench_step`).
+CALIBRATION = os.path.join(ROOT, "benchmarks", "step_nvidia_h200.json")
+#: Files whose tables `--docs` rewrites, and the tables of each.
+DOCS = {"README.md": ("pod", "asynchronous"), os.path.join("docs", "pod.md"): ("schedulers", "asynchronous")}
 
 
 def run_shape(report: dict) -> step_time.RunShape:
@@ -121,13 +142,107 @@ def shared_head_rows(
     )
 
 
-def rows(reports_dir: str, heads_path: str | None = None) -> list[dict]:
+def largest_peak(report: dict) -> dict:
+    """The report's program or transient with the largest per-chip total: its ``name``, ``bytes`` and
+    ``fraction`` of HBM."""
+    hbm = report["hbm_bytes_per_chip"]
+    items = [(k, p["total_bytes_per_chip"]) for k, p in report["programs"].items()]
+    items += [(k, t["bytes_per_chip"]) for k, t in report.get("transients", {}).items()]
+    name, size = max(items, key=lambda kv: kv[1])
+    return dict(name=name, bytes=size, fraction=size / hbm)
+
+
+def role_report(reports_dir: str, report_file: str, sampler_hosts: int) -> dict | None:
+    """Per-chip compiled memory of each role from ``launch.aot --roles``'s report for this run and split
+    (``<report>__roles-<S>s<L>l.json``): the largest total per role and whether every program fits;
+    None when none is committed."""
+    with open(os.path.join(reports_dir, report_file)) as f:
+        hosts = json.load(f)["hosts"]
+    stem = os.path.splitext(report_file)[0]
+    path = os.path.join(reports_dir, f"{stem}__roles-{sampler_hosts}s{hosts - sampler_hosts}l.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        r = json.load(f)
+    out = {}
+    for role, progs in r["roles"].items():
+        name, p = max(progs.items(), key=lambda kv: kv[1]["total_bytes_per_chip"])
+        out[role] = dict(program=name, bytes=p["total_bytes_per_chip"], fraction=p["fraction_of_hbm"])
+    return dict(report=os.path.basename(path), fits=r["fits"], **out)
+
+
+def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Calibration) -> dict:
+    """The README pod table's row of one report: meshes, largest peak, the floor and the expected
+    (calibrated) stages, iteration and run, and the asynchronous schedule's best split."""
+    shape = run_shape(report)
+    m = step_time.ModelShape.of(Qwen2Config.preset(report["model"]["preset"]))
+    chip = step_time.chip_for(report["device_kind"])
+    floor = step_time.estimate(m, shape, chip)
+    exp = step_time.expected(m, shape, chip, cal)
+
+    def groups(stages: dict) -> dict:
+        return dict(
+            rollout=stages["rollout"],
+            logprobs=stages["logprobs"],
+            gradient=stages["ppo_grad"] + stages["ppo_apply"],
+            validation=stages.get("validation", 0.0),
+            sync=stages["sync"],
+        )
+
+    # the learner programs' activations beside the modelled resident arrays (their per-chip rows stay the same)
+    progs = report["programs"]
+    temp = dict(logprobs=progs["logprobs"]["temp_bytes"], gradient=progs["ppo_grad"]["temp_bytes"])
+    dcn = step_time.DCN_BYTES_PER_S_PER_HOST if report.get("num_slices", 1) > 1 else None
+    splits = {}
+    for name, factors in (("floor", None), ("expected", cal.factors)):
+        splits[name] = step_time.best_split(m, shape, chip, factors, dcn, headroom=temp)
+    best = splits["expected"]["best"]
+    if best is None:  # no split fits: the synchronous run only
+        at_floor = None
+    else:
+        at_floor = next(a for a in splits["floor"]["candidates"] if a["sampler_hosts"] == best["sampler_hosts"])
+    mesh, sm = report["mesh"], report["sampler_mesh"]
+    return dict(
+        training_mesh="x".join(str(mesh[k]) for k in ("data", "fsdp", "tensor")),
+        sampler_mesh="x".join(str(sm.get(k, 1)) for k in ("data", "fsdp", "tensor")),
+        largest_peak=largest_peak(report),
+        stages_s_floor=groups(floor["stages_s"]),
+        stages_s_expected=groups(exp["stages_s"]),
+        iteration_s_expected=exp["iteration_s"],
+        run_hours_bound=floor["run_hours"],
+        run_hours_expected=exp["run_hours"],
+        chip_hours_bound=floor["chip_hours"],
+        chip_hours_expected=exp["run_hours"] * shape.chips,
+        async_schedule=dict(
+            push_link="DCN" if dcn else "ICI",
+            best_expected=best,
+            best_at_floor=at_floor,
+            speedup_async_expected=best and best["speedup_async"],
+            speedup_async_floor=at_floor and at_floor["speedup_async"],
+            candidates=[
+                dict(
+                    sampler_hosts=a["sampler_hosts"],
+                    learner_hosts=a["learner_hosts"],
+                    fits=a["fits"],
+                    iteration_s_floor=f["iteration_s"],
+                    iteration_s_expected=a["iteration_s"],
+                )
+                for a, f in zip(splits["expected"]["candidates"], splits["floor"]["candidates"])
+            ],
+            aot=best and role_report(reports_dir, report_file, best["sampler_hosts"]),
+        ),
+    )
+
+
+def rows(reports_dir: str, heads_path: str | None = None, calibration_path: str = CALIBRATION) -> list[dict]:
     heads = head_lengths(heads_path) if heads_path else None
+    with open(calibration_path) as f:
+        cal = step_time.Calibration.from_report(json.load(f))
     out = []
     for path in sorted(glob.glob(os.path.join(reports_dir, "*.json"))):
         with open(path) as f:
             report = json.load(f)
-        if "step_time" not in report:
+        if "step_time" not in report or "roles" in report:
             continue
         shape = run_shape(report)
         m = step_time.ModelShape.of(Qwen2Config.preset(report["model"]["preset"]))
@@ -179,15 +294,146 @@ def rows(reports_dir: str, heads_path: str | None = None) -> list[dict]:
                 unit_costs_s=e["schedulers"]["rollout"]["unit_costs_s"],
                 run_shape=dataclasses.asdict(shape),
                 **shared,
+                **pod_row(report, os.path.basename(path), reports_dir, cal),
             )
         )
     return out
 
 
+def _name(config: str) -> str:
+    game, size = config.split("_qwen2_5_")
+    return f"{game} {size.replace('_', '.')}"
+
+
+def _slice(r: dict) -> str:
+    return f"{r['slice']} ({r['chips']} chips, {r['hosts']} hosts)"
+
+
+def pod_table(table: list[dict], cal: step_time.Calibration) -> str:
+    """README's pod table (markdown): meshes, peak memory, the floor and expected stages and run."""
+    lines = [
+        "| config | slice | training mesh (data x fsdp x tensor) | host sampler mesh | largest per-chip peak (share of HBM) "
+        "| rollout / log-probs / gradient / validation s per iteration: floor; expected | iteration s: floor / expected "
+        "| 150 iterations: floor / expected |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        peak = r["largest_peak"]
+        f, e = r["stages_s_floor"], r["stages_s_expected"]
+        keys = ("rollout", "logprobs", "gradient", "validation")
+        lines.append(
+            f"| {_name(r['config'])} | {_slice(r)} | {r['training_mesh']} | {r['sampler_mesh']} | "
+            f"{peak['name']}, {peak['bytes'] / GiB:.1f} GiB ({peak['fraction']:.0%}) | "
+            + " / ".join(f"{f[k]:.0f}" for k in keys)
+            + "; "
+            + " / ".join(f"{e[k]:.0f}" for k in keys)
+            + f" | {r['iteration_s_bound']:.0f} / {r['iteration_s_expected']:.0f} | "
+            f"{r['run_hours_bound']:.1f} / {r['run_hours_expected']:.1f} h, "
+            f"{r['chip_hours_bound']:.0f} / {r['chip_hours_expected']:.0f} chip-h |"
+        )
+    names = dict(logprobs="log-probs", ppo_grad="gradient", ppo_apply="AdamW", prefill="prefill", decode_step="decode")
+    factors = ", ".join(f"{names.get(k, k)} {v:.2f}x" for k, v in cal.factors.items())
+    lines += [
+        "",
+        f"Expected = each program's floor x its measured / modelled factor from `launch.bench_step` on one "
+        f"{cal.device} ({cal.date[:10]}, commit {cal.commit}; `benchmarks/step_nvidia_h200.json`, "
+        f"`step_time.Calibration`): {factors}. No TPU has calibrated the model: on a TPU the expected "
+        "column holds only as far as XLA reaches the same share of the chip's peaks there.",
+    ]
+    return "\n".join(lines)
+
+
+def async_table(table: list[dict]) -> str:
+    """The asynchronous schedule's table (markdown): the best split by expected time, synchronous vs
+    asynchronous iteration at the floor and expected, and each role's compiled memory."""
+    lines = [
+        "| config | slice | split: sampler + learner hosts | sampler / learner / weight push s per iteration, expected "
+        "| iteration s, synchronous / asynchronous: floor | expected | per-chip memory by role, sampler / learner "
+        "(modelled; compiled) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        a = r["async_schedule"]
+        b, f = a["best_expected"], a["best_at_floor"]
+        if b is None:
+            lines.append(f"| {_name(r['config'])} | {r['slice']} | no split fits | | | | |")
+            continue
+        mem = b["memory_bytes_per_chip"]
+        learner = max(mem["logprobs"], mem["gradient"])
+        aot = a["aot"]
+        compiled = "not compiled"
+        if aot:
+            compiled = " / ".join(
+                f"{aot[k]['program']} {aot[k]['bytes'] / GiB:.1f} GiB ({aot[k]['fraction']:.0%})"
+                for k in ("sampler", "learner")
+            )
+        slower = " (synchronous is faster)" if b["speedup_async"] < 1 else ""
+        lines.append(
+            f"| {_name(r['config'])} | {r['slice']} | {b['sampler_hosts']} + {b['learner_hosts']} | "
+            f"{b['sampler_s']:.0f} / {b['learner_s']:.0f} / {b['push_s']:.2f} ({a['push_link']}) | "
+            f"{f['synchronous_s']:.0f} / {f['iteration_s']:.0f} ({f['speedup_async']:.2f}x) | "
+            f"{b['synchronous_s']:.0f} / {b['iteration_s']:.0f} ({b['speedup_async']:.2f}x){slower} | "
+            f"{mem['sampler'] / GiB:.1f} / {learner / GiB:.1f} GiB; {compiled} |"
+        )
+    return "\n".join(lines)
+
+
+def schedulers_table(table: list[dict]) -> str:
+    """docs/pod.md section 7's table (markdown): the rollout under both schedulers and shared heads."""
+    lines = [
+        "| config | slice | games (= slots) per host | rollout s per iteration: bound / lockstep / continuous "
+        "| decode steps per host, lockstep / continuous | s per iteration: bound / lockstep / continuous "
+        "| 150 iterations, h: lockstep / continuous | lockstep rollout s, measured prompts: plain / shared heads (saving) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        plain, shared = r["rollout_s_lockstep_measured_prompts"], r["rollout_s_lockstep_measured_prompts_shared_heads"]
+        info = r["shared_heads_at_measured"]
+        split = re.match(r"off \(the host's sampler splits rows (\d+) ways\)", info["why_not"])
+        if info["applies"]:
+            heads = f"{plain:.1f} / {shared:.1f} ({plain - shared:.1f} s)"
+        elif split:
+            heads = f"{plain:.1f} / off (rows split {split.group(1)} ways)"
+        else:
+            heads = f"{plain:.1f} / {shared:.1f} ({info['why_not'].split(' (')[0]})"
+        lines.append(
+            f"| {_name(r['config'])} | {r['slice']} | {r['games_per_host']} | {r['rollout_s_bound']:.0f} / "
+            f"{r['rollout_s_lockstep']:.0f} / {r['rollout_s_continuous']:.0f} ({r['speedup_continuous_rollout']:.2f}x) | "
+            f"{r['decode_steps_lockstep']:.0f} / {r['decode_steps_continuous']:.0f} ({r['speedup_decode_steps']:.2f}x) | "
+            f"{r['iteration_s_bound']:.0f} / {r['iteration_s_lockstep']:.0f} / {r['iteration_s_continuous']:.0f} | "
+            f"{r['run_hours_lockstep']:.1f} / {r['run_hours_continuous']:.1f} | {heads} |"
+        )
+    return "\n".join(lines)
+
+
+def tables(table: list[dict], cal: step_time.Calibration) -> dict[str, str]:
+    """Every generated table by its marker name."""
+    return dict(pod=pod_table(table, cal), asynchronous=async_table(table), schedulers=schedulers_table(table))
+
+
+def replace_marked(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between ``<!-- launch.step_table:NAME -->`` and ``<!-- /launch.step_table:NAME -->``
+    replaced by ``body``.
+
+    Raises:
+      ValueError: the markers are missing.
+    """
+    start, end = f"<!-- launch.step_table:{name} -->", f"<!-- /launch.step_table:{name} -->"
+    if start not in text or end not in text:
+        raise ValueError(f"no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    return f"{head}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    table = rows(_FLAGS["reports"].value, _FLAGS["heads"].value)
+    table = rows(_FLAGS["reports"].value, _FLAGS["heads"].value, _FLAGS["calibration"].value)
+    with open(_FLAGS["calibration"].value) as f:
+        cal = step_time.Calibration.from_report(json.load(f))
+    generated = tables(table, cal)
+    for body in generated.values():
+        print(body, end="\n\n")
     print(
         "| config | slice | games/host | rollout s: bound / lockstep / continuous / continuous, exact inserts "
         "| decode steps lockstep / continuous | iteration s: lockstep / continuous / exact | 150 it. h: lockstep / continuous / exact |"
@@ -223,10 +469,27 @@ def main(argv):
         dict(
             method="launch.step_table: step_time.estimate on the committed AOT reports' shapes (no compile); "
             "rollout with lognormal responses (step_time.rollout_model, bipace_jax.schedule_sim)",
+            calibration=dict(
+                report=os.path.relpath(_FLAGS["calibration"].value, ROOT),
+                device=cal.device,
+                date=cal.date,
+                commit=cal.commit,
+                factors=cal.factors,
+            ),
             rows=table,
         ),
         indent=1,
     )
+    if _FLAGS["docs"].value:
+        for doc, names in DOCS.items():
+            path = os.path.join(ROOT, doc)
+            with open(path) as f:
+                text = f.read()
+            for name in names:
+                text = replace_marked(text, name, generated[name])
+            with open(path, "w") as f:
+                f.write(text)
+            print(f"wrote the {', '.join(names)} tables into {doc}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = {"ppo_grad", "ppo_apply", "logprobs", "prefill", "decode", "val_prefill", "val_decode", "estimator"}
 PROGRAM_KEYS = {"peak_bytes_per_chip", "argument_bytes", "temp_bytes", "output_bytes", "flops", "compile_s"}
-REPORTS = sorted(p for p in glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*.json")) if "__cpu" not in p)
+# a disaggregated run's reports (`--roles`) are checked in tests/test_aot_pod.py
+REPORTS = sorted(
+    p for p in glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*.json")) if "__cpu" not in p and "__roles-" not in p
+)
 COMMITTED = [p for p in REPORTS if not p.endswith(("__sft.json", "__slots.json"))]  # an RL run's programs
 COMMITTED_SFT = [p for p in REPORTS if p.endswith("__sft.json")]  # the warm start's step at the run's sizes
 COMMITTED_SLOTS = [p for p in REPORTS if p.endswith("__slots.json")]  # the continuous scheduler's programs
