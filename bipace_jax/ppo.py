@@ -61,9 +61,10 @@ def response_logprobs(
     (the last chunk zero-padded), rematerialised in the backward, so no fp32 [B, M, V] logits are ever
     live (at 512 x 152k that is 311 MB per row). Same values as ``chunk=0`` (all M at once).
     """
-    h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
-    m = response_ids.shape[1]
-    h = h[:, input_ids.shape[1] - m - 1 : -1]  # the M positions that predict the response
+    t, m = input_ids.shape[1], response_ids.shape[1]
+    # the M columns that predict the response: the last layer runs only there (forward_hidden)
+    cols = jnp.broadcast_to(jnp.arange(t - m - 1, t - 1, dtype=jnp.int32), response_ids.shape)
+    h, _ = model.forward_hidden(input_ids, attention_mask, query_index=cols)  # [B, M, D]
     return head_logprobs(model, h, response_ids, temperature=temperature, support=support, chunk=chunk)
 
 
@@ -73,8 +74,7 @@ def packed_response_logprobs(
     """(log-probs, entropy), float32[L, R] each, of a packed micro-batch's response slots
     (``PackedMicroBatch``): the forward over the packed lines, the hidden states at ``head_index``,
     then the LM head as in ``response_logprobs``. Empty slots hold meaningless finite values."""
-    h = model.forward_packed(mb.input_ids, mb.segment_ids)  # [L, C, D]
-    h = jnp.take_along_axis(h, mb.head_index[..., None], axis=1)  # [L, R, D]
+    h = model.forward_packed(mb.input_ids, mb.segment_ids, query_index=mb.head_index)  # [L, R, D]
     return head_logprobs(model, h, mb.response_ids, temperature=temperature, support=support, chunk=chunk)
 
 
