@@ -88,9 +88,9 @@ def main(_):
         spec, plain = trainer.spec, trainer.learner
         groups = [tasks.train_task(trainer.train_ids, spec.seed, i) for i in range(trainer.groups_per_host)]
         t0 = time.perf_counter()
-        res = trainer._play(trainer.sampler, trainer.rollout_cfg, groups, jax.random.key(spec.seed))
+        res = trainer._play(trainer.rollout_cfg, groups, jax.random.key(spec.seed))
         rollout_s = time.perf_counter() - t0
-        batch = res.token_batch()
+        batch = res.tokens
         adv, _ = trainer._advantages(res)
         old = np.asarray(res.sample_logprobs, np.float32)
         ref = plain.logprobs(plain.ref_params_local, batch)
