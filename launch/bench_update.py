@@ -8,18 +8,21 @@ log-probs (``ppo.old_logprobs = "sampler"``), the reference log-probs and the es
 one update batch (``--save_batch`` / ``--load_batch``: keep it in an .npz and skip the rollout). Each arm
 is a learner from the same checkpoint with the same key (same mini-batches, same optimizer steps):
 
-* ``before``: the learner as it was: the last decoder layer run over every column, then the response
-  columns cut out (``BaselineObjective``), one micro-batch per prompt bucket, unpacked.
-* ``after``: the config's learner as shipped: the last layer only at the response-predicting columns
+* ``before``: the learner as it was: ``ppo.pack`` off (one micro-batch shape per prompt bucket) and the
+  last decoder layer run over every column, then the response columns cut out (``BaselineObjective``).
+* ``after``: ``ppo.pack`` off, the last layer only at the response-predicting columns
   (``Qwen2Actor.forward_hidden(query_index=...)``).
-* ``after_packed``: ``after`` with ``ppo.pack`` on (``--pack_width`` / ``--pack_response_width``).
+* ``after_packed``: ``after`` with ``ppo.pack`` on at the config's ``pack_width`` /
+  ``pack_response_width`` (``--pack_width`` / ``--pack_response_width`` override them): the CPU
+  default as shipped (512 / 96).
 
 Each arm runs its first update (compile + run), then ``--reps`` updates, the arms interleaved; reported
 per arm: the first call, the fastest steady call (wall seconds) and its process CPU seconds (all threads:
 steadier than wall time on shared cores), the first update's statistics (they must agree to float
 tolerance: ``max_rel_stat_diff`` against ``before``), and the real-token share of the update's
-processed tokens (``PPOLearner.last_tokens``). ``speedup_update`` = before / after (fastest steady
-wall), ``speedup_update_cpu`` the same in CPU seconds, ``speedup_update_first`` of the first calls.
+processed tokens (``PPOLearner.last_tokens``). ``speedup_update_<arm>`` = before / arm (fastest steady
+wall), ``speedup_update_cpu_<arm>`` the same in CPU seconds, ``speedup_update_first_<arm>`` of the
+first calls; ``speedup_update`` is ``after_packed``'s (the shipped default), else ``after``'s.
 The 1-minute load average is recorded before and after: the numbers are only comparable within a run.
 """
 
@@ -40,8 +43,8 @@ from launch._common import write_json
 FLAGS = flags.FLAGS
 flags.DEFINE_list("arms", ["before", "after", "after_packed"], "arms to run (see the docstring)")
 flags.DEFINE_integer("reps", 3, "timed updates per arm after the first (interleaved)")
-flags.DEFINE_integer("pack_width", 0, "after_packed: ppo.pack_width (0: the batch's row width)")
-flags.DEFINE_integer("pack_response_width", 0, "after_packed: ppo.pack_response_width (0: min(width, 2 M))")
+flags.DEFINE_integer("pack_width", None, "after_packed: ppo.pack_width (default: the config's)")
+flags.DEFINE_integer("pack_response_width", None, "after_packed: ppo.pack_response_width (default: the config's)")
 flags.DEFINE_string("save_batch", "", "write the update batch to this .npz")
 flags.DEFINE_string("load_batch", "", "read the update batch from this .npz instead of playing the rollout")
 flags.DEFINE_string("out", "benchmarks/update_cpu.json", "JSON output")
@@ -143,8 +146,11 @@ def main(_):
     spec = build.build_spec(c)
     mesh = sharding.make_mesh(1, 1, 1)
     tokenizer = build.load_model_tokenizer(spec.model)
-    packed = dict(pack=True, pack_width=FLAGS.pack_width, pack_response_width=FLAGS.pack_response_width)
-    overrides = {"before": {}, "after": {}, "after_packed": packed}
+    packed = dict(pack=True)
+    for field in ("pack_width", "pack_response_width"):
+        if getattr(FLAGS, field) is not None:
+            packed[field] = getattr(FLAGS, field)
+    overrides = {"before": dict(pack=False), "after": dict(pack=False), "after_packed": packed}
     learners = {}
     for name in FLAGS.arms:
         arm = dataclasses.replace(spec, learner=dataclasses.replace(spec.learner, **overrides[name]))
@@ -204,8 +210,10 @@ def main(_):
             result[f"speedup_update_{name}"] = fastest["before"] / fastest[name]
             result[f"speedup_update_cpu_{name}"] = fastest_cpu["before"] / fastest_cpu[name]
             result[f"speedup_update_first_{name}"] = first["before"]["wall_s"] / first[name]["wall_s"]
-    if "after" in learners and "before" in learners:
-        result["speedup_update"] = result["speedup_update_after"]
+    for name in ("after_packed", "after"):
+        if f"speedup_update_{name}" in result:
+            result["speedup_update"] = result[f"speedup_update_{name}"]
+            break
     print(f"CPU default: {batch.rows} rows, prompt width {batch.prompt_len}, M {batch.response_ids.shape[1]}")
     print(f"load (1 min) {load[0]:.1f} -> {load[1]:.1f}")
     print(
