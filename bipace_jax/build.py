@@ -354,6 +354,19 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         # The sampler's log-probs are log_softmax(logits / T) before truncation: the policy PPO trains
         # at the rollout temperature T, but not the top-p/top-k-truncated one that played.
         fail("ppo.old_logprobs", "be 'recompute' unless the sampler is untruncated (top_p 1, top_k 0)", "sampler")
+    longest = rollout.max_prompt_length + sampler.max_new_tokens  # a row's most tokens: one line must hold it
+    if learner.pack and 0 < learner.pack_width < longest:
+        fail(
+            "ppo.pack_width",
+            f"be 0 or >= rollout.max_prompt_length + sampler.max_new_tokens = {longest}",
+            learner.pack_width,
+        )
+    if learner.pack and 0 < learner.pack_response_width < sampler.max_new_tokens:
+        fail(
+            "ppo.pack_response_width",
+            f"be 0 or >= sampler.max_new_tokens = {sampler.max_new_tokens}",
+            learner.pack_response_width,
+        )
     val = ValConfig.from_config(c)
     val_sampler = dataclasses.replace(sampler, temperature=val.temperature)
     mesh = MeshConfig.from_config(c)

@@ -29,6 +29,7 @@ from bipace_jax.batch import MicroBatch, PackedMicroBatch, TokenBatch, pack_line
 from bipace_jax.buckets import Buckets
 from bipace_jax.config import LearnerConfig, OldLogprobs
 from bipace_jax.learner import Learner, NonFiniteError, mesh_context, shard_rows
+from bipace_jax.models import attention
 from bipace_jax.programs import ProgramSpec, abstract
 
 __all__ = [
@@ -62,10 +63,17 @@ def response_logprobs(
     ``chunk`` > 0: the LM head, softmax and entropy run over ``chunk`` response positions at a time
     (the last chunk zero-padded), rematerialised in the backward, so no fp32 [B, M, V] logits are ever
     live (at 512 x 152k that is 311 MB per row). Same values as ``chunk=0`` (all M at once).
+
+    On CPU the last decoder layer runs only at the M columns that predict the response
+    (``head_columns_only``); the values are the same up to float order.
     """
-    h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
-    m = response_ids.shape[1]
-    h = h[:, input_ids.shape[1] - m - 1 : -1]  # the M positions that predict the response
+    t, m = input_ids.shape[1], response_ids.shape[1]
+    if head_columns_only():
+        cols = jnp.broadcast_to(jnp.arange(t - m - 1, t - 1, dtype=jnp.int32), response_ids.shape)
+        h, _ = model.forward_hidden(input_ids, attention_mask, query_index=cols)  # [B, M, D]
+    else:
+        h, _ = model.forward_hidden(input_ids, attention_mask)  # [B, T, D]
+        h = h[:, t - m - 1 : -1]  # the M positions that predict the response
     return head_logprobs(model, h, response_ids, temperature=temperature, support=support, chunk=chunk)
 
 
@@ -75,9 +83,20 @@ def packed_response_logprobs(
     """(log-probs, entropy), float32[L, R] each, of a packed micro-batch's response slots
     (``PackedMicroBatch``): the forward over the packed lines, the hidden states at ``head_index``,
     then the LM head as in ``response_logprobs``. Empty slots hold meaningless finite values."""
-    h = model.forward_packed(mb.input_ids, mb.segment_ids)  # [L, C, D]
-    h = jnp.take_along_axis(h, mb.head_index[..., None], axis=1)  # [L, R, D]
+    if head_columns_only():
+        h = model.forward_packed(mb.input_ids, mb.segment_ids, query_index=mb.head_index)  # [L, R, D]
+    else:
+        h = model.forward_packed(mb.input_ids, mb.segment_ids)  # [L, C, D]
+        h = jnp.take_along_axis(h, mb.head_index[..., None], axis=1)  # [L, R, D]
     return head_logprobs(model, h, mb.response_ids, temperature=temperature, support=support, chunk=chunk)
+
+
+def head_columns_only() -> bool:
+    """Whether the log-prob pass runs the last decoder layer only at the LM head's columns
+    (``Qwen2Actor.forward_hidden(query_index=...)``): on CPU, where attention is dense anyway, it saves
+    about 1/L of the forward and backward (``launch.bench_update``); accelerators keep the full last
+    layer on their fused causal kernels rather than a dense [Q, T] score block."""
+    return attention.device_platform() == "cpu"
 
 
 def head_logprobs(

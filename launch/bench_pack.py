@@ -6,8 +6,8 @@ share of the learner's processed tokens (measured on the CPU default, modelled a
 Measured (``configs/textcraft_tiny.py``, the README main job's config): the trainer is built in a
 scratch folder and plays iteration 0's rollout once (its seed, its task groups); its rows, the
 sampler's log-probs (the config's ``ppo.old_logprobs``), the reference log-probs and the estimator's
-advantages make one update batch. Two learners from the same checkpoint, ``ppo.pack`` off (the
-trainer's own) and on, then run the same update (same key: same mini-batches and optimizer steps)
+advantages make one update batch. Two learners from the same checkpoint, ``ppo.pack`` off and on
+(the config's ``pack_width`` / ``pack_response_width``), then run the same update (same key: same mini-batches and optimizer steps)
 and the reference log-prob pass: each first once (compile), then ``--reps`` times, the two arms
 interleaved; medians reported, ``speedup_update`` = unpacked / packed. The first updates' statistics
 are compared (``max_rel_stat_diff``). Real-token share = the rows' real tokens / the micro-batch
@@ -88,17 +88,18 @@ def main(_):
         spec, plain = trainer.spec, trainer.learner
         groups = [tasks.train_task(trainer.train_ids, spec.seed, i) for i in range(trainer.groups_per_host)]
         t0 = time.perf_counter()
-        res = trainer._play(trainer.sampler, trainer.rollout_cfg, groups, jax.random.key(spec.seed))
+        res = trainer._play(trainer.rollout_cfg, groups, jax.random.key(spec.seed))
         rollout_s = time.perf_counter() - t0
-        batch = res.token_batch()
+        batch = res.tokens
         adv, _ = trainer._advantages(res)
         old = np.asarray(res.sample_logprobs, np.float32)
         ref = plain.logprobs(plain.ref_params_local, batch)
         full = batch.with_(old_logprobs=old, ref_logprobs=ref, advantages=adv)
-        packed_spec = dataclasses.replace(spec, learner=dataclasses.replace(spec.learner, pack=True))
-        actor = build.build_actor(spec.model, trainer.tokenizer, trainer.mesh, seed=spec.seed)
-        packed = build.ppo_learner(packed_spec, actor, trainer.mesh, trainer.local_mesh, support=len(trainer.tokenizer))
-        arms = {"unpacked": plain, "packed": packed}
+        arms = {}
+        for name, pack in (("unpacked", False), ("packed", True)):  # the config's pack widths for the packed arm
+            arm = dataclasses.replace(spec, learner=dataclasses.replace(spec.learner, pack=pack))
+            actor = build.build_actor(spec.model, trainer.tokenizer, trainer.mesh, seed=spec.seed)
+            arms[name] = build.ppo_learner(arm, actor, trainer.mesh, trainer.local_mesh, support=len(trainer.tokenizer))
         key = jax.random.key(1)
         first, times, lp_times, stats = {}, {a: [] for a in arms}, {a: [] for a in arms}, {}
         for name, L in arms.items():  # compile (and the first update's statistics, from equal weights)

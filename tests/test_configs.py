@@ -181,6 +181,12 @@ def test_command_line_overrides_reach_nested_fields():
         ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),
         ("ppo.old_logprobs", "sampler", "config.ppo.old_logprobs must be 'recompute' unless"),
         ("ppo.epochs", 2, "config.ppo.old_logprobs must not be 'fused' unless ppo.epochs == 1"),
+        (
+            "ppo.pack_width",
+            479,
+            "config.ppo.pack_width must be 0 or >= rollout.max_prompt_length + sampler.max_new_tokens = 480, got 479",
+        ),
+        ("ppo.pack_response_width", 31, "config.ppo.pack_response_width must be 0 or >= sampler.max_new_tokens = 32"),
         ("val.temperature", 0.0, "config.val.temperature"),
         (
             "estimator.calibration",
@@ -222,6 +228,8 @@ def test_bad_field_fails_with_one_line_naming_it(field, value, message):
         c.sampler.top_p = 0.9  # a tempered sampler is fine (PPO trains the tempered policy); a truncated one is not
     if field == "ppo.epochs":
         c.ppo.old_logprobs, c.ppo.mini_batch_rows = "fused", 0
+    if field.startswith("ppo.pack_"):
+        c.ppo.pack = True  # the widths are checked when packing is on
     section, name = field.split(".")
     with c.unlocked():
         c[section][name] = value

@@ -371,6 +371,45 @@ def test_forward_hidden_and_lm_logits_compose_to_the_forward():
     np.testing.assert_allclose(np.concatenate(chunks, axis=1), np.asarray(full.logits), atol=1e-6)
 
 
+@pytest.mark.parametrize("remat,scan", [("none", False), ("full", True)])
+def test_last_layer_at_query_columns_equals_those_columns_of_the_full_forward(remat, scan):
+    # The learner's pass runs the last layer only where the head reads (forward_hidden(query_index=)):
+    # the same hidden states and the same gradients as cutting those columns out of the full forward.
+    actor = Qwen2Actor(Qwen2Config.tiny(num_hidden_layers=3), remat=remat, scan_layers=scan, rngs=nnx.Rngs(4))
+    ids, mask = random_batch(3, 12, 512, padding="left", seed=21, min_real=4)
+    cols = np.array([[11, 4, 7, 8], [10, 11, 0, 9], [9, 9, 2, 11]], np.int32)
+    g, params, rest = nnx.split(actor, nnx.Param, ...)
+    w = jax.random.normal(jax.random.key(0), (3, 4, 64))  # a weighted sum: the gradient sees every column
+
+    def cut(p):
+        h, _ = nnx.merge(g, p, rest).forward_hidden(ids, mask)
+        return jnp.take_along_axis(h, jnp.asarray(cols)[..., None], axis=1)
+
+    def at(p):
+        h, fp = nnx.merge(g, p, rest).forward_hidden(ids, mask, query_index=cols)
+        assert fp is None  # the default fingerprint (final state) is not computed there
+        return h
+
+    h_cut, h_at = cut(params), at(params)
+    assert h_at.shape == (3, 4, 64)
+    np.testing.assert_allclose(np.asarray(h_at), np.asarray(h_cut), atol=2e-6)
+    grads = [jax.grad(lambda p, f=f: jnp.sum(f(p) * w))(params) for f in (cut, at)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        # float summation order only: 1e-5 of the leaf's largest entry (the scores' sums differ in order)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(grads[1])) > 1e-3  # a real gradient
+    # Packed lines: the same columns of forward_packed.
+    seg = np.array([[1] * 5 + [2] * 7, [1] * 12, [1] * 3 + [2] * 6 + [0] * 3], np.int32)
+    full = actor.forward_packed(ids, seg)
+    np.testing.assert_allclose(
+        np.asarray(actor.forward_packed(ids, seg, query_index=cols)),
+        np.take_along_axis(np.asarray(full), cols[..., None], axis=1),
+        atol=2e-6,
+    )
+    with pytest.raises(ValueError, match=r"query_index must be int32\[B=3, Q\]"):
+        actor.forward_hidden(ids, mask, query_index=cols[0])
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention schedules (bipace_jax.models.attention): each must give the reference path's values.
 def test_row_chunk_is_the_largest_divisor_whose_scores_fit():

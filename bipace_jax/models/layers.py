@@ -231,6 +231,8 @@ class DecoderLayer(nnx.Module):
         With `query_index` int32 [B] (the prefill's last layer), keys/values are computed for all
         T columns but only column `query_index[b]` of each row is attended from and run through
         the MLP: the returned x is [B, 1, D], the same values as that column of the full layer.
+        An int32 [B, Q] `query_index` (the learner's last layer: the columns that predict the
+        response) runs Q columns a row the same way: x is [B, Q, D].
 
         Without `kv_update` the layer attends over its own T keys (mask [B, T, T]). With it, the
         new (k, v) are handed to `kv_update`, which stores them and returns the keys/values to
@@ -242,9 +244,10 @@ class DecoderLayer(nnx.Module):
         """
         q, k, v = self.attn.qkv(self.input_norm(x), cos, sin)
         if query_index is not None:
+            cols = query_index if query_index.ndim == 2 else query_index[:, None]  # [B, Q]
 
             def pick(a):
-                return jnp.take_along_axis(a, query_index.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+                return jnp.take_along_axis(a, cols.reshape(cols.shape + (1,) * (a.ndim - 2)), axis=1)
 
             q, x, mask = pick(q), pick(x), pick(mask)
         k_ctx, v_ctx = (k, v) if kv_update is None else kv_update(k, v)

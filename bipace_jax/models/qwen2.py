@@ -248,6 +248,7 @@ class Qwen2Actor(nnx.Module):
         output_hidden_states: bool,
         last_query_only: bool = False,
         segment_ids: Array | None = None,
+        query_index: Array | None = None,
     ):
         """Full causal forward over [B, T]; returns (final normed h, fingerprint, hidden, ks, vs).
 
@@ -258,6 +259,10 @@ class Qwen2Actor(nnx.Module):
         With `segment_ids` int32 [B, T] (packed rows, `forward_packed`): a column attends the
         columns up to it with the same id, positions restart at 0 where the id changes, and
         `attention_mask` is ``segment_ids > 0``.
+
+        With `query_index` int32 [B, Q] (the learner's head columns), the last layer runs its
+        attention output and MLP only at those columns (keys/values still cover all T): h is
+        [B, Q, D], the fingerprint None if it is read from the final state.
         """
         mask = attention_mask.astype(bool)
         t = input_ids.shape[1]
@@ -278,7 +283,8 @@ class Qwen2Actor(nnx.Module):
         fingerprint = self._fingerprint(x, fingerprint_index) if fp_at == 0 else None
         ks, vs = [], []
         policy = self.remat_policy
-        n_full = n_layers - 1 if last_query_only else n_layers  # layers run over every column
+        last_only = last_query_only or query_index is not None
+        n_full = n_layers - 1 if last_only else n_layers  # layers run over every column
         if self.scan_layers and not output_hidden_states:
             # One scan per run of layers, cut at the fingerprint's layer so it is read between two.
             cuts = sorted({0, n_full} | ({fp_at} if 0 < fp_at < n_full else set()))
@@ -306,10 +312,13 @@ class Qwen2Actor(nnx.Module):
             x, k, v = self.layers[n_layers - 1](x, cos, sin, attn_mask, query_index=fingerprint_index)
             ks.append(k)
             vs.append(v)
+        elif query_index is not None:
+            last = self.layers[n_layers - 1]
+            x = _query_layer_fn(nnx.graphdef(last), policy)(nnx.state(last), x, cos, sin, attn_mask, query_index)
         h = self.final_norm(x)
         if output_hidden_states:
             hidden.append(h)
-        if fp_at == n_layers:
+        if fp_at == n_layers and query_index is None:
             fingerprint = self._fingerprint(
                 h, jnp.zeros_like(fingerprint_index) if last_query_only else fingerprint_index
             )
@@ -399,21 +408,37 @@ class Qwen2Actor(nnx.Module):
 
     @_with_precision
     def forward_hidden(
-        self, input_ids: Array, attention_mask: Array, fingerprint_index: Array | None = None
-    ) -> tuple[Array, Array]:
+        self,
+        input_ids: Array,
+        attention_mask: Array,
+        fingerprint_index: Array | None = None,
+        *,
+        query_index: Array | None = None,
+    ) -> tuple[Array, Array | None]:
         """The forward without the LM head: (final normed hidden [B, T, D] in `dtype`, fingerprint [B, D]).
 
-        `lm_logits(h)` gives the logits; same arguments and errors as `__call__`.
+        `lm_logits(h)` gives the logits; same arguments and errors as `__call__`. With `query_index`
+        int32 [B, Q] only those columns of each row leave the last layer (its attention output and MLP
+        run there alone; about 1/L of the forward and backward saved when Q << T): h is [B, Q, D], the
+        same values as those columns of the full h up to float summation order, and the fingerprint is
+        None when `fingerprint_layer` is the last.
         """
         input_ids, attention_mask, fingerprint_index = self._prepare(
             input_ids, attention_mask, fingerprint_index, "Qwen2Actor.forward_hidden"
         )
-        h, fingerprint, _, _, _ = self._run(input_ids, attention_mask, fingerprint_index, False)
+        if query_index is not None and (np.ndim(query_index) != 2 or np.shape(query_index)[0] != input_ids.shape[0]):
+            raise ValueError(
+                f"Qwen2Actor.forward_hidden: query_index must be int32[B={input_ids.shape[0]}, Q], "
+                f"got shape {np.shape(query_index)}"
+            )
+        qi = None if query_index is None else jnp.asarray(query_index, jnp.int32)
+        h, fingerprint, _, _, _ = self._run(input_ids, attention_mask, fingerprint_index, False, query_index=qi)
         return h, fingerprint
 
     @_with_precision
-    def forward_packed(self, input_ids: Array, segment_ids: Array) -> Array:
-        """The forward over packed lines, without the LM head: final normed hidden [B, T, D] in `dtype`.
+    def forward_packed(self, input_ids: Array, segment_ids: Array, query_index: Array | None = None) -> Array:
+        """The forward over packed lines, without the LM head: final normed hidden [B, T, D] in `dtype`
+        ([B, Q, D] at the columns `query_index` int32 [B, Q] only, as in `forward_hidden`).
 
         Args:
           input_ids: int32 [B, T], several sequences per line, one after the other.
@@ -432,8 +457,14 @@ class Qwen2Actor(nnx.Module):
             )
         seg = jnp.asarray(segment_ids, jnp.int32)
         b = seg.shape[0]
+        qi = None if query_index is None else jnp.asarray(query_index, jnp.int32)
         h, _, _, _, _ = self._run(
-            jnp.asarray(input_ids, jnp.int32), seg > 0, jnp.zeros((b,), jnp.int32), False, segment_ids=seg
+            jnp.asarray(input_ids, jnp.int32),
+            seg > 0,
+            jnp.zeros((b,), jnp.int32),
+            False,
+            segment_ids=seg,
+            query_index=qi,
         )
         return h
 
@@ -655,5 +686,16 @@ def _layer_fn(graphdef, policy: Remat, keep_kv: bool) -> Callable:
     def layer_fn(state, x, cos, sin, mask):
         x, k, v = nnx.merge(graphdef, state)(x, cos, sin, mask, causal=True)
         return (x, k, v) if keep_kv else (x, None, None)
+
+    return _remat(layer_fn, policy)
+
+
+@functools.lru_cache(maxsize=64)
+def _query_layer_fn(graphdef, policy: Remat) -> Callable:
+    """``fn(layer_state, x, cos, sin, mask, query_index) -> x [B, Q, D]``: the last decoder layer at
+    the columns ``query_index`` int32 [B, Q] only (keys/values over all T), under the remat `policy`."""
+
+    def layer_fn(state, x, cos, sin, mask, query_index):
+        return nnx.merge(graphdef, state)(x, cos, sin, mask, query_index=query_index)[0]
 
     return _remat(layer_fn, policy)
