@@ -51,6 +51,8 @@ ADDED = {
     "ppo.pack": False,  # packed micro-batches: off reproduces the unpacked update
     "ppo.pack_width": 0,
     "ppo.pack_response_width": 0,
+    "rollout.branch_turns": [],  # branching rollouts: off plays every game from the reset, as before
+    "rollout.branch_children": 2,
 }
 
 #: The warm start's (``bipace_jax.sft``) fields a resume may change: how often it logs and saves, its

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
-from bipace_jax.rollout import pack, schedule, turns
+from bipace_jax.rollout import branch, pack, schedule, turns
 from bipace_jax.rollout.config import FIRST_TOKENS, RESEED_STRIDE, ActionKey, RolloutConfig, Scheduler
 from bipace_jax.rollout.protocols import Clock, EngineLike, GamePort, WallClock
 from bipace_jax.rollout.records import Episode, RolloutResult, StepRecord
@@ -173,13 +173,16 @@ def collect(
     t_start = clock.now()
     games = _check_inputs(engine, pool, games, rcfg)
     play, reset_faults = turns.start(pool, rcfg, games, key, clock, labeler)
+    host = turns.HostTurns(play, engine)
+    if rcfg.branch_turns:  # a task group's games grow as trees (rollout.branch)
+        host = branch.BranchTurns(play, engine, pool, branch.plant(play, games, key))
     timing, slot_stats = dict.fromkeys(("sampling_s", "prefill_s", "decode_s", "env_s"), 0.0), {}
     if play.live:
         bar = _progress_bar(progress, rcfg)
         sched = schedule.policy(
             rcfg, engine, actor, len(play.episodes), key, clock, temperature=temperature, progress=bar
         )
-        timing, slot_stats = schedule.run(sched, pool, turns.HostTurns(play, engine), clock)
+        timing, slot_stats = schedule.run(sched, pool, host, clock)
     timing = dict(timing, env_s=timing["env_s"] + play.reset_s, total_s=clock.now() - t_start)
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     return _result(play, engine, len(games), reset_faults, timing, slot_stats, labeled=labeler is not None)
@@ -192,6 +195,9 @@ def _result(play: turns.Play, engine: EngineLike, n_groups, reset_faults, timing
     tokens, logprobs = pack.token_batch(rows, engine.config.length_buckets, engine.pad_id)
     play.stats["turns"] = max((ep.length for ep in play.episodes), default=0)
     stats = pack.episode_stats(play.stats, rows, play.episodes, len(play.rows), reset_faults)
+    if rcfg.branch_turns:
+        rates = {**stats.rates, "sampled_singleton_row_rate": branch.sampled_singletons(rows)}
+        stats = dataclasses.replace(stats, rates=rates)
     if slot_stats:
         for k in ("decode_steps", "chunks", "inserts"):
             timing[k] = float(slot_stats[k])
