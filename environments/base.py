@@ -93,10 +93,10 @@ class TextEnv(abc.ABC):
         self._done = True
         self._task_id: int | None = None
         # the episode's reset (task_id, seed), commands and observation digests, for snapshot()
-        self._trail: tuple[int, int] | None = None
-        self._actions: list[str] = []
-        self._digests: list[str] = []
-        self._obs: Observation | None = None
+        self._fork_trail: tuple[int, int] | None = None
+        self._fork_actions: list[str] = []
+        self._fork_digests: list[str] = []
+        self._fork_shown: Observation | None = None
 
     @property
     @abc.abstractmethod
@@ -129,8 +129,13 @@ class TextEnv(abc.ABC):
         self._task_id = int(task_id)
         self._steps = 0
         self._done = False
-        self._trail, self._actions, self._digests, self._obs = (int(task_id), int(seed)), [], [], obs
-        self._digests.append(observation_digest(obs))
+        self._fork_trail, self._fork_actions, self._fork_digests, self._fork_shown = (
+            (int(task_id), int(seed)),
+            [],
+            [],
+            obs,
+        )
+        self._fork_digests.append(observation_digest(obs))
         return obs
 
     def step(self, action: str) -> tuple[Observation, float, bool, dict[str, Any]]:
@@ -155,9 +160,9 @@ class TextEnv(abc.ABC):
             done = True
             info["truncated"] = True
         self._done = done
-        self._actions.append(action)
-        self._digests.append(observation_digest(obs))
-        self._obs = obs
+        self._fork_actions.append(action)
+        self._fork_digests.append(observation_digest(obs))
+        self._fork_shown = obs
         return obs, float(reward), bool(done), info
 
     # -- forking (branching rollouts) --------------------------------------------------------
@@ -176,11 +181,13 @@ class TextEnv(abc.ABC):
         Raises:
           RuntimeError: no running episode (never reset, or done).
         """
-        if self._done or self._trail is None:
+        if self._done or self._fork_trail is None:
             raise RuntimeError(f"{type(self).__name__}: snapshot() needs a running episode (reset it first)")
-        task_id, seed = self._trail
+        task_id, seed = self._fork_trail
         state = self._snapshot_state()
-        return EnvSnapshot(task_id, seed, tuple(self._actions), tuple(self._digests), self._obs, copy.deepcopy(state))
+        return EnvSnapshot(
+            task_id, seed, tuple(self._fork_actions), tuple(self._fork_digests), self._fork_shown, copy.deepcopy(state)
+        )
 
     def restore(self, snap: EnvSnapshot) -> Observation:
         """Puts this game in ``snap``'s state and returns the observation it shows (``snap.obs``).
@@ -210,6 +217,10 @@ class TextEnv(abc.ABC):
             return obs
         self._restore_state(copy.deepcopy(snap.state))
         self._task_id, self._steps, self._done = snap.task_id, len(snap.actions), False
-        self._trail, self._actions, self._digests = (snap.task_id, snap.seed), list(snap.actions), list(snap.digests)
-        self._obs = snap.obs
+        self._fork_trail, self._fork_actions, self._fork_digests = (
+            (snap.task_id, snap.seed),
+            list(snap.actions),
+            list(snap.digests),
+        )
+        self._fork_shown = snap.obs
         return snap.obs
