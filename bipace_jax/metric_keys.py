@@ -200,6 +200,18 @@ TABLE: tuple[Key, ...] = (
     ),
     Key("rollout/env_error_rows", "count", "rows dropped with faulted games"),
     Key("rollout/reset_faults", "count", "games whose reset faulted"),
+    Key("rollout/branch_forks", "count", "games forked at a branch turn (rollout.branch_turns)"),
+    Key("rollout/branch_copied_rows", "count", "prefix rows a forked game's children repeat (rollout.branch_turns)"),
+    Key(
+        "rollout/branch_released",
+        "count",
+        "envs that played a lone game from the reset: their subtree's game ended before its fork",
+    ),
+    Key(
+        "rollout/sampled_singleton_row_rate",
+        "fraction",
+        "sampled steps (repeated prefix rows once) alone in their exact-anchor step group (rollout.branch_turns)",
+    ),
     # time/*: wall seconds.
     Key("time/<stage>_s", "s", "a stage of the iteration: rollout, old_logprobs, ref_logprobs, estimator, update"),
     Key("time/rollout_<part>_s", "s", "rollout time split: sampling, env, prefill, decode, host, total"),

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from bipace_jax.config import ConfigError
+from bipace_jax.estimators import EstimatorConfig, compute_advantages
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import RolloutConfig, collect
 from bipace_jax.rollout.branch import BRANCH_SALT, leaf_path
 from bipace_jax.rollout.turns import game_keys, turn_keys
 from bipace_jax.sampling import SampleOutput, SamplerConfig
+from bipace_jax.transcripts import step_rows
 from environments.base import Observation, ReplayDivergedError
 from environments.pool import EnvPool, ForkResult
 from environments.testing import DriftEnv, InstantPool
@@ -157,6 +159,17 @@ def test_siblings_start_from_the_parents_state_and_rows_carry_the_tree(tok, pool
     assert len({r.anchor for r in res.rows if r.step == 3}) > 2
     rate = res.stats.rates["sampled_singleton_row_rate"]
     assert rate[1] == n - st["branch_copied_rows"]  # sampled steps: copies counted once
+    # the transcripts carry the tree: leaf 3 of group 0 repeats turns 0-1, samples turns 2-3 on path (1, 1)
+    lines = [x for x in step_rows(res, tok, iteration=0, phase="rollout", gamma=1.0, max_games=8) if x["game"] == 3]
+    assert [(x["turn"], x["branch"], x["repeated"]) for x in lines] == [
+        (0, [], True),
+        (1, [1], True),
+        (2, [1, 1], False),
+        (3, [1, 1], False),
+    ]
+    # an estimator runs on the branched batch as on any other (whole trajectories, steps 0..T-1)
+    adv, _ = compute_advantages(res.steps, EstimatorConfig(name="gigpo"))
+    assert np.isfinite(res.row_values(adv)).all()
 
 
 def test_a_childs_tokens_are_its_keys_and_unchanged_when_siblings_are_added_or_removed(tok, pool):
