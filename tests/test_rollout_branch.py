@@ -293,3 +293,29 @@ def test_the_training_config_checks_branching_and_validation_plays_lone_games():
         build.rollout_config(c, group_size=8)
     c.rollout.branch_children = 2
     assert build.rollout_config(c, group_size=8).branch_roots == 4
+
+
+@pytest.mark.slow
+def test_the_warm_start_actor_branching_equals_across_schedulers_and_shared_heads(tok, pool):
+    # the real engine and the shipped warm-start actor (its actions parse, so forked games part ways): a
+    # branching rollout is the same under lockstep, lockstep with shared prompt heads, and continuous
+    from bipace_jax.models import load_hf_checkpoint
+    from bipace_jax.sampling import Engine
+
+    actor = load_hf_checkpoint("bipace_jax/data/textcraft_tiny")
+    scfg = dict(max_new_tokens=32, batch_buckets=(16,), length_buckets=(448,), temperature=1.0)
+    rcfg = _rcfg(group_size=8, branch_turns=(1, 3), branch_children=2, max_steps=5, max_prompt_length=448)
+    key = jax.random.key(3)
+    lock = collect(actor, Engine(tok, SamplerConfig(**scfg)), pool, GAMES, rcfg, key)
+    heads = collect(actor, Engine(tok, SamplerConfig(**scfg, shared_head_tokens=32)), pool, GAMES, rcfg, key)
+    cont = collect(
+        actor, Engine(tok, SamplerConfig(**scfg)), pool, GAMES, dataclasses.replace(rcfg, scheduler="continuous"), key
+    )
+    for other in (heads, cont):
+        np.testing.assert_array_equal(lock.response_ids, other.response_ids)
+        assert [(r.traj, r.step, r.action, r.anchor, r.source) for r in lock.rows] == [
+            (r.traj, r.step, r.action, r.anchor, r.source) for r in other.rows
+        ]
+        np.testing.assert_array_equal(np.asarray(lock.steps.source_row), np.asarray(other.steps.source_row))
+    assert lock.stats.values()["branch_forks"] > 0 and lock.stats.values()["invalid_rate"] < 0.5
+    assert len({r.action for r in lock.rows}) > 2  # the actor's own commands, not one fallback
