@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from launch.report import _config, arm_label, arms_of, find_runs, t_quantile
+from launch.report import arm_label, arms_of, find_runs, t_quantile
 
 KEYS = (
     "train/success_rate",
@@ -41,6 +41,11 @@ KEYS = (
     "rollout/branch_copied_rows",
     "rollout/branch_released",
 )
+
+
+def _branch_turns(run: str) -> list[int]:
+    with open(os.path.join(run, "config.json")) as f:
+        return list(json.load(f).get("rollout", {}).get("branch_turns") or [])
 
 
 def _rows(run: str) -> list[dict]:
@@ -70,7 +75,7 @@ def summarize(study: str) -> dict:
     runs = find_runs([study])
     out = {"study": study, "arms": {}}
     for arm, members in sorted(arms_of(runs).items()):
-        branching = bool(_config(members[0]).get("rollout", {}).get("branch_turns"))
+        branching = bool(_branch_turns(members[0]))
         per_seed = {k: [] for k in KEYS}
         curves = {k: {} for k in KEYS}
         iterations = {}
