@@ -168,8 +168,9 @@ def test_siblings_start_from_the_parents_state_and_rows_carry_the_tree(tok, pool
         (3, [1, 1], False),
     ]
     # an estimator runs on the branched batch as on any other (whole trajectories, steps 0..T-1)
-    adv, _ = compute_advantages(res.steps, EstimatorConfig(name="gigpo"))
-    assert np.isfinite(res.row_values(adv)).all()
+    for name in ("gigpo", "bipace_q"):
+        adv, diag = compute_advantages(res.steps, EstimatorConfig(name=name, epsilon=0.01))
+        assert np.isfinite(res.row_values(adv)).all() and 0 <= float(diag["singleton_row_rate"]) <= 1
 
 
 def test_a_childs_tokens_are_its_keys_and_unchanged_when_siblings_are_added_or_removed(tok, pool):
