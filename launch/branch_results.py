@@ -1,10 +1,11 @@
 """Branching on vs off at the same budget: a sweep's arms (``rollout.branch_turns``) side by side.
 
-    python -m launch.branch_results runs/branch_sweep --out=docs/results/branching_textcraft_tiny
+    python -m launch.branch_results runs/branch_sweep [more studies or runs] --out=docs/results/branching_textcraft_tiny
 
-Reads every run folder of the study (``launch.report.find_runs``; arms: ``launch.report.arms_of``) and,
-per arm over its seeds (mean and 95% Student t-interval, ``launch.report.t_quantile``), over the
-iterations each run logged (partial runs included, named with their iteration count):
+Reads every run folder of the studies (``launch.report.find_runs``; arms: ``launch.report.arms_of``) and,
+per arm over its seeds (mean and 95% Student t-interval, ``launch.report.t_quantile``), at iteration 0
+(the same warm-start policy in every arm: the rollout's own effect) and over the iterations each run
+logged (partial runs included, named with their iteration count):
 
 * training success (``train/success_rate``: the games the rollout played, all G of every task group);
 * ``estimator/hash_singleton_row_rate`` (rows alone in their exact-anchor step group, as the estimator
@@ -71,9 +72,9 @@ def interval(values: list[float]) -> dict:
     return {"n": n, "mean": mean, "std": sd, "ci95": half}
 
 
-def summarize(study: str) -> dict:
-    runs = find_runs([study])
-    out = {"study": study, "arms": {}}
+def summarize(studies: list[str]) -> dict:
+    runs = find_runs(studies)
+    out = {"studies": studies, "arms": {}}
     for arm, members in sorted(arms_of(runs).items()):
         branching = bool(_branch_turns(members[0]))
         per_seed = {k: [] for k in KEYS}
@@ -95,12 +96,13 @@ def summarize(study: str) -> dict:
             "branching": branching,
             "iterations_logged": iterations,
             "over_seeds": {k: interval(v) for k, v in per_seed.items() if v},
+            "iteration_0": {k: interval(c[0]) for k, c in curves.items() if 0 in c},
             "curves": {k: {i: interval(v) for i, v in sorted(c.items())} for k, c in curves.items() if c},
         }
     return out
 
 
-def to_markdown(s: dict) -> str:
+def to_markdown(s: dict, which: str = "over_seeds") -> str:
     lines = [
         "| arm | runs (iterations logged) | " + " | ".join(k for k in KEYS[:5]) + " |",
         "|---|---|" + "---|" * 5,
@@ -108,7 +110,7 @@ def to_markdown(s: dict) -> str:
     for a in s["arms"].values():
         cells = []
         for k in KEYS[:5]:
-            st = a["over_seeds"].get(k)
+            st = a[which].get(k)
             if st is None:
                 cells.append("-")
             elif st["ci95"] is None:
@@ -150,15 +152,16 @@ def plot(s: dict, path: str) -> None:
 def main(argv: list[str]) -> int:
     args = [a for a in argv[1:] if not a.startswith("--out=")]
     outs = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out=")]
-    if len(args) != 1:
+    if not args:
         print(__doc__)
         return 2
     out = outs[0] if outs else os.path.join(args[0], "branching")
     os.makedirs(out, exist_ok=True)
-    s = summarize(args[0])
+    s = summarize(args)
     with open(os.path.join(out, "branching.json"), "w") as f:
         json.dump(s, f, indent=1, sort_keys=True)
-    md = to_markdown(s)
+    md = "At iteration 0 (the warm-start policy in every arm):\n\n" + to_markdown(s, "iteration_0")
+    md += "\nMean over each run's logged iterations:\n\n" + to_markdown(s)
     with open(os.path.join(out, "branching.md"), "w") as f:
         f.write(md)
     plot(s, os.path.join(out, "branching.png"))
