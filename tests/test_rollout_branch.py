@@ -294,6 +294,8 @@ def test_the_training_config_checks_branching_and_validation_plays_lone_games():
         build.rollout_config(c, group_size=8)
     c.rollout.branch_children = 2
     assert build.rollout_config(c, group_size=8).branch_roots == 4
+    spec = build.build_spec(c)  # the run's: training branches, the validation panels play lone games
+    assert spec.rollout.branch_turns == (2,) and spec.val_rollout.branch_turns == ()
 
 
 @pytest.mark.slow
