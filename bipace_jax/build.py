@@ -385,7 +385,7 @@ def build_spec(config: ml_collections.ConfigDict, num_devices: int | None = None
         sampler=sampler,
         val_sampler=val_sampler,
         rollout=rollout,
-        val_rollout=dataclasses.replace(rollout, group_size=val.group_size),
+        val_rollout=dataclasses.replace(rollout, group_size=val.group_size, branch_turns=()),  # validation: lone games
         num_groups=num_groups,
         estimator=estimator,
         calibration=calibration,
@@ -462,6 +462,8 @@ def rollout_config(c: ml_collections.ConfigDict, *, group_size: int) -> RolloutC
         scheduler=r.scheduler,
         num_slots=r.num_slots,
         chunk_steps=r.chunk_steps,
+        branch_turns=tuple(r.get("branch_turns", ())),
+        branch_children=r.get("branch_children", 2),
     )
 
 

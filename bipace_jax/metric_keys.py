@@ -218,6 +218,18 @@ TABLE: tuple[Key, ...] = (
     Key(ASYNC_LAG_MEAN, "iterations", "mean over rows of the learner's version minus the version that sampled the row"),
     Key(ASYNC_LAG_MAX, "iterations", "largest row version lag (at most async_rl.max_staleness)"),
     Key(ASYNC_PUSH_SECONDS, "s", "the learner's parameters sent to the sampler group after the update"),
+    Key("rollout/branch_forks", "count", "games forked at a branch turn (rollout.branch_turns)"),
+    Key("rollout/branch_copied_rows", "count", "prefix rows a forked game's children repeat (rollout.branch_turns)"),
+    Key(
+        "rollout/branch_released",
+        "count",
+        "envs that played a lone game from the reset: their subtree's game ended before its fork",
+    ),
+    Key(
+        "rollout/sampled_singleton_row_rate",
+        "fraction",
+        "sampled steps (repeated prefix rows once) alone in their exact-anchor step group (rollout.branch_turns)",
+    ),
     # time/*: wall seconds.
     Key("time/<stage>_s", "s", "a stage of the iteration: rollout, old_logprobs, ref_logprobs, estimator, update"),
     Key("time/rollout_<part>_s", "s", "rollout time split: sampling, env, prefill, decode, host, total"),

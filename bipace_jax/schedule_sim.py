@@ -271,6 +271,9 @@ class SimTurns:
         self.turn[env] += 1
         return not result.done
 
+    def spawned(self, env: int) -> list[int]:
+        return []  # the simulated games do not branch
+
 
 class SimEngine:
     """An ``EngineLike`` whose response lengths come from the table by each row's key (game, turn), and

@@ -16,7 +16,9 @@ discounted return-to-go of the net rewards at ``gamma``), ``won``, ``episode_ret
 and, for training rollouts (else null): ``advantage``, ``step_group`` (the estimator's step group /
 cluster label, -1 = none) and ``pace_kind`` (``"pace"``, ``"loo"`` (leave-one-out), ``"singleton"``,
 ``"group"`` (a plain step-group baseline), ``"none"`` (no step level: grpo) or ``"excluded"`` (a
-row the estimator left out: its trajectory failed the estimator's checks)).
+row the estimator left out: its trajectory failed the estimator's checks)). Branching rollouts
+(``rollout.branch_turns``) add ``branch`` (the game's sibling index at each fork before this turn) and
+``repeated`` (the row repeats its parent's turn before the fork: sampled once, by the parent).
 
 Files are written whole through ``runfolder`` (local or ``gs://``) by process 0, with the rows of
 every process (``gather``); each process offers its first ``ceil(max_games / processes)`` games.
@@ -146,6 +148,8 @@ def step_rows(
             "step_group": None if labels is None else int(labels[r]),
             "pace_kind": None if pace is None else pace[r],
         }
+        if s.source_row is not None:  # branching: the game's place in its task group's tree
+            line.update(branch=list(row.branch), repeated=row.source is not None)
         out.append(line)
     return out
 

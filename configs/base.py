@@ -90,6 +90,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.scheduler = "lockstep"
     c.rollout.num_slots = 0
     c.rollout.chunk_steps = 8
+    # branching rollouts: the turns at which every game forks into rollout.branch_children games from its
+    # state (() = off); a task group of G games starts G / branch_children ** len(branch_turns) roots
+    c.rollout.branch_turns = ()
+    c.rollout.branch_children = 2
     c.rollout.system_prompt = (
         "default"  # "default": the chat template's own (Qwen2.5 inserts one); else the text ("" = empty)
     )

@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-from environments.base import Observation, TextEnv
+from environments.base import EnvSnapshot, Observation, ReplayDivergedError, TextEnv
 from environments.registry import game_spec, registered
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "EnvPool",
     "EnvPoolError",
     "Fault",
+    "ForkResult",
     "ResetJob",
     "ResetResult",
     "StepJob",
@@ -135,8 +136,26 @@ class ResetJob(NamedTuple):
     seed: int
 
 
+class ForkResult(NamedTuple):
+    """One child env of ``EnvPool.fork``: the observation its restored game shows, or on a fault ``fault``
+    set (``detail`` says what happened), an empty ``obs`` and no running episode."""
+
+    obs: Observation
+    fault: Fault | None = None
+    detail: str = ""
+
+
 class _OracleJob(NamedTuple):
     env: int
+
+
+class _SnapshotJob(NamedTuple):
+    env: int
+
+
+class _RestoreJob(NamedTuple):
+    env: int
+    snapshot: EnvSnapshot
 
 
 class _TaskInfoJob(NamedTuple):
@@ -144,7 +163,14 @@ class _TaskInfoJob(NamedTuple):
     task_id: int
 
 
-_COMMANDS = {StepJob: "step", ResetJob: "reset", _OracleJob: "oracle", _TaskInfoJob: "task_info"}
+_COMMANDS = {
+    StepJob: "step",
+    ResetJob: "reset",
+    _OracleJob: "oracle",
+    _TaskInfoJob: "task_info",
+    _SnapshotJob: "snapshot",
+    _RestoreJob: "restore",
+}
 
 
 @dataclasses.dataclass
@@ -217,6 +243,12 @@ def _worker_main() -> None:
                 elif cmd == "task_info":
                     i, task_id = item
                     reply = ("ok", envs[i].task_info(task_id), "")
+                elif cmd == "snapshot":
+                    (i,) = item
+                    reply = ("ok", envs[i].snapshot(), "")
+                elif cmd == "restore":
+                    i, snap = item
+                    reply = ("ok", envs[i].restore(snap), "")
                 else:
                     raise ValueError(f"unknown command {cmd!r}")
             except Exception as e:  # noqa: BLE001  (reported to the parent, never kills the worker)
@@ -522,6 +554,14 @@ class EnvPool:
                 result = self._error_result(i, status, value, reset=True)
         elif t.cmd == "task_info":
             result = TaskInfoResult(value) if ok else TaskInfoResult({}, Fault(status), value)
+        elif t.cmd == "restore":
+            if ok:
+                snap = t.job.snapshot
+                self._task[i], self._last_obs[i], self._running[i] = (snap.task_id, snap.seed), value, True
+                result = ForkResult(value)
+            else:
+                self._running[i] = False
+                result = ForkResult(Observation(text="", anchor="", task=""), Fault(status), value)
         else:
             result = value if ok else None
         self._done[t.ticket] = (result, exc)
@@ -694,6 +734,35 @@ class EnvPool:
             if self._task[i] is None:
                 raise RuntimeError(f"task_info: env {i} was never reset")
         return [res for res, _ in self._run([_TaskInfoJob(i, self._task[i][0]) for i in idx])]
+
+    def fork(self, parent: int, children: Sequence[int]) -> list[ForkResult]:
+        """Puts each of ``children`` in ``parent``'s running episode; results in order.
+
+        The parent's game gives an ``EnvSnapshot`` (``TextEnv.snapshot``: its deep-copied state, or its
+        action prefix for a replay from the same reset seed), each child's game restores it
+        (``TextEnv.restore``, which checks a replay observation by observation) and runs on from there
+        on its own. The parent plays on unchanged. A fault never raises: a faulted snapshot faults every
+        child, a faulted restore that child (``ForkResult`` with ``fault`` set, no running episode).
+
+        Raises:
+          ValueError: a bad or repeated index, or ``parent`` among ``children``.
+          RuntimeError: ``parent`` has no running episode, or an env has a job in flight.
+          ReplayDivergedError: a child's game did not reach the parent's state (named, with both envs).
+        """
+        kids = self._group([parent, *children], "fork")[1:]
+        self._replace_exited()
+        if not self._running[parent]:
+            raise RuntimeError(f"fork: env {parent} has no running episode")
+        [(snap, exc)] = self._run([_SnapshotJob(parent)])
+        if snap is None:  # the parent's worker raised, hung or died: no state to give
+            why = f"fork: snapshot of env {parent} failed" + (f": {_describe(exc)}" if exc is not None else "")
+            return [ForkResult(Observation(text="", anchor="", task=""), Fault.EXCEPTION, why) for _ in kids]
+        out = []
+        for i, (res, exc) in zip(kids, self._run([_RestoreJob(i, snap) for i in kids])):
+            if isinstance(exc, ReplayDivergedError):
+                raise ReplayDivergedError(f"fork of env {parent} into env {i}: {exc}") from exc
+            out.append(res)
+        return out
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (they change when a worker is replaced)."""

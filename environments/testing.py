@@ -2,7 +2,7 @@
 
 Not registered with ``make``: pass the class itself to ``EnvPool`` (a picklable factory). Also
 ``InstantPool``, in-process fake games behind the pool's interface, for the rollout loop's tests and
-benchmarks.
+benchmarks, and ``DriftEnv``, a game that is not deterministic for its seed (a fork's replay diverges).
 """
 
 from __future__ import annotations
@@ -243,6 +243,27 @@ def _fire(kind: str, message: str = "injected fault") -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     else:
         raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
+
+
+class DriftEnv(TextEnv):
+    """Not deterministic for its seed: a step's text counts this instance's resets, so a replay in another
+    env (reset once more) shows another observation."""
+
+    def __init__(self, max_steps=5):
+        super().__init__(max_steps)
+        self.resets = 0
+
+    @property
+    def num_tasks(self):
+        return 4
+
+    def _reset(self, task_id, seed):
+        self.resets += 1
+        return Observation(text="start", anchor="start", task="drift")
+
+    def _step(self, action):
+        text = f"moved after {self.resets} resets"
+        return Observation(text=text, anchor=text, task="drift"), 0.0, False, {}
 
 
 class InstantPool:

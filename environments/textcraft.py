@@ -447,6 +447,16 @@ class TextCraftEnv(TextEnv):
         self._task_text = text
         return self._observation(text)
 
+    # the episode's state (the recipe book is shared, read-only data): what a fork copies
+    _EPISODE_STATE = ("goal", "inventory", "_task_text", "_won")
+
+    def _snapshot_state(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._EPISODE_STATE}
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
+        for name in self._EPISODE_STATE:
+            setattr(self, name, state[name])
+
     def _observation(self, text: str) -> Observation:
         return Observation(
             text=text,

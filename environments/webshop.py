@@ -458,6 +458,28 @@ class WebShopEnv(TextEnv):
     def _item(self) -> None:
         self._show(render_item(self.goal.instruction_text, self.catalogue.by_asin[self._asin]), "item")
 
+    # the episode's state (catalogue, index and prices are shared, read-only data): what a fork copies;
+    # the "<r>" search's generator included, so a restored game draws what the original would
+    _EPISODE_STATE = (
+        "goal",
+        "_rng",
+        "last_score",
+        "_instruction",
+        "_page",
+        "_kind",
+        "_keywords",
+        "_page_no",
+        "_asin",
+        "_options",
+    )
+
+    def _snapshot_state(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._EPISODE_STATE}
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
+        for name in self._EPISODE_STATE:
+            setattr(self, name, state[name])
+
     def _reset(self, task_id: int, seed: int) -> Observation:
         self.goal = self.goals[task_id]
         self._rng = random.Random(seed)  # only the "<r>" search draws from it

@@ -35,6 +35,12 @@ class StepBatch:
       mask: bool[N] True for real rows, False for padding (padding may hold anything, NaN included).
       penalty: float32[N] >= 0, the row's invalid-action charge, or None (= zeros). How it enters the
         returns is `EstimatorConfig.penalty` ("Protocol options"); None and zeros give the same result.
+      source_row: int32[N] or None (no branching). Branching rollouts (`RolloutConfig.branch_turns`): the
+        row that sampled this row's step, the first real row holding it (itself for a sampled row; a
+        child game repeats its parent's rows before the fork). Padding: -1. A child's first sampled row
+        at step t has parent row `source_row` of its own row at step t-1.
+      branch: int32[N] or None: the row's game's sibling index at its latest fork before this step
+        (0 before any fork), with `source_row`.
     Static metadata (not traced; part of the pytree structure, so a change recompiles):
       group_capacity: at most this many task groups (the clustering layout's first axis), or None.
       row_capacity: at most this many real rows per task group (the clustering layout's second axis
@@ -52,6 +58,8 @@ class StepBatch:
     action_key: jax.Array
     mask: jax.Array
     penalty: jax.Array | None = None
+    source_row: jax.Array | None = None
+    branch: jax.Array | None = None
     group_capacity: int | None = flax.struct.field(pytree_node=False, default=None)
     row_capacity: int | None = flax.struct.field(pytree_node=False, default=None)
 
@@ -73,6 +81,8 @@ class StepBatch:
         action_key,
         mask=None,
         penalty=None,
+        source_row=None,
+        branch=None,
         group_capacity: int | None = None,
         row_capacity: int | None = None,
     ) -> StepBatch:
@@ -86,6 +96,8 @@ class StepBatch:
           mask: bool [N], True for real rows; None means every row is real.
           penalty: floating array [N] (stored as float32), finite and >= 0 on real rows; None: no
             separate penalty (the field stays None).
+          source_row, branch: integer arrays [N], both or neither (None: no tree); on real rows
+            ``source_row`` indexes a real row whose own ``source_row`` is itself, and ``branch`` >= 0.
           group_capacity: static number of task-group slots; default: the number of task groups.
           row_capacity: static row slots per task group; default: the largest group's real rows
             rounded up to a multiple of 16 (small changes in episode length do not recompile).
@@ -143,6 +155,10 @@ class StepBatch:
             if not np.issubdtype(pen.dtype, np.floating):
                 raise ValueError(f"StepBatch.penalty: expected a floating dtype (float32), got {pen.dtype}")
             arrays["penalty"] = pen.astype(np.float32)
+        if (source_row is None) != (branch is None):
+            raise ValueError("StepBatch.source_row and StepBatch.branch: give both (the tree) or neither")
+        if source_row is not None:
+            arrays.update(_tree_fields(np.asarray(source_row), np.asarray(branch), arrays["mask"], n))
         fp = arrays["fingerprint"]
         if fp.ndim != 2 or fp.shape[0] != n or fp.shape[1] < 1:
             raise ValueError(f"StepBatch.fingerprint: expected shape ({n}, D) with D >= 1, got {fp.shape}")
@@ -168,6 +184,25 @@ class StepBatch:
         return cls(
             **{k: jnp.asarray(v) for k, v in arrays.items()}, group_capacity=group_capacity, row_capacity=row_capacity
         )
+
+
+def _tree_fields(source: np.ndarray, branch: np.ndarray, mask: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """Checked int32 ``source_row`` and ``branch`` (the branching tree, see the class docstring)."""
+    for name, a in (("source_row", source), ("branch", branch)):
+        if a.shape != (n,) or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"StepBatch.{name}: expected an integer array of shape ({n},), got {a.dtype}{a.shape}")
+    idx = np.flatnonzero(mask)
+    src = source[idx]
+    bad = (src < 0) | (src >= n)
+    if not bad.any():
+        bad = ~mask[src] | (source[src] != src) | (branch[idx] < 0)
+    if bad.any():
+        i = idx[np.argmax(bad)]
+        raise ValueError(
+            f"StepBatch.source_row: expected a real row that is its own source (and branch >= 0) on real rows, "
+            f"got source_row {source[i]} (branch {branch[i]}) at row {i}"
+        )
+    return {"source_row": source.astype(np.int32), "branch": branch.astype(np.int32)}
 
 
 def _validate_real_rows(a: dict[str, np.ndarray]) -> tuple[int, int]:

@@ -37,6 +37,7 @@ engine, pool and clock must offer).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,7 +45,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from bipace_jax.batch import TokenBatch  # re-exported: the rollout emits it, the learner consumes it
-from bipace_jax.rollout import pack, schedule, turns
+from bipace_jax.rollout import branch, pack, schedule, turns
 from bipace_jax.rollout.config import FIRST_TOKENS, RESEED_STRIDE, ActionKey, RolloutConfig, Scheduler
 from bipace_jax.rollout.protocols import Clock, EngineLike, GamePort, WallClock
 from bipace_jax.rollout.records import Episode, RolloutResult, StepRecord
@@ -127,6 +128,28 @@ def _progress_bar(progress: bool | str, rcfg: RolloutConfig):
     return tqdm(total=rcfg.max_steps, desc=desc, unit="turn", leave=False)
 
 
+def _book_versions(rows: list[StepRecord], versions: dict[int, list[int]] | None, version: int) -> None:
+    """Set each row's ``policy_version``: ``version`` for every row when ``versions`` is None, otherwise
+    the version of the engine call that sampled it (``versions[env]``, one per call of that env, in
+    order). A branching child's own rows start at its fork turn, so a row's call is its rank among its
+    env's sampled rows; a repeated prefix row takes the version of the row it repeats (``source``)."""
+    if versions is None:
+        for r in rows:
+            r.policy_version = version
+        return
+    sampled: dict[int, list[StepRecord]] = collections.defaultdict(list)
+    for r in rows:
+        if r.source is None:
+            sampled[r.traj].append(r)
+    for env, own in sampled.items():
+        for call, r in enumerate(sorted(own, key=lambda r: r.step)):
+            r.policy_version = versions[env][call]
+    by_step = {(r.traj, r.step): r.policy_version for r in rows if r.source is None}
+    for r in rows:
+        if r.source is not None:
+            r.policy_version = by_step[r.source]
+
+
 def collect(
     actor,
     engine: EngineLike,
@@ -178,6 +201,9 @@ def collect(
     t_start = clock.now()
     games = _check_inputs(engine, pool, games, rcfg)
     play, reset_faults = turns.start(pool, rcfg, games, key, clock, labeler)
+    host = turns.HostTurns(play, engine)
+    if rcfg.branch_turns:  # a task group's games grow as trees (rollout.branch)
+        host = branch.BranchTurns(play, engine, pool, branch.plant(play, games, key))
     timing, slot_stats = dict.fromkeys(("sampling_s", "prefill_s", "decode_s", "env_s"), 0.0), {}
     version = 0
     if policy is not None and rcfg.scheduler != Scheduler.LOCKSTEP:
@@ -187,9 +213,8 @@ def collect(
         sched = schedule.policy(
             rcfg, engine, actor, len(play.episodes), key, clock, temperature=temperature, progress=bar, policy=policy
         )
-        timing, slot_stats = schedule.run(sched, pool, turns.HostTurns(play, engine), clock)
-        for r in play.rows:  # turn s of env i is the env's s-th engine call
-            r.policy_version = sched.versions[r.traj][r.step] if policy is not None else version
+        timing, slot_stats = schedule.run(sched, pool, host, clock)
+        _book_versions(play.rows, sched.versions if policy is not None else None, version)
     timing = dict(timing, env_s=timing["env_s"] + play.reset_s, total_s=clock.now() - t_start)
     timing["host_s"] = timing["total_s"] - timing["sampling_s"] - timing["env_s"]
     return _result(play, engine, len(games), reset_faults, timing, slot_stats, labeled=labeler is not None)
@@ -202,6 +227,9 @@ def _result(play: turns.Play, engine: EngineLike, n_groups, reset_faults, timing
     tokens, logprobs = pack.token_batch(rows, engine.config.length_buckets, engine.pad_id)
     play.stats["turns"] = max((ep.length for ep in play.episodes), default=0)
     stats = pack.episode_stats(play.stats, rows, play.episodes, len(play.rows), reset_faults)
+    if rcfg.branch_turns:
+        rates = {**stats.rates, "sampled_singleton_row_rate": branch.sampled_singletons(rows)}
+        stats = dataclasses.replace(stats, rates=rates)
     if slot_stats:
         for k in ("decode_steps", "chunks", "inserts"):
             timing[k] = float(slot_stats[k])

@@ -89,6 +89,13 @@ class RolloutConfig:
         at the engine's largest batch bucket. More slots than a call's games: ``collect`` warns (each slot holds a
         KV cache row; the extra ones stay empty).
       chunk_steps: (>= 1) most decode steps per on-device chunk of the continuous scheduler.
+      branch_turns: branching rollouts (``rollout.branch``): the turns (strictly increasing, in
+        [1, max_steps)) at which every game forks into ``branch_children`` games from its state then
+        (the game's snapshot, or a checked replay of its actions); () (default): no branching. A task group
+        of G games starts G / children ** len(branch_turns) roots (``branch_roots``), so it still ends with G
+        games and the sampling budget is unchanged.
+      branch_children: (>= 2) games a fork makes, the forked one included; G must be divisible by
+        ``branch_children ** len(branch_turns)``.
 
     Raises:
       ValueError: naming the ``RolloutConfig`` field, on a value outside its range or set, or a game
@@ -117,6 +124,8 @@ class RolloutConfig:
     scheduler: Scheduler = Scheduler.LOCKSTEP
     num_slots: int = 0
     chunk_steps: int = 8
+    branch_turns: tuple[int, ...] = ()
+    branch_children: int = 2
 
     def __post_init__(self):
         ints = (("group_size", 1), ("max_steps", 1), ("history_length", 0), ("max_prompt_length", 16))
@@ -149,6 +158,36 @@ class RolloutConfig:
         t = self.similarity_thresh
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
             raise ValueError(f"RolloutConfig.similarity_thresh must be 0 or a float in (0, 1), got {t!r}")
+        self._check_branching()
+
+    def _check_branching(self) -> None:
+        turns = self.branch_turns
+        if not isinstance(turns, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, int) for t in turns):
+            raise ValueError(f"RolloutConfig.branch_turns must be a tuple of ints, got {turns!r}")
+        turns = tuple(int(t) for t in turns)
+        object.__setattr__(self, "branch_turns", turns)
+        if any(b <= a for a, b in zip(turns, turns[1:])) or any(not 1 <= t < self.max_steps for t in turns):
+            raise ValueError(
+                f"RolloutConfig.branch_turns must be strictly increasing turns in [1, max_steps={self.max_steps}), "
+                f"got {turns!r}"
+            )
+        c = self.branch_children
+        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
+            raise ValueError(f"RolloutConfig.branch_children must be an int >= 2, got {c!r}")
+        leaves = c ** len(turns)
+        if self.group_size % leaves:
+            raise ValueError(
+                f"RolloutConfig.group_size={self.group_size} must be divisible by branch_children ** "
+                f"len(branch_turns) = {c} ** {len(turns)} = {leaves} (a task group of G games starts "
+                f"G / {leaves} roots)"
+            )
+
+    @property
+    def branch_roots(self) -> int:
+        """Games a task group starts from its reset: ``group_size / branch_children ** len(branch_turns)``
+        (``group_size`` without branching); each root forks into ``branch_children`` games at every turn of
+        ``branch_turns``, so the task group still ends with ``group_size`` games."""
+        return self.group_size // self.branch_children ** len(self.branch_turns)
 
     @property
     def spec(self) -> GameSpec:

@@ -77,6 +77,14 @@ def step_batch(rows: list[StepRecord], num_groups: int, rcfg: RolloutConfig) -> 
         return out
 
     groups = [r.group for r in rows]
+    tree = {}
+    if rcfg.branch_turns:  # the tree: each row's sampled row (the first kept row holding that step), fork index
+        first: dict[tuple[int, int], int] = {}
+        source = [first.setdefault(r.source or (r.traj, r.step), k) for k, r in enumerate(rows)]
+        tree = dict(
+            source_row=padded(source, np.int32, fill=-1),
+            branch=padded([r.branch[-1] if r.branch else 0 for r in rows], np.int32),
+        )
     return StepBatch.from_numpy(
         group_id=padded(groups, np.int32),
         traj_id=padded([r.traj for r in rows], np.int32),
@@ -89,6 +97,7 @@ def step_batch(rows: list[StepRecord], num_groups: int, rcfg: RolloutConfig) -> 
         mask=padded(np.ones(n_rows, bool), bool, fill=False),
         group_capacity=num_groups,
         row_capacity=-(-rcfg.group_size * rcfg.max_steps // 16) * 16,
+        **tree,
     )
 
 

@@ -139,6 +139,10 @@ class TurnPort(Protocol):
     def book(self, env: int, reply: Any, result: Any) -> bool:
         """Books the env's step (its reply and the pool's ``StepResult``); returns whether it plays on."""
 
+    def spawned(self, env: int) -> list[int]:
+        """The envs that start playing because of the env's step just booked (branching rollouts: its
+        forked siblings, or the subtree it released), ascending; [] without branching."""
+
 
 class Clock(Protocol):
     """Seconds on the loop's clock: the host's wall clock, or the simulation's virtual one."""

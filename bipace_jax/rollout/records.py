@@ -79,6 +79,11 @@ class StepRecord:
     observation: str = ""  # the observation text the prompt ends with (transcripts)
     state: Any = None  # the Observation the prompt showed (DAgger records, sft.dagger_records)
     policy_version: int = 0  # the learner updates behind the parameters that sampled it (asynchronous RL)
+    # branching rollouts (``RolloutConfig.branch_turns``): the (traj, step) of the row that sampled this step
+    # when this row repeats a forked game's prefix in a child (None: sampled by this game), and the game's
+    # sibling index at each fork before this step (() without a fork)
+    source: tuple[int, int] | None = None
+    branch: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass

@@ -253,11 +253,12 @@ def run(sched: Lockstep | Continuous, pool: GamePort, host: TurnPort, clock: Clo
                 timing["env_s"] += clock.now() - t0
                 for ticket, res in answered:
                     i, rep = stepping.pop(ticket)
-                    if host.book(i, rep, res):
-                        p = host.prompt(i)  # overlaps the running chunk
+                    plays_on = host.book(i, rep, res)
+                    for j in ([i] if plays_on else []) + host.spawned(i):  # spawned: a fork's siblings
+                        p = host.prompt(j)  # overlaps the running chunk
                         if p is not None:
-                            pending.append(i)
-                            prepared[i] = p
+                            pending.append(j)
+                            prepared[j] = p
                 if sched.barrier and stepping:
                     continue
             sched.wait()

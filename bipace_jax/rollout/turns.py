@@ -407,3 +407,6 @@ class HostTurns:
 
     def book(self, env: int, reply: Reply, result) -> bool:
         return book(self.play, env, reply, result, self.max_new)
+
+    def spawned(self, env: int) -> list[int]:
+        return []  # no branching: a step never starts another game (``branch.BranchTurns``)
