@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 
 from bipace_jax import build, learner, ppo, sampling, sft, sharding, step_time
@@ -570,3 +571,52 @@ def choose_remat(totals: dict[str, int], budget_bytes: float) -> str | None:
         if policy in totals and totals[policy] <= budget_bytes:
             return policy
     return None
+
+
+def topology_devices(name: str, num_slices: int = 1) -> list:
+    """The devices of ``name``: ``cpu:N`` (this machine's CPU devices; N must not exceed them) or a TPU
+    topology (``jax.experimental.topologies``; needs libtpu), ``num_slices`` copies of it joined over
+    the data-center network (devices carry ``slice_index``; processes are numbered slice after slice).
+
+    Raises:
+      ValueError: a malformed name, too few CPU devices, slices of CPU devices, or a TPU topology
+        without libtpu.
+    """
+    if num_slices < 1 or (num_slices > 1 and name.startswith("cpu:")):
+        raise ValueError(f"--num_slices={num_slices}: expected 1, or more slices of a TPU topology")
+    if name.startswith("cpu:"):
+        n = int(name[4:]) if name[4:].isdigit() else 0
+        devices = jax.devices("cpu")
+        if n < 1 or n > len(devices):
+            raise ValueError(f"--topology={name}: expected cpu:N with 1 <= N <= {len(devices)} CPU devices")
+        return devices[:n]
+
+    try:
+        # v4 lists two devices (TensorCores) per chip unless megacore; meshes need one per chip
+        kw = dict(chip_config_name="megacore") if name.startswith("v4:") else {}
+        if num_slices > 1:
+            kw["num_slices"] = num_slices
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kw).devices)
+    except Exception as e:  # libtpu missing or an unknown slice name
+        raise ValueError(
+            f"--topology={name}: not a TPU topology this machine can describe ({type(e).__name__}: {e}); "
+            'TPU topologies need libtpu: pip install -e ".[tpu]"'
+        ) from e
+
+
+def parse_roles(value: str, hosts: int) -> int:
+    """The sampler hosts of ``--roles=sampler:S,learner:L``.
+
+    Raises:
+      ValueError: not that form, a count < 1, or S + L is not the slice's ``hosts``.
+    """
+    try:
+        parts = dict(kv.split(":") for kv in value.split(","))
+        s, learn = int(parts.pop("sampler")), int(parts.pop("learner"))
+        if parts:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise ValueError(f"--roles={value!r}: expected sampler:S,learner:L (host counts)") from None
+    if s < 1 or learn < 1 or s + learn != hosts:
+        raise ValueError(f"--roles={value!r}: S and L must be >= 1 and add up to the slice's {hosts} hosts")
+    return s

@@ -39,7 +39,7 @@ def _tiny_spec(**overrides):
 
 
 def test_roles_are_parsed_and_must_cover_the_hosts():
-    from launch.aot import parse_roles
+    from bipace_jax.aot import parse_roles  # not launch.aot: its absl flags clash with launch.sweep's in one worker
 
     assert parse_roles("sampler:1,learner:3", 4) == 1
     assert parse_roles("learner:12,sampler:4", 16) == 4
@@ -58,9 +58,8 @@ def test_role_plans_split_the_task_groups_and_the_hosts_devices():
     from bipace_jax import aot
     from bipace_jax import plan as plan_lib
     from bipace_jax.config import ConfigError
-    from launch.aot import topology_devices
 
-    devices = topology_devices("v5e:4x4")
+    devices = aot.topology_devices("v5e:4x4")
     spec = _tiny_spec()
     whole = plan_lib.plan(spec, plan_lib.HostLayout.of(spec, 4, 16, 4))
     sampler, learner = aot.role_plans(spec, whole, 1)
