@@ -260,7 +260,9 @@ def test_truncated_importance_weights_add_the_samplers_logprobs_to_the_gradient_
     # 8 chips) and accumulates two more replicated float32 stats (is_weight, is_truncated_frac)
     reports = {}
     for name, extra in (("off", ()), ("on", ("--config.ppo.tis_cap=2.0",))):
+        # unpacked rows (the CPU default packs; tests/test_packing.py checks the weights on packed lines)
         flags = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.ppo.old_logprobs=recompute", *extra)
+        flags = (*flags, "--config.ppo.pack=False")
         proc = _aot(tmp_path / name, "--topology=cpu:8", "--programs=ppo_grad", *flags)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         reports[name] = json.load(open(tmp_path / name / "textcraft_tiny__cpu-8.json"))

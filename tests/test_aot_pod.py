@@ -143,7 +143,8 @@ def test_committed_role_reports_fit_each_role_within_the_budget(path):
 @pytest.mark.slow
 def test_the_packed_learner_programs_compile_at_the_pack_widths(tmp_path):
     mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=-1"]
-    widths = ["--config.ppo.pack_width=256", "--config.ppo.pack_response_width=48"]
+    # a line holds the longest row (448 + 32 tokens); the CPU default packs, so the padded program needs pack=False
+    widths = ["--config.ppo.pack_width=512", "--config.ppo.pack_response_width=96", "--config.ppo.pack=False"]
     cmd = [sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=cpu:8", *mesh, *widths]
     proc = subprocess.run(
         [*cmd, "--programs=ppo_grad,ppo_grad_packed,logprobs_packed"], cwd=ROOT, capture_output=True, text=True
@@ -152,10 +153,13 @@ def test_the_packed_learner_programs_compile_at_the_pack_widths(tmp_path):
     r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))
     assert set(r["programs"]) == {"ppo_grad", "ppo_grad_packed", "logprobs_packed"} and r["fits"] is True
     sh = r["shapes"]
-    assert (sh["pack"], sh["pack_width"], sh["pack_response_width"]) == (False, 256, 48)
-    # 8 lines a host x 256 tokens against 8 rows x (448 + 32): the packed pass does about 256 / 480 of the work
+    assert (sh["pack"], sh["pack_width"], sh["pack_response_width"]) == (False, 512, 96)
+    # 8 lines a host x 512 tokens against 8 rows x (448 + 32), and 96 response slots a line against 32 a row
+    # at the LM head (and, on CPU, the last layer): a compiled micro-batch of lines does a little more work
+    # than one of rows (1.17x here; ~0.6x if the lines were compiled at another width); packing saves whole
+    # micro-batches, which the run's plan counts, not the compile
     g, pg = r["programs"]["ppo_grad"]["flops"], r["programs"]["ppo_grad_packed"]["flops"]
-    assert 0.4 < pg / g < 0.75
+    assert 1.0 < pg / g < 1.35
     # with ppo.pack on, ppo_grad is the packed program itself, into the run's report
     proc = subprocess.run(
         [*cmd, "--config.ppo.pack=True", "--programs=ppo_grad"], cwd=ROOT, capture_output=True, text=True

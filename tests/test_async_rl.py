@@ -205,12 +205,30 @@ def runs():
     return json.loads(line[0][len("RESULT ") :])
 
 
+def _same_line(a: str, b: str) -> bool:
+    """Equal words, numbers within the records' tolerance: a KL of ~1e-15 (the tiny run's first steps)
+    prints float32 summation noise that the mesh size (8 vs 4 devices) and packing's line order change."""
+
+    def num(w):
+        try:
+            return float(w)
+        except ValueError:
+            return None
+
+    wa, wb = a.split(), b.split()
+    return len(wa) == len(wb) and all(
+        x == y or (num(x) is not None and num(y) is not None and num(y) == pytest.approx(num(x), rel=1e-4, abs=1e-6))
+        for x, y in zip(wa, wb)
+    )
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_k0_on_4_sampler_and_4_learner_devices_gives_the_colocated_iteration_lines(runs):
     a, b = runs["colocated"], runs["roles_k0"]
     assert a["devices"] == [8, 0] and b["devices"] == [4, 4]
-    assert b["lines"] == a["lines"]  # the printed lines, timing aside: equal to their printed digits
+    for la, lb in zip(a["lines"], b["lines"], strict=True):  # the printed lines, timing aside
+        assert _same_line(la, lb), (la, lb)
     for ra, rb in zip(a["records"], b["records"]):  # every other metric within float32 noise of the mesh size
         assert ra.keys() == rb.keys()
         for key in ra:
