@@ -416,6 +416,20 @@ def _learning_rows(rows, names, label, vs: str) -> list[str]:
     return lines + [""]
 
 
+def _per_score_tables(rows: list, scores, names: list, columns: tuple, cells) -> list[str]:
+    """One Markdown table per score in ``scores``: a row per sweep cell (``cells(row)`` fills ``columns``),
+    a column per estimator in ``names``."""
+    lines = []
+    for key in scores:
+        lines += [f"#### {key}", "", "| " + " | ".join((*columns, *names)) + " |"]
+        lines.append("|" + "---|" * (len(columns) + len(names)))
+        for r in rows:
+            values = (*(str(c) for c in cells(r)), *(_fmt(r["summary"][n][key]) for n in names))
+            lines.append("| " + " | ".join(values) + " |")
+        lines.append("")
+    return lines
+
+
 def _branch_markdown(rep: dict, names: list) -> list[str]:
     lines = [
         f"### Branching at the same budget ({rep['fixed']['branch_sweep']}; `batch.branch_turns` / "
@@ -426,18 +440,13 @@ def _branch_markdown(rep: dict, names: list) -> list[str]:
         "fork turn's observation). `shared obs` is the share of rows that repeat another row's observation.",
         "",
     ]
-    for key in BRANCH_SHOWN:
-        lines.append(f"#### {key}")
-        lines.append("")
-        lines.append("| m | branch | rows | shared obs | " + " | ".join(names) + " |")
-        lines.append("|---|---|---|---|" + "---|" * len(names))
-        for r in rep["branch_sweep"]:
-            lines.append(
-                f"| {r['m']} | {r['branch']} | {r['rows']} | {r['shared_obs_rows']:.3f} | "
-                + " | ".join(_fmt(r["summary"][n][key]) for n in names)
-                + " |"
-            )
-        lines.append("")
+    lines += _per_score_tables(
+        rep["branch_sweep"],
+        BRANCH_SHOWN,
+        names,
+        ("m", "branch", "rows", "shared obs"),
+        lambda r: (r["m"], r["branch"], r["rows"], f"{r['shared_obs_rows']:.3f}"),
+    )
     if rep.get("branch_learning"):
         r0 = rep["branch_learning"][0]
         lines.append(
@@ -458,18 +467,9 @@ def _stale_markdown(rep: dict, names: list) -> list[str]:
         "batch's draw only.",
         "",
     ]
-    for key in STALE_SHOWN:
-        lines.append(f"#### {key}")
-        lines.append("")
-        lines.append("| k | drift | " + " | ".join(names) + " |")
-        lines.append("|---|---|" + "---|" * len(names))
-        for r in rep["stale_sweep"]:
-            lines.append(
-                f"| {r['max_staleness']} | {r['drift']} | "
-                + " | ".join(_fmt(r["summary"][n][key]) for n in names)
-                + " |"
-            )
-        lines.append("")
+    lines += _per_score_tables(
+        rep["stale_sweep"], STALE_SHOWN, names, ("k", "drift"), lambda r: (r["max_staleness"], r["drift"])
+    )
     if rep.get("stale_learning"):
         r0 = rep["stale_learning"][0]
         lines.append(

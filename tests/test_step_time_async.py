@@ -6,29 +6,14 @@ import pytest
 
 from bipace_jax import step_time
 from bipace_jax.models import Qwen2Config
+from tests.test_step_time import _seven_b_on_v5e_8x8
 
 V5E = step_time.CHIPS["v5e"]
 
 
 def _seven_b(**kw) -> step_time.RunShape:
-    # ALFWorld 7B on v5e:8x8: 16 hosts x 4 chips, tensor 4 in a host, 8 games a host (128 in all)
-    args = dict(
-        chips=64,
-        hosts=16,
-        fsdp=16,
-        tensor=4,
-        sampler_tensor=4,
-        prompt_tokens=2048,
-        response_tokens=512,
-        games_per_host=8,
-        turns=50,
-        micro_batch_rows=64,
-        logprob_rows_per_host=4,
-        mini_batch_rows=256,
-        val_games_per_host=16,
-        val_every=5,
-    )
-    return step_time.RunShape(**{**args, **kw})
+    # test_step_time's ALFWorld 7B on v5e:8x8 (16 hosts x 4 chips, 8 games a host), validating 16 games a host
+    return _seven_b_on_v5e_8x8(**{"val_games_per_host": 16, "val_every": 5, **kw})
 
 
 M7 = step_time.ModelShape.of(Qwen2Config.preset("qwen2_5_7b"))
