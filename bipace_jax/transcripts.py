@@ -16,7 +16,9 @@ discounted return-to-go of the net rewards at ``gamma``), ``won``, ``episode_ret
 and, for training rollouts (else null): ``advantage``, ``step_group`` (the estimator's step group /
 cluster label, -1 = none) and ``pace_kind`` (``"pace"``, ``"loo"`` (leave-one-out), ``"singleton"``,
 ``"group"`` (a plain step-group baseline), ``"none"`` (no step level: grpo) or ``"excluded"`` (a
-row the estimator left out: its trajectory failed the estimator's checks)). Branching rollouts
+row the estimator left out: its trajectory failed the estimator's checks)); ``policy_version`` (the
+learner updates behind the parameters that sampled the row: ``iteration`` minus it is the row's
+version lag under asynchronous RL, 0 on-policy). Branching rollouts
 (``rollout.branch_turns``) add ``branch`` (the game's sibling index at each fork before this turn) and
 ``repeated`` (the row repeats its parent's turn before the fork: sampled once, by the parent).
 
@@ -147,6 +149,7 @@ def step_rows(
             "advantage": None if advantages is None else float(advantages[r]),
             "step_group": None if labels is None else int(labels[r]),
             "pace_kind": None if pace is None else pace[r],
+            "policy_version": int(row.policy_version),
         }
         if s.source_row is not None:  # branching: the game's place in its task group's tree
             line.update(branch=list(row.branch), repeated=row.source is not None)
@@ -240,6 +243,9 @@ def render(rows: Sequence[dict[str, Any]], game: int | None = None, phase: str |
             nums = f"reward {r['reward']:+.3f}  return {r['return']:+.3f}  advantage {_value(r.get('advantage'))}"
             if r.get("step_group") is not None:
                 nums += f"  step group {r['step_group']} ({r['pace_kind']})"
+            lag = it - r.get("policy_version", it)
+            if lag:  # asynchronous RL: sampled by an older policy than the one it trains
+                nums += f"  sampled by version {r['policy_version']} (lag {lag})"
             out.append(nums)
         out.append("")
     return "\n".join(out)

@@ -91,6 +91,7 @@ def test_written_lines_equal_the_rollout_result(played, tmp_path):
         assert line["prompt_hash"] == hashlib.sha256(ids.tobytes()).hexdigest()[:16]
         assert line["prompt_tokens"] == ids.size and res.rows[r].observation == line["observation"]
         assert (line["prompt"] is not None) == (line["turn"] == 0)
+        assert line["policy_version"] == res.rows[r].policy_version == 0  # played without a policy source
         assert line["pace_kind"] == {-1: "excluded", 1: "loo", 2: "pace"}.get(int(kinds[r]), line["pace_kind"])
     # the oracle games win on their last step (+10) and the return is 10 * gamma^(steps left)
     won = [ln for ln in back if ln["won"]]
@@ -133,7 +134,7 @@ def _line(turn, **kw):
     base = dict(iteration=2, phase="rollout", game=0, host=0, task_id=7, seed=11, group=0, turn=turn, won=True)
     base.update(episode_return=10.0, episode_length=2, prompt=None, observation=f"obs {turn}", valid=True)
     base.update(response=f"<action>a{turn}</action>", action=f"a{turn}", reward=0.0, advantage=None)
-    base.update(step_group=None, pace_kind=None, finish="stop")
+    base.update(step_group=None, pace_kind=None, finish="stop", policy_version=2)
     return {**base, **kw}
 
 
@@ -142,7 +143,9 @@ def test_render_prints_header_prompt_and_turns(tmp_path):
         _line(
             0, prompt="PROMPT\n", observation="obs 0", **{"return": 9.0}, advantage=0.5, step_group=3, pace_kind="pace"
         ),
-        _line(1, reward=10.0, **{"return": 10.0}, advantage=-0.25, step_group=4, pace_kind="singleton"),
+        _line(
+            1, reward=10.0, **{"return": 10.0}, advantage=-0.25, step_group=4, pace_kind="singleton", policy_version=1
+        ),
         _line(0, game=1, won=False, valid=False, action="inventory", **{"return": -0.1}, reward=-0.1),
     ]
     text = transcripts.render(rows, game=0)
@@ -158,7 +161,7 @@ def test_render_prints_header_prompt_and_turns(tmp_path):
         "observation: obs 1",
         "response: <action>a1</action>",
         "action: a1",
-        "reward +10.000  return +10.000  advantage -0.250  step group 4 (singleton)",
+        "reward +10.000  return +10.000  advantage -0.250  step group 4 (singleton)  sampled by version 1 (lag 1)",
     ]
     other = transcripts.render(rows, game=1).splitlines()
     assert other[0].endswith("lost in 2 steps, return +10.000") and "action: inventory (invalid)" in other
