@@ -56,11 +56,13 @@ from launch._common import ROOT
 
 # The flag holders, defined only when run as a command (``_define_flags``): tests import this module
 # beside other launch modules that define ``--config`` and ``--out``.
-_CONFIG = _RUN = _VERSIONS = _BATCH_VERSION = _ESTIMATORS = _EPSILON = _SPLITS = _SEED = _CHUNK = _OUT = None
+_CONFIG = _RUN = _VERSIONS = _BATCH_VERSION = _ESTIMATORS = _EPSILON = _SPLITS = _SEED = _CHUNK = _OUT = _LAB_SEEDS = (
+    None
+)
 
 
 def _define_flags():
-    global _CONFIG, _RUN, _VERSIONS, _BATCH_VERSION, _ESTIMATORS, _EPSILON, _SPLITS, _SEED, _CHUNK, _OUT
+    global _CONFIG, _RUN, _VERSIONS, _BATCH_VERSION, _ESTIMATORS, _EPSILON, _SPLITS, _SEED, _CHUNK, _OUT, _LAB_SEEDS
     _CONFIG = cli.define_config_file(
         "config", os.path.join(ROOT, "configs", "textcraft_tiny.py"), "The run's config file (with its overrides)."
     )
@@ -77,6 +79,7 @@ def _define_flags():
     _SEED = flags.DEFINE_integer("seed", 0, "Seed of the version mixes.")
     _CHUNK = flags.DEFINE_integer("chunk", 64, "Prompts per fingerprint forward.")
     _OUT = flags.DEFINE_string("out", "", "Output folder ('' = <run>/fingerprint_drift).")
+    _LAB_SEEDS = flags.DEFINE_integer("lab_seeds", 10, "Lab seeds per comparison batch (0 = no lab comparison).")
 
 
 #: Config sections whose values shape the batch or its fingerprints: they must equal the run's.
@@ -225,6 +228,84 @@ def add_lab_units(report: dict, epsilon: float, lab_epsilon: float) -> None:
         s["mean_over_epsilon"] = s["mean"] / epsilon
 
 
+def lab_changed(drift: float, lag: int, names: list[str], seeds: int, seed: int = 0) -> dict:
+    """The lab's ``mixed_changed`` at ``drift`` per version and version lag ``lag`` (the staleness grid's
+    scored cells: ``grid.stale_paraphrases`` forms, sigma ``grid.paraphrases_at_sigma``, the lab's
+    epsilon, ``seeds`` seeds of its batch): the fraction of rows whose step group differs between the
+    batch with every game ``lag`` versions old and the batch with each game at lag 0 or ``lag`` with
+    probability 1/2. Both fingerprint draws share one generator state, so they differ only in the rows
+    that moved. Returns {estimator name: fraction}."""
+    import bipace_jax.lab as lab
+    from bipace_jax.estimators import step_details
+    from bipace_jax.lab import config as lab_config
+
+    c = lab_config.default_config()
+    game = lab_config.game(c)
+    m, sigma = int(c.grid.stale_paraphrases), float(c.grid.paraphrases_at_sigma)
+    view = lab_config.view(c, paraphrases=m, sigma=sigma, drift=float(drift))
+    rng = np.random.default_rng([seed, lag])  # one batch and one walk per lag: drifts differ only in scale
+    pi = lab.bonus_policy(game, c.score_bonus, seeds)
+    shape = (seeds, c.batch.groups, c.batch.group_size)
+    ro = lab.sample_rollouts(
+        game,
+        np.broadcast_to(pi, (lag + 1,) + pi.shape),  # every version plays pi: drift only, as the scored cells
+        rng,
+        groups=c.batch.groups,
+        group_size=c.batch.group_size,
+        horizon=c.game.horizon,
+        paraphrases=m,
+        history=view.history,
+        lag=np.full(shape, lag),
+    )
+    stale = rng.random(shape) < 0.5
+    games = ro.traj  # global game index: seed * groups * G + b * G + g
+    mixed_lag = np.where(stale.reshape(-1)[games], lag, 0)
+    state = int(rng.integers(2**31))
+    cfgs = lab_config.estimator_configs(c)
+    out = {}
+    batches = {}
+    for key, lags in (("sync", ro.lag), ("mixed", mixed_lag)):
+        ro_k = dataclasses.replace(ro, lag=np.asarray(lags, np.int64))
+        b = lab.build_batch(
+            game, ro_k, pi, view, np.random.default_rng(state), gamma=c.estimator.gamma, render_text=False
+        )
+        batches[key] = b.steps
+    n = ro.num_rows
+    group = np.asarray(ro.group)
+    for name in names:
+        cfg = cfgs[name] if name in cfgs else dataclasses.replace(next(iter(cfgs.values())), name=name)
+        sync, mixed = (np.asarray(step_details(batches[k], cfg)[0])[:n] for k in ("sync", "mixed"))
+        changed = np.zeros(n, bool)
+        for g in np.unique(group):  # step groups never cross task groups: compare group by group
+            rows = np.flatnonzero(group == g)
+            changed[rows] = changed_rows(sync[rows], mixed[rows])
+        out[name] = float(changed.mean())
+    return out
+
+
+def lab_matching_drift(target: float, lag: int, name: str, seeds: int, hi: float = 2.0, steps: int = 14) -> float:
+    """The lab drift per version whose ``lab_changed`` at ``lag`` equals ``target`` for estimator ``name``
+    (bisection on [0, ``hi``]: one batch and one walk per lag, so the change grows with the drift until
+    it levels off where every cross-version cluster has split); NaN when even ``hi`` changes fewer rows
+    (the target lies above the lab's plateau: no drift of the model matches it)."""
+    lo = 0.0
+    if lab_changed(hi, lag, [name], seeds)[name] < target:
+        return float("nan")
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if lab_changed(mid, lag, [name], seeds)[name] < target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def add_lab_comparison(report: dict, names: list[str], drifts: list[float], seeds: int) -> None:
+    """Adds to every lag d of ``report``: ``lab_mixed_changed`` ({drift: {estimator: lab_changed}} at the
+    lab's ``drifts``) and ``lab_drift_same_change`` ({estimator: the lab drift whose mixed_changed at
+    lag d equals the measured one}, ``lab_matching_drift``)."""
+    for d, s in report["lags"].items():
+        s["lab_mixed_changed"] = {f"{x:g}": lab_changed(x, d, names, seeds) for x in drifts}
+        s["lab_drift_same_change"] = {n: lab_matching_drift(s[f"{n}/mixed_changed"], d, n, seeds) for n in names}
+
+
 # ---------------------------------------------------------------------------------------------------
 # The run: versions, the batch, the fingerprints.
 
@@ -367,7 +448,12 @@ def measure(config, run: str, versions: list[int], batch_version: int, names: li
     from bipace_jax.lab import config as lab_config
 
     lab = lab_config.default_config()
+    drifts = [float(d) for d in lab_config.parse_list(lab, "grid.drifts")]
     add_lab_units(report, eps, float(lab.estimator.epsilon))
+    t0 = time.perf_counter()
+    if kw["lab_seeds"]:
+        add_lab_comparison(report, names, drifts, kw["lab_seeds"])
+    lab_s = time.perf_counter() - t0
     report.update(
         epsilon=float(eps),
         batch_version=batch_version,
@@ -378,15 +464,18 @@ def measure(config, run: str, versions: list[int], batch_version: int, names: li
         estimators=names,
         lab={
             "epsilon": float(lab.estimator.epsilon),
+            "paraphrases": int(lab.grid.stale_paraphrases),
+            "sigma": float(lab.grid.paraphrases_at_sigma),
+            "seeds": kw["lab_seeds"],
             "drifts": {
                 float(d): {
                     "one_minus_cos_lag1": lab_one_minus_cos(float(d), 1),
                     "over_epsilon_lag1": lab_one_minus_cos(float(d), 1) / float(lab.estimator.epsilon),
                 }
-                for d in lab_config.parse_list(lab, "grid.drifts")
+                for d in drifts
             },
         },
-        seconds={"replay": replay_s, "fingerprints": fp_s, "clusters": clusters_s},
+        seconds={"replay": replay_s, "fingerprints": fp_s, "clusters": clusters_s, "lab": lab_s},
     )
     return report
 
@@ -396,16 +485,19 @@ def measure(config, run: str, versions: list[int], batch_version: int, names: li
 
 
 def table(report: dict) -> str:
+    """The markdown table of ``report``: one row per lag (drift, its lab units, membership changes)."""
     names = report["estimators"]
-    head = "| lag | pairs | 1-cos mean | median | p90 | mean / eps | lab drift | at lab eps | " + " | ".join(
-        f"{n} mixed changed | {n} pure changed" for n in names
-    )
-    lines = [head + " |", "|" + "---|" * (head.count("|") + 0)]
+    lab = bool(report["lab"]["seeds"])
+    head = ["lag", "pairs", "1-cos mean", "median", "p90", "mean / eps", "lab drift", "at lab eps"]
+    for n in names:
+        head += [f"{n} mixed changed", f"{n} pure changed"] + ([f"{n} lab drift, same change"] if lab else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s in report["lags"].items():
         cells = [f"{d}", f"{s['pairs']}", f"{s['mean']:.2e}", f"{s['median']:.2e}", f"{s['p90']:.2e}"]
         cells += [f"{s['mean_over_epsilon']:.2f}", f"{s['lab_drift']:.4f}", f"{s['lab_drift_at_lab_epsilon']:.3f}"]
         for n in names:
             cells += [f"{100 * s[f'{n}/mixed_changed']:.1f}%", f"{100 * s[f'{n}/pure_changed']:.1f}%"]
+            cells += [f"{s['lab_drift_same_change'][n]:.3f}"] if lab else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -433,6 +525,14 @@ def plot(report: dict, path: str) -> None:
         b.plot(
             lags, [100 * report["lags"][d][f"{n}/pure_changed"] for d in lags], "s--", label=f"{n}, all v vs all v+d"
         )
+    if report["lab"]["seeds"]:
+        n = report["estimators"][0]
+        for x in report["lab"]["drifts"]:
+            key = f"{float(x):g}"
+            b.plot(lags, [100 * report["lags"][d]["lab_mixed_changed"][key][n] for d in lags], color="gray", lw=0.8)
+            b.annotate(
+                f"lab {key}", (lags[-1], 100 * report["lags"][lags[-1]]["lab_mixed_changed"][key][n]), fontsize=7
+            )
     b.set_xlabel("version lag d")
     b.set_ylabel("rows whose step group changed (%)")
     b.set_ylim(bottom=0)
@@ -518,12 +618,14 @@ def main(argv):
         versions, names = check_args(
             run, _VERSIONS.value, _BATCH_VERSION.value, _ESTIMATORS.value, _SPLITS.value, _CHUNK.value, _EPSILON.value
         )
+        if _LAB_SEEDS.value < 0:
+            raise ValueError(f"--lab_seeds: expected an int >= 0 (0 = no lab comparison), got {_LAB_SEEDS.value}")
     except ValueError as e:
         cli.fail(str(e))
     from bipace_jax.config import ConfigError
 
     out = _OUT.value or os.path.join(run, "fingerprint_drift")
-    t0 = time.perf_counter()
+    t0, load_start = time.perf_counter(), list(os.getloadavg())
     try:
         report = measure(
             _CONFIG.value,
@@ -535,6 +637,7 @@ def main(argv):
             splits=_SPLITS.value,
             seed=_SEED.value,
             chunk=_CHUNK.value,
+            lab_seeds=_LAB_SEEDS.value,
         )
     except ConfigError as e:
         cli.fail(str(e))
@@ -544,7 +647,8 @@ def main(argv):
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
-        "load_average": list(os.getloadavg()),
+        "load_average_start": load_start,
+        "load_average_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - t0,
         "run": run,
     }

@@ -191,3 +191,14 @@ def test_good_arguments_and_the_command_says_a_bad_one_in_one_line(run_folder):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0] == "error: --batch_version: expected one of the versions [0, 1], got 3"
+
+
+def test_the_labs_membership_change_is_zero_without_drift_and_grows_with_it():
+    names = ["bigpo"]
+    assert fd.lab_changed(0.0, 2, names, seeds=2) == {"bigpo": 0.0}  # nothing moves: the same partition
+    small, large = (fd.lab_changed(d, 2, names, seeds=2)["bigpo"] for d in (0.05, 1.0))
+    assert small == 0.0 and 0.3 < large < 1.0  # 1 - cos 0.0025 < epsilon 0.05 < 0.42
+    assert math.isnan(fd.lab_matching_drift(1.0, 2, "bigpo", seeds=2))  # above the lab's plateau
+    mid = fd.lab_changed(0.3, 2, names, seeds=2)["bigpo"]
+    # on the rising part: the bisection finds the drift that first changes that many rows, 0.3 or just below
+    assert 0.25 < fd.lab_matching_drift(mid, 2, "bigpo", seeds=2) <= 0.3 + 1e-3
