@@ -28,7 +28,11 @@ Per version lag d (every pair v, v + d of saved versions):
   the batch fingerprinted all at v + d (synchronous) and the batch whose games are each at v or
   v + d with probability 1/2 (a sampler d versions behind for half the games; mean over ``--splits``
   draws); ``pure_changed`` (all at v against all at v + d: how much the partition itself moves);
-  the mean step-group size and singleton group rate of the synchronous and mixed batches.
+  the mean step-group size and singleton group rate of the synchronous and mixed batches;
+* with ``--lab_seeds`` > 0, the lab's side of the same measure (``lab_changed``: the staleness grid's
+  scored cells, ``--lab_seeds`` seeds): ``lab_mixed_changed`` at each of the lab's ``grid.drifts``, and
+  ``lab_drift_same_change``, the lab drift per version whose mixed_changed at lag d equals the measured
+  one (null above the lab's plateau, where every cross-version cluster has split).
 
 Writes ``--out``/drift.json, drift.png and prints a table. Bad flags fail with one line before the
 model loads.
@@ -513,8 +517,15 @@ def plot(report: dict, path: str) -> None:
     for k, style in (("mean", "o-"), ("median", "s--"), ("p90", "^:")):
         a.plot(lags, [report["lags"][d][k] for d in lags], style, label=f"real, {k}")
     for d_lab in report["lab"]["drifts"]:
-        a.plot(lags, [lab_one_minus_cos(d_lab, d) for d in lags], color="gray", lw=0.8)
-        a.annotate(f"lab {d_lab:g}", (lags[-1], lab_one_minus_cos(d_lab, lags[-1])), fontsize=7, color="gray")
+        a.plot(lags, [lab_one_minus_cos(float(d_lab), d) for d in lags], color="gray", lw=0.8)
+        a.annotate(
+            f"lab {float(d_lab):g}", (lags[-1], lab_one_minus_cos(float(d_lab), lags[-1])), fontsize=7, color="gray"
+        )
+    ratio = report["epsilon"] / report["lab"]["epsilon"]  # the lab's curves in the run's epsilons
+    for d_lab in report["lab"]["drifts"]:
+        y = [ratio * lab_one_minus_cos(float(d_lab), d) for d in lags]
+        a.plot(lags, y, color="tab:purple", lw=0.8, ls=":")
+        a.annotate(f"lab {float(d_lab):g} x eps ratio", (lags[-1], y[-1]), fontsize=7, color="tab:purple")
     a.axhline(report["epsilon"], color="red", lw=0.8, ls="--", label=f"run epsilon {report['epsilon']:g}")
     a.set_yscale("log")
     a.set_xlabel("version lag d")
@@ -527,12 +538,10 @@ def plot(report: dict, path: str) -> None:
         )
     if report["lab"]["seeds"]:
         n = report["estimators"][0]
-        for x in report["lab"]["drifts"]:
+        for x, style in zip(report["lab"]["drifts"], (":", "-.", "--")):
             key = f"{float(x):g}"
-            b.plot(lags, [100 * report["lags"][d]["lab_mixed_changed"][key][n] for d in lags], color="gray", lw=0.8)
-            b.annotate(
-                f"lab {key}", (lags[-1], 100 * report["lags"][lags[-1]]["lab_mixed_changed"][key][n]), fontsize=7
-            )
+            y = [100 * report["lags"][d]["lab_mixed_changed"][key][n] for d in lags]
+            b.plot(lags, y, color="gray", lw=1, ls=style, label=f"lab drift {key}, {n}, mixed")
     b.set_xlabel("version lag d")
     b.set_ylabel("rows whose step group changed (%)")
     b.set_ylim(bottom=0)
@@ -544,6 +553,17 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def finite_json(obj):
+    """``obj`` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
 
 
 def _git_commit() -> str:
@@ -661,7 +681,7 @@ def main(argv):
         f"transcript match {report['transcript_match']}"
     )
     with open(os.path.join(out, "drift.json"), "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(finite_json(report), f, indent=2)
     plot(report_int, os.path.join(out, "drift.png"))
     print(f"wrote {out}/drift.json, drift.png")
 
