@@ -202,3 +202,19 @@ def test_the_labs_membership_change_is_zero_without_drift_and_grows_with_it():
     mid = fd.lab_changed(0.3, 2, names, seeds=2)["bigpo"]
     # on the rising part: the bisection finds the drift that first changes that many rows, 0.3 or just below
     assert 0.25 < fd.lab_matching_drift(mid, 2, "bigpo", seeds=2) <= 0.3 + 1e-3
+
+
+def test_a_config_that_differs_from_the_runs_is_refused_naming_the_field(tmp_path):
+    import json
+
+    import configs.textcraft_tiny
+    from bipace_jax.config import ConfigError
+
+    c = configs.textcraft_tiny.get_config()
+    theirs = json.loads(c.to_json_best_effort())
+    (tmp_path / "config.json").write_text(json.dumps(dict(theirs, num_iterations=4)))
+    fd.check_run_config(c, str(tmp_path))  # num_iterations does not shape the batch or its fingerprints
+    theirs["rollout"]["max_prompt_length"] = 400
+    (tmp_path / "config.json").write_text(json.dumps(theirs))
+    with pytest.raises(ConfigError, match=r"config.rollout.max_prompt_length: the run .* has 400, --config gives 448"):
+        fd.check_run_config(c, str(tmp_path))
