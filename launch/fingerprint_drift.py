@@ -12,7 +12,7 @@ sampler key, so the batch is the one the run played; ``transcript_match`` says h
 transcript prompts it reproduces), and fingerprints every step row of that one fixed batch under each
 saved version v (version 0 = the config's initial model, v >= 1 = ``checkpoints/<v>``). The fingerprint
 is the sampler's: ``Qwen2Actor.prefill``'s L2-normalised hidden state ``model.fingerprint_layer`` at
-the last prompt token (``fingerprint_gap`` compares version ``--batch_version``'s recomputed values
+the last prompt token (``fingerprint_gap_max`` compares version ``--batch_version``'s recomputed values
 with the sampler's own, which prefills shared heads then extends, so they agree up to float order).
 
 Per version lag d (every pair v, v + d of saved versions):
@@ -119,13 +119,21 @@ def lab_one_minus_cos(drift: float, lag: int) -> float:
     return 1.0 - 1.0 / math.sqrt(1.0 + lag * drift * drift)
 
 
-def changed_rows(labels_a: np.ndarray, labels_b: np.ndarray) -> np.ndarray:
+def changed_rows(labels_a: np.ndarray, labels_b: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
     """bool[N]: rows whose step group (the set of rows sharing its label) differs between two labelings.
 
     Labels < 0 (padding, invalid rows: the same rows in both, they do not depend on fingerprints) are
     never changed and never co-members. Labels are arbitrary ids: only equality within a labeling counts.
+    ``groups`` int[N] (task groups, which no step group crosses): compare group by group, in memory of
+    the largest group squared instead of N squared.
     """
     a, b = np.asarray(labels_a), np.asarray(labels_b)
+    if groups is not None:
+        out = np.zeros(a.shape, bool)
+        for g in np.unique(groups):
+            rows = np.flatnonzero(np.asarray(groups) == g)
+            out[rows] = changed_rows(a[rows], b[rows])
+        return out
     ok = (a >= 0) & (b >= 0)
     same_a = (a[:, None] == a[None, :]) & ok[:, None] & ok[None, :]
     same_b = (b[:, None] == b[None, :]) & ok[:, None] & ok[None, :]
@@ -183,6 +191,7 @@ def drift_report(fingerprints: dict, steps, num_rows: int, prompt_ids: np.ndarra
             )
     _, first = np.unique(np.asarray(prompt_ids), return_index=True)
     traj = np.asarray(steps.traj_id)[:num_rows]
+    group = np.asarray(steps.group_id)[:num_rows]
     rng = np.random.default_rng(seed)
     parts = {(v, n): _partition(steps, num_rows, fingerprints[v], c) for v in versions for n, c in configs.items()}
     pairs = []
@@ -196,11 +205,11 @@ def drift_report(fingerprints: dict, steps, num_rows: int, prompt_ids: np.ndarra
                 for _ in range(splits):
                     fp, _ = mixed_fingerprints(fingerprints[v], fingerprints[w], traj, rng)
                     labels, s = _partition(steps, num_rows, fp, cfg)
-                    mixed.append(changed_rows(sync, labels).mean())
+                    mixed.append(changed_rows(sync, labels, group).mean())
                     sizes.append(s)
                 rec[name] = {
                     "mixed_changed": float(np.mean(mixed)),
-                    "pure_changed": float(changed_rows(sync, parts[(v, name)][0]).mean()),
+                    "pure_changed": float(changed_rows(sync, parts[(v, name)][0], group).mean()),
                     "sync_mean_group_size": sync_sizes["mean_group_size"],
                     "mixed_mean_group_size": float(np.mean([s["mean_group_size"] for s in sizes])),
                     "sync_singleton_group_rate": sync_sizes["singleton_group_rate"],
@@ -279,11 +288,7 @@ def lab_changed(drift: float, lag: int, names: list[str], seeds: int, seed: int 
     for name in names:
         cfg = cfgs[name] if name in cfgs else dataclasses.replace(next(iter(cfgs.values())), name=name)
         sync, mixed = (np.asarray(step_details(batches[k], cfg)[0])[:n] for k in ("sync", "mixed"))
-        changed = np.zeros(n, bool)
-        for g in np.unique(group):  # step groups never cross task groups: compare group by group
-            rows = np.flatnonzero(group == g)
-            changed[rows] = changed_rows(sync[rows], mixed[rows])
-        out[name] = float(changed.mean())
+        out[name] = float(changed_rows(sync, mixed, group).mean())
     return out
 
 
@@ -314,29 +319,37 @@ def add_lab_comparison(report: dict, names: list[str], drifts: list[float], seed
 # The run: versions, the batch, the fingerprints.
 
 
+def _prefill_fingerprint(graphdef, state, ids, mask):
+    """The sampler's fingerprint of left-padded prompts: ``Qwen2Actor.prefill``'s ``ActorOutput.fingerprint``."""
+    from flax import nnx
+
+    actor = nnx.merge(graphdef, state)
+    out, _ = actor.prefill(ids, mask, actor.init_cache(ids.shape[0], ids.shape[1]))
+    return out.fingerprint
+
+
+_JITTED = {}  # the jitted prefill, made once: every version's parameters reuse its compiled program
+
+
 def prompt_fingerprints(actor, input_ids: np.ndarray, attention_mask: np.ndarray, chunk: int) -> np.ndarray:
-    """float32[N, D]: the sampler's fingerprint of each left-padded prompt row (``Qwen2Actor.prefill``'s
-    ``ActorOutput.fingerprint``), ``chunk`` rows per forward (the last chunk padded by repeating row 0)."""
+    """float32[N, D]: the sampler's fingerprint (``Qwen2Actor.prefill``) of each row of int[N, P]
+    left-padded prompts with their int[N, P] attention mask, ``chunk`` rows per forward (one compiled
+    shape: the last chunk is padded by repeating its first row)."""
     import jax
     from flax import nnx
 
+    if "prefill" not in _JITTED:
+        _JITTED["prefill"] = jax.jit(_prefill_fingerprint, static_argnums=0)
+    run = _JITTED["prefill"]
     graphdef, state = nnx.split(actor)
-
-    @jax.jit
-    def run(state, ids, mask):
-        a = nnx.merge(graphdef, state)
-        out, _ = a.prefill(ids, mask, a.init_cache(ids.shape[0], ids.shape[1]))
-        return out.fingerprint
-
-    n = input_ids.shape[0]
-    out = []
+    n, out = input_ids.shape[0], []
     for s in range(0, n, chunk):
         ids, mask = input_ids[s : s + chunk], attention_mask[s : s + chunk]
         pad = chunk - ids.shape[0]
         if pad:
             ids = np.concatenate([ids, np.repeat(ids[:1], pad, 0)])
             mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
-        out.append(np.asarray(run(state, ids.astype(np.int32), mask.astype(np.int32)))[: chunk - pad])
+        out.append(np.asarray(run(graphdef, state, ids.astype(np.int32), mask.astype(np.int32)))[: chunk - pad])
     return np.concatenate(out).astype(np.float32)
 
 

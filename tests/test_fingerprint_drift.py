@@ -72,6 +72,9 @@ def test_changed_rows_compares_sets_of_co_members_not_label_values():
     assert c([0, 0, 1, 2], [0, 0, 1, 1]).tolist() == [False, False, True, True]
     assert c([0, 0, 1, 1], [0, 1, 1, 1]).tolist() == [True, True, True, True]
     assert c([0, 0, 1, 1], [3, 3, 3, 3]).tolist() == [True] * 4
+    # task group by task group (no step group crosses one): the same answer
+    assert c([0, 0, 1, 1], [0, 1, 2, 2], groups=[0, 0, 1, 1]).tolist() == [True, True, False, False]
+    assert c([0, 0, 1, 1], [0, 1, 2, 2]).tolist() == [True, True, False, False]
 
 
 def _batch(rng):
