@@ -398,7 +398,11 @@ def _transcript_match(run: str, iteration: int, res) -> dict | None:
 
 
 def measure(config, run: str, versions: list[int], batch_version: int, names: list[str], epsilon: float, **kw):
-    """Replay the batch, fingerprint it under every version, and return the report (module doc)."""
+    """Replay the batch, fingerprint it under every version, and return the report (module doc).
+
+    ``config``: the run's config (a ConfigDict, as ``--config`` gives it); ``kw``: ``splits``, ``seed``,
+    ``chunk``, ``lab_seeds`` (the flags). Raises ConfigError for a bad config field or one that differs
+    from the run's ``config.json`` in ``CHECKED_SECTIONS`` (before the model loads)."""
     import jax
 
     from bipace_jax import build, tasks
@@ -426,8 +430,10 @@ def measure(config, run: str, versions: list[int], batch_version: int, names: li
                 L.sync_local()
 
             load(batch_version)
-            first = batch_version * spec.num_groups
-            groups = [tasks.train_task(trainer.train_ids, spec.seed, first + i) for i in range(trainer.groups_per_host)]
+            cursor = batch_version * spec.num_groups  # the run's task cursor at that iteration
+            groups = [
+                tasks.train_task(trainer.train_ids, spec.seed, cursor + i) for i in range(trainer.groups_per_host)
+            ]
             t0 = time.perf_counter()
             res = collect(
                 trainer.actor,
@@ -519,6 +525,19 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def update_table(report: dict) -> str:
+    """The markdown table of each update's own drift: the pairs (v, v + 1) (the smallest lag measured)."""
+    names, lag = report["estimators"], min(report["lags"])
+    head = ["v", "1-cos mean", "mean / eps", "at lab eps"] + [f"{n} mixed changed" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratio = report["lab"]["epsilon"] / report["epsilon"]
+    for p in (p for p in report["pairs"] if p["lag"] == lag):
+        cells = [f"{p['old']} -> {p['new']}", f"{p['mean']:.2e}", f"{p['mean'] / report['epsilon']:.2f}"]
+        cells += [f"{lab_drift(p['mean'] * ratio, lag):.3f}"] + [f"{100 * p[n]['mixed_changed']:.1f}%" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
 
@@ -526,7 +545,7 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     lags = sorted(report["lags"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b, u) = plt.subplots(1, 3, figsize=(15, 3.8))
     for k, style in (("mean", "o-"), ("median", "s--"), ("p90", "^:")):
         a.plot(lags, [report["lags"][d][k] for d in lags], style, label=f"real, {k}")
     for d_lab in report["lab"]["drifts"]:
@@ -559,6 +578,14 @@ def plot(report: dict, path: str) -> None:
     b.set_ylabel("rows whose step group changed (%)")
     b.set_ylim(bottom=0)
     b.legend(fontsize=7)
+    steps = [p for p in report["pairs"] if p["lag"] == min(lags)]  # each update's own drift
+    u.plot([p["old"] for p in steps], [p["mean"] / report["epsilon"] for p in steps], "o-", label="1 - cos mean / eps")
+    for n in report["estimators"]:
+        u.plot([p["old"] for p in steps], [p[n]["mixed_changed"] for p in steps], "s--", label=f"{n}, mixed, fraction")
+    u.set_xlabel(f"version v (pair v, v + {min(lags)})")
+    u.set_ylim(bottom=0)
+    u.set_title("per update", fontsize=8)
+    u.legend(fontsize=7)
     fig.suptitle(
         f"fingerprint drift per policy version (batch of version {report['batch_version']}, {report['rows']} rows)",
         fontsize=9,
@@ -689,6 +716,7 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     report_int = dict(report, lags={int(d): s for d, s in report["lags"].items()})
     print(table(report_int))
+    print(update_table(report_int))
     print(
         f"epsilon {report['epsilon']:g}, fingerprint gap to the sampler {report['fingerprint_gap_max']:.1e}, "
         f"transcript match {report['transcript_match']}"
