@@ -190,7 +190,7 @@ class Trainer:
         call), with the checkpoint's and tokenizer's stop ids."""
         s = self.spec
         self.groups_per_host = self.plan.groups_per_host
-        train_games = self.plan.games_per_host
+        train_games = 0 if s.async_rl.by_process else self.plan.games_per_host  # by process: validation only
         self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)
