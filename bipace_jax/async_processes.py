@@ -122,8 +122,8 @@ def _get(key: str, *, as_bytes: bool = False, stop: threading.Event | None = Non
     while stop is None or not stop.is_set():
         try:
             return get(key, poll_ms)
-        except Exception as e:  # noqa: BLE001 (jaxlib raises its runtime error type for a timeout)
-            if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+        except jax.errors.JaxRuntimeError as e:  # a timeout: "DEADLINE_EXCEEDED: GetKeyValue() timed out ..."
+            if "DEADLINE_EXCEEDED" not in str(e):
                 raise
     return None
 

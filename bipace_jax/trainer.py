@@ -40,18 +40,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from bipace_jax import (
-    async_processes,
-    async_rl,
-    build,
-    distributed,
-    loglines,
-    runfolder,
-    sharding,
-    tasks,
-    transcripts,
-    validation,
-)
+from bipace_jax import async_processes as processes
+from bipace_jax import async_rl, build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
 from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
 from bipace_jax import plan as run_plan
@@ -115,7 +105,7 @@ class Trainer:
             spec = build.build_spec(spec)
         self.spec, self.workdir = spec, workdir
         self.is_primary = jax.process_index() == 0
-        if async_processes.enter_role(spec) == async_processes.SAMPLER:
+        if processes.enter_role(spec) == processes.SAMPLER:
             raise ValueError("Trainer: a sampler process runs async_processes.SamplerProcess, not the trainer")
         self.num_hosts = distributed.process_count()  # the learner group's (every process without process roles)
         self.sampler_mesh = self.sampler = self.policy = None  # asynchronous RL's roles (async_rl)
@@ -198,7 +188,7 @@ class Trainer:
         self.rollout_cfg, self.val_rollout_cfg = s.rollout, s.val_rollout
         self.pool_lock = threading.Lock()  # the sampler thread and validation share the training pool
         if s.async_rl.by_process:  # the sampler is another process (async_processes): it starts where we are
-            self.policy = async_processes.WeightSender(s, self.mesh, self.learner.params)
+            self.policy = processes.WeightSender(s, self.mesh, self.learner.params)
             self.sampler_shardings = self.policy.shardings
             self.policy.publish_start(self.iteration, self.task_cursor, self.rng)
             self._push()
@@ -221,7 +211,7 @@ class Trainer:
         """The sampler thread, from this iteration to the last (asynchronous RL)."""
         s = self.spec
         if s.async_rl.by_process:
-            self.sampler = async_processes.RowsReceiver()
+            self.sampler = processes.RowsReceiver()
             return
         first, cursor = self.iteration, self.task_cursor
 
