@@ -34,7 +34,9 @@ coordinator's host for process 0 (which hosts the coordinator, so every process 
 and on this host's resolved name (``socket.gethostname()``) for the others.
 
 Supported: one learner and one sampler process (``AsyncConfig.check_processes``), the learner holding
-at least as many devices as the sampler (its copy in the sampler's layout). Failures: a process that
+at least as many devices as the sampler (its copy in the sampler's layout); tested on 1 + 1 CPU
+devices, and by hand on 2 + 2 with ``mesh.sampler_tensor=2`` (tensor-sharded pulls: the same
+iteration lines up to float32 noise in a ~1e-14 KL). Failures: a process that
 fails posts it (``distributed.failures_shared``), which ends the other one too, naming it (a raising
 rollout on the sampler stops the learner within a second). A process killed outright takes the other
 down with JAX's own fatal line: at once for the learner (process 0 hosts the coordinator), after the
