@@ -435,7 +435,8 @@ def test_without_a_policy_every_row_is_version_0():
 # ------------------------------------------------------------------------------------------------
 # Roles by process: `launch.train` on 2 jax.distributed processes of 1 CPU device, 0 learns, 1 samples.
 
-# launch.train, with the learner SIGKILLed when it offers version KILL_AT (-1: never).
+# launch.train, with the learner SIGKILLed when it offers version KILL_AT (-1: never), and the sampler's
+# rollouts raising when FAIL_PLAY is set.
 _LAUNCH = r"""
 import os, signal, sys
 from bipace_jax import async_processes
@@ -448,7 +449,12 @@ def killing_publish(self, params, version):
         os.kill(os.getpid(), signal.SIGKILL)
     return publish(self, params, version)
 
+def failing_play(self, j, key):
+    raise RuntimeError(f"injected: the game crashed in iteration {j}")
+
 async_processes.WeightSender.publish = killing_publish
+if os.environ.get("FAIL_PLAY"):
+    async_processes.SamplerProcess._play = failing_play
 sys.argv = ["launch.train", *sys.argv[1:]]
 cli.run(train.main, hard_exit=True)
 """
@@ -485,7 +491,7 @@ def jax_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def _two_processes(workdir: str, cache: str, k: int, kill_at: int = -1) -> list[tuple[int, str, str]]:
+def _two_processes(workdir: str, cache: str, k: int, kill_at: int = -1, **env_vars) -> list[tuple[int, str, str]]:
     """(return code, stdout, stderr) of the learner (process 0) and the sampler (process 1)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -493,6 +499,7 @@ def _two_processes(workdir: str, cache: str, k: int, kill_at: int = -1) -> list[
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", PYTHONPATH=REPO, JAX_PLATFORMS="cpu", KILL_AT=str(kill_at))
     env.update(JAX_COMPILATION_CACHE_DIR=cache)
     env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(env_vars)
     env.pop("XLA_FLAGS", None)
     flags = [*_FLAGS, f"--workdir={workdir}", f"--config.async_rl.max_staleness={k}"]
     flags += [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
@@ -556,3 +563,14 @@ def test_k1_learner_process_killed_during_a_weight_push_resumes_with_no_iteratio
     assert rows[0]["async/version_lag_max"] == 0 and all(r["async/version_lag_max"] <= 1 for r in rows)
     assert rows[1]["async/version_lag_max"] == 0  # the restarted sampler begins at the checkpoint's version
     assert Checkpointer(w).latest_step() == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_failing_sampler_process_stops_the_learner_naming_it(jax_cache, tmp_path):
+    w = str(tmp_path / "run")
+    (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=0, FAIL_PLAY="1")
+    assert rc1 == 1 and "error: RuntimeError: injected: the game crashed in iteration 0" in err1, err1[-3000:]
+    line = "error: process 1 of 2 failed: RuntimeError: injected: the game crashed in iteration 0; process 0 stops too"
+    assert rc0 == 1 and line in err0, err0[-3000:]  # the learner waited for iteration 0's rows
+    assert not os.path.exists(os.path.join(w, "metrics.jsonl")) or _train_rows(w) == []
