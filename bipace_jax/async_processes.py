@@ -114,20 +114,19 @@ def enter_role(spec: Any) -> str | None:
 
 
 def _client() -> Any:
-    client = distributed._kv_client()
+    client = distributed.kv_client()
     if client is None:
         raise RuntimeError("async_processes: no jax.distributed key-value store (start JAX with jax.distributed)")
     return client
 
 
-def _get(key: str, *, as_bytes: bool = False, stop: threading.Event | None = None, poll_ms: int = 1000) -> Any:
+def _get(key: str, *, stop: threading.Event | None = None, poll_ms: int = 1000) -> str | None:
     """The value of ``key`` once another process sets it, waiting as long as it takes (the other
     process's failure ends this one, `distributed.failures_shared`); None when ``stop`` is set first."""
     client = _client()
-    get = client.blocking_key_value_get_bytes if as_bytes else client.blocking_key_value_get
     while stop is None or not stop.is_set():
         try:
-            return get(key, poll_ms)
+            return client.blocking_key_value_get(key, poll_ms)
         except jax.errors.JaxRuntimeError as e:  # a timeout: "DEADLINE_EXCEEDED: GetKeyValue() timed out ..."
             if "DEADLINE_EXCEEDED" not in str(e):
                 raise

@@ -343,8 +343,9 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
 FAILURE_KEY = "bipace/failed/"
 
 
-def _kv_client() -> Any:
-    """The ``jax.distributed`` coordination client (its key-value store), or None without one."""
+def kv_client() -> Any:
+    """The ``jax.distributed`` coordination client (its key-value store: ``key_value_set``,
+    ``blocking_key_value_get``, their ``_bytes`` forms, ``key_value_delete``), or None without one."""
     from jax._src import distributed as jax_distributed  # the store has no public API in jax 0.10
 
     return getattr(jax_distributed.global_state, "client", None)
@@ -353,7 +354,7 @@ def _kv_client() -> Any:
 def post_failure(reason: str) -> None:
     """Post this process's failure (``reason``, one line) for the other processes' ``failures_shared``
     watch. Nothing with one process; never raises (the store may be gone already)."""
-    client = _kv_client()
+    client = kv_client()
     if client is None or jax.process_count() == 1:
         return
     try:
@@ -364,7 +365,7 @@ def post_failure(reason: str) -> None:
 
 def posted_failures() -> dict[int, str]:
     """``{process index: reason}`` of every process that posted a failure (``post_failure``)."""
-    client = _kv_client()
+    client = kv_client()
     if client is None:
         return {}
     out = {}
