@@ -220,9 +220,7 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory} (have {self.all_steps()})")
         like = {"params": params_like, "opt_state": opt_state_like}
         if self._host_arrays:  # NumPy targets (lazily allocated), placed on the given shardings below
-            abstract = jax.tree.map(
-                lambda x: np.empty(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), like
-            )
+            abstract = jax.tree.map(_host_like, like)
         else:
             abstract = jax.tree.map(_abstract, like)
         out = self._manager.restore(
@@ -255,6 +253,12 @@ def _shapes(tree: Any) -> dict[str, str]:
         parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
         out[".".join(parts)] = f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
     return out
+
+
+def _host_like(x):
+    """A NumPy target of ``x``'s shape and dtype for orbax to restore into (``np.empty``: its pages
+    are touched only when written)."""
+    return np.empty(np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
 def _abstract(x):
