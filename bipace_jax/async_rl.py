@@ -31,15 +31,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bipace_jax import sharding
+from bipace_jax import distributed, sharding
 from bipace_jax.config import AsyncConfig, MeshConfig, fail
 
 __all__ = ["PolicySource", "SamplerThread", "iteration_keys", "push", "role_meshes"]
 
 
 def iteration_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(rollout key of this process, PPO shuffle key: the same on every host) of one iteration's key."""
-    k_roll = jax.random.split(jax.random.fold_in(key, jax.process_index()))[0]
+    """(rollout key of this process, PPO shuffle key: the same on every host) of one iteration's key.
+    The rollout key folds in the process's place in its group (`distributed.process_index`): a
+    sampler process plays what the learner's process 0 would."""
+    k_roll = jax.random.split(jax.random.fold_in(key, distributed.process_index()))[0]
     k_ppo = jax.random.split(jax.random.fold_in(key, 0))[1]
     return k_roll, k_ppo
 
@@ -146,6 +148,7 @@ class SamplerThread:
         self._error: BaseException | None = None
         self._stop = False
         self.started: list[tuple[int, int]] = []
+        self.transfer_stats: dict[str, float] = {}  # in one process nothing crosses between processes
         self._thread = threading.Thread(target=self._loop, name="bipace-sampler", daemon=True)
         self._thread.start()
 

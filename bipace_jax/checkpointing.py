@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bipace_jax import resume, runfolder
+from bipace_jax import distributed, resume, runfolder
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,17 @@ class Checkpointer:
             enable_async_checkpointing=self.async_save,
             cleanup_tmp_directories=True,  # remove half-written steps of a killed run
         )
+        group = distributed.group()
+        # Process roles (asynchronous RL by process): the learner group saves alone. Its arrays live on
+        # its devices only, which orbax refuses to save as jax.Arrays while JAX has several processes,
+        # so they go through host NumPy (a blocking copy) and are placed back on restore.
+        self._host_arrays = len(group) < jax.process_count()
+        if self._host_arrays:  # the sampler process joins no checkpoint barrier
+            options.multiprocessing_options = ocp.options.MultiprocessingOptions(
+                primary_host=group[0], active_processes=set(group)
+            )
+            options.create = False  # orbax refuses create with active_processes: one group of one process
+            epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -176,7 +187,7 @@ class Checkpointer:
             torn.mkdir(parents=True, exist_ok=True)
             n = sum(1 for p in torn.iterdir() if p.name.split(".")[0] == path.name)
             path.rename(torn / f"{path.name}.{n}")
-        if jax.process_count() > 1:
+        if distributed.process_count() > 1:
             multihost_utils.sync_global_devices(f"checkpoint set aside {path.name}")
         self._manager.reload()
 
@@ -184,6 +195,8 @@ class Checkpointer:
         """Commit checkpoint ``step`` (atomic; blocking unless ``async_save``, see the class). ``rng`` is
         a typed or raw uint32 key; ``meta`` a ``CheckpointMeta`` (or a JSON-able dict)."""
         state = {"params": params, "opt_state": opt_state}
+        if self._host_arrays:
+            state = jax.tree.map(np.asarray, state)
         meta = meta.to_dict() if isinstance(meta, CheckpointMeta) else meta
         meta = dict(meta, step=int(step), rng=[int(x) for x in np.asarray(_key_data(rng)).ravel()])
         self._manager.save(
@@ -205,12 +218,18 @@ class Checkpointer:
         """
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint step {step} in {self.directory} (have {self.all_steps()})")
-        abstract = jax.tree.map(_abstract, {"params": params_like, "opt_state": opt_state_like})
+        like = {"params": params_like, "opt_state": opt_state_like}
+        if self._host_arrays:  # NumPy targets (lazily allocated), placed on the given shardings below
+            abstract = jax.tree.map(_host_like, like)
+        else:
+            abstract = jax.tree.map(_abstract, like)
         out = self._manager.restore(
             int(step),
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
         )
         st, meta = out["state"], dict(out["meta"])
+        if self._host_arrays:
+            st = jax.tree.map(lambda v, x: jax.device_put(v, x.sharding) if isinstance(x, jax.Array) else v, st, like)
         return st["params"], st["opt_state"], jnp.asarray(meta["rng"], jnp.uint32), meta
 
     def close(self) -> None:
@@ -234,6 +253,12 @@ def _shapes(tree: Any) -> dict[str, str]:
         parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
         out[".".join(parts)] = f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
     return out
+
+
+def _host_like(x):
+    """A NumPy target of ``x``'s shape and dtype for orbax to restore into (``np.empty``: its pages
+    are touched only when written)."""
+    return np.empty(np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
 def _abstract(x):

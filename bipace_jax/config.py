@@ -641,29 +641,69 @@ class AsyncConfig(Section):
       sampler_devices: 0 = colocated (sampler and learner share every device, the synchronous loop);
         n > 0 = the first n of the process's devices form the sampler group and the rest the learner
         group (one process).
+      sampler_processes: 0 = no process role (the above); s > 0 = the last s of the ``jax.distributed``
+        processes sample and the others learn (``bipace_jax.async_processes``); exclusive with
+        ``sampler_devices``. Supported: 1 sampler and 1 learner process (``check_processes``).
     """
 
     SECTION: ClassVar[str] = "async_rl"
     max_staleness: int = 0
     switch: Any = Switch.TURN
     sampler_devices: int = 0
+    sampler_processes: int = 0
 
     def __post_init__(self):
         check_int(self._name("max_staleness"), self.max_staleness, 0)
         object.__setattr__(self, "switch", decode(self._name("switch"), Switch, self.switch))
         check_int(self._name("sampler_devices"), self.sampler_devices, 0)
-        if self.max_staleness and not self.sampler_devices:
+        check_int(self._name("sampler_processes"), self.sampler_processes, 0)
+        if self.max_staleness and not self.disaggregated:
             fail(
                 self._name("sampler_devices"),
-                f"be > 0 with async_rl.max_staleness={self.max_staleness} (the sampler needs devices of its own "
-                "to play ahead of the learner)",
+                f"be > 0 with async_rl.max_staleness={self.max_staleness} (or async_rl.sampler_processes > 0: "
+                "the sampler needs devices of its own to play ahead of the learner)",
                 self.sampler_devices,
+            )
+        if self.sampler_devices and self.sampler_processes:
+            fail(
+                self._name("sampler_processes"),
+                f"be 0 with async_rl.sampler_devices={self.sampler_devices} (roles split one process's devices "
+                "or the processes, not both)",
+                self.sampler_processes,
             )
 
     @property
     def disaggregated(self) -> bool:
-        """Whether the sampler and the learner have device groups of their own."""
-        return self.sampler_devices > 0
+        """Whether the sampler and the learner have device groups of their own (in one process or by process)."""
+        return self.sampler_devices > 0 or self.sampler_processes > 0
+
+    @property
+    def by_process(self) -> bool:
+        """Whether the sampler and the learner are processes of their own (``sampler_processes > 0``)."""
+        return self.sampler_processes > 0
+
+    def check_processes(self, num_processes: int) -> None:
+        """Raises ``ConfigError`` when the process roles do not fit a run of ``num_processes``
+        ``jax.distributed`` processes: ``sampler_processes`` must leave the learner a process, and
+        (supported today) one process samples and one learns, so the learner's collectives never
+        span processes."""
+        s = self.sampler_processes
+        if not s:
+            return
+        if s >= num_processes:
+            fail(
+                self._name("sampler_processes"),
+                f"be < the run's {num_processes} processes (the learner needs a process of its own; start the "
+                "run with --num_processes)",
+                s,
+            )
+        if s != 1 or num_processes != 2:
+            fail(
+                self._name("sampler_processes"),
+                f"be 1 in a run of 2 processes (one samples, one learns; {num_processes - s} learner and {s} "
+                f"sampler processes of {num_processes} are not supported)",
+                s,
+            )
 
     @classmethod
     def of(cls, c: Any) -> AsyncConfig:
@@ -673,12 +713,13 @@ class AsyncConfig(Section):
     def check_devices(self, num_devices: int, num_processes: int) -> None:
         """Raises ``ConfigError`` when the roles do not fit ``num_devices`` devices of ``num_processes``
         processes (a disaggregated run splits one process's devices)."""
-        if not self.disaggregated:
+        if not self.sampler_devices:
             return
         if num_processes > 1:
             fail(
                 self._name("sampler_devices"),
-                f"be 0 with {num_processes} processes (the roles split one host's devices)",
+                f"be 0 with {num_processes} processes (the roles split one host's devices; by process: "
+                "async_rl.sampler_processes)",
                 self.sampler_devices,
             )
         if self.sampler_devices >= num_devices:

@@ -52,11 +52,59 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
         jax.distributed.initialize()
 
 
+# The processes the run's host collectives span (None: all). Process roles (asynchronous RL by
+# process, ``bipace_jax.async_processes``) give the learner and the sampler a group each.
+_group: tuple[int, ...] | None = None
+
+
+def set_group(processes: Any) -> None:
+    """Make this process's host collectives (`allgather`, `pooled`, ...), `process_count`,
+    `process_index` and `group_devices` span ``processes`` (increasing ``jax.process_index`` values,
+    this process among them); None: every process again. The failure watch (`failures_shared`) keeps
+    spanning every process.
+
+    Raises:
+      ValueError: this process is not in ``processes``, or they are several but not every process
+        (a gather over a subgroup of processes has no implementation here).
+    """
+    global _group
+    if processes is None:
+        _group = None
+        return
+    group = tuple(sorted(int(p) for p in processes))
+    if jax.process_index() not in group:
+        raise ValueError(f"set_group: process {jax.process_index()} is not in {group}")
+    if 1 < len(group) < jax.process_count():
+        raise ValueError(f"set_group: {group} is several but not all {jax.process_count()} processes")
+    _group = group
+
+
+def group() -> tuple[int, ...]:
+    """The ``jax.process_index`` values of this process's group (`set_group`; default every process)."""
+    return _group if _group is not None else tuple(range(jax.process_count()))
+
+
+def process_count() -> int:
+    """The processes of this process's group (``jax.process_count()`` without `set_group`)."""
+    return len(group())
+
+
+def process_index() -> int:
+    """This process's place in its group (``jax.process_index()`` without `set_group`)."""
+    return group().index(jax.process_index())
+
+
+def group_devices() -> list[Any]:
+    """The devices of the group's processes, in ``jax.devices()`` order (all of them without `set_group`)."""
+    mine = set(group())
+    return [d for d in jax.devices() if int(getattr(d, "process_index", 0)) in mine]
+
+
 def allgather(x: np.ndarray) -> np.ndarray:
-    """Stack a host-local array over processes: ``[num_processes, *x.shape]``, of ``x``'s dtype (64-bit
-    values travel as int32 pairs: JAX without x64 would cut them to 32 bits)."""
+    """Stack a host-local array over the group's processes: ``[process_count(), *x.shape]``, of ``x``'s
+    dtype (64-bit values travel as int32 pairs: JAX without x64 would cut them to 32 bits)."""
     x = np.asarray(x)
-    if jax.process_count() == 1:
+    if process_count() == 1:
         return x[None]
     if x.dtype.itemsize == 8:
         words = np.ascontiguousarray(x).reshape(-1).view(np.int32)
@@ -73,12 +121,12 @@ def host_sum(x) -> np.ndarray:
 def pooled(stats: HostStats) -> dict[str, float]:
     """The run's metric values from every process's ``HostStats`` (``HostStats.pool``: counts summed,
     rates as summed numerator over summed denominator, maxima the max); ``stats.values()`` with one
-    process. Every process calls it, with the same names (one gather).
+    process. Every process of the group calls it, with the same names (one gather).
 
     Raises:
       ValueError: the processes hold different names.
     """
-    if jax.process_count() == 1:
+    if process_count() == 1:
         return stats.values()
     return HostStats.pool([stats.like(v) for v in allgather(stats.vector())]).values()
 
@@ -128,7 +176,7 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
         return t if dtype is None else jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, t)
 
     leaves, treedef = jax.tree.flatten(tree)
-    if local_shardings is None and jax.process_count() == 1:
+    if local_shardings is None and process_count() == 1:
         local_shardings = jax.tree.map(lambda x: x.sharding, tree)
     elif local_shardings is None:
         dev = jax.local_devices()[0]
@@ -137,7 +185,7 @@ def local_copy(tree: Any, local_shardings: Any = None, dtype: Any = None) -> Any
     out = [None] * len(leaves)
     batched = []  # (index, global sharding) of the arrays one jitted program gathers host-wide
     for i, (x, s) in enumerate(zip(leaves, targets)):
-        if x.sharding == s or (x.sharding.is_equivalent_to(s, x.ndim) and jax.process_count() == 1):
+        if x.sharding == s or (x.sharding.is_equivalent_to(s, x.ndim) and process_count() == 1):
             needs = dtype is not None and _is_float(x) and x.dtype != jnp.dtype(dtype)
             out[i] = _cast_program(s, jnp.dtype(dtype))(x) if needs else x
             continue
@@ -236,7 +284,7 @@ def to_global(tree: Any, shardings: Any) -> Any:
     def one(x, s):
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
             return x
-        if jax.process_count() == 1:
+        if process_count() == 1:
             return jax.device_put(x, s)
         a = np.asarray(x)
         return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
@@ -260,7 +308,7 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
       bipace_jax.config.ConfigError: a process does not see process 0's file in time
         (``config.checkpoint.shared_workdir`` declares a folder shared that is not).
     """
-    if jax.process_count() == 1 or str(workdir).startswith("gs://"):
+    if process_count() == 1 or str(workdir).startswith("gs://"):
         return
     token = int(allgather(np.int32(np.random.default_rng().integers(1, 2**31 - 1)))[0])  # process 0's
     probe = os.path.join(os.fspath(workdir), f".shared_workdir_{token}")
@@ -295,8 +343,9 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
 FAILURE_KEY = "bipace/failed/"
 
 
-def _kv_client() -> Any:
-    """The ``jax.distributed`` coordination client (its key-value store), or None without one."""
+def kv_client() -> Any:
+    """The ``jax.distributed`` coordination client (its key-value store: ``key_value_set``,
+    ``blocking_key_value_get``, their ``_bytes`` forms, ``key_value_delete``), or None without one."""
     from jax._src import distributed as jax_distributed  # the store has no public API in jax 0.10
 
     return getattr(jax_distributed.global_state, "client", None)
@@ -305,7 +354,7 @@ def _kv_client() -> Any:
 def post_failure(reason: str) -> None:
     """Post this process's failure (``reason``, one line) for the other processes' ``failures_shared``
     watch. Nothing with one process; never raises (the store may be gone already)."""
-    client = _kv_client()
+    client = kv_client()
     if client is None or jax.process_count() == 1:
         return
     try:
@@ -316,7 +365,7 @@ def post_failure(reason: str) -> None:
 
 def posted_failures() -> dict[int, str]:
     """``{process index: reason}`` of every process that posted a failure (``post_failure``)."""
-    client = _kv_client()
+    client = kv_client()
     if client is None:
         return {}
     out = {}

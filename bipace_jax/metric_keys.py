@@ -34,6 +34,11 @@ LOGPROB_GAP = "rollout/logprob_gap"
 ASYNC_LAG_MEAN = "async/version_lag_mean"
 ASYNC_LAG_MAX = "async/version_lag_max"
 ASYNC_PUSH_SECONDS = "async/weight_push_s"
+# ... by process (bipace_jax.async_processes): the sampler's pull of the weights, the rows' transfer.
+ASYNC_PULL_SECONDS = "async/weight_pull_s"
+ASYNC_ROWS_SEND_SECONDS = "async/rows_send_s"
+ASYNC_ROWS_RECEIVE_SECONDS = "async/rows_receive_s"
+ASYNC_ROWS_BYTES = "async/rows_bytes"
 
 EPSILON = "estimator/epsilon"
 CALIBRATION_RATE = "estimator/calibration_singleton_rate"  # + "/<epsilon>"
@@ -214,10 +219,15 @@ TABLE: tuple[Key, ...] = (
     ),
     Key("rollout/env_error_rows", "count", "rows dropped with faulted games"),
     Key("rollout/reset_faults", "count", "games whose reset faulted"),
-    # async/*: asynchronous RL (config.async_rl.sampler_devices > 0) only.
+    # async/*: asynchronous RL (config.async_rl.sampler_devices or sampler_processes > 0) only.
     Key(ASYNC_LAG_MEAN, "iterations", "mean over rows of the learner's version minus the version that sampled the row"),
     Key(ASYNC_LAG_MAX, "iterations", "largest row version lag (at most async_rl.max_staleness)"),
     Key(ASYNC_PUSH_SECONDS, "s", "the learner's parameters sent to the sampler group after the update"),
+    # ... by process (config.async_rl.sampler_processes > 0) only.
+    Key(ASYNC_PULL_SECONDS, "s", "the sampler process's pull of the version its iteration started with"),
+    Key(ASYNC_ROWS_SEND_SECONDS, "s", "the sampler process pickling the iteration's rows into the key-value store"),
+    Key(ASYNC_ROWS_RECEIVE_SECONDS, "s", "the learner reading and unpickling the iteration's rows"),
+    Key(ASYNC_ROWS_BYTES, "bytes", "the iteration's pickled rows"),
     Key("rollout/branch_forks", "count", "games forked at a branch turn (rollout.branch_turns)"),
     Key("rollout/branch_copied_rows", "count", "prefix rows a forked game's children repeat (rollout.branch_turns)"),
     Key(

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from bipace_jax import step_time
+from bipace_jax import distributed, step_time
 from bipace_jax.buckets import Buckets
 from bipace_jax.config import ConfigError, MeshConfig, OldLogprobs, check_tensor_in_host, fail
 
@@ -105,8 +105,9 @@ class HostLayout:
 
     @classmethod
     def current(cls, spec: Any) -> HostLayout:
-        """``of`` this process's JAX devices (``jax.process_count()``, ``device_count()``, ``local_device_count()``)."""
-        return cls.of(spec, jax.process_count(), jax.device_count(), jax.local_device_count())
+        """``of`` this process's JAX devices: its group's (``distributed.process_count()``, their devices;
+        every process's without process roles) and its ``local_device_count()``."""
+        return cls.of(spec, distributed.process_count(), len(distributed.group_devices()), jax.local_device_count())
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:

@@ -55,6 +55,7 @@ ADDED = {
     "async_rl.max_staleness": 0,  # asynchronous RL: off (colocated, on-policy) is the synchronous loop
     "async_rl.switch": "turn",
     "async_rl.sampler_devices": 0,
+    "async_rl.sampler_processes": 0,
     "rollout.branch_turns": [],  # branching rollouts: off plays every game from the reset, as before
     "rollout.branch_children": 2,
 }

@@ -19,6 +19,8 @@ the gradient step is one global ``jax.jit`` over all devices, the batch sharded 
 Asynchronous RL (``config.async_rl.sampler_devices > 0``, ``bipace_jax.async_rl``): step 1 takes the
 iteration a sampler thread played on the sampler group's devices (at most ``max_staleness`` ahead);
 steps 2-5 run on the learner group's, and the new parameters are pushed to the sampler group after 5.
+By process (``sampler_processes``, ``bipace_jax.async_processes``) the trainer runs on the learner
+process, the sampler thread on the sampler process.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from bipace_jax import async_processes as processes
 from bipace_jax import async_rl, build, distributed, loglines, runfolder, sharding, tasks, transcripts, validation
 from bipace_jax import config as config_lib
 from bipace_jax import metric_keys as keys
@@ -102,9 +105,11 @@ class Trainer:
             spec = build.build_spec(spec)
         self.spec, self.workdir = spec, workdir
         self.is_primary = jax.process_index() == 0
-        self.num_hosts = jax.process_count()
+        if processes.enter_role(spec) == processes.SAMPLER:
+            raise ValueError("Trainer: a sampler process runs async_processes.SamplerProcess, not the trainer")
+        self.num_hosts = distributed.process_count()  # the learner group's (every process without process roles)
         self.sampler_mesh = self.sampler = self.policy = None  # asynchronous RL's roles (async_rl)
-        if spec.async_rl.disaggregated:  # the learner's devices are the run's mesh; the sampler has its own
+        if spec.async_rl.sampler_devices:  # the learner's devices are the run's mesh; the sampler has its own
             self.sampler_mesh, self.mesh = async_rl.role_meshes(spec.mesh, spec.async_rl, jax.local_devices())
             n = self.mesh.devices.size
             layout = run_plan.HostLayout.of(spec, 1, n, n)
@@ -114,7 +119,7 @@ class Trainer:
         runfolder.prepare(workdir)  # fails in seconds, before the model loads
         distributed.check_shared_workdir(workdir)
         if self.sampler_mesh is None:
-            self.mesh = sharding.make_mesh(*layout.mesh_shape)
+            self.mesh = sharding.make_mesh(*layout.mesh_shape, devices=distributed.group_devices())
         sharding.check_placement(self.mesh)  # each host: whole tensor groups, its own batch block
         self.local_mesh = distributed.local_mesh(self.mesh, layout.sampler_tensor)  # this host's chips
         self.game = env_factory if env_factory is not None else spec.env.name
@@ -175,13 +180,18 @@ class Trainer:
         call), with the checkpoint's and tokenizer's stop ids."""
         s = self.spec
         self.groups_per_host = self.plan.groups_per_host
-        train_games = self.plan.games_per_host
+        train_games = 0 if s.async_rl.by_process else self.plan.games_per_host  # by process: validation only
         self.pool, self.val_pools = validation.start_pools(s, self.game, self.panels, self.num_hosts, train_games)
         eos = build.stop_token_ids(self.actor.config.eos_token_ids, self.tokenizer, s.model.checkpoint) or None
         scfg = dataclasses.replace(s.sampler, eos_token_ids=eos)
         self.engine = self.val_engine = Engine(self.tokenizer, scfg, mesh=self.local_mesh)
         self.rollout_cfg, self.val_rollout_cfg = s.rollout, s.val_rollout
         self.pool_lock = threading.Lock()  # the sampler thread and validation share the training pool
+        if s.async_rl.by_process:  # the sampler is another process (async_processes): it starts where we are
+            self.policy = processes.WeightSender(s, self.mesh, self.learner.params)
+            self.sampler_shardings = self.policy.shardings
+            self.policy.publish_start(self.iteration, self.task_cursor, self.rng)
+            self._push()
         if self.sampler_mesh is not None:  # the sampler group's engine and policy (validation stays on the learner's)
             self.engine = Engine(self.tokenizer, scfg, mesh=self.sampler_mesh)
             L = self.learner
@@ -200,6 +210,9 @@ class Trainer:
     def _start_sampler(self) -> None:
         """The sampler thread, from this iteration to the last (asynchronous RL)."""
         s = self.spec
+        if s.async_rl.by_process:
+            self.sampler = processes.RowsReceiver()
+            return
         first, cursor = self.iteration, self.task_cursor
 
         def play(j: int, key):
@@ -337,6 +350,7 @@ class Trainer:
             keys.ASYNC_LAG_MEAN: float(lag.mean()),
             keys.ASYNC_LAG_MAX: float(lag.max()),
             keys.ASYNC_PUSH_SECONDS: self._push(),
+            **self.sampler.transfer_stats,
         }
 
     def _advantages(self, res) -> tuple[np.ndarray, dict[str, Any]]:
@@ -560,6 +574,8 @@ class Trainer:
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()
+        if self.policy is not None:  # by process: the sampler process may leave
+            self.policy.close()
         self.metrics.close()
         self.checkpointer.close()
         for pool in {id(p): p for p in (self.pool, *self.val_pools.values())}.values():

@@ -158,12 +158,10 @@ def step_rows(
 
 
 def gather(rows: list[dict[str, Any]], max_games: int) -> list[dict[str, Any]]:
-    """Every process's rows, on every process (a collective: all processes call it), in process order,
-    each process's first ``ceil(max_games / processes)`` games, ``host`` set and ``game`` renumbered
-    over all processes (0, 1, ... in order)."""
-    import jax
-
-    hosts, me = jax.process_count(), jax.process_index()
+    """Every process's rows, on every process (a collective: all processes of the group call it,
+    `distributed.set_group`), in process order, each process's first ``ceil(max_games / processes)``
+    games, ``host`` set and ``game`` renumbered over all processes (0, 1, ... in order)."""
+    hosts, me = distributed.process_count(), distributed.process_index()
     quota = math.ceil(max_games / hosts)
     mine = sorted({r["game"] for r in rows})[:quota]
     local = [dict(r, host=me) for r in rows if r["game"] in mine]

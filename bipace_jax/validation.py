@@ -213,7 +213,7 @@ def validate(
         panel = panels.games[name]
         if not panel:
             continue
-        mine = list(range(jax.process_index(), len(panel), jax.process_count()))
+        mine = list(range(distributed.process_index(), len(panel), distributed.process_count()))
         res = None
         if mine:
             if on_panel is not None:

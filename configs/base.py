@@ -243,4 +243,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.async_rl.max_staleness = 0  # k: iterations the sampler may play ahead of the learner; 0 = on-policy
     c.async_rl.switch = "turn"  # where the sampler adopts new parameters: turn (partial rollouts) | game
     c.async_rl.sampler_devices = 0  # 0 = colocated (synchronous); n = the first n devices sample, the rest learn
+    c.async_rl.sampler_processes = 0  # 0 = no process roles; 1 = the last of 2 jax.distributed processes samples
     return c

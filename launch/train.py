@@ -187,10 +187,14 @@ def _train_started(spec, workdir: str, resume: bool, env_factory, t_start: float
     """``train`` once JAX has started: check the devices and the run folder, take its lock, train."""
     import jax
 
+    from bipace_jax import async_processes, runfolder
     from bipace_jax import config as config_lib
     from bipace_jax import plan as plan_lib
-    from bipace_jax import runfolder
 
+    try:  # asynchronous RL by process: each role's collectives, plan and mesh span its own processes
+        async_processes.enter_role(spec)
+    except config_lib.ConfigError as e:
+        sys.exit(f"error: {e}")
     if _PRINT_CONFIG.value:
         print(spec.config.to_json_best_effort(indent=2), flush=True)
         try:
@@ -225,7 +229,7 @@ def _train_locked(spec, sizes, workdir: str, resume: bool, env_factory, t_start:
     ``sizes``: the run's ``plan.RunPlan``."""
     import jax
 
-    from bipace_jax import checkpointing, runfolder
+    from bipace_jax import async_processes, checkpointing, runfolder
     from bipace_jax import config as config_lib
     from bipace_jax import trainer as trainer_lib
 
@@ -245,6 +249,12 @@ def _train_locked(spec, sizes, workdir: str, resume: bool, env_factory, t_start:
         return
     config_lib.enable_compile_cache(spec)  # before the first compile
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
+    if async_processes.enter_role(spec) == async_processes.SAMPLER:  # plays; the learner reports
+        try:
+            async_processes.SamplerProcess(spec, workdir, env_factory=env_factory).run()
+        except (config_lib.ConfigError, runfolder.RunFolderError) as e:
+            sys.exit(f"error: {e}")
+        return
     try:
         tr = trainer_lib.Trainer(spec, workdir, resume=resume, env_factory=env_factory)
     except (config_lib.ConfigError, runfolder.RunFolderError, FileExistsError) as e:

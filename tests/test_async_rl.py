@@ -1,13 +1,22 @@
 """Asynchronous RL (``bipace_jax.async_rl``, ``config.async_rl``): the config's errors, the sampler
 thread's staleness bound on a hand-driven learner, the resume rule of the new fields, and (in a
 subprocess on 8 CPU devices) whole runs: 4 sampler + 4 learner devices at k = 0 against the colocated
-run, k = 1's row versions, and a SIGKILL during a weight push resumed with no iteration lost or repeated."""
+run, k = 1's row versions, and a SIGKILL during a weight push resumed with no iteration lost or repeated.
+By process (``bipace_jax.async_processes``, ``async_rl.sampler_processes``): the roles' config errors,
+the learner group's collectives, the rows' bytes, and ``launch.train`` runs of 2 ``jax.distributed``
+processes of 1 CPU device each (one samples, one learns): k = 0 against the same colocated run, and a
+k = 1 run whose learner is SIGKILLed during a weight push, resumed."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -17,12 +26,14 @@ import numpy as np
 import pytest
 
 import configs.textcraft_tiny
-from bipace_jax import async_rl, build, resume
+from bipace_jax import async_processes, async_rl, build, distributed, loglines, resume
+from bipace_jax.checkpointing import Checkpointer
 from bipace_jax.config import AsyncConfig, ConfigError, MeshConfig, Switch
 from bipace_jax.models import load_tokenizer
 from bipace_jax.rollout import RolloutConfig, collect
-from tests.devices import run_on_cpu_devices
+from tests.devices import REPO, communicate_all, run_on_cpu_devices
 from tests.test_rollout_loop import GAMES, ScriptedEngine, TextPool
+from tests.tiny_runs import TINY_ACTOR_FLAGS
 
 # ------------------------------------------------------------------------------------------------
 # Config.
@@ -34,6 +45,7 @@ from tests.test_rollout_loop import GAMES, ScriptedEngine, TextPool
         ("max_staleness", -1, "config.async_rl.max_staleness must be"),
         ("switch", "token", "config.async_rl.switch must be"),
         ("sampler_devices", -2, "config.async_rl.sampler_devices must be"),
+        ("sampler_processes", -1, "config.async_rl.sampler_processes must be"),
     ],
 )
 def test_bad_async_fields_fail_naming_the_field(field, value, message):
@@ -76,6 +88,71 @@ def test_resume_accepts_a_run_stored_before_async_rl_at_its_no_change_values():
     changed = dict(new, async_rl=dict(new["async_rl"], max_staleness=1, sampler_devices=4))
     fields = [f for f, _, _ in resume.changed_fields(old, changed)]
     assert fields == ["async_rl.max_staleness", "async_rl.sampler_devices"]
+    by_process = dict(new, async_rl=dict(new["async_rl"], sampler_processes=1))
+    assert [f for f, _, _ in resume.changed_fields(old, by_process)] == ["async_rl.sampler_processes"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Roles by process: config and the learner group (one process here; whole runs at the end).
+
+
+def test_process_roles_refuse_device_roles_and_a_run_without_two_processes():
+    c = configs.textcraft_tiny.get_config()
+    c.async_rl.sampler_processes, c.async_rl.sampler_devices = 1, 2
+    with pytest.raises(
+        ConfigError, match=r"config.async_rl.sampler_processes must be 0 with async_rl.sampler_devices=2"
+    ):
+        build.build_spec(c)
+    c.async_rl.sampler_devices, c.async_rl.max_staleness = 0, 1  # k > 0 may run on a sampler process
+    roles = build.build_spec(c).async_rl
+    assert roles.disaggregated and roles.by_process
+    roles.check_processes(2)
+    with pytest.raises(ConfigError, match=r"sampler_processes must be < the run's 1 processes .*, got 1"):
+        roles.check_processes(1)
+    with pytest.raises(
+        ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes \(one samples, one learns; 2 learner"
+    ):
+        roles.check_processes(3)
+    with pytest.raises(ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes .*, got 2"):
+        AsyncConfig(sampler_processes=2).check_processes(3)
+    from bipace_jax.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"sampler_processes must be < the run's 1 processes"):
+        Trainer(c, tempfile.mkdtemp())  # before the run folder, the model or a compile
+    assert async_processes.enter_role(build.build_spec(configs.textcraft_tiny.get_config())) is None
+
+
+def test_a_learner_group_of_one_process_gathers_nothing_and_others_are_refused():
+    try:
+        distributed.set_group([0])
+        assert distributed.group() == (0,) and distributed.process_count() == 1 and distributed.process_index() == 0
+        assert distributed.group_devices() == jax.devices()
+        np.testing.assert_array_equal(distributed.allgather(np.arange(3, dtype=np.int64)), [[0, 1, 2]])
+        with pytest.raises(ValueError, match=r"set_group: process 0 is not in \(1,\)"):
+            distributed.set_group([1])
+    finally:
+        distributed.set_group(None)
+    assert distributed.group() == tuple(range(jax.process_count()))
+
+
+def test_rows_travel_as_bytes_with_every_field_and_device_arrays_back_on_device():
+    tok = load_tokenizer("bipace_jax/data/textcraft_tiny")
+    cfg = dataclasses.replace(
+        RolloutConfig(game="textcraft", group_size=2, max_steps=2, max_prompt_length=1024), scheduler="lockstep"
+    )
+    res = collect(None, ScriptedEngine(tok), TextPool(4, 2, lambda i, t: f"room {i}"), GAMES, cfg, jax.random.key(0))
+    res = dataclasses.replace(res, steps=jax.tree.map(jax.numpy.asarray, res.steps))  # as the engine gives them
+    back = async_processes.unpack_rows(async_processes.pack_rows(res))
+    assert type(back) is type(res) and len(back.rows) == len(res.rows) == 8
+    for a, b in zip(res.rows + res.episodes, back.rows + back.episodes):  # host fields (fingerprints NumPy)
+        assert pickle.dumps(a) == pickle.dumps(b)
+    assert back.stats.values() == res.stats.values() and back.timing == res.timing
+    arrays = [(k, v, getattr(back.tokens, k)) for k, v in vars(res.tokens).items() if isinstance(v, np.ndarray)]
+    arrays += [(k, v, getattr(back.steps, k)) for k, v in vars(res.steps).items() if isinstance(v, jax.Array)]
+    assert sum(isinstance(a, jax.Array) for _, a, _ in arrays) >= 5
+    for name, a, b in arrays + [("sample_logprobs", res.sample_logprobs, back.sample_logprobs)]:
+        assert type(b) is type(a) and b.dtype == a.dtype, name  # NumPy stays NumPy, device arrays come back
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -353,3 +430,147 @@ def test_without_a_policy_every_row_is_version_0():
     )
     res = collect(None, ScriptedEngine(tok), TextPool(4, 2, lambda i, t: f"room {i}"), GAMES, cfg, jax.random.key(0))
     assert res.tokens.policy_version.tolist() == [0] * 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Roles by process: `launch.train` on 2 jax.distributed processes of 1 CPU device, 0 learns, 1 samples.
+
+# launch.train, with the learner SIGKILLed when it offers version KILL_AT (-1: never), and the sampler's
+# rollouts raising when FAIL_PLAY is set.
+_LAUNCH = r"""
+import os, signal, sys
+from bipace_jax import async_processes
+from launch import cli, train
+
+kill_at, publish = int(os.environ["KILL_AT"]), async_processes.WeightSender.publish
+
+def killing_publish(self, params, version):
+    if version == kill_at:  # iteration version - 1 is trained, not yet recorded or checkpointed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return publish(self, params, version)
+
+def failing_play(self, j, key):
+    raise RuntimeError(f"injected: the game crashed in iteration {j}")
+
+async_processes.WeightSender.publish = killing_publish
+if os.environ.get("FAIL_PLAY"):
+    async_processes.SamplerProcess._play = failing_play
+sys.argv = ["launch.train", *sys.argv[1:]]
+cli.run(train.main, hard_exit=True)
+"""
+
+# The colocated fixture's config (`_RUNS`'s cfg) as flags.
+_FLAGS = (
+    f"--config={REPO}/configs/textcraft_tiny.py",
+    *TINY_ACTOR_FLAGS,
+    "--config.model.checkpoint=",
+    "--config.rollout.num_groups=2",
+    "--config.rollout.group_size=2",
+    "--config.env.max_steps=3",
+    "--config.env.num_workers=1",
+    "--config.sampler.max_new_tokens=16",
+    "--config.sampler.batch_buckets=(4, 8)",
+    "--config.ppo.micro_batch_rows=8",
+    "--config.ppo.mini_batch_rows=0",
+    "--config.ppo.old_logprobs=recompute",
+    "--config.val.every=0",
+    "--config.val.at_start=False",
+    "--config.log.progress=False",
+    "--config.log.plots=False",
+    "--config.num_iterations=3",
+    "--config.checkpoint.export_hf=False",
+    "--config.optim.learning_rate=1e-3",
+    "--config.checkpoint.shared_workdir=True",  # both processes on this machine see the folder
+    "--config.async_rl.sampler_processes=1",
+)
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """One compilation cache for the module's 2-process runs (they compile the same programs)."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _two_processes(workdir: str, cache: str, k: int, kill_at: int = -1, **env_vars) -> list[tuple[int, str, str]]:
+    """(return code, stdout, stderr) of the learner (process 0) and the sampler (process 1)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", PYTHONPATH=REPO, JAX_PLATFORMS="cpu", KILL_AT=str(kill_at))
+    env.update(JAX_COMPILATION_CACHE_DIR=cache)
+    env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(env_vars)
+    env.pop("XLA_FLAGS", None)
+    flags = [*_FLAGS, f"--workdir={workdir}", f"--config.async_rl.max_staleness={k}"]
+    flags += [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LAUNCH, *flags, f"--process_id={pid}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
+    outs = communicate_all(procs, timeout=600)
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def _train_rows(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_k0_on_a_sampler_and_a_learner_process_gives_the_colocated_iteration_lines(runs, jax_cache, tmp_path):
+    w = str(tmp_path / "run")
+    (rc0, out0, err0), (rc1, out1, err1) = _two_processes(w, jax_cache, k=0)
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    rows = _train_rows(w)  # written by process 0 alone
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    lines = [loglines.iteration_line(i + 1, 3, r).split(" | ")[0] for i, r in enumerate(rows)]
+    for la, lb in zip(runs["colocated"]["lines"], lines, strict=True):  # the 8-device colocated run's
+        assert _same_line(la, lb), (la, lb)
+    for ra, rb in zip(runs["colocated"]["records"], rows):  # every other metric within the same tolerance
+        for key in ra:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), key
+    assert all(r["train/hosts"] == 1 and r["train/episodes"] == 4 for r in rows)  # the learner group: 1 process
+    assert all(r["async/version_lag_max"] == 0 for r in rows)  # on-policy
+    for key in ("async/weight_push_s", "async/weight_pull_s", "async/rows_send_s", "async/rows_receive_s"):
+        assert all(0 < r[key] < 60 for r in rows), key
+    assert all(r["async/rows_bytes"] > 10_000 for r in rows)
+    assert Checkpointer(w).latest_step() == 3
+    assert "Train success" in out0 and out1 == ""  # the learner reports, the sampler plays
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_k1_learner_process_killed_during_a_weight_push_resumes_with_no_iteration_lost_or_repeated(jax_cache, tmp_path):
+    w = str(tmp_path / "run")
+    # offers: version 0 at the start, 1 after iteration 0 (checkpoint 1), 2 after iteration 1: killed there
+    (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=1, kill_at=2)
+    assert rc0 == -signal.SIGKILL and rc1 != 0, (err0[-3000:], err1[-3000:])  # the sampler ends with it
+    assert [r["iteration"] for r in _train_rows(w)] == [0]
+    (rc0, out0, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=1)
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert "(iterations 1 -> 3)" in out0  # restarted from checkpoint 1; the sampler from the learner's start
+    rows = _train_rows(w)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]  # each once: none lost, none repeated
+    assert [r["train/task_cursor"] for r in rows] == [0, 2, 4]
+    assert rows[0]["async/version_lag_max"] == 0 and all(r["async/version_lag_max"] <= 1 for r in rows)
+    assert rows[1]["async/version_lag_max"] == 0  # the restarted sampler begins at the checkpoint's version
+    assert Checkpointer(w).latest_step() == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_failing_sampler_process_stops_the_learner_naming_it(jax_cache, tmp_path):
+    w = str(tmp_path / "run")
+    (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=0, FAIL_PLAY="1")
+    assert rc1 == 1 and "error: RuntimeError: injected: the game crashed in iteration 0" in err1, err1[-3000:]
+    line = "error: process 1 of 2 failed: RuntimeError: injected: the game crashed in iteration 0; process 0 stops too"
+    assert rc0 == 1 and line in err0, err0[-3000:]  # the learner waited for iteration 0's rows
+    assert not os.path.exists(os.path.join(w, "metrics.jsonl")) or _train_rows(w) == []

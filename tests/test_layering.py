@@ -67,6 +67,7 @@ LAYERS = (
             "bipace_jax.demo_stream",
             "bipace_jax.sft",
             "bipace_jax.trainer",
+            "bipace_jax.async_processes",
             "bipace_jax.validation",
             "bipace_jax.lab",
             "bipace_jax.aot",

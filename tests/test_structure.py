@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.path.join(ROOT, "bipace_jax")
 
 COVERED_ELSEWHERE = {
+    "async_processes": "test_async_rl.py: its 2-process runs compare with the colocated run that file's fixture plays",
     "batch": "TokenBatch's checks in test_ppo_protocol.py, its rows through the learner in test_ppo.py",
     "build": "test_configs.py builds every config file into a RunSpec and checks each section's errors",
     "checkpointing": "test_trainer_state.py: round trips, half-written and truncated steps, async saves",
