@@ -64,8 +64,8 @@ CPU_CAUSAL_BLOCK = 32
 CPU_MAX_CAUSAL_BLOCKS = 8
 # CPU row chunks rematerialised in the backward: a `lax.map` saves each step's scores and
 # probabilities for the backward in zero-filled stacked buffers (the whole batch's fp32 scores after
-# all); recomputing a chunk's forward is cheaper (0.38 -> 0.30 CPU s per layer of the CPU default's
-# gradient micro-batch, launch.bench_update). Settable before tracing (the benchmark's baseline).
+# all); recomputing a chunk's forward is cheaper (a 32 x 512 packed gradient micro-batch of the CPU
+# default 1.80 -> 1.50 CPU s, launch.bench_update). Settable before tracing (the benchmark's baseline).
 CPU_REMAT_ROW_CHUNKS = True
 # GPU causal self-attention: `fused_attention`'s implementation (None: cuDNN where jax can build it, else
 # XLA's; "xla" or "cudnn" to compare them, set before the program is traced).
