@@ -61,11 +61,12 @@ def get_config():
     c.ppo.mini_batch_rows = 256  # 2-3 AdamW steps per iteration (500-700 rows)
     c.ppo.old_logprobs = "sampler"  # the sampler's log-probs at T=0.6 are the behaviour policy's: no extra forward
     # Packed learner lines (ppo.pack): 512 tokens hold the longest row (448 + 32) or ~2 of the ~234-token rows,
-    # 96 response slots (responses ~10 tokens): real share 0.77 -> 0.91, and one program shape for every
-    # iteration instead of one per prompt bucket (benchmarks/update_cpu.json)
+    # 48 response slots (responses ~10 tokens, at most 14 in iteration 0: the same lines as 96 slots, half the
+    # LM-head columns): real share 0.77 -> 0.91, and one program shape for every iteration instead of one
+    # per prompt bucket (benchmarks/update_cpu.json)
     c.ppo.pack = True
     c.ppo.pack_width = 512
-    c.ppo.pack_response_width = 96
+    c.ppo.pack_response_width = 48
     c.optim.learning_rate = 2e-4  # a 0.8M-parameter actor (warm start peak 3e-3); 1e-5 did not move it in 10 iterations
 
     c.val.every = 10

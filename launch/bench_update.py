@@ -1,4 +1,4 @@
-"""The CPU default's PPO update stage, today's learner path against the new one, side by side in one run.
+"""The CPU default's PPO update stage: the learner at the issue's filing against today's, side by side in one run.
 
     python -m launch.bench_update             # CPU, 5-15 minutes: writes benchmarks/update_cpu.json
 
@@ -8,13 +8,17 @@ log-probs (``ppo.old_logprobs = "sampler"``), the reference log-probs and the es
 one update batch (``--save_batch`` / ``--load_batch``: keep it in an .npz and skip the rollout). Each arm
 is a learner from the same checkpoint with the same key (same mini-batches, same optimizer steps):
 
-* ``before``: the learner as it was: ``ppo.pack`` off (one micro-batch shape per prompt bucket) and the
-  last decoder layer run over every column, then the response columns cut out (``BaselineObjective``).
+* ``before``: the learner at the issue's filing: ``ppo.pack`` off (one micro-batch shape per prompt
+  bucket), the last decoder layer run over every column, then the response columns cut out
+  (``BaselineObjective``), XLA's own gradient of the projections and stacked attention row chunks
+  (``layers.CPU_DENSE_VJP``, ``attention.CPU_REMAT_ROW_CHUNKS`` off while its programs are traced).
 * ``after``: ``ppo.pack`` off, the last layer only at the response-predicting columns
-  (``Qwen2Actor.forward_hidden(query_index=...)``).
-* ``after_packed``: ``after`` with ``ppo.pack`` on at the config's ``pack_width`` /
-  ``pack_response_width`` (``--pack_width`` / ``--pack_response_width`` override them): the CPU
-  default as shipped (512 / 96).
+  (``Qwen2Actor.forward_hidden(query_index=...)``), the CPU gradient of today (both switches on).
+* ``packed_xla_grad``: ``ppo.pack`` on at lines of 512 tokens with 96 response slots and the last layer
+  at the head's columns, both switches off: the CPU default of the previous round.
+* ``after_packed``: ``ppo.pack`` at the config's ``pack_width`` / ``pack_response_width``
+  (``--pack_width`` / ``--pack_response_width`` override them), the last layer at the head's columns,
+  both switches on: the CPU default as shipped.
 
 Each arm runs its first update (compile + run), then ``--reps`` updates, the arms interleaved; reported
 per arm: the first call, the fastest steady call (wall seconds) and its process CPU seconds (all threads:
@@ -22,7 +26,7 @@ steadier than wall time on shared cores), the first update's statistics (they mu
 tolerance: ``max_rel_stat_diff`` against ``before``), and the real-token share of the update's
 processed tokens (``PPOLearner.last_tokens``). ``speedup_update_<arm>`` = before / arm (fastest steady
 wall), ``speedup_update_cpu_<arm>`` the same in CPU seconds, ``speedup_update_first_<arm>`` of the
-first calls; ``speedup_update`` is ``after_packed``'s (the shipped default), else ``after``'s.
+first calls; ``speedup_update`` / ``speedup_update_cpu`` are ``after_packed``'s (the shipped default).
 The 1-minute load average is recorded before and after: the numbers are only comparable within a run.
 """
 
@@ -41,7 +45,8 @@ from absl import app, flags
 from launch._common import write_json
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("arms", ["before", "after", "after_packed"], "arms to run (see the docstring)")
+ARMS = ("before", "after", "packed_xla_grad", "after_packed")
+flags.DEFINE_list("arms", list(ARMS), "arms to run (see the docstring)")
 flags.DEFINE_integer("reps", 3, "timed updates per arm after the first (interleaved)")
 flags.DEFINE_integer("pack_width", None, "after_packed: ppo.pack_width (default: the config's)")
 flags.DEFINE_integer("pack_response_width", None, "after_packed: ppo.pack_response_width (default: the config's)")
@@ -73,29 +78,34 @@ def _baseline_packed_response_logprobs(model, mb, **kw):
 
 
 @contextlib.contextmanager
-def _baseline_forward():
-    """``ppo``'s log-prob functions swapped for the baseline ones while a program is traced."""
+def _baseline(forward: bool):
+    """While a program is traced: XLA's own CPU gradient of the projections and stacked attention row
+    chunks, and with ``forward`` ``ppo``'s log-prob functions swapped for the baseline ones."""
     from bipace_jax import ppo
+    from bipace_jax.models import attention, layers
 
-    saved = ppo.response_logprobs, ppo.packed_response_logprobs
-    ppo.response_logprobs, ppo.packed_response_logprobs = (
-        _baseline_response_logprobs,
-        _baseline_packed_response_logprobs,
-    )
+    saved = ppo.response_logprobs, ppo.packed_response_logprobs, layers.CPU_DENSE_VJP, attention.CPU_REMAT_ROW_CHUNKS
+    if forward:
+        ppo.response_logprobs = _baseline_response_logprobs
+        ppo.packed_response_logprobs = _baseline_packed_response_logprobs
+    layers.CPU_DENSE_VJP = attention.CPU_REMAT_ROW_CHUNKS = False
     try:
         yield
     finally:
-        ppo.response_logprobs, ppo.packed_response_logprobs = saved
+        ppo.response_logprobs, ppo.packed_response_logprobs, layers.CPU_DENSE_VJP, attention.CPU_REMAT_ROW_CHUNKS = (
+            saved
+        )
 
 
-def baseline_objective(objective):
-    """``objective`` (a ``ppo.PPOObjective``) traced with the baseline forward: a distinct class, so its
-    compiled programs are not shared with the new path's (``learner._step_programs`` keys on it)."""
+def baseline_objective(objective, forward: bool = True):
+    """``objective`` (a ``ppo.PPOObjective``) traced under ``_baseline(forward)``: a distinct class on
+    every call, so its compiled programs are not shared with another arm's (``learner._step_programs``
+    keys on it)."""
     from bipace_jax.ppo import PPOObjective
 
     class BaselineObjective(PPOObjective):
         def __call__(self, model, mb, denom):
-            with _baseline_forward():
+            with _baseline(forward):
                 return super().__call__(model, mb, denom)
 
     return BaselineObjective(**{f.name: getattr(objective, f.name) for f in dataclasses.fields(PPOObjective)})
@@ -150,14 +160,19 @@ def main(_):
     for field in ("pack_width", "pack_response_width"):
         if getattr(FLAGS, field) is not None:
             packed[field] = getattr(FLAGS, field)
-    overrides = {"before": dict(pack=False), "after": dict(pack=False), "after_packed": packed}
+    overrides = {
+        "before": dict(pack=False),
+        "after": dict(pack=False),
+        "packed_xla_grad": packed,
+        "after_packed": packed,
+    }
     learners = {}
     for name in FLAGS.arms:
         arm = dataclasses.replace(spec, learner=dataclasses.replace(spec.learner, **overrides[name]))
         actor = build.build_actor(arm.model, tokenizer, mesh, seed=arm.seed)
         learners[name] = build.ppo_learner(arm, actor, mesh, mesh, support=len(tokenizer))
-        if name == "before":
-            learners[name].objective = baseline_objective(learners[name].objective)
+        if name in ("before", "packed_xla_grad"):
+            learners[name].objective = baseline_objective(learners[name].objective, forward=name == "before")
     key = jax.random.key(1)
 
     def run(learner):
@@ -210,18 +225,17 @@ def main(_):
             result[f"speedup_update_{name}"] = fastest["before"] / fastest[name]
             result[f"speedup_update_cpu_{name}"] = fastest_cpu["before"] / fastest_cpu[name]
             result[f"speedup_update_first_{name}"] = first["before"]["wall_s"] / first[name]["wall_s"]
-    for name in ("after_packed", "after"):
-        if f"speedup_update_{name}" in result:
-            result["speedup_update"] = result[f"speedup_update_{name}"]
-            break
+    if "speedup_update_after_packed" in result:
+        result["speedup_update"] = result["speedup_update_after_packed"]
+        result["speedup_update_cpu"] = result["speedup_update_cpu_after_packed"]
     print(f"CPU default: {batch.rows} rows, prompt width {batch.prompt_len}, M {batch.response_ids.shape[1]}")
     print(f"load (1 min) {load[0]:.1f} -> {load[1]:.1f}")
     print(
-        f"{'arm':14s} {'first s':>8s} {'fastest s':>10s} {'CPU s':>8s} {'real share':>11s} {'max rel stat diff':>18s}"
+        f"{'arm':16s} {'first s':>8s} {'fastest s':>10s} {'CPU s':>8s} {'real share':>11s} {'max rel stat diff':>18s}"
     )
     for n in learners:
         print(
-            f"{n:14s} {first[n]['wall_s']:8.1f} {fastest[n]:10.2f} {fastest_cpu[n]:8.2f} "
+            f"{n:16s} {first[n]['wall_s']:8.1f} {fastest[n]:10.2f} {fastest_cpu[n]:8.2f} "
             f"{result['real_share'][n]:11.3f} {rel[n]:18.2e}"
         )
     for k, v in result.items():

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from bipace_jax.models import ActorOutput, KVCache, Qwen2Actor, Qwen2Config, load_hf_checkpoint  # noqa: E402
 from bipace_jax.models import attention as attn  # noqa: E402
+from bipace_jax.models import layers as layers  # noqa: E402
 from tests.qwen_fixtures import build_hf_model, random_batch  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -556,6 +557,47 @@ def test_cpu_row_chunked_attention_equals_unchunked_forward_cache_and_gradients(
     for (path, g), (_, g_ref) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
         np.testing.assert_allclose(
             np.asarray(g.get_value()), np.asarray(g_ref.get_value()), rtol=1e-4, atol=1e-5, err_msg=str(path)
+        )
+
+
+def test_cpu_dense_gradient_is_xlas_own_for_both_operand_orders_and_off_under_a_mesh():
+    """`layers.dense`'s CPU VJP (the narrower operand transposed: x's when K <= N, dy's when K > N) gives
+    the plain product's gradients; under a mesh the plain product runs."""
+    rng = np.random.default_rng(3)
+    assert layers.cpu_dense_gradient()
+    for k, n in ((3, 7), (7, 2)):
+        x = jnp.asarray(rng.normal(size=(2, 5, k)), jnp.float32)
+        w = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+        assert "custom_vjp_call" in str(jax.make_jaxpr(layers.dense)(x, w))
+        got = jax.grad(lambda x, w: jnp.sum(jnp.sin(layers.dense(x, w))), argnums=(0, 1))(x, w)
+        want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with jax.set_mesh(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])):
+        assert not layers.cpu_dense_gradient()
+        assert "custom_vjp_call" not in str(jax.make_jaxpr(layers.dense)(x, w))
+
+
+@pytest.mark.slow
+def test_the_cpu_gradient_switches_keep_the_actors_gradients(monkeypatch):
+    """The actor's loss gradient with `layers.CPU_DENSE_VJP` and `attention.CPU_REMAT_ROW_CHUNKS` on (the
+    CPU default) equals XLA's own with both off, attention over row chunks of 2 rows."""
+    actor = Qwen2Actor(Qwen2Config.tiny(num_key_value_heads=1), rngs=nnx.Rngs(10))
+    ids, mask = random_batch(6, 7, 512, padding="left", seed=16)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    monkeypatch.setattr(attn, "CPU_SCORES_BYTES", 2 * 7 * 4 * 7 * 4)
+
+    def grads():
+        return nnx.grad(lambda m: jnp.sum(jax.nn.log_softmax(m(ids, mask).logits)[..., 5] * mask))(actor)
+
+    new = grads()
+    monkeypatch.setattr(layers, "CPU_DENSE_VJP", False)
+    monkeypatch.setattr(attn, "CPU_REMAT_ROW_CHUNKS", False)
+    ref = grads()
+    for (path, g), (_, g_ref) in zip(nnx.to_flat_state(new), nnx.to_flat_state(ref)):
+        np.testing.assert_allclose(
+            np.asarray(g.get_value()), np.asarray(g_ref.get_value()), rtol=1e-4, atol=1e-6, err_msg=str(path)
         )
 
 

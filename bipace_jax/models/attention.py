@@ -9,7 +9,9 @@ contraction and the result is divided by their fp32 sum afterwards (one division
 element instead of one per score).
 
 A `Schedule` says how the same values are computed:
-  * `row_chunk`: rows per step of a `lax.map` over the batch (keeps a chunk's scores in cache);
+  * `row_chunk`: rows per step of a `lax.map` over the batch (keeps a chunk's scores in cache); under
+    a gradient each step is rematerialised (`jax.checkpoint`, `CPU_REMAT_ROW_CHUNKS`), so the
+    backward recomputes a chunk's scores instead of stacking every chunk's fp32 scores in memory;
   * `causal_blocks`: causal self-attention in equal query blocks, block i against the keys up to
     its end only (skips the masked upper triangle).
 `REFERENCE` (all rows, one block) is the plain path; `choose_schedule` is the one place that picks
@@ -39,8 +41,10 @@ __all__ = [
     "CPU_SCORES_BYTES",
     "CPU_CAUSAL_BLOCK",
     "CPU_MAX_CAUSAL_BLOCKS",
+    "CPU_REMAT_ROW_CHUNKS",
     "GPU_IMPLEMENTATION",
     "device_platform",
+    "cpu_without_mesh",
     "row_chunk",
     "causal_blocks",
     "choose_schedule",
@@ -58,6 +62,11 @@ CPU_SCORES_BYTES = 2 * 1024 * 1024
 # CPU causal query blocks: 32 columns each (64 was slower), at most 8 blocks.
 CPU_CAUSAL_BLOCK = 32
 CPU_MAX_CAUSAL_BLOCKS = 8
+# CPU row chunks rematerialised in the backward: a `lax.map` saves each step's scores and
+# probabilities for the backward in zero-filled stacked buffers (the whole batch's fp32 scores after
+# all); recomputing a chunk's forward is cheaper (a 32 x 512 packed gradient micro-batch of the CPU
+# default 1.80 -> 1.50 CPU s, launch.bench_update). Settable before tracing (the benchmark's baseline).
+CPU_REMAT_ROW_CHUNKS = True
 # GPU causal self-attention: `fused_attention`'s implementation (None: cuDNN where jax can build it, else
 # XLA's; "xla" or "cudnn" to compare them, set before the program is traced).
 GPU_IMPLEMENTATION: str | None = None
@@ -96,6 +105,14 @@ def device_platform() -> str:
     return jax.devices()[0].platform
 
 
+def cpu_without_mesh() -> bool:
+    """Whether a computation traced now runs on CPU with no mesh set (`device_platform`): where
+    `choose_schedule` picks CPU schedules and the model's projections take their CPU gradient
+    (`layers.dense`); a mesh hands the layout to the partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return (mesh is None or getattr(mesh, "empty", True)) and device_platform() == "cpu"
+
+
 def row_chunk(batch: int, scores_bytes_per_row: int, budget: int | None = None) -> int:
     """Rows per chunk whose fp32 scores fit in `budget` (default `CPU_SCORES_BYTES`): `batch`
     when all fit, else the largest divisor of `batch` that fits (at least 1)."""
@@ -125,8 +142,7 @@ def choose_schedule(batch: int, queries: int, keys: int, query_heads: int, *, ca
     (`causal_blocks`). Accelerators fuse attention themselves and a mesh hands the batch to the
     partitioner: `REFERENCE` there.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if (mesh is not None and not getattr(mesh, "empty", True)) or device_platform() != "cpu":
+    if not cpu_without_mesh():
         return REFERENCE
     return Schedule(
         row_chunk=row_chunk(batch, queries * query_heads * keys * 4),
@@ -187,7 +203,11 @@ def attention(
     def split(a):
         return a.reshape((b // chunk, chunk) + a.shape[1:])
 
-    out = jax.lax.map(lambda xs: _attend_blocks(*xs, cache_layout, blocks), (split(q), split(k), split(v), split(mask)))
+    def step(q, k, v, mask):
+        return _attend_blocks(q, k, v, mask, cache_layout, blocks)
+
+    step = jax.checkpoint(step) if CPU_REMAT_ROW_CHUNKS else step
+    out = jax.lax.map(lambda xs: step(*xs), (split(q), split(k), split(v), split(mask)))
     return out.reshape((b,) + out.shape[2:])
 
 
@@ -228,7 +248,8 @@ def _attend(q: Array, k: Array, v: Array, mask: Array, cache_layout: bool) -> Ar
     else:
         scores = scores.reshape(b, kh, g, t, -1) * (hd**-0.5)  # [B, K, G, T, S]
         scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    # the max only steadies the exponent (softmax ignores it): no gradient through it
+    e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
     denom = jnp.sum(e, axis=-1).reshape(b, kh, g, t, 1)
     e = e.astype(q.dtype).reshape(b, kh, g * t, -1)
     out = jax.lax.dot_general(e, v, (((3,), (2,)), batch), preferred_element_type=jnp.float32)

@@ -7,6 +7,7 @@ its logical axes in `ACTIVATION_AXES`. `bipace_jax.models.qwen2.Qwen2Actor` asse
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bipace_jax import sharding
-from bipace_jax.models.attention import attention
+from bipace_jax.models.attention import attention, cpu_without_mesh
 from bipace_jax.models.config import Qwen2Config
 
 Array = jax.Array
@@ -44,6 +45,57 @@ def param_value(param: nnx.Param, dtype: Any = None) -> Array:
     """A parameter's value (cast to `dtype`), FSDP-gathered at its point of use under a mesh."""
     w = param[...] if dtype is None else param[...].astype(dtype)
     return sharding.gather_param(w, sharding.logical_axes(param))
+
+
+# CPU: the projections' weight gradients by `dense`'s own VJP (below). Settable before tracing (the
+# benchmark's baseline, launch.bench_update).
+CPU_DENSE_VJP = True
+
+
+def dense(x: Array, w: Array, preferred_element_type: Any = None) -> Array:
+    """x [..., K] @ w [K, N] -> [..., N] (`jnp.matmul`; `preferred_element_type` as `jnp.einsum`'s).
+
+    On CPU without a mesh (`attention.cpu_without_mesh`, `CPU_DENSE_VJP`) the gradient is this
+    function's own: the weight gradient x^T dy is a plain [K, T] x [T, N] product whose [K, T]
+    operand (or dy's [N, T], whichever is narrower) is transposed once, on its own. Left to XLA's
+    CPU layout assignment, the transpose of the wider operand is fused into the elementwise producer
+    of dy (e.g. the SwiGLU backward), a strided write slower than the matmul itself (a 32 x 512 packed
+    gradient micro-batch of the CPU default 2.29 -> 1.84 CPU s, launch.bench_update). Same values up
+    to float summation order.
+    """
+    if cpu_dense_gradient():
+        return _cpu_dense(x, w, preferred_element_type)
+    return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+
+
+def cpu_dense_gradient() -> bool:
+    """Whether `dense` (and the projections written with it) take the CPU gradient now."""
+    return CPU_DENSE_VJP and cpu_without_mesh()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cpu_dense(x: Array, w: Array, preferred_element_type: Any) -> Array:
+    return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+
+
+def _cpu_dense_fwd(x, w, preferred_element_type):
+    return _cpu_dense(x, w, preferred_element_type), (x, w)
+
+
+def _cpu_dense_bwd(preferred_element_type, res, dy):
+    x, w = res
+    f32 = jnp.float32
+    dx = jnp.matmul(dy, w.T, preferred_element_type=f32).astype(x.dtype)
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    # the barrier keeps the transpose a copy of its own (XLA would fold it back into the product)
+    if x2.shape[1] <= dy2.shape[1]:
+        dw = jnp.matmul(jax.lax.optimization_barrier(x2.T), dy2, preferred_element_type=f32)
+    else:
+        dw = jnp.matmul(jax.lax.optimization_barrier(dy2.T), x2, preferred_element_type=f32).T
+    return dx, dw.astype(w.dtype)
+
+
+_cpu_dense.defvjp(_cpu_dense_fwd, _cpu_dense_bwd)
 
 
 def rope_cos_sin(
@@ -148,9 +200,9 @@ class Attention(nnx.Module):
         wq = param_value(self.q_proj.kernel, dt)
         wk = param_value(self.k_proj.kernel, dt)
         wv = param_value(self.v_proj.kernel, dt)
-        q = jnp.einsum("btd,dnh->btnh", h, wq) + self.q_proj.bias[...].astype(dt)
-        k = jnp.einsum("btd,dkh->btkh", h, wk) + self.k_proj.bias[...].astype(dt)
-        v = jnp.einsum("btd,dkh->btkh", h, wv) + self.v_proj.bias[...].astype(dt)
+        q = _project_heads(h, wq) + self.q_proj.bias[...].astype(dt)
+        k = _project_heads(h, wk) + self.k_proj.bias[...].astype(dt)
+        v = _project_heads(h, wv) + self.v_proj.bias[...].astype(dt)
         q = constrain(apply_rope(q, cos, sin), "q")
         k = constrain(apply_rope(k, cos, sin), "kv")
         v = constrain(v, "kv")
@@ -171,7 +223,16 @@ class Attention(nnx.Module):
         """Attention output [B, T, N, Hd] -> [B, T, D] through o_proj."""
         out = constrain(out, "q")
         wo = param_value(self.o_proj.kernel, self.dtype)
-        return jnp.einsum("btnh,nhd->btd", out, wo)
+        if not cpu_dense_gradient():
+            return jnp.einsum("btnh,nhd->btd", out, wo)
+        return dense(out.reshape(*out.shape[:-2], -1), wo.reshape(-1, wo.shape[-1]))
+
+
+def _project_heads(h: Array, w: Array) -> Array:
+    """h [B, T, D] through a head-shaped kernel w [D, H, Hd] -> [B, T, H, Hd] (`dense` on CPU)."""
+    if not cpu_dense_gradient():
+        return jnp.einsum("btd,dnh->btnh", h, w)
+    return dense(h, w.reshape(w.shape[0], -1)).reshape(*h.shape[:-1], *w.shape[1:])
 
 
 class Proj(nnx.Module):
@@ -200,10 +261,10 @@ class MLP(nnx.Module):
 
     def __call__(self, h: Array) -> Array:
         dt = self.dtype
-        gate = h @ param_value(self.gate_proj.kernel, dt)
-        up = h @ param_value(self.up_proj.kernel, dt)
+        gate = dense(h, param_value(self.gate_proj.kernel, dt))
+        up = dense(h, param_value(self.up_proj.kernel, dt))
         act = constrain(jax.nn.silu(gate) * up, "mlp")
-        return act @ param_value(self.down_proj.kernel, dt)
+        return dense(act, param_value(self.down_proj.kernel, dt))
 
 
 class DecoderLayer(nnx.Module):

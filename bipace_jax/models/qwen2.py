@@ -49,6 +49,8 @@ from bipace_jax.models.layers import (
     Proj,
     RMSNorm,
     constrain,
+    cpu_dense_gradient,
+    dense,
     last_real_index,
     normal_init,
     param_value,
@@ -203,11 +205,16 @@ class Qwen2Actor(nnx.Module):
         when [B, T, V] in fp32 would not fit.
         """
         h = h.astype(self.dtype)
+        f32 = jnp.float32
         if self.config.tie_word_embeddings:
             w = param_value(self.embed.embedding, self.dtype)
-            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+            if cpu_dense_gradient():
+                return dense(h, w.T, preferred_element_type=f32)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=f32)
         w = param_value(self.lm_head.kernel, self.dtype)
-        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        if cpu_dense_gradient():
+            return dense(h, w, preferred_element_type=f32)
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=f32)
 
     def _check_tokens(self, input_ids: Any, attention_mask: Any, where: str):
         ids_shape = np.shape(input_ids)
