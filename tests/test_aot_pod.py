@@ -122,6 +122,55 @@ def test_a_tiny_disaggregated_run_compiles_each_role_and_the_push(tmp_path):
     assert st["iteration_s"] == pytest.approx(max(st["sampler_s"], st["learner_s"]) + st["push_s"])
 
 
+def test_role_slices_must_hold_each_roles_hosts_of_the_slices_chips():
+    from types import SimpleNamespace
+
+    from bipace_jax.aot import role_slices
+
+    def chips(hosts, per_host=4, kind="TPU v5 lite"):
+        return [SimpleNamespace(process_index=h, device_kind=kind) for h in range(hosts) for _ in range(per_host)]
+
+    whole = chips(16)
+    role_slices(whole, 2, chips(2), chips(14))  # v5e:8x8 as v5e:2x4 + v5e:4x14
+    with pytest.raises(ValueError, match=r"the sampler slice must be 2 hosts of 4 x TPU v5 lite, got 1 hosts, 4 x"):
+        role_slices(whole, 2, chips(1), chips(14))
+    with pytest.raises(ValueError, match=r"the learner slice must be 14 hosts"):
+        role_slices(whole, 2, chips(2), chips(16))
+    with pytest.raises(
+        ValueError, match=r"the learner slice must be 14 hosts of 4 x TPU v5 lite, got 14 hosts, 56 x TPU v5"
+    ):
+        role_slices(whole, 2, chips(2), chips(14, kind="TPU v5"))
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_roles_on_slices_of_their_own_push_over_the_data_center_network(tmp_path):
+    from bipace_jax import step_time
+
+    args = [f"--config.{k}={v}" for k, v in MESH.items()] + ["--config.ppo.micro_batch_rows=1"]
+    cmd = [
+        sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=v5e:4x4", "--roles=sampler:2,learner:2",
+        "--programs=ppo_apply,push_gather", *args,
+    ]  # fmt: skip
+    bad = subprocess.run([*cmd, "--role_topologies=v5e:2x2,v5e:2x4"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env=LIBTPU_ENV)  # fmt: skip
+    assert bad.returncode != 0 and "the sampler slice must be 2 hosts of 4 x TPU v5 lite, got 1 hosts" in bad.stderr
+    proc = subprocess.run([*cmd, "--role_topologies=v5e:2x4,v5e:2x4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=LIBTPU_ENV)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__v5e-4x4__roles-2s2l.json"))
+    assert r["role_topologies"] == {"sampler": "v5e:2x4", "learner": "v5e:2x4"} and r["push_link"] == "DCN"
+    # the push's compiled part gathers over the learner slice alone, beside a learner chip's arrays
+    assert r["meshes"]["push"] == r["meshes"]["learner"] == {"data": 1, "fsdp": 2, "tensor": 4}
+    push = r["roles"]["push"]["push_gather"]
+    assert push["other_resident_bytes"] == sum(r["resident_bytes_per_chip"]["learner"].values())
+    assert r["fits"] == {"sampler": True, "learner": True, "push": True}
+    # its time: a sampler chip's tensor shard of the bf16 model at a host's DCN share (25 GB/s / 4 chips)
+    st = r["step_time"]
+    want = 2 * r["model"]["params"] / 4 / (step_time.DCN_BYTES_PER_S_PER_HOST / 4)
+    assert st["push_s"] == pytest.approx(want, rel=1e-2)
+
+
 @pytest.mark.parametrize("path", ROLE_REPORTS, ids=[os.path.basename(p) for p in ROLE_REPORTS])
 def test_committed_role_reports_fit_each_role_within_the_budget(path):
     r = json.load(open(path))
@@ -138,6 +187,14 @@ def test_committed_role_reports_fit_each_role_within_the_budget(path):
     # the learner's mesh is its hosts' chips, FSDP over them
     m = r["meshes"]["learner"]
     assert m["data"] * m["fsdp"] * m["tensor"] == r["learner_hosts"] * r["chips"] // r["hosts"]
+    # roles on slices of their own: the push gathers over the learner slice and crosses DCN
+    if r.get("role_topologies"):
+        assert r["meshes"]["push"] == m and r["push_link"] == "DCN"
+        push = r["step_time"]["push"]
+        link = 25e9 / (r["chips"] // r["hosts"])  # a host's DCN share a chip
+        assert push["seconds"] == pytest.approx(
+            max(push["received_bytes_per_chip"], push["sent_bytes_per_chip"]) / link
+        )
 
 
 @pytest.mark.slow
