@@ -246,9 +246,19 @@ def test_the_remat_search_compiles_the_gradient_under_each_policy(tmp_path):
         "--config.model.scan_layers=True", "--config.ppo.micro_batch_rows=16", "--programs=ppo_apply",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=cpu:8", "--remat_search", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # model.remat=auto: the plan resolves it at the devices' memory (a CPU device's share of this machine's)
+    proc = subprocess.run([*cmd, "--config.model.remat=auto"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["remat_search"]
+    report = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))
+    auto, r = report["remat_auto"], report["remat_search"]
+    assert auto["resolved"] == report["model"]["remat"] == "none" and "model.remat=auto -> none" in proc.stdout
+    assert auto["cutoff_bytes"] == pytest.approx(0.8 * report["hbm_bytes_per_chip"])
+    # the estimate orders the policies as the compile does, and picks what the compile picks
+    est = {k: v["bytes_per_chip"] for k, v in r["estimate"].items()}
+    assert est == {k: int(v) for k, v in auto["bytes"].items()} and est["none"] > est["save_dots"] > est["full"]
+    assert r["estimate_chosen"] == r["chosen"] == "none" and r["estimate_matches_compile"]
+    alone = json.load(open(tmp_path / "remat" / "textcraft_tiny__cpu-8.json"))
+    assert alone["chosen"] == "none" and alone["policies"] == r["policies"] and alone["topology"] == "cpu:8"
     p = r["policies"]
     # less kept, more recomputed: temporaries fall and FLOPs rise from none to save_dots to full
     assert p["none"]["temp_bytes"] > p["save_dots"]["temp_bytes"] > p["full"]["temp_bytes"]
