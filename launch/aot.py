@@ -387,7 +387,8 @@ def remat_search(spec, devices, local, budget: float) -> dict:
     """``ppo_grad`` compiled under each ``model.remat`` policy (`aot.REMAT_ORDER`) on ``devices``: per
     policy its per-chip total (the larger of the compiler's peak and arguments + outputs + temporaries
     - aliased, plus the resident arrays beside it), share of HBM, FLOPs and compile
-    seconds, and ``chosen`` (`aot.choose_remat` at ``budget`` of HBM: the least recompute that fits);
+    seconds (``compiles`` False with the compiler's ``error`` where libtpu refuses it for HBM), and
+    ``chosen`` (`aot.choose_remat` at ``budget`` of HBM: the least recompute that fits);
     beside it the run plan's estimate (``estimate``: `plan.remat_estimate` per policy and share of HBM,
     ``estimate_chosen``: what ``model.remat="auto"`` resolves to, `plan.resolve_remat`, and
     ``estimate_matches_compile``)."""
@@ -402,18 +403,32 @@ def remat_search(spec, devices, local, budget: float) -> dict:
         run = aot.abstract_run(s, plan_lib.plan(s, layout), devices, local)
         (grad,) = [p for p in aot.abstract_programs(run, ("ppo_grad",))[0] if p.name == "ppo_grad"]
         other = sum(run.resident[k] for k in grad.other)
-        stats = _compile(grad, other)
+        try:
+            stats = _compile(grad, other)
+        except jax.errors.JaxRuntimeError as e:
+            # libtpu refuses a program whose temporaries exceed the chip: that policy does not fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            found = re.search(r"HLO temporaries \(([\d.]+)G\)", str(e))
+            out[policy] = dict(
+                compiles=False,
+                error=str(e).splitlines()[0][:300],
+                temp_gib_reported=float(found.group(1)) if found else None,
+            )
+            print(f"  ppo_grad under remat {policy} does not fit: {out[policy]['error']}", flush=True)
+            continue
         # XLA:CPU's peak leaves out the temporaries; the static sum bounds what the program holds at once
         held = stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"] - stats["alias_bytes"]
         total = max(stats["peak_bytes_per_chip"], held) + other
         out[policy] = dict(
+            compiles=True,
             total_bytes_per_chip=total,
             temp_bytes=stats["temp_bytes"],
             fraction_of_hbm=round(total / hbm, 4),
             flops=stats["flops"],
             compile_s=stats["compile_s"],
         )
-    totals = {k: v["total_bytes_per_chip"] for k, v in out.items()}
+    totals = {k: v["total_bytes_per_chip"] for k, v in out.items() if v["compiles"]}
     chosen = aot.choose_remat(totals, budget * hbm)
     guess = plan_lib.resolve_remat(estimate, hbm)
     return dict(
@@ -507,7 +522,10 @@ def main(argv):
     if _REMAT_SEARCH.value:
         report["remat_search"] = remat_search(spec, devices, host_devices(name, devices), _BUDGET.value)
         rs = report["remat_search"]
-        each = ", ".join(f"{k} {v['total_bytes_per_chip'] / GiB:.2f} GiB" for k, v in rs["policies"].items())
+        each = ", ".join(
+            f"{k} {v['total_bytes_per_chip'] / GiB:.2f} GiB" if v["compiles"] else f"{k} out of HBM"
+            for k, v in rs["policies"].items()
+        )
         print(
             f"ppo_grad per remat policy: {each}; the least recompute that fits: {rs['chosen']}; "
             f"the plan's estimate picks {rs['estimate_chosen']}"

@@ -23,7 +23,9 @@ Beside the floor, the expected time: every program's roofline seconds times the 
 ``launch.bench_step`` report measured (``--calibration``, `step_time.Calibration`, with its device,
 date and commit); and the asynchronous schedule (`step_time.best_split`: a sampler group and a
 learner group of hosts overlapped, the fastest split whose roles fit in HBM), with each role's
-compiled per-chip memory where ``launch.aot --roles`` committed a report (``<config>__<topology>__roles-*``).
+compiled per-chip memory where ``launch.aot --roles`` committed a report (``<config>__<topology>__roles-*``);
+where those reports put the roles on slices of their own (``--role_topologies``), the weight push is
+priced over the data-center network.
 ``--docs`` rewrites the generated tables in README.md ("At pod scale") and docs/pod.md (section 7)
 between their ``<!-- launch.step_table:NAME -->`` markers.
 """
