@@ -18,6 +18,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLE_REPORTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*__roles-*.json")))
+REMAT_REPORTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "aot", "remat", "*.json")))
+HOSTS = {"v5e:4x4": (4, 4), "v5e:8x8": (16, 4), "v5p:2x2x4": (4, 4)}  # topology -> (hosts, chips per host)
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")'
 )
@@ -273,3 +275,33 @@ def test_the_remat_search_compiles_the_gradient_under_each_policy(tmp_path):
     r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["remat_search"]
     want = "save_dots" if r["policies"]["save_dots"]["total_bytes_per_chip"] <= budget * hbm else "full"
     assert r["chosen"] == want
+
+
+@pytest.mark.parametrize("path", REMAT_REPORTS, ids=[os.path.basename(p) for p in REMAT_REPORTS])
+def test_committed_remat_searches_agree_with_the_plans_estimate(path):
+    # `launch.aot --remat_search` on a paper slice: the compile's choice, and model.remat="auto"'s (the
+    # plan's estimate, recomputed here without compiling) beside it
+    import dataclasses
+
+    from bipace_jax import build
+    from bipace_jax import plan as plan_lib
+
+    r = json.load(open(path))
+    c = importlib.import_module(f"configs.{r['config']}").get_config()
+    for k, v in r["overrides"].items():
+        section, field = k.split(".")
+        c[section][field] = int(v)
+    hosts, per_host = HOSTS[r["topology"]]
+    spec = build.build_spec(c, num_devices=hosts * per_host, abstract=True)
+    full = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat="full"))
+    p = plan_lib.plan(full, plan_lib.HostLayout.of(full, hosts, hosts * per_host, per_host))
+    est = plan_lib.remat_estimate(full, p)
+    assert {k: int(v) for k, v in est.items()} == {k: v["bytes_per_chip"] for k, v in r["estimate"].items()}
+    assert plan_lib.resolve_remat(est, r["hbm_bytes_per_chip"]) == r["estimate_chosen"]
+    # the compile's choice: the least recompute that compiled within the budget
+    budget = r["budget_fraction"]
+    fits = [k for k, v in r["policies"].items() if v["compiles"] and v["fraction_of_hbm"] <= budget]
+    assert r["chosen"] == fits[0] and r["estimate_matches_compile"] == (r["chosen"] == r["estimate_chosen"])
+    # less kept, more recomputed: FLOPs rise from policy to policy among those that compiled
+    flops = [v["flops"] for v in r["policies"].values() if v["compiles"]]
+    assert flops == sorted(flops)
