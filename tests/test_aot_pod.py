@@ -292,6 +292,7 @@ def test_committed_remat_searches_agree_with_the_plans_estimate(path):
         section, field = k.split(".")
         c[section][field] = int(v)
     hosts, per_host = HOSTS[r["topology"]]
+    hosts *= r["num_slices"]  # slices joined over DCN: their hosts together
     spec = build.build_spec(c, num_devices=hosts * per_host, abstract=True)
     full = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat="full"))
     p = plan_lib.plan(full, plan_lib.HostLayout.of(full, hosts, hosts * per_host, per_host))
