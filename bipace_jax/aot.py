@@ -52,6 +52,7 @@ __all__ = [
     "role_devices",
     "role_plans",
     "role_programs",
+    "role_slices",
     "shapes",
     "slot_run_shape",
     "slot_step_time",
@@ -492,6 +493,28 @@ def role_devices(devices: Sequence, sampler_hosts: int) -> tuple[list, list]:
     return [d for d in devices if d.process_index in learners], [d for d in devices if d.process_index not in learners]
 
 
+def role_slices(devices: Sequence, sampler_hosts: int, sampler_slice: Sequence, learner_slice: Sequence) -> None:
+    """Checks that two slices of their own can hold the roles of ``devices`` (the committed slice) split
+    with ``sampler_hosts`` sampling: ``sampler_slice`` has that many hosts, ``learner_slice`` the rest,
+    each the slice's chips per host and device kind (``launch.aot --role_topologies``).
+
+    Raises:
+      ValueError: a host count, chips per host or device kind differs, naming the slice.
+    """
+    hosts = len({d.process_index for d in devices})
+    per_host = len(devices) // hosts
+    for role, want, got in (
+        ("sampler", sampler_hosts, sampler_slice),
+        ("learner", hosts - sampler_hosts, learner_slice),
+    ):
+        n = len({d.process_index for d in got})
+        if n != want or len(got) != want * per_host or got[0].device_kind != devices[0].device_kind:
+            raise ValueError(
+                f"--role_topologies: the {role} slice must be {want} hosts of {per_host} x {devices[0].device_kind}, "
+                f"got {n} hosts, {len(got)} x {got[0].device_kind}"
+            )
+
+
 def role_plans(spec: Any, plan: RunPlan, sampler_hosts: int) -> tuple[RunPlan, RunPlan]:
     """``(sampler, learner)`` run plans of ``plan`` (the whole slice's) with ``sampler_hosts`` hosts
     sampling and the others learning.
@@ -536,7 +559,7 @@ def role_plans(spec: Any, plan: RunPlan, sampler_hosts: int) -> tuple[RunPlan, R
 
 
 def role_programs(
-    sampler: AbstractRun, learner: AbstractRun, whole: AbstractRun
+    sampler: AbstractRun, learner: AbstractRun, whole: AbstractRun | None
 ) -> tuple[dict[str, list[Program]], dict[str, int]]:
     """The programs of each role (`ROLE_PROGRAMS`): the sampler's on a sampler host's mesh with nothing
     else resident (no master weights, moments or reference live on a sampler host), the learner's as in
@@ -546,7 +569,11 @@ def role_programs(
     program with its input on the learner mesh and its output on the sampler mesh is refused), so the
     push is compiled as `distributed.local_copy`'s replica route over every chip of the slice: each
     array all-gathered whole to every chip in the compute dtype, at the largest array, then each
-    sampler host slices its tensor shard (``push_gather``).
+    sampler host slices its tensor shard (``push_gather``). ``whole`` None: the roles are slices of
+    their own (``launch.aot --role_topologies``), joined only by the data-center network; the push's
+    compiled part is then the same gather over the learner slice alone (each array whole on every
+    learner chip, what its hosts send from), and the crossing itself is no XLA program (its time is
+    `step_time.push_cost` at the DCN bandwidth).
 
     Returns the programs by role and the resident bytes per chip their ``other`` keys name (the
     learner run's arrays, and ``learner_state``, all of them: what a learner chip holds during the push).
@@ -557,9 +584,10 @@ def role_programs(
         sampler=[dataclasses.replace(p, other=()) for p in s_progs if p.name in names["sampler"]],
         learner=[p for p in abstract_programs(learner, PROGRAMS)[0] if p.name in names["learner"]],
     )
-    gather = jax.jit(lambda x: x.astype(s_dtype(whole)), out_shardings=jax.sharding.NamedSharding(whole.mesh, P()))
-    push = ProgramSpec("push_gather", gather, (_largest(whole),))
-    out["push"] = [Program("push_gather", whole.mesh, push, ("learner_state",))]
+    over = learner if whole is None else whole
+    gather = jax.jit(lambda x: x.astype(s_dtype(over)), out_shardings=jax.sharding.NamedSharding(over.mesh, P()))
+    push = ProgramSpec("push_gather", gather, (_largest(over),))
+    out["push"] = [Program("push_gather", over.mesh, push, ("learner_state",))]
     return out, dict(learner.resident, learner_state=sum(learner.resident.values()))
 
 

@@ -39,6 +39,7 @@ from flax import nnx
 
 import environments
 from bipace_jax import losses, runfolder
+from bipace_jax import plan as plan_lib
 from bipace_jax.config import (
     AsyncConfig,
     CalibrationConfig,
@@ -73,12 +74,16 @@ from bipace_jax.rollout import RolloutConfig, Scheduler
 from bipace_jax.sampling import SamplerConfig
 from bipace_jax.tiny import tiny_actor_config
 
+#: ``model.remat``'s value the run plan resolves (``plan.resolve_remat``).
+REMAT_AUTO = "auto"
+
 __all__ = [
     "ModelConfig",
     "RunSpec",
     "actor_architecture",
     "build_actor",
     "build_spec",
+    "resolved_remat",
     "checked",
     "estimator_config",
     "init_actor",
@@ -150,7 +155,8 @@ class ModelConfig:
       fingerprint_layer: HF ``hidden_states`` index of the BiPACE fingerprint.
       dtype, param_dtype: ``models.config.DType`` of activations and parameters.
       matmul_precision: a ``models.config.MatmulPrecision``.
-      remat: a ``models.config.Remat``.
+      remat: a ``models.config.Remat``, or ``"auto"``: the run plan picks one from the update's estimated
+        memory per chip and the chips' HBM (``plan.resolve_remat``; set on the actor by `ppo_learner`).
       scan_layers: one ``lax.scan`` over the decoder layers.
     """
 
@@ -167,7 +173,7 @@ class ModelConfig:
     dtype: DType = DType.FLOAT32
     param_dtype: DType = DType.FLOAT32
     matmul_precision: MatmulPrecision = MatmulPrecision.DEFAULT
-    remat: Remat = Remat.NONE
+    remat: Remat | str = Remat.NONE
     scan_layers: bool = False
 
     def __post_init__(self):
@@ -189,7 +195,10 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", decode("model.param_dtype", DType, self.param_dtype))
         precision = decode("model.matmul_precision", MatmulPrecision, self.matmul_precision)
         object.__setattr__(self, "matmul_precision", precision)
-        object.__setattr__(self, "remat", decode("model.remat", Remat, self.remat))
+        if self.remat != REMAT_AUTO:
+            if self.remat not in [r.value for r in Remat]:
+                fail("model.remat", f"be one of {[r.value for r in Remat] + [REMAT_AUTO]}", self.remat)
+            object.__setattr__(self, "remat", Remat(self.remat))
         check_choice("model.scan_layers", self.scan_layers, (True, False))
         if self.tokenizer and not _folder_has("model.tokenizer", resolve_path(self.tokenizer)):
             fail("model.tokenizer", "be an existing tokenizer folder", self.tokenizer)
@@ -553,7 +562,7 @@ def build_actor(model: ModelConfig, tokenizer: Any, mesh: Any = None, *, seed: i
             param_dtype=DType(m.param_dtype).jnp,
             fingerprint_layer=m.fingerprint_layer,
         )
-        actor.matmul_precision, actor.remat, actor.scan_layers = m.matmul_precision, m.remat, m.scan_layers
+        actor.matmul_precision, actor.remat, actor.scan_layers = m.matmul_precision, _actor_remat(m), m.scan_layers
         return actor
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if m.preset == "tiny" else None
     return init_actor(m, actor_architecture(m, len(tokenizer), eos), seed=seed)
@@ -599,15 +608,36 @@ def init_actor(model: ModelConfig, cfg: Qwen2Config, *, seed: int = 0) -> Qwen2A
         param_dtype=DType(m.param_dtype).jnp,
         rngs=nnx.Rngs(seed),
         matmul_precision=m.matmul_precision,
-        remat=m.remat,
+        remat=_actor_remat(m),
         scan_layers=m.scan_layers,
     )
 
 
+def _actor_remat(m: ModelConfig) -> Remat:
+    # "auto" needs the run plan: until `ppo_learner` resolves it, the actor holds the least-memory policy
+    return Remat.FULL if m.remat == REMAT_AUTO else m.remat
+
+
+def resolved_remat(spec: RunSpec, mesh, local_mesh) -> str:
+    """``model.remat="auto"`` as the run plan resolves it for training on ``mesh`` (its hosts, axes and
+    first chip's HBM, ``plan.device_hbm_bytes``) with ``local_mesh`` (None: ``mesh``) sampling: the
+    ``RunPlan.remat`` the trainer's summary shows."""
+    devices = list(mesh.devices.flat)
+    hosts = len({d.process_index for d in devices})
+    tensor = (local_mesh or mesh).shape["tensor"]
+    shape = (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])
+    layout = plan_lib.HostLayout(hosts, len(devices), len(devices) // hosts, *shape, tensor)
+    return plan_lib.plan(spec, layout, hbm_bytes=plan_lib.device_hbm_bytes(devices[0])).remat
+
+
 def ppo_learner(spec: RunSpec, actor: Qwen2Actor, mesh, local_mesh, *, support: int) -> PPOLearner:
     """The ``PPOLearner`` of ``spec.learner`` (batching, old log-probs), ``spec.loss``, ``spec.optim``
-    and the sampler's length buckets; ``support``: the tokenizer's size (ids the sampler can draw)."""
+    and the sampler's length buckets; ``support``: the tokenizer's size (ids the sampler can draw).
+    With ``model.remat="auto"`` it first sets ``actor.remat`` to the run plan's policy on ``mesh``
+    (and ``local_mesh``'s tensor size) and its chips' HBM (``plan.resolve_remat``)."""
     p = spec.learner
+    if spec.model.remat == REMAT_AUTO:
+        actor.remat = resolved_remat(spec, mesh, local_mesh)
     return PPOLearner(
         actor,
         mesh,

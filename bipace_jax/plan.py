@@ -23,13 +23,30 @@ import jax
 from bipace_jax import distributed, step_time
 from bipace_jax.buckets import Buckets
 from bipace_jax.config import ConfigError, MeshConfig, OldLogprobs, check_tensor_in_host, fail
+from bipace_jax.models import Qwen2Config
 
-__all__ = ["PANELS", "ROW_ALIGN", "HostLayout", "RunPlan", "check_workdir", "plan", "row_capacity"]
+__all__ = [
+    "PANELS",
+    "REMAT_AUTO_BUDGET",
+    "ROW_ALIGN",
+    "HostLayout",
+    "RunPlan",
+    "check_workdir",
+    "device_hbm_bytes",
+    "plan",
+    "remat_estimate",
+    "resolve_remat",
+    "row_capacity",
+]
 
 #: The validation panels, in the order they are played (``validation.PANELS``: seen goals, held-out goals).
 PANELS = ("val", "val/holdout")
 #: A task group's step rows are padded to a multiple of this (the estimator's row capacity).
 ROW_ALIGN = 16
+#: ``model.remat="auto"`` takes the least recompute whose estimated gradient program fits in this share
+#: of a chip's HBM: ``launch.aot``'s 0.9 budget less 0.1 for what `step_time.update_memory` leaves out
+#: (XLA's buffers: on v5e it is 11-22% under the compiled save_dots and full programs, more under none).
+REMAT_AUTO_BUDGET = 0.8
 
 
 def row_capacity(group_size: int, max_steps: int) -> int:
@@ -188,6 +205,11 @@ class RunPlan:
       batch_buckets: ``sampler.batch_buckets`` (`batch_bucket` fits rows to them).
       iterations, val_every, checkpoint_every: ``num_iterations``, ``val.every``, ``checkpoint.every``
         (the step-time model's run length and amortisations).
+      remat: the ``model.remat`` policy the update runs: the config's, or ``"auto"`` resolved by
+        `resolve_remat` (none / save_dots / full).
+      remat_estimate: with ``"auto"``: ``hbm_bytes`` of a chip (0 on CPU), the ``cutoff_bytes`` a
+        policy must fit (`REMAT_AUTO_BUDGET` of it) and each policy's estimated gradient program
+        bytes per chip (``bytes``, `remat_estimate`); {} otherwise.
     """
 
     layout: HostLayout
@@ -221,6 +243,8 @@ class RunPlan:
     iterations: int
     val_every: int
     checkpoint_every: int
+    remat: str = "none"
+    remat_estimate: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def hosts(self) -> int:
@@ -276,7 +300,7 @@ class RunPlan:
             micro_batch_rows=self.micro_batch_rows_global,
             logprob_rows_per_host=self.logprob_rows_per_host,
             mini_batch_rows=self.mini_batch_rows,
-            remat=str(model.remat),
+            remat=self.remat,
             val_games_per_host=self.val_sampler_batch,
             val_sampler_calls=self.val_sampler_calls,
             sync_replica=self.sync_replica(model),
@@ -302,13 +326,60 @@ def _panel_counts(spec: Any, panels: Mapping[str, Sequence] | None) -> tuple[dic
     return dict(zip(PANELS, (v.num_tasks * v.seeds_per_goal, v.num_holdout_tasks * v.seeds_per_goal))), False
 
 
-def plan(spec: Any, layout: HostLayout, panels: Mapping[str, Sequence] | None = None) -> RunPlan:
+def device_hbm_bytes(device: Any) -> int:
+    """HBM of ``device`` in bytes: its allocator's limit (``memory_stats()["bytes_limit"]``), else the
+    chip's data sheet (`step_time.chip_for`); 0 for a CPU device (host memory: ample for ``"auto"``).
+
+    Raises:
+      ValueError: an accelerator that reports no limit and whose kind the data sheets do not name.
+    """
+    if device.platform == "cpu":
+        return 0
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return step_time.chip_for(device.device_kind).hbm_bytes
+
+
+def remat_estimate(spec: Any, run_plan: RunPlan) -> dict[str, float]:
+    """Each ``model.remat`` policy's estimated gradient program bytes per chip at ``run_plan``'s shapes
+    (`step_time.update_memory`: state, the layers' saved activations, the layer being differentiated),
+    the model's sizes from its preset (the tiny preset's from ``model``'s fields)."""
+    m = spec.model
+    if m.preset == "tiny":
+        arch = Qwen2Config.tiny(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        )  # fmt: skip
+    else:
+        arch = Qwen2Config.preset(m.preset)
+    shape, model = run_plan.run_shape(m), step_time.ModelShape.of(arch)
+    kw = dict(reference=spec.loss.kl_coef > 0, logprob_chunk=spec.learner.logprob_chunk)
+    return {p: step_time.update_memory(model, shape, p, **kw)["total"] for p in step_time.REMAT_POLICIES}
+
+
+def resolve_remat(estimate: Mapping[str, float], hbm_bytes: int) -> str:
+    """``model.remat="auto"``: the least recompute (none, then save_dots, then full) whose ``estimate``
+    (`remat_estimate`) is at most `REMAT_AUTO_BUDGET` of ``hbm_bytes``; ``none`` when ``hbm_bytes`` is 0
+    (CPU: host memory, the fastest policy); ``full`` when none fits (the least memory: ``launch.aot``
+    then says whether it fits)."""
+    if not hbm_bytes:
+        return "none"
+    cutoff = REMAT_AUTO_BUDGET * hbm_bytes
+    return next((p for p in step_time.REMAT_POLICIES if estimate[p] <= cutoff), "full")
+
+
+def plan(
+    spec: Any, layout: HostLayout, panels: Mapping[str, Sequence] | None = None, hbm_bytes: int | None = None
+) -> RunPlan:
     """The `RunPlan` of ``spec`` (a ``build.RunSpec``) on ``layout``.
 
     Args:
       panels: the selected validation panels (``validation.select(spec, game).games``: panel name ->
         its (task_id, game_seed) pairs); None counts the config's bound instead (``launch.aot``, which
         has no game data).
+      hbm_bytes: a chip's HBM for ``model.remat="auto"`` (`resolve_remat`); None: this process's first
+        device's (`device_hbm_bytes`; ``launch.aot`` passes its topology's).
 
     Raises:
       ConfigError: ``rollout.max_prompt_length`` exceeds the largest ``sampler.length_buckets`` entry.
@@ -334,7 +405,7 @@ def plan(spec: Any, layout: HostLayout, panels: Mapping[str, Sequence] | None = 
     mini = learner.mini_batch_rows or rows  # 0: all rows, one optimizer step
     micro = learner.micro_batch_rows * lay.processes
     logprob_passes = int(learner.old_logprobs is OldLogprobs.RECOMPUTE) + int(spec.loss.kl_coef > 0)
-    return RunPlan(
+    out = RunPlan(
         layout=lay,
         groups_per_host=groups,
         games_per_host=games,
@@ -366,4 +437,11 @@ def plan(spec: Any, layout: HostLayout, panels: Mapping[str, Sequence] | None = 
         iterations=spec.num_iterations,
         val_every=v.every,
         checkpoint_every=spec.checkpoint.every,
+        remat=str(spec.model.remat),
     )
+    if out.remat != "auto":
+        return out
+    estimate = remat_estimate(spec, dataclasses.replace(out, remat="full"))
+    hbm = device_hbm_bytes(jax.devices()[0]) if hbm_bytes is None else hbm_bytes
+    info = dict(hbm_bytes=hbm, cutoff_bytes=REMAT_AUTO_BUDGET * hbm, bytes=estimate)
+    return dataclasses.replace(out, remat=resolve_remat(estimate, hbm), remat_estimate=info)

@@ -899,6 +899,51 @@ def role_memory(m: ModelShape, sampler: RunShape, learner: RunShape) -> dict[str
     )
 
 
+#: ``model.remat`` policies from the least recompute to the least memory (as ``aot.REMAT_ORDER``).
+REMAT_POLICIES = ("none", "save_dots", "full")
+
+
+def update_memory(
+    m: ModelShape, r: RunShape, remat: str, *, reference: bool, logprob_chunk: int, compute_bytes: int = 2
+) -> dict[str, float]:
+    """Bytes per chip of the gradient program (``ppo_grad``: a micro-batch's forward, PPO loss and
+    backward) under the ``remat`` policy, an estimate before any compile (``plan.resolve_remat``;
+    ``launch.aot --remat_search`` measures it).
+
+    Parts: ``state`` = fp32 master weights, the fp32 gradient accumulator and AdamW's two moments (16
+    bytes a parameter over fsdp x tensor chips), plus the reference's bf16 host copy (``reference``;
+    over the host's ``sampler_tensor`` chips); ``saved`` = what each decoder layer keeps for the
+    backward, per token on the chip (micro_batch_rows / (chips / tensor) rows of prompt + response
+    tokens): ``full`` the layer input only (H), ``save_dots`` the input and every projection's output
+    (q, k, v, o, gate, up, down: 3H + Q + 2KV + 2I), ``none`` every activation (input, both norms, the
+    projections, rotated q and k, attention output, both residuals, the MLP's four: 6H + 3Q + 3KV + 4I;
+    the fused attention keeps no [T, T] scores), in the compute dtype, Q, KV and I split over
+    ``tensor``; ``working`` = the layer being differentiated (twice its ``none`` activations: values
+    and their gradients), one layer's gathered weights twice (FSDP prefetch) and the gathered LM head,
+    and the fp32 logits of one ``logprob_chunk`` of tokens (three copies: logits, softmax, gradient).
+    ``total`` sums them. Leaves out XLA's fusion buffers and layout padding, hence a margin where it is used.
+
+    Raises:
+      ValueError: ``remat`` is not one of `REMAT_POLICIES`.
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"update_memory: remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    t, b = r.tensor, compute_bytes
+    h, q = m.hidden_size, m.num_attention_heads * m.head_dim / t
+    kv, inter = m.num_key_value_heads * m.head_dim / t, m.intermediate_size / t
+    rows = r.micro_batch_rows * t / r.chips  # rows of a micro-batch on one chip (data x fsdp shards)
+    tokens = rows * (r.prompt_tokens + r.response_tokens)
+    every = 6 * h + 3 * q + 3 * kv + 4 * inter
+    kept = dict(full=h, save_dots=3 * h + q + 2 * kv + 2 * inter, none=every)[remat]
+    state = 16 * m.params / (r.fsdp * t) + (b * m.params / r.sampler_tensor if reference else 0)
+    saved = m.num_hidden_layers * tokens * kept * b
+    head = m.vocab_size * h * b / t
+    working = (
+        2 * tokens * every * b + 2 * m.layer_matmul_params * b / t + head + 3 * rows * logprob_chunk * m.vocab_size * 4
+    )
+    return dict(state=state, saved=saved, working=working, total=state + saved + working)
+
+
 def async_iteration(
     m: ModelShape,
     r: RunShape,

@@ -44,7 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     # CPU) | high | highest (full fp32)
     c.model.matmul_precision = "default"
     # what each decoder layer keeps for the backward pass: none | full (its input only: one extra
-    # forward) | save_dots (matmul outputs); paper sizes need full at 2048 + 512 tokens
+    # forward) | save_dots (matmul outputs) | auto (the run plan picks the least recompute whose
+    # estimated update fits 80% of a chip's HBM; none on CPU); paper sizes need full at 2048 + 512 tokens
     c.model.remat = "none"
     c.model.scan_layers = False  # one lax.scan over the decoder layers: compile time flat in depth
 

@@ -3,7 +3,9 @@
     python -m launch.aot --config=configs/alfworld_qwen2_5_1_5b.py --topology=v5e:4x4
     python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --config.ppo.micro_batch_rows=4
     python -m launch.aot --topology=cpu:8                       # the CPU default on 8 emulated CPU devices
-    python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --roles=sampler:4,learner:12
+    python -m launch.aot --config=configs/alfworld_qwen2_5_7b.py --topology=v5e:8x8 --roles=sampler:2,learner:14 \
+        --role_topologies=v5e:2x4,v5e:4x14         # the roles on slices of their own
+    python -m launch.aot --config=configs/alfworld_qwen2_5_1_5b.py --topology=v5e:4x4 --remat_search
 
 No weights and no data: the actor is built with ``nnx.eval_shape`` at the config's sizes and dtypes,
 every argument is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the trainer gives it, and
@@ -64,11 +66,21 @@ the config's tensor axis; ``aot.role_plans``); the weight push (``push_gather``)
 beside a learner chip's resident arrays (``aot.role_programs`` says why it is a whole-slice gather, not
 a learner-to-sampler program). The report ``<config>__<topology>__roles-<S>s<L>l.json`` lists each
 role's programs, ``fits`` per role, and the step-time model of the split; ``launch.step_table`` shows it
-in the asynchronous table.
+in the asynchronous table. libtpu compiles no program over part of a slice with limited ICI routing
+(v5e:8x8), so ``--role_topologies=SAMPLER,LEARNER`` compiles each role on a slice of its own instead
+(S and L hosts of the slice's chips per host, e.g. v5e:2x4 and v5e:4x14 for 2 + 14 of a v5e:8x8;
+libtpu describes shapes Cloud TPU does not sell): the push's compiled part is then the learner slice's
+gather, its time `step_time.push_cost` at ``step_time.DCN_BYTES_PER_S_PER_HOST`` (``push_link``: DCN),
+and the report records ``role_topologies``.
 
 ``--remat_search`` also compiles ``ppo_grad`` under every ``model.remat`` policy (none, save_dots, full)
 and reports each one's per-chip total and ``chosen``: the least recompute whose total fits the budget
-(``aot.choose_remat``; full remat costs a third more FLOPs than none).
+(``aot.choose_remat``; full remat costs a third more FLOPs than none), beside the run plan's estimate
+(``plan.remat_estimate``) and what ``model.remat="auto"`` would resolve to (``estimate_chosen``,
+``estimate_matches_compile``); the search is also written alone to ``--out/remat/<config>__<topology>.json``.
+With ``model.remat="auto"`` the plan resolves the policy at the topology's HBM (``plan.resolve_remat``),
+the report's ``remat_auto`` records it and the estimate, and the programs compile under it (``fits``
+checks it); with ``--roles`` it is resolved on the whole slice's plan.
 
 Two peaks are not programs and are counted from the resident arrays (``transients``): ``sync_local``
 (the new sampler copy is built, the old one freed first; by the replica route one array at a time) and ``grad_init`` (the fp32 gradient
@@ -120,6 +132,12 @@ _ROLES = flags.DEFINE_string(
     "",
     "sampler:S,learner:L: compile a disaggregated run instead, S hosts sampling and L learning (S + L = the "
     "slice's hosts); the report is <config>__<topology>__roles-<S>s<L>l.json.",
+)
+_ROLE_TOPOLOGIES = flags.DEFINE_list(
+    "role_topologies",
+    "",
+    "With --roles: SAMPLER_TOPOLOGY,LEARNER_TOPOLOGY (e.g. v5e:2x4,v5e:4x14): compile each role on a slice of "
+    "its own (S and L hosts of --topology's chips per host), the weight push crossing the data-center network.",
 )
 _REMAT_SEARCH = flags.DEFINE_bool(
     "remat_search",
@@ -270,22 +288,30 @@ def _compile(program: aot.Program, other: int) -> dict:
     return stats
 
 
-def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...] = ()) -> dict:
+def compile_roles(
+    spec, devices, local, sampler_hosts: int, only: tuple[str, ...] = (), slices: tuple[list, list] | None = None
+) -> dict:
     """Compiles a disaggregated run (`aot.role_programs`) of ``spec`` on ``devices``: the sampler
     group's programs on a sampler host's mesh, the learner group's on the learner hosts' devices, the
-    weight push over the whole slice (``only``: these programs alone); returns the report (``roles``:
-    per role, its programs' stats)."""
+    weight push over the whole slice (``only``: these programs alone); ``slices``: (sampler, learner)
+    devices of two slices of their own instead of parts of ``devices`` (the push then crosses the
+    data-center network: its learner-side gather is compiled, its time modelled at the DCN
+    bandwidth). Returns the report (``roles``: per role, its programs' stats)."""
     hosts = sorted({d.process_index for d in devices})
     layout = plan_lib.HostLayout.of(spec, len(hosts), len(devices), len(devices) // len(hosts))
     plan = plan_lib.plan(spec, layout)
     s_plan, l_plan = aot.role_plans(spec, plan, sampler_hosts)
-    learn_devices, sampler_devices = aot.role_devices(devices, sampler_hosts)
+    if slices is None:
+        learn_devices, sampler_devices = aot.role_devices(devices, sampler_hosts)
+    else:
+        aot.role_slices(devices, sampler_hosts, *slices)
+        sampler_devices, learn_devices = slices
     runs = dict(
         sampler=aot.abstract_run(spec, s_plan, sampler_devices, local),
         learner=aot.abstract_run(spec, l_plan, learn_devices, local),
-        whole=aot.abstract_run(spec, plan, devices, local),
     )
-    programs, resident = aot.role_programs(runs["sampler"], runs["learner"], runs["whole"])
+    whole = None if slices else aot.abstract_run(spec, plan, devices, local)
+    programs, resident = aot.role_programs(runs["sampler"], runs["learner"], whole)
     report = dict(
         topology=None,
         chips=len(devices),
@@ -298,9 +324,10 @@ def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...
             sampler=dict(runs["sampler"].local_mesh.shape),
             learner=dict(zip(("data", "fsdp", "tensor"), l_plan.layout.mesh_shape)),
             learner_host=dict(runs["learner"].local_mesh.shape),
-            push=dict(runs["whole"].mesh.shape),
+            push=dict((whole or runs["learner"]).mesh.shape),
         ),
-        model=dict(preset=spec.model.preset, params=runs["whole"].num_params, remat=spec.model.remat),
+        push_link="DCN" if slices else "ICI",
+        model=dict(preset=spec.model.preset, params=runs["learner"].num_params, remat=spec.model.remat),
         shapes=dict(sampler=aot.shapes(runs["sampler"]), learner=aot.shapes(runs["learner"])),
         resident_bytes_per_chip=dict(learner=runs["learner"].resident),
         roles={},
@@ -325,48 +352,94 @@ def compile_roles(spec, devices, local, sampler_hosts: int, only: tuple[str, ...
                 raise ValueError(
                     f"--roles: {p.name} of the {role} group cannot be compiled on {len(p.mesh.devices.flat)} of the "
                     f"slice's {len(devices)} chips: libtpu needs every device of this slice in a program (limited "
-                    "ICI routing); put the roles on slices of their own (e.g. the learner on its own topology)"
+                    "ICI routing); put the roles on slices of their own (--role_topologies=SAMPLER,LEARNER)"
                 ) from None
             report["roles"][role][p.name] = done[p.name] = stats
     if devices[0].platform != "cpu":
         chip = step_time.chip_for(devices[0].device_kind)
         shape = plan.run_shape(spec.model)
-        # the push crosses the data-center network when the slice is several slices
-        slices = {getattr(d, "slice_index", 0) for d in devices}
-        dcn = step_time.DCN_BYTES_PER_S_PER_HOST if len(slices) > 1 else None
+        # the push crosses the data-center network when the slice is several slices or the roles are slices apart
+        across = slices is not None or len({getattr(d, "slice_index", 0) for d in devices}) > 1
+        dcn = step_time.DCN_BYTES_PER_S_PER_HOST if across else None
         report["step_time"] = step_time.async_iteration(
-            step_time.ModelShape.of(runs["whole"].arch), shape, chip, sampler_hosts, dcn_bytes_per_s_per_host=dcn
+            step_time.ModelShape.of(runs["learner"].arch), shape, chip, sampler_hosts, dcn_bytes_per_s_per_host=dcn
         )
     return report
+
+
+def resolve_auto_remat(spec, devices) -> tuple:
+    """``model.remat="auto"`` resolved by the run plan at this topology's HBM (`plan.resolve_remat`):
+    the spec with that policy and the report's ``remat_auto`` (``resolved``, ``hbm_bytes``,
+    ``cutoff_bytes``, each policy's estimated ``bytes`` per chip and share of HBM); the spec unchanged
+    and None for any other ``model.remat``."""
+    if spec.model.remat != build.REMAT_AUTO:
+        return spec, None
+    hosts = sorted({d.process_index for d in devices})
+    layout = plan_lib.HostLayout.of(spec, len(hosts), len(devices), len(devices) // len(hosts))
+    hbm = hbm_bytes(devices[0])
+    p = plan_lib.plan(spec, layout, hbm_bytes=hbm)
+    info = dict(p.remat_estimate, resolved=p.remat)
+    info["fraction_of_hbm"] = {k: round(v / hbm, 4) for k, v in info["bytes"].items()}
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat=p.remat)), info
 
 
 def remat_search(spec, devices, local, budget: float) -> dict:
     """``ppo_grad`` compiled under each ``model.remat`` policy (`aot.REMAT_ORDER`) on ``devices``: per
     policy its per-chip total (the larger of the compiler's peak and arguments + outputs + temporaries
     - aliased, plus the resident arrays beside it), share of HBM, FLOPs and compile
-    seconds, and ``chosen`` (`aot.choose_remat` at ``budget`` of HBM: the least recompute that fits)."""
+    seconds (``compiles`` False with the compiler's ``error`` where libtpu refuses it for HBM), and
+    ``chosen`` (`aot.choose_remat` at ``budget`` of HBM: the least recompute that fits);
+    beside it the run plan's estimate (``estimate``: `plan.remat_estimate` per policy and share of HBM,
+    ``estimate_chosen``: what ``model.remat="auto"`` resolves to, `plan.resolve_remat`, and
+    ``estimate_matches_compile``)."""
     hosts = sorted({d.process_index for d in devices})
     layout = plan_lib.HostLayout.of(spec, len(hosts), len(devices), len(devices) // len(hosts))
     hbm = hbm_bytes(devices[0])
+    full = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat="full"))
+    estimate = plan_lib.remat_estimate(full, plan_lib.plan(full, layout))
     out = {}
     for policy in aot.REMAT_ORDER:
         s = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat=policy))
         run = aot.abstract_run(s, plan_lib.plan(s, layout), devices, local)
         (grad,) = [p for p in aot.abstract_programs(run, ("ppo_grad",))[0] if p.name == "ppo_grad"]
         other = sum(run.resident[k] for k in grad.other)
-        stats = _compile(grad, other)
+        try:
+            stats = _compile(grad, other)
+        except jax.errors.JaxRuntimeError as e:
+            # libtpu refuses a program whose temporaries exceed the chip: that policy does not fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            found = re.search(r"HLO temporaries \(([\d.]+)G\)", str(e))
+            out[policy] = dict(
+                compiles=False,
+                error=str(e).splitlines()[0][:300],
+                temp_gib_reported=float(found.group(1)) if found else None,
+            )
+            print(f"  ppo_grad under remat {policy} does not fit: {out[policy]['error']}", flush=True)
+            continue
         # XLA:CPU's peak leaves out the temporaries; the static sum bounds what the program holds at once
         held = stats["argument_bytes"] + stats["output_bytes"] + stats["temp_bytes"] - stats["alias_bytes"]
         total = max(stats["peak_bytes_per_chip"], held) + other
         out[policy] = dict(
+            compiles=True,
             total_bytes_per_chip=total,
             temp_bytes=stats["temp_bytes"],
             fraction_of_hbm=round(total / hbm, 4),
             flops=stats["flops"],
             compile_s=stats["compile_s"],
         )
-    totals = {k: v["total_bytes_per_chip"] for k, v in out.items()}
-    return dict(policies=out, configured=str(spec.model.remat), chosen=aot.choose_remat(totals, budget * hbm))
+    totals = {k: v["total_bytes_per_chip"] for k, v in out.items() if v["compiles"]}
+    chosen = aot.choose_remat(totals, budget * hbm)
+    guess = plan_lib.resolve_remat(estimate, hbm)
+    return dict(
+        policies=out,
+        configured=str(spec.model.remat),
+        chosen=chosen,
+        estimate={k: dict(bytes_per_chip=int(v), fraction_of_hbm=round(v / hbm, 4)) for k, v in estimate.items()},
+        estimate_cutoff_fraction=plan_lib.REMAT_AUTO_BUDGET,
+        estimate_chosen=guess,
+        estimate_matches_compile=guess == chosen,
+    )
 
 
 def print_report(report: dict, setting: str, name: str) -> None:
@@ -421,6 +494,8 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     c = _CONFIG.value
+    if _ROLE_TOPOLOGIES.value and not _ROLES.value:
+        raise app.UsageError("--role_topologies needs --roles=sampler:S,learner:L")
     if _ROLES.value:
         known = sum(aot.ROLE_PROGRAMS.values(), ())
         if set(_PROGRAMS.value) - set(known):
@@ -435,15 +510,26 @@ def main(argv):
         raise app.UsageError(f"--programs: unknown {unknown}; expected some of {known}")
     print(f"{name}: {len(devices)} x {devices[0].device_kind}; compiling {', '.join(programs)}", flush=True)
     try:
-        spec = build.build_spec(c, num_devices=len(devices), abstract=True)
+        spec, auto = resolve_auto_remat(build.build_spec(c, num_devices=len(devices), abstract=True), devices)
+        if auto:
+            each = ", ".join(f"{k} {v:.0%}" for k, v in auto["fraction_of_hbm"].items())
+            print(f"model.remat=auto -> {auto['resolved']} (estimated update per chip: {each} of HBM)", flush=True)
         report = compile_all(spec, devices, host_devices(name, devices), programs)
     except config_lib.ConfigError as e:
         raise app.UsageError(f"{e} (on {len(devices)} devices of --topology={name})") from None
+    if auto:
+        report["remat_auto"] = auto  # the compile below checks the resolved policy (`fits`)
     if _REMAT_SEARCH.value:
         report["remat_search"] = remat_search(spec, devices, host_devices(name, devices), _BUDGET.value)
         rs = report["remat_search"]
-        each = ", ".join(f"{k} {v['total_bytes_per_chip'] / GiB:.2f} GiB" for k, v in rs["policies"].items())
-        print(f"ppo_grad per remat policy: {each}; the least recompute that fits: {rs['chosen']}")
+        each = ", ".join(
+            f"{k} {v['total_bytes_per_chip'] / GiB:.2f} GiB" if v["compiles"] else f"{k} out of HBM"
+            for k, v in rs["policies"].items()
+        )
+        print(
+            f"ppo_grad per remat policy: {each}; the least recompute that fits: {rs['chosen']}; "
+            f"the plan's estimate picks {rs['estimate_chosen']}"
+        )
     report["topology"], report["num_slices"] = name, _SLICES.value
     hbm = report["hbm_bytes_per_chip"]
     report["budget_fraction"] = _BUDGET.value
@@ -473,6 +559,12 @@ def main(argv):
     kinds = (("__sft", SFT_PROGRAMS), ("__slots", SLOT_PROGRAMS), ("__packed", PACKED_PROGRAMS))
     warm = next((suffix for suffix, names in kinds if set(programs) <= set(names)), "")
     write_json(os.path.join(_OUT.value, f"{setting}__{slices}{name.replace(':', '-')}{warm}.json"), report, indent=1)
+    if _REMAT_SEARCH.value:  # on its own too, in a folder the committed-report checks do not read
+        keep = ("config", "topology", "num_slices", "overrides", "device_kind", "hbm_bytes_per_chip", "mesh", "shapes")
+        search = dict({k: report[k] for k in keep}, budget_fraction=_BUDGET.value, **report["remat_search"])
+        write_json(
+            os.path.join(_OUT.value, "remat", f"{setting}__{slices}{name.replace(':', '-')}.json"), search, indent=1
+        )
     if not report["fits"]:
         sys.exit(1)
 
@@ -483,14 +575,31 @@ def _main_roles(name: str, devices: list) -> None:
         sampler_hosts = parse_roles(_ROLES.value, len({d.process_index for d in devices}))
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    print(f"{name}: {len(devices)} x {devices[0].device_kind}; roles {_ROLES.value}", flush=True)
+    slices = None
+    if _ROLE_TOPOLOGIES.value:
+        if len(_ROLE_TOPOLOGIES.value) != 2:
+            raise app.UsageError(
+                f"--role_topologies={','.join(_ROLE_TOPOLOGIES.value)}: expected SAMPLER_TOPOLOGY,LEARNER_TOPOLOGY"
+            )
+        try:
+            slices = tuple(topology_devices(t) for t in _ROLE_TOPOLOGIES.value)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+    where = f" on slices {', '.join(_ROLE_TOPOLOGIES.value)}" if slices else ""
+    print(f"{name}: {len(devices)} x {devices[0].device_kind}; roles {_ROLES.value}{where}", flush=True)
     try:
-        spec = build.build_spec(_CONFIG.value, num_devices=len(devices), abstract=True)
+        spec, auto = resolve_auto_remat(
+            build.build_spec(_CONFIG.value, num_devices=len(devices), abstract=True), devices
+        )
         only = tuple(_PROGRAMS.value)
-        report = compile_roles(spec, devices, host_devices(name, devices), sampler_hosts, only)
+        report = compile_roles(spec, devices, host_devices(name, devices), sampler_hosts, only, slices)
     except (config_lib.ConfigError, ValueError) as e:
         raise app.UsageError(f"{e} (--roles={_ROLES.value} on --topology={name})") from None
     report["topology"], report["num_slices"] = name, _SLICES.value
+    if auto:
+        report["remat_auto"] = auto
+    if slices:
+        report["role_topologies"] = dict(zip(("sampler", "learner"), _ROLE_TOPOLOGIES.value))
     hbm = report["hbm_bytes_per_chip"]
     report["budget_fraction"] = _BUDGET.value
     for progs in report["roles"].values():

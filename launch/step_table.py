@@ -23,7 +23,9 @@ Beside the floor, the expected time: every program's roofline seconds times the 
 ``launch.bench_step`` report measured (``--calibration``, `step_time.Calibration`, with its device,
 date and commit); and the asynchronous schedule (`step_time.best_split`: a sampler group and a
 learner group of hosts overlapped, the fastest split whose roles fit in HBM), with each role's
-compiled per-chip memory where ``launch.aot --roles`` committed a report (``<config>__<topology>__roles-*``).
+compiled per-chip memory where ``launch.aot --roles`` committed a report (``<config>__<topology>__roles-*``);
+where those reports put the roles on slices of their own (``--role_topologies``), the weight push is
+priced over the data-center network.
 ``--docs`` rewrites the generated tables in README.md ("At pod scale") and docs/pod.md (section 7)
 between their ``<!-- launch.step_table:NAME -->`` markers.
 """
@@ -154,8 +156,9 @@ def largest_peak(report: dict) -> dict:
 
 def role_report(reports_dir: str, report_file: str, sampler_hosts: int) -> dict | None:
     """Per-chip compiled memory of each role from ``launch.aot --roles``'s report for this run and split
-    (``<report>__roles-<S>s<L>l.json``): the largest total per role and whether every program fits;
-    None when none is committed."""
+    (``<report>__roles-<S>s<L>l.json``): the largest total per role (``sampler``, ``learner``, ``push``:
+    ``program``, ``bytes``, ``fraction`` of HBM), whether every program fits, and ``role_topologies``
+    (the roles' own slices, {} when they are parts of the report's); None when none is committed."""
     with open(os.path.join(reports_dir, report_file)) as f:
         hosts = json.load(f)["hosts"]
     stem = os.path.splitext(report_file)[0]
@@ -168,7 +171,19 @@ def role_report(reports_dir: str, report_file: str, sampler_hosts: int) -> dict 
     for role, progs in r["roles"].items():
         name, p = max(progs.items(), key=lambda kv: kv[1]["total_bytes_per_chip"])
         out[role] = dict(program=name, bytes=p["total_bytes_per_chip"], fraction=p["fraction_of_hbm"])
-    return dict(report=os.path.basename(path), fits=r["fits"], **out)
+    return dict(report=os.path.basename(path), fits=r["fits"], role_topologies=r.get("role_topologies", {}), **out)
+
+
+def roles_apart(reports_dir: str, report_file: str) -> bool:
+    """Whether the committed ``launch.aot --roles`` reports of this run put the roles on slices of their
+    own (``--role_topologies``: libtpu refuses a program over part of the slice), so the weight push
+    crosses the data-center network."""
+    stem = os.path.splitext(report_file)[0]
+    for path in glob.glob(os.path.join(reports_dir, f"{glob.escape(stem)}__roles-*.json")):
+        with open(path) as f:
+            if json.load(f).get("role_topologies"):
+                return True
+    return False
 
 
 def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Calibration) -> dict:
@@ -192,7 +207,9 @@ def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Cal
     # the learner programs' activations beside the modelled resident arrays (their per-chip rows stay the same)
     progs = report["programs"]
     temp = dict(logprobs=progs["logprobs"]["temp_bytes"], gradient=progs["ppo_grad"]["temp_bytes"])
-    dcn = step_time.DCN_BYTES_PER_S_PER_HOST if report.get("num_slices", 1) > 1 else None
+    # the push crosses the data-center network between slices, or between the roles' own slices
+    apart = roles_apart(reports_dir, report_file)
+    dcn = step_time.DCN_BYTES_PER_S_PER_HOST if report.get("num_slices", 1) > 1 or apart else None
     splits = {}
     for name, factors in (("floor", None), ("expected", cal.factors)):
         splits[name] = step_time.best_split(m, shape, chip, factors, dcn, headroom=temp)
@@ -215,6 +232,7 @@ def pod_row(report: dict, report_file: str, reports_dir: str, cal: step_time.Cal
         chip_hours_expected=exp["run_hours"] * shape.chips,
         async_schedule=dict(
             push_link="DCN" if dcn else "ICI",
+            roles_apart=apart,
             best_expected=best,
             best_at_floor=at_floor,
             speedup_async_expected=best and best["speedup_async"],
@@ -343,37 +361,47 @@ def pod_table(table: list[dict], cal: step_time.Calibration) -> str:
     return "\n".join(lines)
 
 
+def _compiled(aot: dict | None, role: str) -> str:
+    """One role's compiled per-chip peak cell: ``program X GiB (share)``, flagged when over the budget."""
+    if not aot:
+        return "not compiled"
+    r = aot[role]
+    over = "" if aot["fits"][role] else ", over the 90% budget"
+    return f"{r['program']} {r['bytes'] / GiB:.1f} GiB ({r['fraction']:.0%}{over})"
+
+
 def async_table(table: list[dict]) -> str:
-    """The asynchronous schedule's table (markdown): the best split by expected time, synchronous vs
-    asynchronous iteration at the floor and expected, and each role's compiled memory."""
+    """The asynchronous schedule's table (markdown): the best split by expected time (and the slices
+    its roles were compiled on), synchronous vs asynchronous iteration at the floor and expected, the
+    modelled memory, and each role's compiled per-chip peak (``launch.aot --roles``)."""
     lines = [
         "| config | slice | split: sampler + learner hosts | sampler / learner / weight push s per iteration, expected "
-        "| iteration s, synchronous / asynchronous: floor | expected | per-chip memory by role, sampler / learner "
-        "(modelled; compiled) |",
-        "|---|---|---|---|---|---|---|",
+        "| iteration s, synchronous / asynchronous: floor | expected | modelled per-chip memory, sampler / learner "
+        "| sampler, compiled per chip (share of HBM) | learner, compiled | weight push, compiled (a learner chip) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         a = r["async_schedule"]
         b, f = a["best_expected"], a["best_at_floor"]
         if b is None:
-            lines.append(f"| {_name(r['config'])} | {r['slice']} | no split fits | | | | |")
+            lines.append(f"| {_name(r['config'])} | {r['slice']} | no split fits | | | | | | | |")
             continue
         mem = b["memory_bytes_per_chip"]
         learner = max(mem["logprobs"], mem["gradient"])
         aot = a["aot"]
-        compiled = "not compiled"
-        if aot:
-            compiled = " / ".join(
-                f"{aot[k]['program']} {aot[k]['bytes'] / GiB:.1f} GiB ({aot[k]['fraction']:.0%})"
-                for k in ("sampler", "learner")
-            )
+        split = f"{b['sampler_hosts']} + {b['learner_hosts']}"
+        if aot and aot["role_topologies"]:
+            t = aot["role_topologies"]
+            split += f" (slices of their own: {t['sampler']} + {t['learner']})"
         slower = " (synchronous is faster)" if b["speedup_async"] < 1 else ""
         lines.append(
-            f"| {_name(r['config'])} | {r['slice']} | {b['sampler_hosts']} + {b['learner_hosts']} | "
+            f"| {_name(r['config'])} | {r['slice']} | {split} | "
             f"{b['sampler_s']:.0f} / {b['learner_s']:.0f} / {b['push_s']:.2f} ({a['push_link']}) | "
             f"{f['synchronous_s']:.0f} / {f['iteration_s']:.0f} ({f['speedup_async']:.2f}x) | "
             f"{b['synchronous_s']:.0f} / {b['iteration_s']:.0f} ({b['speedup_async']:.2f}x){slower} | "
-            f"{mem['sampler'] / GiB:.1f} / {learner / GiB:.1f} GiB; {compiled} |"
+            f"{mem['sampler'] / GiB:.1f} / {learner / GiB:.1f} GiB | "
+            + " | ".join(_compiled(aot, k) for k in ("sampler", "learner", "push"))
+            + " |"
         )
     return "\n".join(lines)
 

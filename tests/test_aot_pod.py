@@ -18,6 +18,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLE_REPORTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "aot", "*__roles-*.json")))
+REMAT_REPORTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "aot", "remat", "*.json")))
+HOSTS = {"v5e:4x4": (4, 4), "v5e:8x8": (16, 4), "v5p:2x2x4": (4, 4)}  # topology -> (hosts, chips per host)
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason='needs libtpu (pip install -e ".[tpu]")'
 )
@@ -122,6 +124,55 @@ def test_a_tiny_disaggregated_run_compiles_each_role_and_the_push(tmp_path):
     assert st["iteration_s"] == pytest.approx(max(st["sampler_s"], st["learner_s"]) + st["push_s"])
 
 
+def test_role_slices_must_hold_each_roles_hosts_of_the_slices_chips():
+    from types import SimpleNamespace
+
+    from bipace_jax.aot import role_slices
+
+    def chips(hosts, per_host=4, kind="TPU v5 lite"):
+        return [SimpleNamespace(process_index=h, device_kind=kind) for h in range(hosts) for _ in range(per_host)]
+
+    whole = chips(16)
+    role_slices(whole, 2, chips(2), chips(14))  # v5e:8x8 as v5e:2x4 + v5e:4x14
+    with pytest.raises(ValueError, match=r"the sampler slice must be 2 hosts of 4 x TPU v5 lite, got 1 hosts, 4 x"):
+        role_slices(whole, 2, chips(1), chips(14))
+    with pytest.raises(ValueError, match=r"the learner slice must be 14 hosts"):
+        role_slices(whole, 2, chips(2), chips(16))
+    with pytest.raises(
+        ValueError, match=r"the learner slice must be 14 hosts of 4 x TPU v5 lite, got 14 hosts, 56 x TPU v5"
+    ):
+        role_slices(whole, 2, chips(2), chips(14, kind="TPU v5"))
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_roles_on_slices_of_their_own_push_over_the_data_center_network(tmp_path):
+    from bipace_jax import step_time
+
+    args = [f"--config.{k}={v}" for k, v in MESH.items()] + ["--config.ppo.micro_batch_rows=1"]
+    cmd = [
+        sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=v5e:4x4", "--roles=sampler:2,learner:2",
+        "--programs=ppo_apply,push_gather", *args,
+    ]  # fmt: skip
+    bad = subprocess.run([*cmd, "--role_topologies=v5e:2x2,v5e:2x4"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env=LIBTPU_ENV)  # fmt: skip
+    assert bad.returncode != 0 and "the sampler slice must be 2 hosts of 4 x TPU v5 lite, got 1 hosts" in bad.stderr
+    proc = subprocess.run([*cmd, "--role_topologies=v5e:2x4,v5e:2x4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=LIBTPU_ENV)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.load(open(tmp_path / "textcraft_tiny__v5e-4x4__roles-2s2l.json"))
+    assert r["role_topologies"] == {"sampler": "v5e:2x4", "learner": "v5e:2x4"} and r["push_link"] == "DCN"
+    # the push's compiled part gathers over the learner slice alone, beside a learner chip's arrays
+    assert r["meshes"]["push"] == r["meshes"]["learner"] == {"data": 1, "fsdp": 2, "tensor": 4}
+    push = r["roles"]["push"]["push_gather"]
+    assert push["other_resident_bytes"] == sum(r["resident_bytes_per_chip"]["learner"].values())
+    assert r["fits"] == {"sampler": True, "learner": True, "push": True}
+    # its time: a sampler chip's tensor shard of the bf16 model at a host's DCN share (25 GB/s / 4 chips)
+    st = r["step_time"]
+    want = 2 * r["model"]["params"] / 4 / (step_time.DCN_BYTES_PER_S_PER_HOST / 4)
+    assert st["push_s"] == pytest.approx(want, rel=1e-2)
+
+
 @pytest.mark.parametrize("path", ROLE_REPORTS, ids=[os.path.basename(p) for p in ROLE_REPORTS])
 def test_committed_role_reports_fit_each_role_within_the_budget(path):
     r = json.load(open(path))
@@ -138,6 +189,14 @@ def test_committed_role_reports_fit_each_role_within_the_budget(path):
     # the learner's mesh is its hosts' chips, FSDP over them
     m = r["meshes"]["learner"]
     assert m["data"] * m["fsdp"] * m["tensor"] == r["learner_hosts"] * r["chips"] // r["hosts"]
+    # roles on slices of their own: the push gathers over the learner slice and crosses DCN
+    if r.get("role_topologies"):
+        assert r["meshes"]["push"] == m and r["push_link"] == "DCN"
+        push = r["step_time"]["push"]
+        link = 25e9 / (r["chips"] // r["hosts"])  # a host's DCN share a chip
+        assert push["seconds"] == pytest.approx(
+            max(push["received_bytes_per_chip"], push["sent_bytes_per_chip"]) / link
+        )
 
 
 @pytest.mark.slow
@@ -189,9 +248,19 @@ def test_the_remat_search_compiles_the_gradient_under_each_policy(tmp_path):
         "--config.model.scan_layers=True", "--config.ppo.micro_batch_rows=16", "--programs=ppo_apply",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "launch.aot", f"--out={tmp_path}", "--topology=cpu:8", "--remat_search", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # model.remat=auto: the plan resolves it at the devices' memory (a CPU device's share of this machine's)
+    proc = subprocess.run([*cmd, "--config.model.remat=auto"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["remat_search"]
+    report = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))
+    auto, r = report["remat_auto"], report["remat_search"]
+    assert auto["resolved"] == report["model"]["remat"] == "none" and "model.remat=auto -> none" in proc.stdout
+    assert auto["cutoff_bytes"] == pytest.approx(0.8 * report["hbm_bytes_per_chip"])
+    # the estimate orders the policies as the compile does, and picks what the compile picks
+    est = {k: v["bytes_per_chip"] for k, v in r["estimate"].items()}
+    assert est == {k: int(v) for k, v in auto["bytes"].items()} and est["none"] > est["save_dots"] > est["full"]
+    assert r["estimate_chosen"] == r["chosen"] == "none" and r["estimate_matches_compile"]
+    alone = json.load(open(tmp_path / "remat" / "textcraft_tiny__cpu-8.json"))
+    assert alone["chosen"] == "none" and alone["policies"] == r["policies"] and alone["topology"] == "cpu:8"
     p = r["policies"]
     # less kept, more recomputed: temporaries fall and FLOPs rise from none to save_dots to full
     assert p["none"]["temp_bytes"] > p["save_dots"]["temp_bytes"] > p["full"]["temp_bytes"]
@@ -206,3 +275,34 @@ def test_the_remat_search_compiles_the_gradient_under_each_policy(tmp_path):
     r = json.load(open(tmp_path / "textcraft_tiny__cpu-8.json"))["remat_search"]
     want = "save_dots" if r["policies"]["save_dots"]["total_bytes_per_chip"] <= budget * hbm else "full"
     assert r["chosen"] == want
+
+
+@pytest.mark.parametrize("path", REMAT_REPORTS, ids=[os.path.basename(p) for p in REMAT_REPORTS])
+def test_committed_remat_searches_agree_with_the_plans_estimate(path):
+    # `launch.aot --remat_search` on a paper slice: the compile's choice, and model.remat="auto"'s (the
+    # plan's estimate, recomputed here without compiling) beside it
+    import dataclasses
+
+    from bipace_jax import build
+    from bipace_jax import plan as plan_lib
+
+    r = json.load(open(path))
+    c = importlib.import_module(f"configs.{r['config']}").get_config()
+    for k, v in r["overrides"].items():
+        section, field = k.split(".")
+        c[section][field] = int(v)
+    hosts, per_host = HOSTS[r["topology"]]
+    hosts *= r["num_slices"]  # slices joined over DCN: their hosts together
+    spec = build.build_spec(c, num_devices=hosts * per_host, abstract=True)
+    full = dataclasses.replace(spec, model=dataclasses.replace(spec.model, remat="full"))
+    p = plan_lib.plan(full, plan_lib.HostLayout.of(full, hosts, hosts * per_host, per_host))
+    est = plan_lib.remat_estimate(full, p)
+    assert {k: int(v) for k, v in est.items()} == {k: v["bytes_per_chip"] for k, v in r["estimate"].items()}
+    assert plan_lib.resolve_remat(est, r["hbm_bytes_per_chip"]) == r["estimate_chosen"]
+    # the compile's choice: the least recompute that compiled within the budget
+    budget = r["budget_fraction"]
+    fits = [k for k, v in r["policies"].items() if v["compiles"] and v["fraction_of_hbm"] <= budget]
+    assert r["chosen"] == fits[0] and r["estimate_matches_compile"] == (r["chosen"] == r["estimate_chosen"])
+    # less kept, more recomputed: FLOPs rise from policy to policy among those that compiled
+    flops = [v["flops"] for v in r["policies"].values() if v["compiles"]]
+    assert flops == sorted(flops)

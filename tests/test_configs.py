@@ -175,7 +175,7 @@ def test_command_line_overrides_reach_nested_fields():
             "tf32",
             "config.model.matmul_precision must be one of ['default', 'high', 'highest'], got 'tf32'",
         ),
-        ("model.remat", "dots", "config.model.remat must be one of ['none', 'full', 'save_dots'], got 'dots'"),
+        ("model.remat", "dots", "config.model.remat must be one of ['none', 'full', 'save_dots', 'auto'], got 'dots'"),
         ("ppo.logprob_chunk", -1, "config.ppo.logprob_chunk must be an int >= 0, got -1"),
         ("ppo.dual_clip", 0.5, "config.ppo.dual_clip must be > 1 (None or, in a run config, 0 = off), got 0.5"),
         ("ppo.mini_batch_rows", 10, "config.ppo.mini_batch_rows must be a multiple of ppo.micro_batch_rows"),

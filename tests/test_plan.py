@@ -167,3 +167,50 @@ def test_the_committed_aot_reports_are_compiled_at_the_plans_shapes(path):
         assert {k: shape[k] for k in committed} == {
             k: tuple(v) if isinstance(v, list) else v for k, v in committed.items()
         }
+
+
+def test_remat_auto_takes_the_least_recompute_whose_estimate_fits_80_percent_of_hbm():
+    from bipace_jax.plan import REMAT_AUTO_BUDGET, remat_estimate, resolve_remat
+
+    estimate = {"none": 90, "save_dots": 70, "full": 50}
+    assert REMAT_AUTO_BUDGET == 0.8
+    assert resolve_remat(estimate, 200) == "none"
+    assert resolve_remat(estimate, 100) == "save_dots"  # cutoff 80
+    assert resolve_remat(estimate, 80) == "full"  # cutoff 64
+    assert resolve_remat(estimate, 50) == "full"  # nothing fits: the least memory (launch.aot says it does not)
+    assert resolve_remat(estimate, 0) == "none"  # CPU: host memory
+    # 1.5B ALFWorld on v5e:4x4 (16 GiB chips): the estimate (step_time.update_memory) is 19.8 / 12.9 / 6.7 GiB
+    spec = _spec("alfworld_qwen2_5_1_5b", **{"model.remat": "auto"})
+    layout = _layout(spec, "v5e:4x4")
+    p = plan(spec, layout, hbm_bytes=16 << 30)
+    est = remat_estimate(spec, p)
+    assert [round(est[k] / 2**30, 1) for k in ("none", "save_dots", "full")] == [19.8, 12.9, 6.7]
+    assert p.remat == "full" and p.remat_estimate["bytes"] == est
+    assert p.remat_estimate["cutoff_bytes"] == 0.8 * (16 << 30)
+    assert p.run_shape(spec.model).remat == "full" and p.summary()["remat"] == "full"
+    # a 95 GB chip (v5p) holds every activation: none
+    assert plan(spec, layout, hbm_bytes=95 * 10**9).remat == "none"
+    # a configured policy is the plan's as it is, with no estimate
+    fixed = plan(_spec("alfworld_qwen2_5_1_5b"), layout)
+    assert fixed.remat == "full" and fixed.remat_estimate == {}
+
+
+def test_remat_auto_on_cpu_is_none_and_the_learner_sets_it_on_the_actor():
+    import jax
+
+    from bipace_jax import sharding
+    from bipace_jax.models.config import Remat
+
+    spec = _spec("textcraft_tiny", **{"model.remat": "auto"})
+    assert spec.model.remat == "auto"
+    assert plan(spec, _layout(spec, "cpu:1")).remat == "none"  # hbm from the CPU device: 0
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    assert build.resolved_remat(spec, mesh, None) == "none"
+    # the actor holds the least-memory policy until the learner resolves "auto"
+    arch = build.actor_architecture(spec.model, spec.model.vocab_size)
+    actor = build.init_actor(spec.model, arch)
+    assert actor.remat_policy is Remat.FULL
+    build.ppo_learner(spec, actor, mesh, mesh, support=spec.model.vocab_size)
+    assert actor.remat_policy is Remat.NONE
+    with pytest.raises(ConfigError, match=r"config.model.remat must be one of \['none', 'full', 'save_dots', 'auto'\]"):
+        _spec("textcraft_tiny", **{"model.remat": "some"})

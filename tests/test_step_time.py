@@ -338,3 +338,24 @@ def test_calibration_takes_the_median_measured_over_modelled_ratio_per_program()
     assert c.expected({"logprobs": 0.5, "sync": 2.0}) == {"logprobs": 3.0, "sync": 2.0}
     with pytest.raises(ValueError, match="no provenance"):
         Calibration.from_report({"presets": {}})
+
+
+def test_the_update_memory_estimate_hand_case():
+    # H 8, Q 2 x 4 = 8, KV 4, I 16, L 2, V 10 tied; P = 2 x (576 matmul + 8 + 8 + 16) + 80 + 8 = 1304.
+    # tensor 2: Q 4, KV 2, I 8 a chip; 4 rows over 2 batch shards: 2 rows x (6 + 2) = 16 tokens a chip.
+    # kept per token (bf16): full H = 8; save_dots 3H + Q + 2KV + 2I = 48; none 6H + 3Q + 3KV + 4I = 98
+    m = step_time.ModelShape(8, 16, 2, 2, 1, 4, 10, True)
+    r = step_time.RunShape(
+        chips=4, hosts=1, fsdp=2, tensor=2, sampler_tensor=2, prompt_tokens=6, response_tokens=2,
+        games_per_host=1, turns=1, micro_batch_rows=4, logprob_rows_per_host=1, mini_batch_rows=4,
+    )  # fmt: skip
+    assert m.params == 1304
+    # state 16 x 1304 / 4 + the reference's 2 x 1304 / 2; working: 2 x 16 x 98 x 2 + 2 x 576 x 2 / 2
+    # + the head 10 x 8 x 2 / 2 + 3 x 2 rows x 4 chunk x 10 x 4 B
+    state, working = 5216 + 1304, 6272 + 1152 + 80 + 960
+    for policy, saved in (("full", 2 * 16 * 8 * 2), ("save_dots", 2 * 16 * 48 * 2), ("none", 2 * 16 * 98 * 2)):
+        e = step_time.update_memory(m, r, policy, reference=True, logprob_chunk=4)
+        assert e == dict(state=state, saved=saved, working=working, total=state + saved + working), policy
+    assert step_time.update_memory(m, r, "full", reference=False, logprob_chunk=4)["state"] == 5216
+    with pytest.raises(ValueError, match="remat must be one of"):
+        step_time.update_memory(m, r, "auto", reference=True, logprob_chunk=4)

@@ -156,6 +156,24 @@ def test_the_committed_tables_are_generated_from_the_committed_reports():
     assert 1.25 < best["speedup_async"] < 1.45
 
 
+def test_every_committed_slice_shows_its_splits_compiled_memory_per_role_within_the_budget():
+    # issue 39: each row of the asynchronous table has `launch.aot --roles` memory per chip for the split it shows
+    import json
+    import os
+
+    from launch._common import ROOT
+
+    committed = json.load(open(os.path.join(ROOT, "benchmarks", "step_time.json")))
+    for row in committed["rows"]:
+        a = row["async_schedule"]
+        best, aot = a["best_expected"], a["aot"]
+        assert aot is not None, row["report"]
+        assert aot["report"] == row["report"][:-5] + f"__roles-{best['sampler_hosts']}s{best['learner_hosts']}l.json"
+        assert all(aot["fits"].values()) and all(aot[k]["fraction"] <= 0.9 for k in ("sampler", "learner", "push"))
+        # roles on slices of their own push over DCN, as the row's model prices it
+        assert a["push_link"] == ("DCN" if aot["role_topologies"] or row["slice"].startswith("2 x") else "ICI")
+
+
 def test_replace_marked_names_missing_markers():
     from launch import step_table
 
@@ -198,3 +216,10 @@ def test_role_report_reads_each_roles_largest_program(tmp_path):
     assert r["report"] == "x__v5e-4x4__roles-1s3l.json" and r["fits"] == fits
     assert r["sampler"] == {"program": "prefill", "bytes": 5, "fraction": 0.3}
     assert r["learner"] == {"program": "logprobs", "bytes": 10, "fraction": 0.6}
+    assert r["push"] == {"program": "push_gather", "bytes": 3, "fraction": 0.2} and r["role_topologies"] == {}
+    assert not step_table.roles_apart(str(tmp_path), "x__v5e-4x4.json")
+    # roles compiled on slices of their own: the push crosses the data-center network
+    apart = {"roles": roles, "fits": fits, "role_topologies": {"sampler": "v5e:2x2", "learner": "v5e:2x4"}}
+    (tmp_path / "x__v5e-4x4__roles-1s3l.json").write_text(json.dumps(apart))
+    assert step_table.role_report(str(tmp_path), "x__v5e-4x4.json", 1)["role_topologies"]["learner"] == "v5e:2x4"
+    assert step_table.roles_apart(str(tmp_path), "x__v5e-4x4.json")
