@@ -147,6 +147,7 @@ class SamplerThread:
         self._ready: dict[int, Any] = {}
         self._error: BaseException | None = None
         self._stop = False
+        self._finished = False  # the loop has returned: a take of an iteration it never played wakes
         self.started: list[tuple[int, int]] = []
         self.transfer_stats: dict[str, float] = {}  # in one process nothing crosses between processes
         self._thread = threading.Thread(target=self._loop, name="bipace-sampler", daemon=True)
@@ -169,15 +170,22 @@ class SamplerThread:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+        finally:  # e.g. the source closed (a failed weight pull by process): a waiting take raises
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
 
     def take(self, iteration: int) -> Any:
         """Iteration ``iteration``'s result, waiting for the thread to play it.
 
         Raises:
-          the thread's exception, if it failed; RuntimeError: the thread stopped first.
+          the thread's exception, if it failed; RuntimeError: the thread stopped first (`close`, or
+          the source closed before the iteration's version came).
         """
         with self._cond:
-            self._cond.wait_for(lambda: iteration in self._ready or self._error is not None or self._stop)
+            self._cond.wait_for(
+                lambda: iteration in self._ready or self._error is not None or self._stop or self._finished
+            )
             if iteration in self._ready:
                 return self._ready.pop(iteration)
             if self._error is not None:

@@ -237,6 +237,29 @@ def test_a_sampler_failure_reaches_the_learner():
     assert not any(t.name == "bipace-sampler" and t.is_alive() for t in threading.enumerate())
 
 
+def test_a_closed_policy_source_ends_take_instead_of_hanging():
+    # by process the weight receiver closes the source when a pull fails; the sampler process's main
+    # thread waits in take(j) and must wake to raise the pull's error (async_processes.SamplerProcess.run)
+    source = async_rl.PolicySource(None, None)
+    th = async_rl.SamplerThread(lambda j, key: j, source, 0, 3, jax.random.PRNGKey(0), 0)
+    got = {}
+
+    def take():
+        try:
+            got["result"] = th.take(0)
+        except RuntimeError as e:
+            got["error"] = str(e)
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    time.sleep(0.2)  # the sampler thread waits for version 0, the main thread in take(0)
+    source.close()
+    waiter.join(10.0)
+    assert not waiter.is_alive(), "take(0) still waiting after the policy source closed"
+    assert got == {"error": "async_rl: the sampler stopped before iteration 0"}
+    th.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # Whole runs on 8 CPU devices (subprocesses: JAX reads the device count once).
 
