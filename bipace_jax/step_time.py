@@ -920,7 +920,8 @@ def update_memory(
     the fused attention keeps no [T, T] scores), in the compute dtype, Q, KV and I split over
     ``tensor``; ``working`` = the layer being differentiated (twice its ``none`` activations: values
     and their gradients), one layer's gathered weights twice (FSDP prefetch) and the gathered LM head,
-    and the fp32 logits of one ``logprob_chunk`` of tokens (three copies: logits, softmax, gradient).
+    and the fp32 logits of one ``logprob_chunk`` of tokens (0: all ``response_tokens`` at once, as
+    ``ppo.logprob_chunk=0`` runs; three copies: logits, softmax, gradient).
     ``total`` sums them. Leaves out XLA's fusion buffers and layout padding, hence a margin where it is used.
 
     Raises:
@@ -938,8 +939,9 @@ def update_memory(
     state = 16 * m.params / (r.fsdp * t) + (b * m.params / r.sampler_tensor if reference else 0)
     saved = m.num_hidden_layers * tokens * kept * b
     head = m.vocab_size * h * b / t
+    head_positions = logprob_chunk or r.response_tokens  # 0: the LM head over every response position at once
     working = (
-        2 * tokens * every * b + 2 * m.layer_matmul_params * b / t + head + 3 * rows * logprob_chunk * m.vocab_size * 4
+        2 * tokens * every * b + 2 * m.layer_matmul_params * b / t + head + 3 * rows * head_positions * m.vocab_size * 4
     )
     return dict(state=state, saved=saved, working=working, total=state + saved + working)
 

@@ -357,5 +357,10 @@ def test_the_update_memory_estimate_hand_case():
         e = step_time.update_memory(m, r, policy, reference=True, logprob_chunk=4)
         assert e == dict(state=state, saved=saved, working=working, total=state + saved + working), policy
     assert step_time.update_memory(m, r, "full", reference=False, logprob_chunk=4)["state"] == 5216
+    # ppo.logprob_chunk=0 (the base config's): the LM head over all 2 response positions at once,
+    # 3 x 2 rows x 2 positions x 10 x 4 B of fp32 logits, not none
+    e = step_time.update_memory(m, r, "full", reference=True, logprob_chunk=0)
+    assert e["working"] == 6272 + 1152 + 80 + 3 * 2 * 2 * 10 * 4
+    assert e == step_time.update_memory(m, r, "full", reference=True, logprob_chunk=2)
     with pytest.raises(ValueError, match="remat must be one of"):
         step_time.update_memory(m, r, "auto", reference=True, logprob_chunk=4)
