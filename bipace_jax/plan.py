@@ -24,6 +24,7 @@ from bipace_jax import distributed, step_time
 from bipace_jax.buckets import Buckets
 from bipace_jax.config import ConfigError, MeshConfig, OldLogprobs, check_tensor_in_host, fail
 from bipace_jax.models import Qwen2Config
+from bipace_jax.models.config import DType
 
 __all__ = [
     "PANELS",
@@ -344,7 +345,8 @@ def device_hbm_bytes(device: Any) -> int:
 def remat_estimate(spec: Any, run_plan: RunPlan) -> dict[str, float]:
     """Each ``model.remat`` policy's estimated gradient program bytes per chip at ``run_plan``'s shapes
     (`step_time.update_memory`: state, the layers' saved activations, the layer being differentiated),
-    the model's sizes from its preset (the tiny preset's from ``model``'s fields)."""
+    the model's sizes from its preset (the tiny preset's from ``model``'s fields), its activations in
+    ``model.dtype``."""
     m = spec.model
     if m.preset == "tiny":
         arch = Qwen2Config.tiny(
@@ -354,7 +356,8 @@ def remat_estimate(spec: Any, run_plan: RunPlan) -> dict[str, float]:
     else:
         arch = Qwen2Config.preset(m.preset)
     shape, model = run_plan.run_shape(m), step_time.ModelShape.of(arch)
-    kw = dict(reference=spec.loss.kl_coef > 0, logprob_chunk=spec.learner.logprob_chunk)
+    compute_bytes = DType(m.dtype).jnp.itemsize  # activations, the gathered weights and the head
+    kw = dict(reference=spec.loss.kl_coef > 0, logprob_chunk=spec.learner.logprob_chunk, compute_bytes=compute_bytes)
     return {p: step_time.update_memory(model, shape, p, **kw)["total"] for p in step_time.REMAT_POLICIES}
 
 

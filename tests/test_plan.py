@@ -195,6 +195,20 @@ def test_remat_auto_takes_the_least_recompute_whose_estimate_fits_80_percent_of_
     assert fixed.remat == "full" and fixed.remat_estimate == {}
 
 
+def test_remat_estimate_counts_activations_in_the_models_compute_dtype():
+    from bipace_jax.plan import remat_estimate
+
+    # the policies differ only in the saved activations, which are in model.dtype: fp32 doubles bf16's
+    est = {}
+    for dtype in ("bfloat16", "float32"):
+        spec = _spec("alfworld_qwen2_5_1_5b", **{"model.remat": "auto", "model.dtype": dtype})
+        est[dtype] = remat_estimate(spec, plan(spec, _layout(spec, "v5e:4x4"), hbm_bytes=16 << 30))
+    for policy in ("none", "save_dots"):
+        gap = {d: e[policy] - e["full"] for d, e in est.items()}
+        assert gap["float32"] == pytest.approx(2 * gap["bfloat16"]), policy
+    assert est["float32"]["full"] > est["bfloat16"]["full"]  # the layer being differentiated, the head
+
+
 def test_remat_auto_on_cpu_is_none_and_the_learner_sets_it_on_the_actor():
     import jax
 
