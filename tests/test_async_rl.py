@@ -260,6 +260,39 @@ def test_a_closed_policy_source_ends_take_instead_of_hanging():
     th.close()
 
 
+def test_a_failed_weight_pull_ends_the_sampler_process_with_its_error(monkeypatch):
+    # SamplerProcess.run with its weight receiver failing before version 0 arrives (no model, no store)
+    class FailingReceiver:
+        def __init__(self, address, like, source, first, last):
+            self.pull_s, self.error = {}, ConnectionError("pull of version 0 failed")
+            source.close()  # as _WeightReceiver does on a failed pull
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(async_processes, "_WeightReceiver", FailingReceiver)
+    monkeypatch.setattr(async_processes, "_client", lambda: None)
+    c = configs.textcraft_tiny.get_config()
+    c.num_iterations = 2
+    sp = object.__new__(async_processes.SamplerProcess)
+    sp.spec, sp.like, sp.source = build.build_spec(c), None, async_rl.PolicySource(None, None)
+    sp.start = dict(iteration=0, task_cursor=0, rng=[0, 0], address="")
+    sp.pool = type("Pool", (), {"close": lambda self: None})()
+    got = {}
+
+    def run():
+        try:
+            sp.run()
+        except ConnectionError as e:
+            got["error"] = str(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(10.0)
+    assert not runner.is_alive(), "the sampler process still waits after its weight pull failed"
+    assert got == {"error": "pull of version 0 failed"}
+
+
 # ------------------------------------------------------------------------------------------------
 # Whole runs on 8 CPU devices (subprocesses: JAX reads the device count once).
 
