@@ -529,6 +529,8 @@ class Trainer:
             summary["plots"] = make_plots(self.workdir, **temps, grouping=grouping)
         if s.checkpoint.export_hf:  # every process: the global master parameters are gathered for process 0
             summary["hf_export"] = self.export_hf(os.fspath(runfolder.path(self.workdir) / "hf_final"))
+        if s.async_rl.by_process:  # done: the sampler process may leave (a failure instead ends it, named)
+            self.policy.close()
         return summary
 
     # ------------------------------------------------------------------------------------------
@@ -574,7 +576,7 @@ class Trainer:
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()
-        if self.policy is not None:  # by process: the sampler process may leave
+        if self.policy is not None and not self.spec.async_rl.by_process:  # by process: `run` closes it at its end
             self.policy.close()
         self.metrics.close()
         self.checkpointer.close()

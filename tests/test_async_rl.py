@@ -491,8 +491,8 @@ def test_without_a_policy_every_row_is_version_0():
 # ------------------------------------------------------------------------------------------------
 # Roles by process: `launch.train` on 2 jax.distributed processes of 1 CPU device, 0 learns, 1 samples.
 
-# launch.train, with the learner SIGKILLed when it offers version KILL_AT (-1: never), and the sampler's
-# rollouts raising when FAIL_PLAY is set.
+# launch.train, with the learner SIGKILLed when it offers version KILL_AT (-1: never), the sampler's
+# rollouts raising when FAIL_PLAY is set, and the learner's last checkpoint raising when FAIL_END is set.
 _LAUNCH = r"""
 import os, signal, sys
 from bipace_jax import async_processes
@@ -511,6 +511,17 @@ def failing_play(self, j, key):
 async_processes.WeightSender.publish = killing_publish
 if os.environ.get("FAIL_PLAY"):
     async_processes.SamplerProcess._play = failing_play
+if os.environ.get("FAIL_END"):  # the learner fails in its last checkpoint (the sampler has sent every row)
+    from bipace_jax import trainer
+
+    save = trainer.Trainer.save_checkpoint
+
+    def failing_save(self):
+        if self.iteration == self.spec.num_iterations:
+            raise RuntimeError("injected: the learner failed after its last iteration")
+        return save(self)
+
+    trainer.Trainer.save_checkpoint = failing_save
 sys.argv = ["launch.train", *sys.argv[1:]]
 cli.run(train.main, hard_exit=True)
 """
@@ -630,3 +641,15 @@ def test_a_failing_sampler_process_stops_the_learner_naming_it(jax_cache, tmp_pa
     line = "error: process 1 of 2 failed: RuntimeError: injected: the game crashed in iteration 0; process 0 stops too"
     assert rc0 == 1 and line in err0, err0[-3000:]  # the learner waited for iteration 0's rows
     assert not os.path.exists(os.path.join(w, "metrics.jsonl")) or _train_rows(w) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_learner_failing_after_the_last_rows_stops_the_sampler_naming_it(jax_cache, tmp_path):
+    # the sampler has sent every row and waits for the learner to close: a failure, not a close
+    w = str(tmp_path / "run")
+    (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=0, FAIL_END="1")
+    assert rc0 == 1 and "error: RuntimeError: injected: the learner failed after its last iteration" in err0, err0
+    line = "error: process 0 of 2 failed: RuntimeError: injected: the learner failed after its last iteration"
+    assert rc1 == 1 and line + "; process 1 stops too" in err1, err1[-3000:]
+    assert [r["iteration"] for r in _train_rows(w)] == [0, 1, 2]
