@@ -91,7 +91,7 @@ START_KEY = _PREFIX + "start"
 POLICY_KEY = _PREFIX + "policy/{}"  # version v offered for pull
 ROWS_KEY = _PREFIX + "rows/{}"  # iteration j's rows (bytes)
 READY_KEY = _PREFIX + "rows_ready/{}"  # ... complete, with the sampler's numbers (JSON)
-DONE_KEY = _PREFIX + "done"  # the learner closed: the sampler may leave
+DONE_KEY = _PREFIX + "done"  # the learner finished its run: the sampler may leave (a failure: failures_shared)
 
 
 def enter_role(spec: Any) -> str | None:
@@ -251,7 +251,8 @@ class WeightSender:
         _client().key_value_set(POLICY_KEY.format(int(version)), "")
 
     def close(self) -> None:
-        """The learner is done: the sampler process may leave."""
+        """The learner finished its run (`Trainer.run`'s end): the sampler process may leave. Not
+        called on a failure, which ends the sampler process naming it (`distributed.failures_shared`)."""
         try:
             _client().key_value_set(DONE_KEY, "")
         except Exception:  # noqa: BLE001 (set already, or the store is gone at exit)
