@@ -34,6 +34,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -627,7 +628,8 @@ def resolved_remat(spec: RunSpec, mesh, local_mesh) -> str:
     tensor = (local_mesh or mesh).shape["tensor"]
     shape = (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])
     layout = plan_lib.HostLayout(hosts, len(devices), len(devices) // hosts, *shape, tensor)
-    return plan_lib.plan(spec, layout, hbm_bytes=plan_lib.device_hbm_bytes(devices[0])).remat
+    mine = [d for d in devices if d.process_index == jax.process_index()] or devices  # this process can ask
+    return plan_lib.plan(spec, layout, hbm_bytes=plan_lib.device_hbm_bytes(mine[0])).remat
 
 
 def ppo_learner(spec: RunSpec, actor: Qwen2Actor, mesh, local_mesh, *, support: int) -> PPOLearner:

@@ -332,11 +332,15 @@ def device_hbm_bytes(device: Any) -> int:
     chip's data sheet (`step_time.chip_for`); 0 for a CPU device (host memory: ample for ``"auto"``).
 
     Raises:
-      ValueError: an accelerator that reports no limit and whose kind the data sheets do not name.
+      ValueError: an accelerator that reports no limit (or whose allocator this process cannot ask)
+        and whose kind the data sheets do not name.
     """
     if device.platform == "cpu":
         return 0
-    stats = device.memory_stats() or {}
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # another process's device, or a topology description's: the data sheet says it
+        stats = {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return step_time.chip_for(device.device_kind).hbm_bytes
@@ -445,6 +449,6 @@ def plan(
     if out.remat != "auto":
         return out
     estimate = remat_estimate(spec, dataclasses.replace(out, remat="full"))
-    hbm = device_hbm_bytes(jax.devices()[0]) if hbm_bytes is None else hbm_bytes
+    hbm = device_hbm_bytes(jax.local_devices()[0]) if hbm_bytes is None else hbm_bytes
     info = dict(hbm_bytes=hbm, cutoff_bytes=REMAT_AUTO_BUDGET * hbm, bytes=estimate)
     return dataclasses.replace(out, remat=resolve_remat(estimate, hbm), remat_estimate=info)

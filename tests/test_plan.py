@@ -228,3 +228,21 @@ def test_remat_auto_on_cpu_is_none_and_the_learner_sets_it_on_the_actor():
     assert actor.remat_policy is Remat.NONE
     with pytest.raises(ConfigError, match=r"config.model.remat must be one of \['none', 'full', 'save_dots', 'auto'\]"):
         _spec("textcraft_tiny", **{"model.remat": "some"})
+
+
+def test_hbm_of_a_device_this_process_cannot_ask_comes_from_the_data_sheet():
+    from bipace_jax import step_time
+    from bipace_jax.plan import device_hbm_bytes
+
+    class Remote:  # another process's chip (or a topology description's): its allocator is not ours to ask
+        platform, device_kind = "tpu", "TPU v5 lite"
+
+        def memory_stats(self):
+            raise RuntimeError("memory_stats is only supported for addressable devices")
+
+    class Local(Remote):
+        def memory_stats(self):
+            return {"bytes_limit": 15 << 30}
+
+    assert device_hbm_bytes(Remote()) == step_time.chip_for("TPU v5 lite").hbm_bytes > 0
+    assert device_hbm_bytes(Local()) == 15 << 30
