@@ -543,7 +543,12 @@ def test_k0_on_a_sampler_and_a_learner_process_gives_the_colocated_iteration_lin
         assert all(0 < r[key] < 60 for r in rows), key
     assert all(r["async/rows_bytes"] > 10_000 for r in rows)
     assert Checkpointer(w).latest_step() == 3
-    assert "Train success" in out0 and out1 == ""  # the learner reports, the sampler plays
+    assert "Train success" in out0 and "learner: process 0 of 2" in out0  # the learner reports, the sampler plays
+    assert out1.splitlines() == [
+        "sampler: process 1 of 2 (config.async_rl.sampler_processes=1): plays iterations 1-3 of 3 for the learner "
+        "(process 0), which logs them",
+        "sampler: 3 iterations played and sent; the learner finished",
+    ]
 
 
 @pytest.mark.e2e
@@ -554,9 +559,10 @@ def test_k1_learner_process_killed_during_a_weight_push_resumes_with_no_iteratio
     (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=1, kill_at=2)
     assert rc0 == -signal.SIGKILL and rc1 != 0, (err0[-3000:], err1[-3000:])  # the sampler ends with it
     assert [r["iteration"] for r in _train_rows(w)] == [0]
-    (rc0, out0, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=1)
+    (rc0, out0, err0), (rc1, out1, err1) = _two_processes(w, jax_cache, k=1)
     assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
     assert "(iterations 1 -> 3)" in out0  # restarted from checkpoint 1; the sampler from the learner's start
+    assert "plays iterations 2-3 of 3" in out1 and "2 iterations played" in out1
     rows = _train_rows(w)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # each once: none lost, none repeated
     assert [r["train/task_cursor"] for r in rows] == [0, 2, 4]
