@@ -221,3 +221,18 @@ def test_a_config_that_differs_from_the_runs_is_refused_naming_the_field(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(theirs))
     with pytest.raises(ConfigError, match=r"config.rollout.max_prompt_length: the run .* has 400, --config gives 448"):
         fd.check_run_config(c, str(tmp_path))
+
+
+def test_a_by_process_runs_overrides_replay_on_one_process():
+    # launch/README: "--config and overrides as the run's"; a run of async_rl.sampler_processes=1 (2
+    # processes) was refused on this one process: "sampler_processes must be < the run's 1 processes"
+    import configs.textcraft_tiny
+    from bipace_jax import build
+
+    c = configs.textcraft_tiny.get_config()
+    c.async_rl.sampler_processes, c.async_rl.max_staleness, c.env.num_workers = 1, 1, 0
+    one = fd.one_process(c)
+    assert (c.async_rl.sampler_processes, c.async_rl.max_staleness) == (1, 1)  # the caller's config is kept
+    a = build.build_spec(one, num_devices=1).async_rl
+    assert (a.sampler_processes, a.sampler_devices, a.max_staleness, a.by_process) == (0, 0, 0, False)
+    assert one.env.num_workers == 0 and one.rollout.to_dict() == c.rollout.to_dict()  # the rest as given
