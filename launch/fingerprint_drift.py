@@ -675,6 +675,17 @@ def check_args(run, versions, batch_version, estimators, splits, chunk, epsilon)
     return versions, names
 
 
+def check_out(out: str) -> None:
+    """Create the ``--out`` folder now, so a bad one stops the command before the model loads (the
+    report is written after minutes of replay). Raises ValueError naming ``--out``."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out: expected a folder, got the file {out!r}")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out: cannot create the folder {out!r}: {e.strerror}") from None
+
+
 def main(argv):
     del argv
     from launch._common import cpu_unless_accelerator, no_bars_off_terminal
@@ -690,11 +701,12 @@ def main(argv):
         )
         if _LAB_SEEDS.value < 0:
             raise ValueError(f"--lab_seeds: expected an int >= 0 (0 = no lab comparison), got {_LAB_SEEDS.value}")
+        out = _OUT.value or os.path.join(run, "fingerprint_drift")
+        check_out(out)
     except ValueError as e:
         cli.fail(str(e))
     from bipace_jax.config import ConfigError
 
-    out = _OUT.value or os.path.join(run, "fingerprint_drift")
     t0, load_start = time.perf_counter(), list(os.getloadavg())
     try:
         report = measure(

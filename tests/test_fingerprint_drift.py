@@ -196,6 +196,16 @@ def test_good_arguments_and_the_command_says_a_bad_one_in_one_line(run_folder):
     assert lines[0] == "error: --batch_version: expected one of the versions [0, 1], got 3"
 
 
+def test_an_out_that_is_a_file_is_one_line_before_the_model_loads(run_folder):
+    # it raised FileExistsError from os.makedirs after the whole replay (40 s on the tiny run)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    out = run_folder / "config.json"
+    cmd = [sys.executable, "-m", "launch.fingerprint_drift", f"--run={run_folder}", f"--out={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and lines == [f"error: --out: expected a folder, got the file '{out}'"], proc.stderr
+
+
 def test_the_labs_membership_change_is_zero_without_drift_and_grows_with_it():
     names = ["bigpo"]
     assert fd.lab_changed(0.0, 2, names, seeds=2) == {"bigpo": 0.0}  # nothing moves: the same partition
