@@ -107,17 +107,22 @@ def test_process_roles_refuse_device_roles_and_a_run_without_two_processes():
     roles = build.build_spec(c).async_rl
     assert roles.disaggregated and roles.by_process
     roles.check_processes(2)
-    with pytest.raises(ConfigError, match=r"sampler_processes must be < the run's 1 processes .*, got 1"):
+    with pytest.raises(ConfigError, match=r"sampler_processes must be 0 in a run of 1 process .*--num_processes=2"):
         roles.check_processes(1)
     with pytest.raises(
-        ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes \(one samples, one learns; 2 learner"
+        ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes \(.* 1 sampler processes in a run of 3"
     ):
         roles.check_processes(3)
     with pytest.raises(ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes .*, got 2"):
         AsyncConfig(sampler_processes=2).check_processes(3)
+    # 2 sampler processes of 2: not "must be < 2 processes, start the run with --num_processes" (3 is refused too)
+    with pytest.raises(
+        ConfigError, match=r"must be 1 in a run of 2 processes .*2 sampler processes in a run of 2 .*got 2"
+    ):
+        AsyncConfig(sampler_processes=2).check_processes(2)
     from bipace_jax.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"sampler_processes must be < the run's 1 processes"):
+    with pytest.raises(ConfigError, match=r"sampler_processes must be 0 in a run of 1 process"):
         Trainer(c, tempfile.mkdtemp())  # before the run folder, the model or a compile
     assert async_processes.enter_role(build.build_spec(configs.textcraft_tiny.get_config())) is None
 
