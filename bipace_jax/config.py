@@ -690,18 +690,18 @@ class AsyncConfig(Section):
         s = self.sampler_processes
         if not s:
             return
-        if s >= num_processes:
+        if num_processes == 1:
             fail(
                 self._name("sampler_processes"),
-                f"be < the run's {num_processes} processes (the learner needs a process of its own; start the "
-                "run with --num_processes)",
+                "be 0 in a run of 1 process (a sampler process needs a learner process beside it: launch.train "
+                '--coordinator_address --num_processes=2 --process_id=0 and 1, launch/README.md "by process")',
                 s,
             )
         if s != 1 or num_processes != 2:
             fail(
                 self._name("sampler_processes"),
-                f"be 1 in a run of 2 processes (one samples, one learns; {num_processes - s} learner and {s} "
-                f"sampler processes of {num_processes} are not supported)",
+                f"be 1 in a run of 2 processes (one samples, one learns; {s} sampler processes in a run of "
+                f"{num_processes} are not supported)",
                 s,
             )
 

@@ -114,8 +114,9 @@ def select(spec, game) -> Panels:
 
 
 def make_pool(spec, game, options: dict[str, Any], n: int) -> EnvPool:
-    """An ``EnvPool`` of ``n`` games of ``game`` with ``options``, the run's timeout and worker count."""
-    pool_kw = {"num_workers": spec.env.num_workers} if spec.env.num_workers else {}
+    """An ``EnvPool`` of ``n`` games of ``game`` with ``options``, the run's timeout and worker count
+    (``env.num_workers``, at most one per game: a by-process learner's pool may hold a single game)."""
+    pool_kw = {"num_workers": min(spec.env.num_workers, n)} if spec.env.num_workers else {}
     return EnvPool(game, n, env_options=options, timeout_s=spec.env.timeout_s, **pool_kw)
 
 

@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.env = ml_collections.ConfigDict()
     c.env.name = "textcraft"  # textcraft | alfworld | webshop
     c.env.max_steps = 50  # step cap per episode (ALFWorld 50, WebShop 15)
-    c.env.num_workers = 0  # env pool worker processes; 0 = the pool's default
+    c.env.num_workers = 0  # env pool worker processes (at most one per game of a pool); 0 = the pool's default
     c.env.timeout_s = 30.0  # per-call timeout of the pool before a worker is replaced
     c.env.options = ""  # JSON object of game options for every game, e.g. '{"require_real_data": true}'
     c.env.webshop_scorer = (

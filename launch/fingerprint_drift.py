@@ -371,6 +371,16 @@ def check_run_config(spec_config, run: str) -> None:
             raise ConfigError(f"{name}: the run {run} has {got!r}, --config gives {want!r} (pass the run's config)")
 
 
+def one_process(config):
+    """A copy of ``config`` with ``async_rl`` at its colocated values (no roles, k = 0): the replay plays
+    one batch on this one process whatever roles the run had, so a by-process or by-device run's own
+    ``--config`` overrides apply as they are (the roles and k do not shape a version's fingerprints)."""
+    config = config.copy_and_resolve_references()
+    if "async_rl" in config:
+        config.async_rl.sampler_processes = config.async_rl.sampler_devices = config.async_rl.max_staleness = 0
+    return config
+
+
 def _iteration_key(seed: int, iteration: int):
     """The trainer's rollout key of ``iteration`` (``Trainer.train_iteration``: one split per iteration)."""
     import jax
@@ -410,7 +420,7 @@ def measure(config, run: str, versions: list[int], batch_version: int, names: li
     from bipace_jax.rollout import collect
     from bipace_jax.trainer import Trainer
 
-    spec = build.build_spec(config)
+    spec = build.build_spec(one_process(config))
     check_run_config(spec.config, run)
     ckpt = Checkpointer(run, keep=1_000_000)  # read only: keep deletes nothing without a save
     have = set(ckpt.all_steps())
@@ -665,6 +675,17 @@ def check_args(run, versions, batch_version, estimators, splits, chunk, epsilon)
     return versions, names
 
 
+def check_out(out: str) -> None:
+    """Create the ``--out`` folder now, so a bad one stops the command before the model loads (the
+    report is written after minutes of replay). Raises ValueError naming ``--out``."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out: expected a folder, got the file {out!r}")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out: cannot create the folder {out!r}: {e.strerror}") from None
+
+
 def main(argv):
     del argv
     from launch._common import cpu_unless_accelerator, no_bars_off_terminal
@@ -680,11 +701,12 @@ def main(argv):
         )
         if _LAB_SEEDS.value < 0:
             raise ValueError(f"--lab_seeds: expected an int >= 0 (0 = no lab comparison), got {_LAB_SEEDS.value}")
+        out = _OUT.value or os.path.join(run, "fingerprint_drift")
+        check_out(out)
     except ValueError as e:
         cli.fail(str(e))
     from bipace_jax.config import ConfigError
 
-    out = _OUT.value or os.path.join(run, "fingerprint_drift")
     t0, load_start = time.perf_counter(), list(os.getloadavg())
     try:
         report = measure(

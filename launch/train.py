@@ -137,6 +137,23 @@ def devices_line() -> str:
     )
 
 
+def role_line(spec, role: str, first: int | None = None) -> str:
+    """What this process does in a run with ``async_rl.sampler_processes`` (``async_processes.LEARNER``
+    or ``SAMPLER``): one line, so the sampler's terminal is not silent while the learner logs.
+    ``first``: the iteration the learner starts at (0, or its checkpoint's), known to the sampler."""
+    import jax
+
+    a, me, n = spec.async_rl, jax.process_index(), jax.process_count()
+    head = f"{role}: process {me} of {n} (config.async_rl.sampler_processes={a.sampler_processes})"
+    if role == "learner":
+        return (
+            f"{head}: trains and writes the log lines, metrics and checkpoints; process {n - 1} plays the "
+            f"iterations, at most async_rl.max_staleness={a.max_staleness} ahead (0: on-policy)"
+        )
+    rest = f"iterations {first + 1}-{spec.num_iterations}" if first < spec.num_iterations else "nothing (done)"
+    return f"{head}: plays {rest} of {spec.num_iterations} for the learner (process 0), which logs them"
+
+
 def check_resume(spec, workdir: str, allow_change: bool) -> str | None:
     """``resume.check_resume`` for ``spec`` (a ``RunSpec``): refuse (one line, ``SystemExit``) a resume
     whose config differs in a field that changes the run; with ``allow_change`` keep the old config
@@ -249,12 +266,18 @@ def _train_locked(spec, sizes, workdir: str, resume: bool, env_factory, t_start:
         return
     config_lib.enable_compile_cache(spec)  # before the first compile
     logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(), jax.process_count())
-    if async_processes.enter_role(spec) == async_processes.SAMPLER:  # plays; the learner reports
+    role = async_processes.enter_role(spec)
+    if role == async_processes.SAMPLER:  # plays; the learner reports
         try:
-            async_processes.SamplerProcess(spec, workdir, env_factory=env_factory).run()
+            sampler = async_processes.SamplerProcess(spec, workdir, env_factory=env_factory)
+            print(role_line(spec, role, sampler.start["iteration"]), flush=True)
+            played = sampler.run()["iterations"]
         except (config_lib.ConfigError, runfolder.RunFolderError) as e:
             sys.exit(f"error: {e}")
+        print(f"sampler: {played} iterations played and sent; the learner finished", flush=True)
         return
+    if role == async_processes.LEARNER:
+        print(role_line(spec, role), flush=True)
     try:
         tr = trainer_lib.Trainer(spec, workdir, resume=resume, env_factory=env_factory)
     except (config_lib.ConfigError, runfolder.RunFolderError, FileExistsError) as e:

@@ -4,8 +4,9 @@
     python -m launch.transcripts --run=runs/textcraft_tiny --iteration=0 --game=3 --phase=rollout
 
 Each game: a header (phase, task, seed, outcome, return), the turn-0 prompt, then per turn the
-observation, response, action, reward, discounted return, advantage and step group (PACE kind).
-Works on a ``launch.eval`` folder too (its transcripts are iteration 0).
+observation, response, action, reward, discounted return, advantage and step group (PACE kind), and
+for a row played by an older policy (asynchronous RL, ``config.async_rl.max_staleness`` > 0) "sampled by
+version v (lag l)": l = the iteration minus v. Works on a ``launch.eval`` folder too (its transcripts are iteration 0).
 """
 
 from __future__ import annotations

@@ -107,17 +107,22 @@ def test_process_roles_refuse_device_roles_and_a_run_without_two_processes():
     roles = build.build_spec(c).async_rl
     assert roles.disaggregated and roles.by_process
     roles.check_processes(2)
-    with pytest.raises(ConfigError, match=r"sampler_processes must be < the run's 1 processes .*, got 1"):
+    with pytest.raises(ConfigError, match=r"sampler_processes must be 0 in a run of 1 process .*--num_processes=2"):
         roles.check_processes(1)
     with pytest.raises(
-        ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes \(one samples, one learns; 2 learner"
+        ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes \(.* 1 sampler processes in a run of 3"
     ):
         roles.check_processes(3)
     with pytest.raises(ConfigError, match=r"sampler_processes must be 1 in a run of 2 processes .*, got 2"):
         AsyncConfig(sampler_processes=2).check_processes(3)
+    # 2 sampler processes of 2: not "must be < 2 processes, start the run with --num_processes" (3 is refused too)
+    with pytest.raises(
+        ConfigError, match=r"must be 1 in a run of 2 processes .*2 sampler processes in a run of 2 .*got 2"
+    ):
+        AsyncConfig(sampler_processes=2).check_processes(2)
     from bipace_jax.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"sampler_processes must be < the run's 1 processes"):
+    with pytest.raises(ConfigError, match=r"sampler_processes must be 0 in a run of 1 process"):
         Trainer(c, tempfile.mkdtemp())  # before the run folder, the model or a compile
     assert async_processes.enter_role(build.build_spec(configs.textcraft_tiny.get_config())) is None
 
@@ -610,7 +615,12 @@ def test_k0_on_a_sampler_and_a_learner_process_gives_the_colocated_iteration_lin
         assert all(0 < r[key] < 60 for r in rows), key
     assert all(r["async/rows_bytes"] > 10_000 for r in rows)
     assert Checkpointer(w).latest_step() == 3
-    assert "Train success" in out0 and out1 == ""  # the learner reports, the sampler plays
+    assert "Train success" in out0 and "learner: process 0 of 2" in out0  # the learner reports, the sampler plays
+    assert out1.splitlines() == [
+        "sampler: process 1 of 2 (config.async_rl.sampler_processes=1): plays iterations 1-3 of 3 for the learner "
+        "(process 0), which logs them",
+        "sampler: 3 iterations played and sent; the learner finished",
+    ]
 
 
 @pytest.mark.e2e
@@ -621,9 +631,10 @@ def test_k1_learner_process_killed_during_a_weight_push_resumes_with_no_iteratio
     (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=1, kill_at=2)
     assert rc0 == -signal.SIGKILL and rc1 != 0, (err0[-3000:], err1[-3000:])  # the sampler ends with it
     assert [r["iteration"] for r in _train_rows(w)] == [0]
-    (rc0, out0, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=1)
+    (rc0, out0, err0), (rc1, out1, err1) = _two_processes(w, jax_cache, k=1)
     assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
     assert "(iterations 1 -> 3)" in out0  # restarted from checkpoint 1; the sampler from the learner's start
+    assert "plays iterations 2-3 of 3" in out1 and "2 iterations played" in out1
     rows = _train_rows(w)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # each once: none lost, none repeated
     assert [r["train/task_cursor"] for r in rows] == [0, 2, 4]

@@ -196,6 +196,16 @@ def test_good_arguments_and_the_command_says_a_bad_one_in_one_line(run_folder):
     assert lines[0] == "error: --batch_version: expected one of the versions [0, 1], got 3"
 
 
+def test_an_out_that_is_a_file_is_one_line_before_the_model_loads(run_folder):
+    # it raised FileExistsError from os.makedirs after the whole replay (40 s on the tiny run)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    out = run_folder / "config.json"
+    cmd = [sys.executable, "-m", "launch.fingerprint_drift", f"--run={run_folder}", f"--out={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and lines == [f"error: --out: expected a folder, got the file '{out}'"], proc.stderr
+
+
 def test_the_labs_membership_change_is_zero_without_drift_and_grows_with_it():
     names = ["bigpo"]
     assert fd.lab_changed(0.0, 2, names, seeds=2) == {"bigpo": 0.0}  # nothing moves: the same partition
@@ -221,3 +231,18 @@ def test_a_config_that_differs_from_the_runs_is_refused_naming_the_field(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(theirs))
     with pytest.raises(ConfigError, match=r"config.rollout.max_prompt_length: the run .* has 400, --config gives 448"):
         fd.check_run_config(c, str(tmp_path))
+
+
+def test_a_by_process_runs_overrides_replay_on_one_process():
+    # launch/README: "--config and overrides as the run's"; a run of async_rl.sampler_processes=1 (2
+    # processes) was refused on this one process: "sampler_processes must be < the run's 1 processes"
+    import configs.textcraft_tiny
+    from bipace_jax import build
+
+    c = configs.textcraft_tiny.get_config()
+    c.async_rl.sampler_processes, c.async_rl.max_staleness, c.env.num_workers = 1, 1, 0
+    one = fd.one_process(c)
+    assert (c.async_rl.sampler_processes, c.async_rl.max_staleness) == (1, 1)  # the caller's config is kept
+    a = build.build_spec(one, num_devices=1).async_rl
+    assert (a.sampler_processes, a.sampler_devices, a.max_staleness, a.by_process) == (0, 0, 0, False)
+    assert one.env.num_workers == 0 and one.rollout.to_dict() == c.rollout.to_dict()  # the rest as given

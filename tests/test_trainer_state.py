@@ -396,3 +396,27 @@ def test_an_intact_checkpoint_of_another_shape_is_refused_in_one_line_and_left_i
     assert "\n" not in str(info.value) and "step 2" in str(info.value)
     assert ck.all_steps() == [1, 2] and not os.path.exists(os.path.join(ck.directory, "torn"))
     assert ck.restore_latest(params, opt)[0] == 2  # the run that saved them still resumes
+
+
+def test_a_pool_of_fewer_games_than_env_num_workers_starts_one_worker_per_game():
+    # the learner process of async_rl.sampler_processes=1 plays no training game: with validation off its
+    # pool holds 1 game, and textcraft_tiny asks env.num_workers=2 (it raised "num_workers must be ... in
+    # [1, num_envs=1]" before anything else)
+    import configs.textcraft_tiny
+    from bipace_jax import build, validation
+
+    c = configs.textcraft_tiny.get_config()
+    c.val.at_start, c.val.every = False, 0
+    spec = build.build_spec(c)
+    assert spec.env.num_workers == 2
+    panels = validation.select(spec, spec.env.name)
+    pool, pools = validation.start_pools(spec, spec.env.name, panels, 1, 0)
+    try:
+        assert (pool.num_envs, pool.num_workers) == (1, 1) and all(p is pool for p in pools.values())
+    finally:
+        pool.close()
+    pool = validation.make_pool(spec, spec.env.name, {"max_steps": 2}, 3)  # enough games: the config's 2
+    try:
+        assert (pool.num_envs, pool.num_workers) == (3, 2)
+    finally:
+        pool.close()
