@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import sys
 import threading
@@ -341,6 +342,32 @@ def check_shared_workdir(workdir: str, timeout_s: float = 10.0) -> None:
 
 #: Key prefix in the ``jax.distributed`` key-value store under which a failing process posts its reason.
 FAILURE_KEY = "bipace/failed/"
+
+
+def check_same_config(text: str, timeout_s: float = 120.0) -> None:
+    """Refuse a process started with another config than process 0's: every process of a run must
+    build the same plan, mesh and roles, and one that differs would wait in a collective the others
+    never enter. Compares sha256 digests of ``text`` (the run config's JSON) through the
+    ``jax.distributed`` key-value store; nothing with one process.
+
+    Raises:
+      ConfigError: this process's config differs from process 0's (naming both digests), or process 0
+        posted none within ``timeout_s`` seconds.
+    """
+    if jax.process_count() == 1:
+        return
+    client = kv_client()
+    me, digest = jax.process_index(), hashlib.sha256(text.encode()).hexdigest()[:16]
+    client.key_value_set(f"bipace/config/{me}", digest)
+    try:
+        first = client.blocking_key_value_get("bipace/config/0", int(timeout_s * 1000))
+    except jax.errors.JaxRuntimeError as e:
+        raise ConfigError(f"process 0 posted no config within {timeout_s:g} s ({e})") from None
+    if first != digest:
+        raise ConfigError(
+            f"process {me}'s config (sha256 {digest}) differs from process 0's ({first}): start every process "
+            "with the same --config and --config.* overrides"
+        )
 
 
 def kv_client() -> Any:

@@ -204,11 +204,12 @@ def _train_started(spec, workdir: str, resume: bool, env_factory, t_start: float
     """``train`` once JAX has started: check the devices and the run folder, take its lock, train."""
     import jax
 
-    from bipace_jax import async_processes, runfolder
+    from bipace_jax import async_processes, distributed, runfolder
     from bipace_jax import config as config_lib
     from bipace_jax import plan as plan_lib
 
     try:  # asynchronous RL by process: each role's collectives, plan and mesh span its own processes
+        distributed.check_same_config(spec.config.to_json_best_effort())
         async_processes.enter_role(spec)
     except config_lib.ConfigError as e:
         sys.exit(f"error: {e}")

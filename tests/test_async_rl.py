@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -563,8 +564,11 @@ def jax_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def _two_processes(workdir: str, cache: str, k: int, kill_at: int = -1, **env_vars) -> list[tuple[int, str, str]]:
-    """(return code, stdout, stderr) of the learner (process 0) and the sampler (process 1)."""
+def _two_processes(
+    workdir: str, cache: str, k: int, kill_at: int = -1, sampler_flags: tuple[str, ...] = (), **env_vars
+) -> list[tuple[int, str, str]]:
+    """(return code, stdout, stderr) of the learner (process 0) and the sampler (process 1);
+    ``sampler_flags`` are added to process 1's command line only."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -577,7 +581,7 @@ def _two_processes(workdir: str, cache: str, k: int, kill_at: int = -1, **env_va
     flags += [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, *flags, f"--process_id={pid}"],
+            [sys.executable, "-c", _LAUNCH, *flags, f"--process_id={pid}", *(sampler_flags if pid else ())],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -664,3 +668,14 @@ def test_a_learner_failing_after_the_last_rows_stops_the_sampler_naming_it(jax_c
     line = "error: process 0 of 2 failed: RuntimeError: injected: the learner failed after its last iteration"
     assert rc1 == 1 and line + "; process 1 stops too" in err1, err1[-3000:]
     assert [r["iteration"] for r in _train_rows(w)] == [0, 1, 2]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_processes_started_with_different_configs_stop_in_one_line_naming_it(jax_cache, tmp_path):
+    w = str(tmp_path / "run")
+    (rc0, _, err0), (rc1, _, err1) = _two_processes(w, jax_cache, k=0, sampler_flags=("--config.seed=1",))
+    assert rc1 == 1 and rc0 != 0, (err0[-3000:], err1[-3000:])
+    assert re.search(r"error: process 1's config \(sha256 \w+\) differs from process 0's \(\w+\)", err1), err1[-3000:]
+    assert "process 1 of 2 failed" in err0, err0[-3000:]  # the learner stops too, naming the sampler
+    assert not os.path.exists(os.path.join(w, "metrics.jsonl"))  # before anything trains
