@@ -64,8 +64,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bipace_jax import async_rl, build, distributed, runfolder, sharding, tasks, validation
-from bipace_jax import config as config_lib
+from bipace_jax import async_rl, build, distributed, runfolder, sharding, validation
 from bipace_jax import metric_keys as keys
 from bipace_jax import plan as run_plan
 from bipace_jax.config import ConfigError, fail
@@ -388,14 +387,10 @@ class SamplerProcess:
             return load_tokenizer(local)
 
     def _play(self, j: int, key: jax.Array) -> RolloutResult:
-        s, first = self.spec, self.start["iteration"]
-        at = self.start["task_cursor"] + (j - first) * s.num_groups  # iteration j's first task group
-        groups = [tasks.train_task(self.train_ids, s.seed, at + i) for i in range(self.groups)]
-        if s.async_rl.switch is config_lib.Switch.TURN:
-            policy = self.source.latest
-        else:
-            actor, version = self.source.latest()
-            policy = lambda: (actor, version)  # noqa: E731  (one version per game)
+        s, start = self.spec, self.start
+        cursor, first = start["task_cursor"], start["iteration"]
+        groups = async_rl.iteration_tasks(self.train_ids, s.seed, cursor, first, j, s.num_groups, self.groups)
+        policy = async_rl.policy_reader(self.source, s.async_rl.switch)
         return collect(None, self.engine, self.pool, groups, s.rollout, key, policy=policy)
 
     def run(self) -> dict[str, Any]:

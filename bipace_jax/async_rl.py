@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bipace_jax import distributed, sharding
-from bipace_jax.config import AsyncConfig, MeshConfig, fail
+from bipace_jax import distributed, sharding, tasks
+from bipace_jax.config import AsyncConfig, MeshConfig, Switch, fail
 
-__all__ = ["PolicySource", "SamplerThread", "iteration_keys", "push", "role_meshes"]
+__all__ = ["PolicySource", "SamplerThread", "iteration_keys", "iteration_tasks", "policy_reader", "push", "role_meshes"]
 
 
 def iteration_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -44,6 +44,24 @@ def iteration_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     k_roll = jax.random.split(jax.random.fold_in(key, distributed.process_index()))[0]
     k_ppo = jax.random.split(jax.random.fold_in(key, 0))[1]
     return k_roll, k_ppo
+
+
+def iteration_tasks(
+    train_ids: list[int], seed: int, cursor: int, first: int, j: int, num_groups: int, groups: int
+) -> list[tuple[int, int]]:
+    """(task_id, game_seed) of iteration ``j``'s first ``groups`` task groups (`tasks.train_task`): the
+    task cursor is ``cursor`` at iteration ``first`` and advances ``num_groups`` an iteration."""
+    at = cursor + (j - first) * num_groups
+    return [tasks.train_task(train_ids, seed, at + i) for i in range(groups)]
+
+
+def policy_reader(source: PolicySource, switch: Switch) -> Callable[[], tuple[nnx.Module, int]]:
+    """What ``rollout.collect(policy=...)`` reads for (actor, version): ``source``'s newest at every
+    turn (``Switch.TURN``, partial rollouts) or the policy newest now, for the whole rollout (``GAME``)."""
+    if switch is Switch.TURN:
+        return source.latest
+    actor, version = source.latest()
+    return lambda: (actor, version)
 
 
 def role_meshes(mesh: MeshConfig, roles: AsyncConfig, devices: list[Any]) -> tuple[Any, Any]:

@@ -216,13 +216,10 @@ class Trainer:
         first, cursor = self.iteration, self.task_cursor
 
         def play(j: int, key):
-            at = cursor + (j - first) * s.num_groups  # iteration j's first task group
-            groups = [tasks.train_task(self.train_ids, s.seed, at + i) for i in range(self.groups_per_host)]
-            if s.async_rl.switch is config_lib.Switch.TURN:
-                policy = self.policy.latest
-            else:
-                actor, version = self.policy.latest()
-                policy = lambda: (actor, version)  # noqa: E731  (one version per game)
+            groups = async_rl.iteration_tasks(
+                self.train_ids, s.seed, cursor, first, j, s.num_groups, self.groups_per_host
+            )
+            policy = async_rl.policy_reader(self.policy, s.async_rl.switch)
             with self.pool_lock:
                 return collect(None, self.engine, self.pool, groups, self.rollout_cfg, key, policy=policy)
 

@@ -187,6 +187,17 @@ def hbm_bytes(device) -> int:
     raise ValueError(f"unknown HBM size of device kind {device.device_kind!r}; add it to HBM_BYTES")
 
 
+def _slice_fields(devices: list, hosts: list[int]) -> dict:
+    """A report's fields naming the compiled-for chips (``topology`` is set by the caller that knows it)."""
+    return dict(
+        topology=None,
+        chips=len(devices),
+        hosts=len(hosts),
+        device_kind=devices[0].device_kind,
+        hbm_bytes_per_chip=hbm_bytes(devices[0]),
+    )
+
+
 def _stats(compiled, compile_s: float, other_resident: int) -> dict:
     mem = compiled.memory_analysis()
     arg, out, temp = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes
@@ -223,11 +234,7 @@ def compile_all(spec, devices, local, programs=PROGRAMS) -> dict:
     run = aot.abstract_run(spec, plan, devices, local)
     m = spec.model
     report = dict(
-        topology=None,
-        chips=len(devices),
-        hosts=len(hosts),
-        device_kind=devices[0].device_kind,
-        hbm_bytes_per_chip=hbm_bytes(devices[0]),
+        **_slice_fields(devices, hosts),
         param_dtype=str(jnp.dtype(m.param_dtype.jnp)),
         compute_dtype=str(jnp.dtype(m.dtype.jnp)),
         mesh=dict(zip(("data", "fsdp", "tensor"), layout.mesh_shape)),
@@ -313,11 +320,7 @@ def compile_roles(
     whole = None if slices else aot.abstract_run(spec, plan, devices, local)
     programs, resident = aot.role_programs(runs["sampler"], runs["learner"], whole)
     report = dict(
-        topology=None,
-        chips=len(devices),
-        hosts=len(hosts),
-        device_kind=devices[0].device_kind,
-        hbm_bytes_per_chip=hbm_bytes(devices[0]),
+        **_slice_fields(devices, hosts),
         sampler_hosts=sampler_hosts,
         learner_hosts=len(hosts) - sampler_hosts,
         meshes=dict(
